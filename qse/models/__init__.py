@@ -1,0 +1,114 @@
+"""The model registry: one entry a family. Nothing else in qse names a family.
+
+`resolve(spec)` turns what a user typed (empty for the embedded default, a preset name, or a
+checkpoint dir) into a loaded model plus its chat format; everything above this package reaches a
+model only through what it returns.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# family name -> module on the adapter path
+FAMILIES: dict[str, str] = {
+    "qwen3_5": "qse.models.qwen3_5",
+}
+DEFAULT_FAMILY = "qwen3_5"
+
+
+class ModelSpecError(ValueError):
+    """The --model value names nothing qse can load."""
+
+
+def family_module(name: str):
+    if name not in FAMILIES:
+        raise ModelSpecError(f"unknown model family {name!r}; registered: {sorted(FAMILIES)}")
+    return importlib.import_module(FAMILIES[name])
+
+
+def family_of_dir(model_dir: Path) -> str:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ModelSpecError(f"{model_dir}: no config.json; --model takes a checkpoint dir, a preset name, or nothing")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelSpecError(f"{path}: not valid JSON ({exc})") from None
+    model_type = raw.get("model_type") or (raw.get("text_config") or {}).get("model_type")
+    for name, module in FAMILIES.items():
+        if model_type in importlib.import_module(module).MODEL_TYPES:
+            return name
+    raise ModelSpecError(f"{path}: model_type {model_type!r} is not served by any registered family {sorted(FAMILIES)}")
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(requested)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelSpecError(f"device {requested!r} asked for, but torch sees no CUDA device")
+    return device
+
+
+def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
+    if requested == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+             "float16": torch.float16, "fp16": torch.float16}
+    if requested not in table:
+        raise ModelSpecError(f"dtype {requested!r} is not one of {sorted(table)}")
+    return table[requested]
+
+
+@dataclass
+class ResolvedModel:
+    model: Any  # the family's model object (forward, new_cache, cfg)
+    chat: Any  # the family's ChatFormat
+    name: str  # what /v1/models shows
+    source: str  # 'embedded', 'preset' or the checkpoint dir
+    family: str
+    weights_id: str  # identifies the weights for the disk tier's fingerprint
+
+
+def weights_id_of_dir(model_dir: Path) -> str:
+    """sha256 over the shards' names, sizes and first/last MiB: cheap, and moves with any rewrite."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            h.update(f.read(1 << 20))
+            if size > 2 << 20:
+                f.seek(-(1 << 20), 2)
+                h.update(f.read())
+    return h.hexdigest()
+
+
+def resolve(spec: str | Path | None, device: torch.device, dtype: torch.dtype, cache_dir: Path,
+            seed: int = 0) -> ResolvedModel:
+    spec = "" if spec is None else str(spec)
+    if spec == "":
+        module = family_module(DEFAULT_FAMILY)
+        model_dir = module.ensure_embedded(cache_dir)
+        return ResolvedModel(module.load(model_dir, device, dtype), module.ChatFormat(model_dir), model_dir.name,
+                             "embedded", DEFAULT_FAMILY, weights_id_of_dir(model_dir))
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        family = family_of_dir(path)
+        module = family_module(family)
+        return ResolvedModel(module.load(path, device, dtype), module.ChatFormat(path), path.name, str(path),
+                             family, weights_id_of_dir(path))
+    for family, module_name in FAMILIES.items():
+        module = importlib.import_module(module_name)
+        if module.is_preset(spec):
+            return ResolvedModel(module.build_preset(spec, device, dtype, seed), module.ChatFormat(None), spec.lower(),
+                                 "preset", family, f"preset:{spec.lower()}:seed{seed}:{dtype}")
+    raise ModelSpecError(f"--model {spec!r} is neither a checkpoint directory nor a preset name")

@@ -1,0 +1,67 @@
+"""What one forward reads and writes for one sequence: KV rows and the GDN state.
+
+The model never owns storage. It writes the chunk's K/V rows into a KV store at absolute
+positions and reads rows [0, length) back; it updates the recurrent and conv state tensors in
+place (`copy_`), so their addresses never change (a CUDA graph may hold them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class KVStore(Protocol):
+    """KV rows of the attention layers (slot = index among attention layers), token axis first."""
+
+    def write(self, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [T, Hkv, D] at rows [start, start + T)."""
+
+    def read(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [0, length) as contiguous [length, Hkv, D] tensors."""
+
+    def ensure(self, length: int) -> bool:
+        """Make room for `length` rows; False if it cannot (the caller decides what to do)."""
+
+
+class ContiguousKV:
+    """One growing buffer per attention layer. Growth reallocates (fine for the reference path and
+    the served model's eager path; the shadow uses the paged store, whose rows never move)."""
+
+    def __init__(self, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str, capacity: int = 1024):
+        self.k = [torch.empty(capacity, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_slots)]
+        self.v = [torch.empty(capacity, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_slots)]
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[0] if self.k else 0
+
+    def ensure(self, length: int) -> bool:
+        if length <= self.capacity:
+            return True
+        new_cap = max(length, 2 * self.capacity)
+        for bufs in (self.k, self.v):
+            for i, old in enumerate(bufs):
+                grown = torch.empty((new_cap, *old.shape[1:]), dtype=old.dtype, device=old.device)
+                grown[: old.shape[0]] = old
+                bufs[i] = grown
+        return True
+
+    def write(self, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.ensure(start + k.shape[0])
+        self.k[slot][start : start + k.shape[0]] = k
+        self.v[slot][start : start + v.shape[0]] = v
+
+    def read(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[slot][:length], self.v[slot][:length]
+
+
+@dataclass
+class SequenceCache:
+    kv: KVStore
+    recurrent: list[torch.Tensor]  # per GDN layer [Hv, Dk, Dv] fp32
+    conv: list[torch.Tensor]  # per GDN layer [K-1, C] in the model dtype
+    length: int = 0  # rows of the sequence this cache holds (positions [0, length))

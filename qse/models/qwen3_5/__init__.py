@@ -1,0 +1,49 @@
+"""The qwen3_5 family on the adapter path: config, layout, formats, forward, chat format, presets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .chat import ChatTemplate, parse_output, shared_tokenizer
+from .config import ConfigError, TextConfig, load_config, parse_config
+from .layout import CheckpointError, load_weights
+from .model import InputError, Qwen35Model
+from .presets import PRESET_ALIASES, PRESETS, ensure_embedded, preset_config_dict, random_weights
+
+MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+
+
+def load(model_dir: Path, device: torch.device | str, dtype: torch.dtype) -> Qwen35Model:
+    cfg = load_config(Path(model_dir))
+    return Qwen35Model(cfg, load_weights(Path(model_dir), cfg, device, dtype), device, dtype)
+
+
+def build_preset(name: str, device: torch.device | str, dtype: torch.dtype, seed: int = 0) -> Qwen35Model:
+    cfg = parse_config(preset_config_dict(name), where=f"preset {name}")
+    return Qwen35Model(cfg, random_weights(cfg, seed, device, dtype), device, dtype)
+
+
+def is_preset(name: str) -> bool:
+    return name.lower() in PRESETS or name.lower() in PRESET_ALIASES
+
+
+class ChatFormat:
+    """What the server needs of a family's text format, without naming the family."""
+
+    def __init__(self, model_dir: Path | None):
+        self.tokenizer = shared_tokenizer()
+        self.template = ChatTemplate.from_dir(model_dir)
+        self.stop_ids = (self.tokenizer.im_end_id, self.tokenizer.endoftext_id)
+        self.turn_end_id = self.tokenizer.im_end_id
+
+    def render(self, messages, tools=None, add_generation_prompt=True, enable_thinking=None) -> str:
+        return self.template.render(messages, tools, add_generation_prompt, enable_thinking)
+
+    def parse(self, text: str, prompt: str):
+        return parse_output(text, prompt_opened_think=prompt.endswith("<think>\n"))
+
+
+__all__ = ["ChatFormat", "ConfigError", "CheckpointError", "InputError", "MODEL_TYPES", "Qwen35Model",
+           "TextConfig", "build_preset", "ensure_embedded", "is_preset", "load", "load_config", "parse_config"]

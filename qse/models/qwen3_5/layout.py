@@ -1,0 +1,165 @@
+"""How Qwen3.5 checkpoints name their tensors, in one place.
+
+The engine addresses every tensor by a canonical name: the language model's own naming with the
+checkpoint's wrapper prefix taken off (`layers.3.self_attn.q_proj.weight`). The layout lists the
+prefixes to strip, the tensors the language model never reads (the vision tower), where the
+prediction head and the MTP head live, and which projections may come as FP8 pairs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..linear import DenseLinear, FP8BlockLinear
+from .config import TextConfig
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not hold what the config says it should."""
+
+
+# Longest first: the first prefix that matches is stripped.
+TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
+SKIPPED_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.")
+MTP_PREFIXES = ("mtp.", "model.mtp.")
+HEAD_NAMES = ("lm_head.weight", "model.lm_head.weight", "language_model.lm_head.weight")
+FP8_SCALE_SUFFIX = "_scale_inv"
+
+
+def expected_shapes(cfg: TextConfig) -> dict[str, tuple[int, ...]]:
+    """Every canonical tensor the forward reads, with its shape."""
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed_tokens.weight": (cfg.vocab_size, h),
+        "norm.weight": (h,),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "mlp.gate_proj.weight"] = (f, h)
+        shapes[p + "mlp.up_proj.weight"] = (f, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, f)
+        if kind == "full_attention":
+            a = p + "self_attn."
+            shapes[a + "q_proj.weight"] = (2 * cfg.num_attention_heads * cfg.head_dim, h)
+            shapes[a + "k_proj.weight"] = (cfg.num_key_value_heads * cfg.head_dim, h)
+            shapes[a + "v_proj.weight"] = (cfg.num_key_value_heads * cfg.head_dim, h)
+            shapes[a + "o_proj.weight"] = (h, cfg.num_attention_heads * cfg.head_dim)
+            shapes[a + "q_norm.weight"] = (cfg.head_dim,)
+            shapes[a + "k_norm.weight"] = (cfg.head_dim,)
+        else:
+            g = p + "linear_attn."
+            hv = cfg.linear_num_value_heads
+            shapes[g + "in_proj_qkv.weight"] = (cfg.gdn_conv_dim, h)
+            shapes[g + "in_proj_z.weight"] = (cfg.gdn_value_dim, h)
+            shapes[g + "in_proj_b.weight"] = (hv, h)
+            shapes[g + "in_proj_a.weight"] = (hv, h)
+            shapes[g + "conv1d.weight"] = (cfg.gdn_conv_dim, 1, cfg.linear_conv_kernel_dim)
+            shapes[g + "dt_bias"] = (hv,)
+            shapes[g + "A_log"] = (hv,)
+            shapes[g + "norm.weight"] = (cfg.linear_value_head_dim,)
+            shapes[g + "out_proj.weight"] = (h, cfg.gdn_value_dim)
+    return shapes
+
+
+def is_linear(name: str) -> bool:
+    """Projections read through the Linear interface (and so may be stored as FP8 pairs)."""
+    return name.endswith("_proj.weight") or name.endswith(("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"))
+
+
+def canonical_name(name: str) -> tuple[str, str]:
+    """(kind, canonical) where kind is 'text', 'head', 'mtp', 'skip' or 'unknown'."""
+    if name in HEAD_NAMES:
+        return "head", "lm_head.weight"
+    if name.startswith(SKIPPED_PREFIXES):
+        return "skip", name
+    if name.startswith(MTP_PREFIXES):
+        return "mtp", name
+    for prefix in TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return "text", name[len(prefix):]
+    return "unknown", name
+
+
+def shard_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index}: names shard {missing[0]!r}, which is not in {model_dir}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no model.safetensors, no index and no *.safetensors shard")
+    return files
+
+
+@dataclass
+class LoadedWeights:
+    tensors: dict[str, torch.Tensor]  # canonical name -> plain tensor (norms, conv, gates)
+    linears: dict[str, DenseLinear | FP8BlockLinear]  # canonical name -> Linear
+    skipped: list[str] = field(default_factory=list)  # vision tower etc.
+    mtp: list[str] = field(default_factory=list)  # recognised MTP head tensors (not used by the reader)
+
+
+def load_weights(model_dir: Path, cfg: TextConfig, device: torch.device | str, dtype: torch.dtype) -> LoadedWeights:
+    """Read every shard, map names to canonical ones, check names and shapes, build Linear objects."""
+    want = expected_shapes(cfg)
+    raw: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+    skipped, mtp = [], []
+    for path in shard_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                kind, canon = canonical_name(name)
+                if kind == "skip":
+                    skipped.append(name)
+                    continue
+                if kind == "mtp":
+                    mtp.append(name)
+                    continue
+                if kind == "unknown":
+                    raise CheckpointError(f"{path.name}: tensor {name!r} is not a Qwen3.5 text-model name")
+                if canon.endswith(FP8_SCALE_SUFFIX):
+                    scales[canon[: -len(FP8_SCALE_SUFFIX)]] = f.get_tensor(name)
+                    continue
+                if canon not in want:
+                    if canon == "lm_head.weight" and cfg.tie_word_embeddings:
+                        continue  # some tied checkpoints still carry a copy of the head
+                    raise CheckpointError(f"{path.name}: unexpected tensor {name!r} (canonical {canon!r})")
+                raw[canon] = f.get_tensor(name)
+    for name, shape in want.items():
+        if name not in raw:
+            raise CheckpointError(f"{model_dir}: missing tensor {name!r} (shape {shape})")
+        got = tuple(raw[name].shape)
+        if got != shape:
+            raise CheckpointError(f"{model_dir}: tensor {name!r} has shape {got}, expected {shape}")
+    tensors: dict[str, torch.Tensor] = {}
+    linears: dict[str, DenseLinear | FP8BlockLinear] = {}
+    for name, t in raw.items():
+        if name in scales:
+            if not is_linear(name):
+                raise CheckpointError(f"{model_dir}: {name!r} has an FP8 scale but is not a projection")
+            linears[name] = FP8BlockLinear(t, scales[name], compute_dtype=dtype).to(device)
+        elif t.dtype == torch.float8_e4m3fn:
+            raise CheckpointError(f"{model_dir}: FP8 tensor {name!r} has no {name + FP8_SCALE_SUFFIX!r}")
+        elif is_linear(name):
+            linears[name] = DenseLinear(t.to(device=device, dtype=dtype))
+        elif name.endswith("A_log"):
+            tensors[name] = t.to(device=device)  # kept as stored; read in fp32 at use
+        else:
+            tensors[name] = t.to(device=device, dtype=dtype)
+    return LoadedWeights(tensors=tensors, linears=linears, skipped=skipped, mtp=mtp)

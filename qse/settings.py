@@ -1,0 +1,156 @@
+"""The one registry of every QSE_* switch.
+
+Every switch is declared here once (name, type, default, one-line doc) and read only through
+`SETTINGS.get(name)` (or an `EngineSettings` over another mapping, for tests and for a second
+engine in one process). `qse settings` prints the table. Reading an undeclared name is an error,
+so a typo cannot silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from platformdirs import user_cache_dir
+
+
+class SettingError(ValueError):
+    """A QSE_* value that cannot be parsed, or a name that is not in the registry."""
+
+
+def _parse_bool(raw: str) -> bool:
+    lowered = raw.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected one of 1/0/true/false/yes/no/on/off, got {raw!r}")
+
+
+_PARSERS: dict[type, Callable[[str], Any]] = {
+    int: int,
+    float: float,
+    str: str,
+    bool: _parse_bool,
+    Path: lambda raw: Path(raw).expanduser(),
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    kind: type
+    default: Any
+    doc: str
+
+    def parse(self, raw: str) -> Any:
+        try:
+            return _PARSERS[self.kind](raw)
+        except (TypeError, ValueError) as exc:
+            raise SettingError(
+                f"{self.name}={raw!r} is not a valid {self.kind.__name__}: {exc}"
+            ) from None
+
+
+def default_cache_dir() -> Path:
+    return Path(user_cache_dir("qse"))
+
+
+_DECLARED: list[Setting] = [
+    # where things live
+    Setting("QSE_CACHE_DIR", Path, None, "cache root (embedded model, shadow disk tier); default: the user cache dir"),
+    Setting("QSE_MODEL", str, "", "served model: a checkpoint dir or a preset name; empty: the embedded default"),
+    Setting("QSE_DEVICE", str, "auto", "torch device for the engines: auto (cuda if present), cpu, cuda, cuda:N"),
+    Setting("QSE_DTYPE", str, "auto", "compute dtype: auto (bf16 on cuda, fp32 on cpu), bfloat16, float32"),
+    # the shadow reader
+    Setting("QSE_SHADOW_MODEL", str, "", "reader model dir or preset; empty: the served model's weights"),
+    Setting("QSE_SHADOW_DIR", Path, None, "root of the shadow journal (shadow.jsonl); default: <cache>/shadow"),
+    Setting("QSE_SHADOW_GB", float, 4.0, "cap on resident reader state, GiB (KV, recurrent, conv, checkpoints)"),
+    Setting("QSE_SHADOW_GRID", int, 512, "rows per grid chunk: state advances only in whole chunks at k x grid"),
+    Setting("QSE_SHADOW_CHECKPOINTS", int, 6, "recurrent-state checkpoints kept per session (turn prompt ends)"),
+    Setting("QSE_SHADOW_DISK", str, "auto", "disk tier dir; auto: <cache>/shadow-disk; off: no disk tier"),
+    Setting("QSE_SHADOW_DISK_GB", float, 64.0, "cap on the disk tier, GiB"),
+    Setting("QSE_SHADOW_DISK_TTL_S", float, 48 * 3600.0, "time-to-live of a parked session file, seconds"),
+    Setting("QSE_SHADOW_GRAPHS", bool, True, "capture grid chunks as CUDA graphs on cuda devices"),
+    # the conductor
+    Setting("QSE_SHADOW_RATION", float, 0.02, "reader share of the served model's time since its first token"),
+    Setting("QSE_SHADOW_SLICE_MS", float, 150.0, "longest reader slice between two decode rounds, ms"),
+    Setting("QSE_SHADOW_IDLE_POLL_S", float, 0.2, "how often the idle window looks for work, seconds"),
+    Setting("QSE_SHADOW_IDLE_BURST_S", float, 2.0, "longest idle-window read burst, seconds"),
+    Setting("QSE_NARRATOR_SHARE", float, 0.03, "narrator share of the served model's time since its first token"),
+    # the server
+    Setting("QSE_HOST", str, "127.0.0.1", "address the server binds"),
+    Setting("QSE_PORT", int, 8000, "port the server binds"),
+    Setting("QSE_ROOT_PATH", str, "", "ASGI root path when served under a prefix behind a proxy"),
+    Setting("QSE_API_KEY", str, "", "if set, every route but /healthz needs 'Authorization: Bearer <key>'"),
+    Setting("QSE_MAX_BODY_BYTES", int, 8 * 1024 * 1024, "largest request body accepted, bytes"),
+    Setting("QSE_MAX_PROMPT_TOKENS", int, 262144, "largest prompt accepted, tokens"),
+    Setting("QSE_MAX_OUTPUT_TOKENS", int, 8192, "largest max_tokens accepted"),
+    Setting("QSE_MAX_QUESTION_TOKENS", int, 4096, "largest shadow question accepted, tokens"),
+    Setting("QSE_PROFILE", str, "default", "profile name (config/profiles/<name>.yaml) or a path to one"),
+    Setting("QSE_LEDGER", Path, None, "usage ledger (JSONL) the server appends to; default: <cache>/usage.jsonl"),
+    Setting("QSE_LOG_LEVEL", str, "info", "log level of the structlog JSON events"),
+]
+
+REGISTRY: dict[str, Setting] = {s.name: s for s in _DECLARED}
+
+
+class EngineSettings:
+    """Typed reads of the registry over one mapping (the process environment by default)."""
+
+    def __init__(self, env: Mapping[str, str] | None = None, prefix: str = "QSE_"):
+        self._env = env
+        self._prefix = prefix
+
+    def _lookup(self, name: str) -> str | None:
+        env = os.environ if self._env is None else self._env
+        key = self._prefix + name[len("QSE_"):]
+        return env.get(key)
+
+    def get(self, name: str) -> Any:
+        setting = REGISTRY.get(name)
+        if setting is None:
+            raise SettingError(f"unknown setting {name!r}; `qse settings` lists the known ones")
+        raw = self._lookup(name)
+        if raw is None or raw == "":
+            return setting.default if raw is None or setting.kind is not str else ""
+        return setting.parse(raw)
+
+    def cache_dir(self) -> Path:
+        path = self.get("QSE_CACHE_DIR")
+        return path if path is not None else default_cache_dir()
+
+    def table(self) -> list[dict[str, Any]]:
+        rows = []
+        for s in _DECLARED:
+            value = self.get(s.name)
+            rows.append({
+                "name": s.name,
+                "type": s.kind.__name__,
+                "default": None if s.default is None else str(s.default),
+                "value": None if value is None else str(value),
+                "doc": s.doc,
+            })
+        return rows
+
+
+SETTINGS = EngineSettings()
+
+
+def load_env_file(path: Path) -> dict[str, str]:
+    """Read a serve.env file (KEY=VALUE lines, # comments) and check every key is declared."""
+    values: dict[str, str] = {}
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if "=" not in line:
+            raise SettingError(f"{path}:{lineno}: expected KEY=VALUE, got {line!r}")
+        key, value = (part.strip() for part in line.split("=", 1))
+        if key not in REGISTRY:
+            raise SettingError(f"{path}:{lineno}: unknown setting {key!r}")
+        REGISTRY[key].parse(value)  # fail now, naming the value, rather than at first read
+        values[key] = value
+    return values

@@ -1,0 +1,198 @@
+"""The naive twins: plain torch versions of every kernel, readable top to bottom.
+
+These are the correct reference: the model's torch path runs on them, and every Triton kernel in
+this package is tested against them. They take one sequence (no batch axis): one session per launch
+is part of the exactness contract, since a result must depend on nothing but its own inputs.
+
+Shapes use: T new tokens, L context rows, H / Hkv attention heads, D head dim, Hk / Hv GDN key and
+value heads, Dk / Dv their dims, C conv channels, K conv width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5's zero-centred RMSNorm: x / rms(x) * (1 + w), computed in fp32, cast back to x's dtype."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """GDN output norm: (x / rms(x)) * w * silu(gate). x, gate: [..., Dv]; weight [Dv] (not zero-centred).
+
+    The normalised value is rounded to x's dtype before the weight, as the published model does.
+    """
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return ((weight * normed) * F.silu(gate.float())).to(x.dtype)
+
+
+def rotary_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):
+    """cos, sin [T, rotary_dim] for integer positions [T]; halves repeated (rotate-half convention).
+
+    Text-only positions are equal on Qwen3.5's three mrope axes, so the interleaved section layout
+    reduces to plain rotary on the first `rotary_dim` dims of each head.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=positions.device) / rotary_dim))
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; rotate the first cos.shape[-1] dims, pass the rest through."""
+    rd = cos.shape[-1]
+    rot, rest = x[..., :rd], x[..., rd:]
+    half = rd // 2
+    rotated_half = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    out = rot * cos[:, None, :] + rotated_half * sin[:, None, :]
+    return torch.cat((out, rest), dim=-1)
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv with carried state, then SiLU.
+
+    x [T, C] new inputs; weight [C, K]; state [K-1, C] the previous K-1 inputs (zeros at the start).
+    Returns y [T, C] in x's dtype and the new state [K-1, C] (the last K-1 inputs, in state's dtype).
+    Accumulates in fp32 in a fixed tap order, so the result depends only on the inputs.
+    """
+    width = weight.shape[1]
+    seq = torch.cat((state.to(x.dtype), x), dim=0)  # [K-1+T, C]
+    t = x.shape[0]
+    acc = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+    wf = weight.float()
+    for j in range(width):
+        acc = acc + seq[j : j + t].float() * wf[:, j]
+    y = F.silu(acc).to(x.dtype)
+    new_state = seq[-(width - 1):].to(state.dtype)
+    return y, new_state
+
+
+def gdn_gating(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):
+    """Per-token decay (log space) and write strength. a, b [T, Hv] -> g fp32 [T, Hv], beta [T, Hv] fp32."""
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    beta = b.sigmoid().float()
+    return g, beta
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int):
+    """fp32, L2-normalised q and k, q scaled by Dk^-1/2, key heads repeated to the value heads."""
+    q = l2norm(q.float())
+    k = l2norm(k.float())
+    q = q * (q.shape[-1] ** -0.5)
+    rep = num_v_heads // k.shape[1]
+    if rep > 1:
+        q = q.repeat_interleave(rep, dim=1)
+        k = k.repeat_interleave(rep, dim=1)
+    return q, k
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, chunk: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over T tokens in chunks of `chunk`, from state S0.
+
+    q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv] fp32; state [Hv, Dk, Dv] fp32.
+    Returns o [T, Hv, Dv] (v's dtype) and the new state [Hv, Dk, Dv] fp32.
+
+    Per token: S <- e^g S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q.
+    In a chunk with cumulative log decay c_i, the u's solve one unit-lower-triangular system
+    (I + A) U = beta V - beta e^c K S0 with A_ij = beta_i e^(c_i - c_j) k_i.k_j (j < i), so a chunk
+    costs a few matmuls instead of `chunk` rank-one updates.
+    """
+    out_dtype = v.dtype
+    num_tokens, num_v_heads = v.shape[0], v.shape[1]
+    q, k = _prepare_qk(q, k, num_v_heads)
+    # heads first: [Hv, T, D]
+    q, k = q.transpose(0, 1), k.transpose(0, 1)
+    v = v.float().transpose(0, 1)
+    g, beta = g.float().transpose(0, 1), beta.float().transpose(0, 1)  # [Hv, T]
+    s = state.float().clone()
+    out = torch.empty_like(v)
+    for start in range(0, num_tokens, chunk):
+        end = min(start + chunk, num_tokens)
+        qc, kc, vc = q[:, start:end], k[:, start:end], v[:, start:end]
+        bc = beta[:, start:end]
+        c = g[:, start:end].cumsum(-1)  # [Hv, n]
+        n = end - start
+        lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)
+        diff = (c[:, :, None] - c[:, None, :]).masked_fill(~lower.logical_or(torch.eye(n, dtype=torch.bool, device=q.device)), float("-inf"))
+        decay = diff.exp()  # [Hv, n, n]: e^(c_i - c_j) for j <= i, 0 above
+        a_mat = (bc[:, :, None] * (kc @ kc.transpose(-1, -2)) * decay).masked_fill(~lower, 0.0)
+        system = a_mat + torch.eye(n, device=q.device)
+        rhs_v = bc[:, :, None] * vc
+        rhs_k = (bc * c.exp())[:, :, None] * kc
+        w_v = torch.linalg.solve_triangular(system, rhs_v, upper=False, unitriangular=True)
+        w_k = torch.linalg.solve_triangular(system, rhs_k, upper=False, unitriangular=True)
+        u = w_v - w_k @ s  # [Hv, n, Dv]
+        intra = (qc @ kc.transpose(-1, -2)) * decay  # [Hv, n, n], causal
+        out[:, start:end] = (qc * c.exp()[:, :, None]) @ s + intra @ u
+        tail = (c[:, -1:] - c).exp()  # e^(c_n - c_j)
+        s = s * c[:, -1].exp()[:, None, None] + (kc * tail[:, :, None]).transpose(-1, -2) @ u
+    return out.transpose(0, 1).to(out_dtype), s
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same rule one token at a time (decode). Shapes as chunk_gated_delta_rule."""
+    out_dtype = v.dtype
+    num_v_heads = v.shape[1]
+    q, k = _prepare_qk(q, k, num_v_heads)
+    v, g, beta = v.float(), g.float(), beta.float()
+    s = state.float().clone()
+    out = torch.empty_like(v)
+    for t in range(v.shape[0]):
+        s = s * g[t].exp()[:, None, None]
+        kv = torch.einsum("hkv,hk->hv", s, k[t])
+        u = (v[t] - kv) * beta[t][:, None]
+        s = s + k[t][:, :, None] * u[:, None, :]
+        out[t] = torch.einsum("hkv,hk->hv", s, q[t])
+    return out.to(out_dtype), s
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float | None = None) -> torch.Tensor:
+    """Causal GQA attention of T queries at absolute positions q_start.. over L = q_start + T rows.
+
+    q [T, H, D]; k, v [L, Hkv, D]. Scores and softmax in fp32; returns [T, H, D] in q's dtype.
+    """
+    num_q, num_heads, head_dim = q.shape
+    num_rows, num_kv = k.shape[0], k.shape[1]
+    scale = head_dim ** -0.5 if scale is None else scale
+    group = num_heads // num_kv
+    qf = q.float().view(num_q, num_kv, group, head_dim)
+    scores = torch.einsum("tkgd,lkd->kgtl", qf, k.float()) * scale  # [Hkv, G, T, L]
+    q_pos = torch.arange(q_start, q_start + num_q, device=q.device)
+    k_pos = torch.arange(num_rows, device=q.device)
+    scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("kgtl,lkd->tkgd", probs, v.float())
+    return out.reshape(num_q, num_heads, head_dim).to(q.dtype)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int) -> torch.Tensor:
+    """The same result through torch's fused attention (used on CUDA where the einsum would not fit)."""
+    num_q, num_heads, _ = q.shape
+    num_rows, num_kv = k.shape[0], k.shape[1]
+    q_pos = torch.arange(q_start, q_start + num_q, device=q.device)
+    mask = torch.arange(num_rows, device=q.device)[None, :] <= q_pos[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        attn_mask=mask[None, None], enable_gqa=num_heads != num_kv,
+    )
+    return out[0].transpose(0, 1)
+
+
+__all__ = [
+    "rms_norm", "gated_rms_norm", "rotary_cos_sin", "apply_rotary", "causal_conv1d", "gdn_gating",
+    "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "attention", "sdpa_attention", "l2norm",
+]
