@@ -1,0 +1,123 @@
+"""An Engine over one model: the only place torch runs work.
+
+It holds the model and its device, runs a forward on a SequenceCache and measures what it cost on
+the device (CUDA events where there is a GPU, the wall clock on a CPU), and turns a cache into a
+ModelState and back (the cold verbs every tier uses). The executor thread in qse/runtime owns an
+engine's device work; nothing here knows about sessions or scheduling.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from ..models import ResolvedModel
+from ..models.cache import SequenceCache
+from ..models.state import ModelState
+
+
+@dataclass
+class Stopwatch:
+    """Device time of a block: CUDA events on cuda (read after a synchronize), else wall time."""
+
+    device: torch.device
+    gpu_ms: float = 0.0
+    _events: Any = field(default=None, repr=False)
+
+    @contextmanager
+    def measure(self) -> Iterator["Stopwatch"]:
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield self
+            end.record()
+            end.synchronize()
+            self.gpu_ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            yield self
+            self.gpu_ms = (time.perf_counter() - t0) * 1e3
+
+
+class Engine:
+    def __init__(self, resolved: ResolvedModel):
+        self.resolved = resolved
+        self.model = resolved.model
+        self.chat = resolved.chat
+        self.cfg = self.model.cfg
+        self.device = self.model.device
+        self.dtype = self.model.dtype
+        self.name = resolved.name
+
+    # ---- hot verbs ---------------------------------------------------------------------------
+    def new_cache(self, kv=None) -> SequenceCache:
+        return self.model.new_cache(kv=kv)
+
+    def forward(self, cache: SequenceCache, ids: torch.Tensor, logits: str = "last") -> tuple[torch.Tensor | None, float]:
+        """Read ids on top of cache; returns (logits, device ms)."""
+        watch = Stopwatch(self.device)
+        with watch.measure():
+            out = self.model.forward(ids.to(self.device), cache, logits)
+        return out, watch.gpu_ms
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def ids_tensor(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
+
+    # ---- cold verbs --------------------------------------------------------------------------
+    def state_bytes_per_token(self) -> int:
+        cfg = self.cfg
+        return 2 * len(cfg.attention_layers) * cfg.num_key_value_heads * cfg.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def recurrent_nbytes(self) -> int:
+        cfg = self.cfg
+        n = len(cfg.gdn_layers)
+        rec = n * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+        conv = n * (cfg.linear_conv_kernel_dim - 1) * cfg.gdn_conv_dim * torch.empty((), dtype=self.dtype).element_size()
+        return rec + conv
+
+    def cache_state(self, cache: SequenceCache, length: int | None = None) -> ModelState:
+        """The cache as a ModelState (copies): sections = GDN state, views = KV rows [0, length)."""
+        length = cache.length if length is None else length
+        sections = {}
+        for i, t in enumerate(cache.recurrent):
+            sections[f"gdn.{i}.recurrent"] = t.clone()
+        for i, t in enumerate(cache.conv):
+            sections[f"gdn.{i}.conv"] = t.clone()
+        views = {}
+        for slot in range(len(self.cfg.attention_layers)):
+            k, v = cache.kv.read(slot, length) if length else self._empty_rows()
+            views[f"kv.{slot}.k"] = k.clone()
+            views[f"kv.{slot}.v"] = v.clone()
+        return ModelState(sections=sections, views=views, length=length)
+
+    def _empty_rows(self):
+        shape = (0, self.cfg.num_key_value_heads, self.cfg.head_dim)
+        e = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return e, e
+
+    def state_signature(self) -> str:
+        return self.cache_state(self.new_cache(), 0).signature()
+
+    def restore_cache(self, state: ModelState, kv) -> SequenceCache | None:
+        """A cache holding `state`, KV rows written into `kv`; None if kv has no room."""
+        state.check_compatible(self.state_signature())
+        cache = self.new_cache(kv=kv)
+        if state.length and not kv.ensure(state.length):
+            return None
+        for i, t in enumerate(cache.recurrent):
+            t.copy_(state.sections[f"gdn.{i}.recurrent"])
+        for i, t in enumerate(cache.conv):
+            t.copy_(state.sections[f"gdn.{i}.conv"])
+        for slot in range(len(self.cfg.attention_layers)):
+            if state.length:
+                kv.write(slot, 0, state.views[f"kv.{slot}.k"].to(self.device), state.views[f"kv.{slot}.v"].to(self.device))
+        cache.length = state.length
+        return cache

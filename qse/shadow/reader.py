@@ -1,0 +1,435 @@
+"""The shadow reader: every session's exact state, read one grid chunk per step.
+
+`feed` tells the reader what a session now holds (a new prompt, or the prompt plus output so far);
+it never reads. `read_step` reads exactly one grid chunk of one session, so a scheduler can stop
+between any two chunks. Questions (`ask`, `summarize`) run on a fork: the pending tail and the
+question are read above the committed rows, and the state is put back afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from ..engine.engine import Engine, Stopwatch
+from ..engine.kv import KVPool, PagedKV
+from .session import Checkpoint, ShadowSession
+
+
+class ShadowError(ValueError):
+    """Bad input to the reader (unknown session, bad choices, a question over the window)."""
+
+
+class UnknownSession(ShadowError, KeyError):
+    def __str__(self) -> str:  # KeyError quotes its message otherwise
+        return str(self.args[0])
+
+
+@dataclass
+class ChunkReport:
+    session_id: str
+    position: int  # committed rows after the chunk
+    backlog: int  # whole-chunk ids still to read
+    gpu_ms: float
+    context: int  # rows the chunk attended over before it (its start position)
+
+
+@dataclass
+class FeedReport:
+    session_id: str
+    position: int
+    backlog: int
+    tail: int
+    rolled_back_to: int | None  # grid line the reader went back to, if a rollback happened
+    first_diff: int | None
+
+
+@dataclass
+class AskResult:
+    session_id: str
+    distribution: dict[str, float]
+    label: str
+    probability: float
+    position: int  # absolute position of the question's last token + 1 (what it answered over)
+    committed: int
+    tokens_forwarded: int
+    gpu_ms: float
+    latency_ms: float
+
+
+@dataclass
+class SummaryResult:
+    session_id: str
+    token_ids: list[int]
+    text: str
+    position: int
+    gpu_ms: float
+    ms_per_token: float
+
+
+class Residency(Protocol):
+    """What the reader asks of the residency manager (qse/store). The default drops LRU sessions."""
+
+    def make_room(self, reader: "ShadowReader", pages: int, keep: ShadowSession) -> bool: ...
+
+    def bring_back(self, reader: "ShadowReader", session: ShadowSession) -> bool: ...
+
+    def after_feed(self, reader: "ShadowReader", session: ShadowSession) -> None: ...
+
+    def forget(self, reader: "ShadowReader", session: ShadowSession) -> None: ...
+
+
+class DropLRU:
+    """No disk: past the pool, the least recently fed session is dropped and later read again."""
+
+    def make_room(self, reader: "ShadowReader", pages: int, keep: ShadowSession) -> bool:
+        while not reader.pool.can_allocate(pages):
+            victims = [s for s in reader.sessions.values() if s.is_resident and s is not keep and s.kv.pages]
+            if not victims:
+                return False
+            reader.drop_state(min(victims, key=lambda s: s.last_fed_s))
+        return True
+
+    def bring_back(self, reader: "ShadowReader", session: ShadowSession) -> bool:
+        return False
+
+    def after_feed(self, reader: "ShadowReader", session: ShadowSession) -> None:
+        return None
+
+    def forget(self, reader: "ShadowReader", session: ShadowSession) -> None:
+        return None
+
+
+@dataclass
+class ReaderStats:
+    chunks: int = 0
+    gpu_ms: float = 0.0
+    asks: int = 0
+    summaries: int = 0
+    drops: int = 0
+    restarts: int = 0
+    last_answers: list[dict] = field(default_factory=list)
+
+
+class ShadowReader:
+    def __init__(self, engine: Engine, grid: int = 512, pool_bytes: int = 4 << 30, max_checkpoints: int = 6,
+                 page_rows: int | None = None, residency: Residency | None = None, clock=time.monotonic):
+        if grid < 1:
+            raise ShadowError(f"grid must be a positive number of rows, got {grid}")
+        self.engine = engine
+        self.grid = grid
+        self.max_checkpoints = max_checkpoints
+        cfg = engine.cfg
+        page_rows = page_rows or grid
+        if grid % page_rows:
+            raise ShadowError(f"the grid ({grid}) must be a multiple of the KV page size ({page_rows})")
+        self.pool = KVPool.for_budget(pool_bytes, page_rows, len(cfg.attention_layers), cfg.num_key_value_heads,
+                                      cfg.head_dim, engine.dtype, engine.device)
+        self.sessions: dict[str, ShadowSession] = {}
+        self.residency: Residency = residency or DropLRU()
+        self.clock = clock
+        self.stats = ReaderStats()
+        self.mode = "eager"
+
+    # ---- sessions ----------------------------------------------------------------------------
+    def get(self, session_id: str) -> ShadowSession:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise UnknownSession(f"unknown session {session_id!r}")
+        return session
+
+    def open(self, session_id: str) -> ShadowSession:
+        session = self.sessions.get(session_id)
+        if session is None:
+            session = ShadowSession(session_id, self.grid, self._new_cache(), mode=self.mode)
+            self.sessions[session_id] = session
+        return session
+
+    def _new_cache(self):
+        return self.engine.new_cache(kv=PagedKV(self.pool))
+
+    def close(self, session_id: str) -> None:
+        session = self.get(session_id)
+        self.residency.forget(self, session)
+        self.drop_state(session)
+        del self.sessions[session_id]
+
+    def drop_state(self, session: ShadowSession) -> None:
+        """Forget the state (not the ids): the session is read again from row 0 when fed."""
+        if session.cache is not None:
+            session.kv.release_all()
+        session.cache = None
+        session.committed = 0
+        session.checkpoints.clear()
+        self.stats.drops += 1
+
+    def _ensure_resident(self, session: ShadowSession) -> None:
+        if session.cache is not None:
+            return
+        if self.residency.bring_back(self, session):
+            return
+        session.cache = self._new_cache()
+        session.committed = 0
+        session.checkpoints.clear()
+        session.mode = self.mode
+
+    # ---- feeding -----------------------------------------------------------------------------
+    def feed(self, session_id: str, ids: list[int], prompt_end: int | None = None, now: float | None = None) -> FeedReport:
+        """The session now holds `ids` (the whole session so far). Reads nothing."""
+        if not isinstance(ids, (list, tuple)):
+            raise ShadowError(f"ids must be a list of token ids, got {type(ids).__name__}")
+        vocab = self.engine.cfg.vocab_size
+        for i in ids:
+            if not isinstance(i, int) or not 0 <= i < vocab:
+                raise ShadowError(f"token id {i!r} is outside the vocabulary [0, {vocab})")
+        session = self.open(session_id)
+        session.last_fed_s = self.clock() if now is None else now
+        rolled_back, first_diff = None, None
+        if session.cache is not None and session.committed:
+            first_diff = _common_prefix(session.ids, ids, session.committed)
+            if first_diff < session.committed:
+                rolled_back = self._rollback(session, first_diff)
+        session.ids = list(ids)
+        if prompt_end is not None:
+            if not 0 <= prompt_end <= len(ids):
+                raise ShadowError(f"prompt_end {prompt_end} is outside [0, {len(ids)}]")
+            line = (prompt_end // self.grid) * self.grid
+            if line > 0:
+                session.checkpoint_lines.add(line)
+        session.checkpoint_lines = {p for p in session.checkpoint_lines if p <= len(ids)}
+        session.behind_at_turn_start = session.behind
+        self.residency.after_feed(self, session)
+        return FeedReport(session_id, session.committed, session.backlog, len(ids) - session.readable_end,
+                          rolled_back, first_diff)
+
+    def extend(self, session_id: str, new_ids: list[int], now: float | None = None) -> FeedReport:
+        """Append ids (the served model's output so far) to what the session holds."""
+        session = self.get(session_id)
+        return self.feed(session_id, session.ids + list(new_ids), now=now)
+
+    def _rollback(self, session: ShadowSession, first_diff: int) -> int:
+        usable = [c for c in session.checkpoints if c.position <= first_diff]
+        target = max(usable, key=lambda c: c.position) if usable else None
+        position = target.position if target else 0
+        cache = session.cache
+        assert cache is not None
+        if target is None:
+            for t in cache.recurrent:
+                t.zero_()
+            for t in cache.conv:
+                t.zero_()
+            session.stats.restarts += 1
+            self.stats.restarts += 1
+        else:
+            for dst, src in zip(cache.recurrent, target.recurrent):
+                dst.copy_(src)
+            for dst, src in zip(cache.conv, target.conv):
+                dst.copy_(src)
+        session.kv.truncate(position)
+        session.stats.ids_reread += session.committed - position
+        session.stats.rollbacks += 1
+        cache.length = position
+        session.committed = position
+        session.checkpoints = [c for c in session.checkpoints if c.position <= position]
+        return position
+
+    # ---- reading -----------------------------------------------------------------------------
+    def read_step(self, session_id: str) -> ChunkReport | None:
+        """Read one whole grid chunk of the session; None if it has no whole chunk waiting."""
+        session = self.get(session_id)
+        self._ensure_resident(session)
+        if session.backlog < self.grid:
+            return None
+        start = session.committed
+        pages = session.kv.pages_for(start + self.grid) - len(session.kv.pages)
+        if pages > 0 and not self.pool.can_allocate(pages) and not self.residency.make_room(self, pages, session):
+            raise MemoryError(f"the shadow KV pool ({self.pool.num_pages} pages) cannot hold session {session_id!r} at {start + self.grid} rows")
+        ids = self.engine.ids_tensor(session.ids[start : start + self.grid])
+        _, gpu_ms = self.engine.forward(session.cache, ids, logits="none")
+        session.committed = start + self.grid
+        session.stats.chunks_read += 1
+        session.stats.ids_read += self.grid
+        session.stats.last_chunk_ms = gpu_ms
+        session.stats.total_chunk_ms += gpu_ms
+        self.stats.chunks += 1
+        self.stats.gpu_ms += gpu_ms
+        if session.committed in session.checkpoint_lines:
+            self._take_checkpoint(session)
+        return ChunkReport(session_id, session.committed, session.backlog, gpu_ms, start)
+
+    def read_all(self, session_id: str) -> list[ChunkReport]:
+        reports = []
+        while (report := self.read_step(session_id)) is not None:
+            reports.append(report)
+        return reports
+
+    def _take_checkpoint(self, session: ShadowSession) -> None:
+        cache = session.cache
+        assert cache is not None
+        session.checkpoints = [c for c in session.checkpoints if c.position != session.committed]
+        session.checkpoints.append(Checkpoint(session.committed, [t.clone() for t in cache.recurrent],
+                                              [t.clone() for t in cache.conv]))
+        session.checkpoints.sort(key=lambda c: c.position)
+        del session.checkpoints[: max(0, len(session.checkpoints) - self.max_checkpoints)]
+
+    def sessions_with_backlog(self) -> list[ShadowSession]:
+        """Sessions with a whole chunk to read, least behind first (cheapest to make fresh)."""
+        ready = [s for s in self.sessions.values() if s.backlog >= self.grid]
+        return sorted(ready, key=lambda s: (s.backlog, s.last_fed_s))
+
+    # ---- forks -------------------------------------------------------------------------------
+    def _fork_forward(self, session: ShadowSession, extra: list[int], upto: int | None, logits: str):
+        """Read ids[committed:upto] + extra above the committed rows, then put the state back."""
+        self._ensure_resident(session)
+        cache = session.cache
+        assert cache is not None
+        upto = len(session.ids) if upto is None else upto
+        if upto < session.committed:
+            raise ShadowError(f"cannot answer at position {upto}: the reader already committed {session.committed} rows")
+        ids = session.ids[session.committed : upto] + list(extra)
+        total = session.committed + len(ids)
+        if total > self.engine.cfg.max_position_embeddings:
+            raise ShadowError(f"the fork would reach position {total}, past the model window {self.engine.cfg.max_position_embeddings}")
+        saved_rec = [t.clone() for t in cache.recurrent]
+        saved_conv = [t.clone() for t in cache.conv]
+        pages = session.kv.pages_for(total) - len(session.kv.pages)
+        if pages > 0 and not self.pool.can_allocate(pages) and not self.residency.make_room(self, pages, session):
+            raise MemoryError(f"the shadow KV pool cannot hold a fork of {len(ids)} ids on session {session.session_id!r}")
+        try:
+            out, gpu_ms = self.engine.forward(cache, self.engine.ids_tensor(ids), logits=logits)
+        finally:
+            for dst, src in zip(cache.recurrent, saved_rec):
+                dst.copy_(src)
+            for dst, src in zip(cache.conv, saved_conv):
+                dst.copy_(src)
+            session.kv.truncate(session.committed)
+            cache.length = session.committed
+        session.stats.forks += 1
+        return out, gpu_ms, total, len(ids)
+
+    def letter_ids(self, choices: list[str]) -> list[int]:
+        if not isinstance(choices, list) or not choices:
+            raise ShadowError("choices must be a non-empty list of letters")
+        if len(set(choices)) != len(choices):
+            dup = next(c for c in choices if choices.count(c) > 1)
+            raise ShadowError(f"duplicate choice {dup!r}")
+        ids = []
+        tok = self.engine.chat.tokenizer
+        for c in choices:
+            if not isinstance(c, str) or not c:
+                raise ShadowError(f"choice {c!r} must be a non-empty string")
+            tid = tok.single_token_id(c)
+            if tid is None:
+                raise ShadowError(f"choice {c!r} is not a single token")
+            ids.append(tid)
+        return ids
+
+    def ask(self, session_id: str, question_ids: list[int], choices: list[str], upto: int | None = None) -> AskResult:
+        """The letters' softmax from one forward of the question over the whole session."""
+        session = self.get(session_id)
+        letters = self.letter_ids(choices)
+        if not question_ids:
+            raise ShadowError("the question is empty")
+        window = self.engine.cfg.max_position_embeddings
+        if len(question_ids) > window:
+            raise ShadowError(f"the question has {len(question_ids)} tokens, longer than the model window {window}")
+        t0 = time.perf_counter()
+        logits, gpu_ms, total, forwarded = self._fork_forward(session, question_ids, upto, "last")
+        probs = torch.softmax(logits[-1].float()[letters], dim=-1).tolist()
+        latency_ms = (time.perf_counter() - t0) * 1e3
+        best = max(range(len(choices)), key=lambda i: probs[i])
+        result = AskResult(session_id, dict(zip(choices, probs)), choices[best], probs[best], total,
+                           session.committed, forwarded, gpu_ms, latency_ms)
+        self.stats.asks += 1
+        self.stats.last_answers = (self.stats.last_answers + [{
+            "session": session_id, "label": result.label, "probability": round(result.probability, 6),
+            "position": total}])[-16:]
+        return result
+
+    def summarize(self, session_id: str, prompt_ids: list[int], max_tokens: int, stop_ids: tuple[int, ...] = ()) -> SummaryResult:
+        """Greedy decode on a fork (eager): a short summary over the whole session."""
+        session = self.get(session_id)
+        if max_tokens < 1:
+            raise ShadowError(f"max_tokens must be >= 1, got {max_tokens}")
+        self._ensure_resident(session)
+        cache = session.cache
+        assert cache is not None
+        saved_rec = [t.clone() for t in cache.recurrent]
+        saved_conv = [t.clone() for t in cache.conv]
+        ids = session.ids[session.committed :] + list(prompt_ids)
+        out_ids: list[int] = []
+        watch = Stopwatch(self.engine.device)
+        decode_ms = 0.0
+        try:
+            with watch.measure():
+                logits, _ = self.engine.forward(cache, self.engine.ids_tensor(ids), "last")
+            prefill_ms = watch.gpu_ms
+            vocab = self.engine.chat.tokenizer.vocab_size
+            for _ in range(max_tokens):
+                token = int(torch.argmax(logits[-1, :vocab]))
+                if token in stop_ids:
+                    break
+                out_ids.append(token)
+                if len(out_ids) == max_tokens:
+                    break
+                logits, ms = self.engine.forward(cache, self.engine.ids_tensor([token]), "last")
+                decode_ms += ms
+        finally:
+            for dst, src in zip(cache.recurrent, saved_rec):
+                dst.copy_(src)
+            for dst, src in zip(cache.conv, saved_conv):
+                dst.copy_(src)
+            session.kv.truncate(session.committed)
+            cache.length = session.committed
+        self.stats.summaries += 1
+        steps = max(1, len(out_ids) - 1)
+        return SummaryResult(session_id, out_ids, self.engine.chat.tokenizer.decode(out_ids),
+                             session.committed + len(ids), prefill_ms + decode_ms, decode_ms / steps)
+
+    # ---- exactness ---------------------------------------------------------------------------
+    def fresh_prefill(self, ids: list[int], session_id: str = "__fresh__") -> ShadowSession:
+        """A new session holding ids, read chunk by chunk on this reader's grid (for checks)."""
+        if session_id in self.sessions:
+            self.close(session_id)
+        self.feed(session_id, ids)
+        self.read_all(session_id)
+        return self.get(session_id)
+
+    def state_equal(self, a: ShadowSession, b: ShadowSession) -> dict[str, bool]:
+        """Bit equality of committed length, every KV row, the recurrent and the conv state."""
+        assert a.cache is not None and b.cache is not None
+        out = {"committed": a.committed == b.committed}
+        if not out["committed"]:
+            return {**out, "kv": False, "recurrent": False, "conv": False}
+        kv_equal = True
+        for slot in range(len(self.engine.cfg.attention_layers)):
+            ka, va = a.kv.read(slot, a.committed) if a.committed else (None, None)
+            kb, vb = b.kv.read(slot, b.committed) if b.committed else (None, None)
+            if ka is not None and not (torch.equal(ka, kb) and torch.equal(va, vb)):
+                kv_equal = False
+        out["kv"] = kv_equal
+        out["recurrent"] = all(torch.equal(x, y) for x, y in zip(a.cache.recurrent, b.cache.recurrent))
+        out["conv"] = all(torch.equal(x, y) for x, y in zip(a.cache.conv, b.cache.conv))
+        return out
+
+    def resident_nbytes(self) -> int:
+        return sum(s.nbytes for s in self.sessions.values())
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    # compare in blocks first: sessions are long and usually share almost everything
+    i = 0
+    block = 4096
+    while i + block <= n and a[i : i + block] == b[i : i + block]:
+        i += block
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+__all__ = ["AskResult", "ChunkReport", "DropLRU", "FeedReport", "Residency", "ShadowError", "ShadowReader",
+           "SummaryResult", "UnknownSession"]
