@@ -79,6 +79,7 @@ _DECLARED: list[Setting] = [
     Setting("QSE_SHADOW_SLICE_MS", float, 150.0, "longest reader slice between two decode rounds, ms"),
     Setting("QSE_SHADOW_IDLE_POLL_S", float, 0.2, "how often the idle window looks for work, seconds"),
     Setting("QSE_SHADOW_IDLE_BURST_S", float, 2.0, "longest idle-window read burst, seconds"),
+    Setting("QSE_SHADOW_CHUNK_PRIOR_MS", float, 50.0, "reader chunk cost assumed before the first measurement, ms"),
     Setting("QSE_NARRATOR_SHARE", float, 0.03, "narrator share of the served model's time since its first token"),
     # the server
     Setting("QSE_HOST", str, "127.0.0.1", "address the server binds"),

@@ -1,1 +1,62 @@
 """qse's kernels: Triton kernels and their naive torch twins. Knows tensors only; imports nothing of qse."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.metadata
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+# The Triton modules, one a kernel family; imported only by triton_ops(), so that importing this package
+# needs no Triton and no GPU.
+KERNEL_MODULES = ("norms", "conv1d", "gdn_chunk", "gdn_recurrent", "attention")
+
+
+def triton_version() -> str | None:
+    """The installed Triton's version, read without importing it; None when Triton is absent."""
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def available() -> bool:
+    """True when the Triton kernels can run here: Triton installed, and a CUDA device or TRITON_INTERPRET=1."""
+    if triton_version() is None:
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"):
+        return True
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def triton_ops() -> SimpleNamespace:
+    """The Triton kernels under the names of the model's ops (qse.models.qwen3_5.model.default_ops)."""
+    mods = {name: importlib.import_module(f"{__name__}.{name}") for name in KERNEL_MODULES}
+    return SimpleNamespace(
+        rms_norm=mods["norms"].rms_norm,
+        gated_rms_norm=mods["norms"].gated_rms_norm,
+        causal_conv1d=mods["conv1d"].causal_conv1d,
+        gdn_gating=mods["norms"].gdn_gating,
+        chunk_gated_delta_rule=mods["gdn_chunk"].chunk_gated_delta_rule,
+        recurrent_gated_delta_rule=mods["gdn_recurrent"].recurrent_gated_delta_rule,
+        attention=mods["attention"].attention,
+    )
+
+
+def kernel_fingerprint() -> str:
+    """sha256 over the kernel sources and the Triton version: state written by one build is read only by
+    the same build (the disk tier keeps it in each file)."""
+    digest = hashlib.sha256()
+    here = Path(__file__).parent
+    for name in KERNEL_MODULES:
+        digest.update(name.encode() + b"\0")
+        digest.update((here / f"{name}.py").read_bytes())
+    digest.update(b"triton\0" + str(triton_version()).encode())
+    return digest.hexdigest()
+
+
+__all__ = ["KERNEL_MODULES", "available", "kernel_fingerprint", "triton_ops", "triton_version"]

@@ -60,7 +60,7 @@ def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
     if requested == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
-             "float16": torch.float16, "fp16": torch.float16}
+             "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
     if requested not in table:
         raise ModelSpecError(f"dtype {requested!r} is not one of {sorted(table)}")
     return table[requested]

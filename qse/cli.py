@@ -1,0 +1,154 @@
+"""`qse`: the command line. Every command but `serve` prints one JSON object on stdout."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .settings import SETTINGS, SettingError
+
+
+def _emit(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _fail(message: str, code: int = 2) -> int:
+    sys.stderr.write(f"qse: error: {message}\n")
+    return code
+
+
+def _load(spec: str, device: str, dtype: str):
+    from .engine.engine import Engine
+    from .models import pick_device, pick_dtype, resolve
+
+    dev = pick_device(device)
+    return Engine(resolve(spec, dev, pick_dtype(dtype, dev), SETTINGS.cache_dir()))
+
+
+def cmd_settings(args: argparse.Namespace) -> int:
+    _emit({"settings": SETTINGS.table()})
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .engine.sampling import Sampler, SamplingParams
+
+    engine = _load(args.model, args.device, args.dtype)
+    chat = engine.chat
+    if not args.prompt:
+        return _fail("--prompt is empty: give the text to answer")
+    prompt = chat.render([{"role": "user", "content": args.prompt}], enable_thinking=not args.no_think)
+    ids = chat.tokenizer.encode(prompt)
+    sampler = Sampler(SamplingParams(temperature=args.temperature, seed=args.seed), chat.tokenizer.vocab_size)
+    cache = engine.new_cache()
+    t0 = time.perf_counter()
+    logits, prefill_ms = engine.forward(cache, torch.tensor(ids), "last")
+    out: list[int] = []
+    decode_ms = 0.0
+    for _ in range(args.max_tokens):
+        token = sampler(logits[-1])
+        if token in chat.stop_ids:
+            break
+        out.append(token)
+        if len(out) == args.max_tokens:
+            break
+        logits, ms = engine.forward(cache, torch.tensor([token]), "last")
+        decode_ms += ms
+    text = chat.tokenizer.decode(out)
+    parsed = chat.parse(text, prompt)
+    _emit({"model": engine.name, "prompt_tokens": len(ids), "output_tokens": len(out), "token_ids": out, "text": text,
+           "reasoning": parsed.reasoning, "content": parsed.content, "prefill_ms": round(prefill_ms, 3),
+           "decode_ms_per_token": round(decode_ms / max(1, len(out) - 1), 3),
+           "wall_s": round(time.perf_counter() - t0, 3)})
+    return 0
+
+
+def cmd_refcheck(args: argparse.Namespace) -> int:
+    from .models.refcheck import run_refcheck
+
+    _emit(run_refcheck(args.model, args.device, args.dtype, args.positions, args.seed, args.chunk))
+    return 0
+
+
+def cmd_shadow_check(args: argparse.Namespace) -> int:
+    from .shadow.check import run_shadow_check
+
+    engine = _load(args.model, args.device, args.dtype)
+    grid = args.grid or SETTINGS.get("QSE_SHADOW_GRID")
+    _emit(run_shadow_check(engine, Path(args.session), grid, args.probes, pool_gb=args.pool_gb))
+    return 0
+
+
+def cmd_serve(args: list[str]) -> int:
+    from .server.cli import serve_main
+
+    return serve_main(args)
+
+
+def cmd_replay(args: list[str]) -> int:
+    from .replay.cli import main as replay_main
+
+    return replay_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qse", description="Serve Qwen3.5 hybrid models with an exact shadow reader.")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", help="start the OpenAI-compatible server (qse serve --help)", add_help=False)
+    sub.add_parser("replay", help="replay a usage ledger through the conductor's decisions (qse replay --help)", add_help=False)
+    sub.add_parser("settings", help="print every QSE_* switch").set_defaults(fn=cmd_settings)
+
+    def model_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--model", default=SETTINGS.get("QSE_MODEL"), help="checkpoint dir or preset; empty: the embedded default")
+        sp.add_argument("--device", default=SETTINGS.get("QSE_DEVICE"))
+        sp.add_argument("--dtype", default=SETTINGS.get("QSE_DTYPE"))
+
+    g = sub.add_parser("generate", help="greedy decode through the chat template")
+    model_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-think", action="store_true", help="render with enable_thinking=false")
+    g.set_defaults(fn=cmd_generate)
+
+    r = sub.add_parser("refcheck", help="teacher-forced comparison with transformers' Qwen3_5ForCausalLM")
+    model_args(r)
+    r.add_argument("--positions", type=int, default=256)
+    r.add_argument("--chunk", type=int, default=0, help="also read in chunks of this size with carried state")
+    r.add_argument("--seed", type=int, default=0)
+    r.set_defaults(fn=cmd_refcheck)
+
+    s = sub.add_parser("shadow-check", help="feed a session turn by turn, compare with one fresh prefill")
+    model_args(s)
+    s.add_argument("--session", required=True, help="JSONL, one turn a line")
+    s.add_argument("--grid", type=int, default=0)
+    s.add_argument("--probes", type=int, default=8)
+    s.add_argument("--pool-gb", type=float, default=0.0, help="KV pool size; default fits the session")
+    s.set_defaults(fn=cmd_shadow_check)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve":
+        return cmd_serve(argv[1:])
+    if argv and argv[0] == "replay":
+        return cmd_replay(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, KeyError, FileNotFoundError, SettingError, MemoryError) as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+        return _fail(str(message))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,103 @@
+"""The idle window: the reader reads when nothing of the served model runs or waits.
+
+Every `poll_s` the runtime asks `IdleWindow.may_open`. When no request runs or waits and no hold
+or box lock is on, it takes the engine lock behind every waiter (the lowest rank, see locks.py) and
+opens an `IdleBurst`: the reader may read for at most `burst_s`, asking before every chunk whether
+a request waits, so an arriving request waits at most one chunk. A chunk whose estimate would end
+past the burst is not started. The next poll comes `poll_s` after the burst (or the empty look) ends.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+from qse.core.ledger import ms_to_us
+from qse.core.share import s_to_us
+
+
+class IdleBurst:
+    """One burst of the idle window, opened at `opened_s`; the wall clock bounds it."""
+
+    def __init__(self, opened_s: float, burst_s: float):
+        self.opened_s = opened_s
+        self.burst_us = s_to_us(burst_s)
+        self.spent_us = 0
+        self.num_chunks = 0
+
+    def left_us(self, now: float) -> int:
+        return max(0, self.burst_us - max(0, s_to_us(now - self.opened_s)))
+
+    def may_read_next(self, now: float, request_waiting: bool, next_chunk_est_ms: float) -> bool:
+        """Start another chunk? Not once a request waits, nor if it would end past the burst."""
+        if request_waiting:
+            return False
+        est_us = ms_to_us(next_chunk_est_ms)
+        if est_us is None:
+            return False
+        return est_us <= self.left_us(now)
+
+    def note_chunk(self, gpu_ms: float) -> None:
+        self.spent_us += ms_to_us(gpu_ms) or 0
+        self.num_chunks += 1
+
+
+class IdleWindow:
+    def __init__(self, poll_s: float = 0.2, burst_s: float = 2.0):
+        if not (poll_s > 0 and math.isfinite(poll_s)):
+            raise ValueError(f"idle poll must be a positive number of seconds, got {poll_s!r}")
+        if not (burst_s > 0 and math.isfinite(burst_s)):
+            raise ValueError(f"idle burst must be a positive number of seconds, got {burst_s!r}")
+        self.poll_s = float(poll_s)
+        self.burst_s = float(burst_s)
+
+    @classmethod
+    def from_settings(cls, settings=None) -> "IdleWindow":
+        from qse.settings import SETTINGS
+
+        settings = SETTINGS if settings is None else settings
+        return cls(settings.get("QSE_SHADOW_IDLE_POLL_S"), settings.get("QSE_SHADOW_IDLE_BURST_S"))
+
+    @staticmethod
+    def may_open(*, request_running: bool, request_waiting: bool, hold_on: bool, box_locked: bool) -> bool:
+        """The idle window opens only when no request runs or waits and no hold or box lock is on."""
+        return not (request_running or request_waiting or hold_on or box_locked)
+
+    def open(self, now: float) -> IdleBurst:
+        return IdleBurst(now, self.burst_s)
+
+    def next_poll_s(self, now: float) -> float:
+        """When to look again after a look (or a burst) that ended at `now`."""
+        return now + self.poll_s
+
+    def first_poll_at_or_after(self, last_poll_s: float, t: float) -> float:
+        """The first look at or after `t` of a loop that last looked at `last_poll_s` and found work busy."""
+        if t <= last_poll_s:
+            return last_poll_s
+        n = math.ceil(round((t - last_poll_s) / self.poll_s, 9))
+        return last_poll_s + n * self.poll_s
+
+
+@dataclass(frozen=True)
+class SessionBacklog:
+    """What the idle window needs to know of one session to choose it."""
+
+    unread_since_s: float  # when its oldest unread whole chunk became known
+    num_chunks: int  # whole chunks unread
+
+
+def pick_idle_session(backlogs: Mapping[str, SessionBacklog]) -> str | None:
+    """The session whose unread chunk has waited longest (ties by id); None when nothing is unread.
+
+    Oldest first is fair and needs no knowledge of the future; ordering sessions by when they will be
+    asked is not a policy qse may use.
+    """
+    best: tuple[float, str] | None = None
+    for session_id, backlog in backlogs.items():
+        if backlog.num_chunks <= 0:
+            continue
+        key = (backlog.unread_since_s, session_id)
+        if best is None or key < best:
+            best = key
+    return None if best is None else best[1]

@@ -1,0 +1,97 @@
+"""The one object that passes from policy to the executor: what the reader may read next.
+
+A window's decision (`IdleBurst`, `RationSlice`) says whether and how much; `plan_read` turns it into a
+`ReaderPlan` the executor carries out with `drive_plan`. Everything the executor needs is here, so
+the executor never calls back into the policy to learn what to do, only whether to go on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from qse.core.ledger import Role
+
+
+class Window(str, Enum):
+    """When the reader reads."""
+
+    IDLE = "idle"  # no request runs or waits
+    RATION = "ration"  # between two decode rounds, on the request's executor
+    PREFILL = "prefill"  # exploratory: during the served prefill (off by default)
+    NARRATOR = "narrator"  # the narrator's share, between two decode rounds
+
+
+ROLE_OF_WINDOW: dict[Window, Role] = {
+    Window.IDLE: Role.READER_IDLE,
+    Window.RATION: Role.READER_RATION,
+    Window.PREFILL: Role.READER_PREFILL,
+    Window.NARRATOR: Role.NARRATOR,
+}
+
+
+class Backlog(str, Enum):
+    """Which of the session's unread ids the next chunk comes from: the prompt first, then the output."""
+
+    PROMPT = "prompt"
+    OUTPUT = "output"  # any chunk that reaches past the prompt's end
+
+
+def whole_chunks(committed_rows: int, known_tokens: int, grid: int) -> int:
+    """Whole grid chunks between the committed rows and the ids the session holds."""
+    return max(0, (known_tokens - committed_rows) // grid)
+
+
+def next_backlog(committed_rows: int, prompt_tokens: int, known_tokens: int, grid: int) -> Backlog | None:
+    """Where the next whole chunk lies; None when the session holds no whole chunk past the committed rows."""
+    end = committed_rows + grid
+    if end > known_tokens:
+        return None
+    return Backlog.PROMPT if end <= prompt_tokens else Backlog.OUTPUT
+
+
+@dataclass(frozen=True)
+class ReaderPlan:
+    """One step of the reader. Each field says who reads it."""
+
+    window: Window  # runtime: the ledger role to charge (ROLE_OF_WINDOW) and the log event's name
+    session_id: str  # executor: whose reader state advances
+    turn_id: str | None  # ledger: the open turn charged (None in the idle window: totals only)
+    backlog: Backlog  # executor and logs: prompt or output ids (the rows follow from start_row)
+    start_row: int  # executor: the committed row the first chunk starts at (a multiple of grid)
+    max_chunks: int  # executor: whole chunks available; it never reads past start_row + max_chunks * grid
+    grid: int  # executor: rows per chunk
+    budget_ms: float  # executor: the GPU time this step may spend; a chunk whose estimate exceeds what is left is not started
+    first_chunk_est_ms: float  # ledger: the estimate that admitted the first chunk
+    stop_when_waiting: bool  # executor: ask before every chunk whether a request waits (idle window)
+    sync_first: bool  # executor: synchronise the device before the first chunk, so nothing runs beside the served model
+
+    @property
+    def role(self) -> Role:
+        return ROLE_OF_WINDOW[self.window]
+
+    @property
+    def end_row_max(self) -> int:
+        return self.start_row + self.max_chunks * self.grid
+
+
+def plan_read(window: Window, *, session_id: str, turn_id: str | None, committed_rows: int,
+              prompt_tokens: int, known_tokens: int, grid: int, budget_ms: float,
+              first_chunk_est_ms: float) -> ReaderPlan | None:
+    """A plan over the session's whole unread chunks; None when there is no whole chunk to read."""
+    backlog = next_backlog(committed_rows, prompt_tokens, known_tokens, grid)
+    if backlog is None or committed_rows % grid != 0:
+        return None
+    return ReaderPlan(
+        window=window,
+        session_id=session_id,
+        turn_id=turn_id,
+        backlog=backlog,
+        start_row=committed_rows,
+        max_chunks=whole_chunks(committed_rows, known_tokens, grid),
+        grid=grid,
+        budget_ms=budget_ms,
+        first_chunk_est_ms=first_chunk_est_ms,
+        stop_when_waiting=window is Window.IDLE,
+        sync_first=window is not Window.IDLE,
+    )

@@ -1,0 +1,94 @@
+"""The ration inside a turn: the reader's (and the narrator's) slices between two decode rounds.
+
+Between two decode rounds the reader may spend `share` (2 %) of the time since the served model's
+first token, minus what it already spent this turn, in slices of at most `slice_ms` (150), whole
+chunks only. The next chunk's cost is estimated from the last measured chunk at that context; a
+chunk whose estimate exceeds what is left is not started. The slice's budget is fixed when it opens;
+inside it, measured time counts, so a chunk that ran over its estimate shrinks what follows.
+The narrator's share (3 %) is the same rule with its own share and its own ledger role.
+"""
+
+from __future__ import annotations
+
+import math
+
+from qse.core.ledger import ms_to_us
+from qse.core.plan import Window
+from qse.core.share import ShareBudget
+
+
+class RationSlice:
+    """One slice: whole chunks while their estimates fit the budget fixed at opening."""
+
+    def __init__(self, opened_s: float, budget_us: int):
+        self.opened_s = opened_s
+        self.budget_us = budget_us
+        self.spent_us = 0
+        self.num_chunks = 0
+
+    @property
+    def left_us(self) -> int:
+        return max(0, self.budget_us - self.spent_us)
+
+    def may_read_next(self, now: float, request_waiting: bool, next_chunk_est_ms: float) -> bool:
+        """Start another chunk? Only if its estimate fits what is left of the slice.
+
+        `now` and `request_waiting` are accepted for the executor's one loop and do not matter here: a
+        slice runs between two rounds of the request it belongs to.
+        """
+        est_us = ms_to_us(next_chunk_est_ms)
+        return est_us is not None and est_us <= self.left_us
+
+    def note_chunk(self, gpu_ms: float) -> None:
+        self.spent_us += ms_to_us(gpu_ms) or 0
+        self.num_chunks += 1
+
+
+class TurnRation:
+    """A role's share of a turn, spent in slices between decode rounds."""
+
+    def __init__(self, share: float = 0.02, slice_ms: float = 150.0, window: Window = Window.RATION):
+        if not (math.isfinite(slice_ms) and slice_ms > 0):
+            raise ValueError(f"slice must be a positive number of ms, got {slice_ms!r}")
+        self.budget = ShareBudget(share)
+        self.share = self.budget.share
+        self.slice_ms = float(slice_ms)
+        self.slice_us = ms_to_us(slice_ms) or 0
+        self.window = window
+
+    @classmethod
+    def reader(cls, settings=None) -> "TurnRation":
+        from qse.settings import SETTINGS
+
+        settings = SETTINGS if settings is None else settings
+        return cls(settings.get("QSE_SHADOW_RATION"), settings.get("QSE_SHADOW_SLICE_MS"), Window.RATION)
+
+    @classmethod
+    def narrator(cls, settings=None) -> "TurnRation":
+        from qse.settings import SETTINGS
+
+        settings = SETTINGS if settings is None else settings
+        return cls(settings.get("QSE_NARRATOR_SHARE"), settings.get("QSE_SHADOW_SLICE_MS"), Window.NARRATOR)
+
+    def allowance_us(self, now: float, first_token_s: float, spent_us: int) -> int:
+        """What the role may still spend this turn at `now`."""
+        return self.budget.allowance_us(now, first_token_s, spent_us)
+
+    def open_slice(self, now: float, first_token_s: float, spent_us: int,
+                   next_chunk_est_ms: float) -> RationSlice | None:
+        """A slice between two decode rounds, or None when the next chunk's estimate does not fit."""
+        est_us = ms_to_us(next_chunk_est_ms)
+        if est_us is None:
+            return None
+        budget_us = min(self.slice_us, self.allowance_us(now, first_token_s, spent_us))
+        if est_us > budget_us:
+            return None
+        return RationSlice(now, budget_us)
+
+    def earliest_s(self, first_token_s: float, spent_us: int, next_chunk_est_ms: float) -> float | None:
+        """The first moment a slice for a chunk of this estimate may open; None if it never can
+        (the estimate is larger than a slice, or the share is zero)."""
+        est_us = ms_to_us(next_chunk_est_ms)
+        if est_us is None or est_us > self.slice_us:
+            return None
+        return self.budget.earliest_s(first_token_s, spent_us, est_us)

@@ -1,0 +1,79 @@
+"""Causal depthwise conv1d with carried state, then SiLU, in Triton; the naive twin is naive.causal_conv1d.
+
+Grid (T / BT, C / BC). Row t of the output reads seq[t .. t+K-1] of seq = cat(state, x) (state first cast
+to x's dtype, as the twin does) and accumulates in fp32 over the taps in order 0..K-1. The programs of
+the first row block also write the new state, the last K-1 rows of seq, so prefill (any T) and the T = 1
+update are one launch each.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+CONV_BLOCK_T = 16
+CONV_BLOCK_C = 128
+CONV_NUM_WARPS = 4
+
+
+@triton.jit
+def _seq_rows(x_ptr, state_ptr, o_src, o_c, m_rows, m_c, stride_xt, stride_st, WIDTH: tl.constexpr):
+    """Rows of seq = cat(state, x) for x-row indices o_src (negative: state rows), in x's dtype."""
+    m_x = m_rows & (o_src >= 0)
+    m_state = m_rows & (o_src < 0)
+    b_x = tl.load(x_ptr + o_src[:, None] * stride_xt + o_c[None, :], mask=m_x[:, None] & m_c[None, :], other=0.0)
+    p_state = state_ptr + (o_src + WIDTH - 1)[:, None] * stride_st + o_c[None, :]
+    b_state = tl.load(p_state, mask=m_state[:, None] & m_c[None, :], other=0.0).to(x_ptr.dtype.element_ty)
+    return tl.where(m_x[:, None], b_x, b_state)
+
+
+@triton.jit
+def _conv_kernel(
+    x_ptr, w_ptr, state_ptr, y_ptr, new_state_ptr,
+    num_tokens, num_channels, stride_xt, stride_wc, stride_wk, stride_st, stride_yt, stride_nt,
+    WIDTH: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr,
+):
+    i_t, i_c = tl.program_id(0), tl.program_id(1)
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < num_tokens
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < num_channels
+    b_acc = tl.zeros((BT, BC), dtype=tl.float32)
+    for j in tl.static_range(WIDTH):
+        # output row t, tap j reads seq[t + j] = x[t + j - (K-1)]
+        b_in = _seq_rows(x_ptr, state_ptr, o_t + j - (WIDTH - 1), o_c, m_t, m_c, stride_xt, stride_st, WIDTH)
+        b_w = tl.load(w_ptr + o_c * stride_wc + j * stride_wk, mask=m_c, other=0.0).to(tl.float32)
+        b_acc = b_acc + b_in.to(tl.float32) * b_w[None, :]
+    b_y = b_acc * tl.sigmoid(b_acc)
+    tl.store(y_ptr + o_t[:, None] * stride_yt + o_c[None, :], b_y.to(y_ptr.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+    if i_t == 0:
+        # new state row m is seq[T + m] = x[T + m - (K-1)]
+        o_m = tl.arange(0, BS)
+        m_m = o_m < WIDTH - 1
+        b_new = _seq_rows(x_ptr, state_ptr, num_tokens + o_m - (WIDTH - 1), o_c, m_m, m_c, stride_xt, stride_st, WIDTH)
+        p_new = new_state_ptr + o_m[:, None] * stride_nt + o_c[None, :]
+        tl.store(p_new, b_new.to(new_state_ptr.dtype.element_ty), mask=m_m[:, None] & m_c[None, :])
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of naive.causal_conv1d: x [T, C], weight [C, K], state [K-1, C] -> y [T, C], new state [K-1, C]."""
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
+        raise ValueError(f"x must be [T, C] and weight [C, K]; got {tuple(x.shape)}, {tuple(weight.shape)}")
+    num_tokens, num_channels = x.shape
+    width = weight.shape[1]
+    if width < 2 or state.shape != (width - 1, num_channels):
+        raise ValueError(f"state must be [K-1, C] = [{width - 1}, {num_channels}] with K >= 2; got {tuple(state.shape)}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    state = state if state.stride(1) == 1 else state.contiguous()
+    y = torch.empty(num_tokens, num_channels, dtype=x.dtype, device=x.device)
+    new_state = torch.empty(width - 1, num_channels, dtype=state.dtype, device=state.device)
+    grid = (max(1, triton.cdiv(num_tokens, CONV_BLOCK_T)), triton.cdiv(num_channels, CONV_BLOCK_C))
+    _conv_kernel[grid](
+        x, weight, state, y, new_state,
+        num_tokens, num_channels, x.stride(0), weight.stride(0), weight.stride(1), state.stride(0), y.stride(0),
+        new_state.stride(0),
+        WIDTH=width, BT=CONV_BLOCK_T, BC=CONV_BLOCK_C, BS=triton.next_power_of_2(width - 1),
+        num_warps=CONV_NUM_WARPS,
+    )
+    return y, new_state

@@ -1,0 +1,198 @@
+"""Chunked gated delta rule (prefill) in Triton; the naive twin is naive.chunk_gated_delta_rule.
+
+Two launches, no atomics, configurations pinned by the head dims alone:
+
+  prepare  grid (chunks, Hv), every chunk in parallel. L2-normalises q and k (q also scaled by Dk^-1/2),
+           takes the chunk's cumulative log decay c, builds the strictly lower A of the chunk's system
+           (I + A) U = beta V - beta e^c K S0, inverts the unit-lower (I + A) by forward substitution in
+           fp32, and writes what the scan needs to an fp32 workspace:
+             W  = (I + A)^-1 (beta e^c K)      [BT, Dk]
+             U0 = (I + A)^-1 (beta V)          [BT, Dv]
+             Qe = q e^c                        [BT, Dk]
+             Kt = k e^(c_last - c)             [BT, Dk]
+             P  = (q k^T) e^(c_i - c_j), j <= i  [BT, BT]
+             e^c_last                          scalar
+  scan     grid (Hv, Dv / BV), chunks in order; the state slice S [Dk, BV] stays in fp32 registers:
+             u = U0 - W S;  o = Qe S + P u;  S <- e^c_last S + Kt^T u
+
+The Dv columns of the state never mix, so the scan splits them across programs. Each chunk runs the
+same code whatever T is, so T tokens in one call and the same tokens in calls split on chunk lines give
+the same bits. Padded rows of a partial last chunk load k = v = g = beta = 0 and so write zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# fp32 operands through three tf32 products: close to fp32, still on the tensor cores.
+DOT_PRECISION = "tf32x3"
+CHUNK_NUM_WARPS = 8
+SCAN_NUM_WARPS = 4
+SCAN_BLOCK_V = 32
+
+
+@triton.jit
+def _chunk_prepare_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
+    w_ptr, u_ptr, qe_ptr, kt_ptr, p_ptr, decay_ptr,
+    num_tokens, num_v_heads, heads_per_key, scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_gt, stride_gh, stride_bt, stride_bh,
+    DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_kh = i_h // heads_per_key
+    o_r = tl.arange(0, BT)
+    o_t = i_c * BT + o_r
+    m_t = o_t < num_tokens
+    o_k = tl.arange(0, BK)
+    m_k = o_k < DK
+    o_v = tl.arange(0, BV)
+    m_v = o_v < DV
+    # workspace rows of this (chunk, head)
+    i_w = i_c * num_v_heads + i_h
+
+    b_g = tl.load(g_ptr + o_t * stride_gt + i_h * stride_gh, mask=m_t, other=0.0).to(tl.float32)
+    b_beta = tl.load(beta_ptr + o_t * stride_bt + i_h * stride_bh, mask=m_t, other=0.0).to(tl.float32)
+    b_c = tl.cumsum(b_g, 0)  # [BT]; flat past the last token, so b_c[BT-1] is the last token's
+    b_c_last = tl.sum(tl.where(o_r == BT - 1, b_c, 0.0), 0)
+
+    p_k = k_ptr + o_t[:, None] * stride_kt + i_kh * stride_kh + o_k[None, :]
+    b_k = tl.load(p_k, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
+
+    causal = o_r[:, None] >= o_r[None, :]  # [i, j]: j <= i
+    upper = o_r[:, None] < o_r[None, :]  # [j, i]: j < i
+    # kept transposed so the substitution below reads a row of A as a column, with no layout change:
+    # A^T[j, i] = A[i, j] = beta_i (k_i . k_j) e^(c_i - c_j) for j < i (k k^T is symmetric)
+    b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
+    b_decay_t = tl.exp(tl.where(upper, b_c[None, :] - b_c[:, None], float("-inf")))
+    b_at = tl.where(upper, b_beta[None, :] * b_kk * b_decay_t, 0.0)
+    # (I + A)^-1 by forward substitution: X[i, :] = e_i - sum_{j<i} A[i, j] X[j, :]
+    b_x = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)
+    for i in range(1, BT):
+        b_a = tl.sum(tl.where(o_r[None, :] == i, b_at, 0.0), 1)  # [BT] over j: A[i, j]
+        b_s = tl.sum(b_a[:, None] * b_x, 0)  # [BT] over columns
+        b_x = b_x - tl.where(o_r[:, None] == i, b_s[None, :], 0.0)
+
+    o_wk = (i_w * BT + o_r[:, None]) * DK + o_k[None, :]
+    m_wk = m_k[None, :]
+    b_kb = b_k * (b_beta * tl.exp(b_c))[:, None]
+    b_w = tl.dot(b_x, b_kb, input_precision=PRECISION)
+    tl.store(w_ptr + o_wk, b_w, mask=m_wk)
+    b_kt = b_k * tl.exp(b_c_last - b_c)[:, None]
+    tl.store(kt_ptr + o_wk, b_kt, mask=m_wk)
+
+    p_v = v_ptr + o_t[:, None] * stride_vt + i_h * stride_vh + o_v[None, :]
+    b_v = tl.load(p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    b_u = tl.dot(b_x, b_v * b_beta[:, None], input_precision=PRECISION)
+    tl.store(u_ptr + (i_w * BT + o_r[:, None]) * DV + o_v[None, :], b_u, mask=m_v[None, :])
+
+    p_q = q_ptr + o_t[:, None] * stride_qt + i_kh * stride_qh + o_k[None, :]
+    b_q = tl.load(p_q, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None]
+    b_q = b_q * scale
+    b_decay = tl.exp(tl.where(causal, b_c[:, None] - b_c[None, :], float("-inf")))
+    b_p = tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * b_decay, 0.0)
+    tl.store(p_ptr + (i_w * BT + o_r[:, None]) * BT + o_r[None, :], b_p)
+    tl.store(qe_ptr + o_wk, b_q * tl.exp(b_c)[:, None], mask=m_wk)
+    tl.store(decay_ptr + i_w, tl.exp(b_c_last))
+
+
+@triton.jit
+def _chunk_scan_kernel(
+    w_ptr, u_ptr, qe_ptr, kt_ptr, p_ptr, decay_ptr, state_ptr, new_state_ptr, o_ptr,
+    num_tokens, num_chunks, num_v_heads, stride_ot, stride_oh,
+    DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    i_h, i_v = tl.program_id(0), tl.program_id(1)
+    o_r = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < DK
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < DV
+    o_s = i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]
+    m_s = m_k[:, None] & m_v[None, :]
+    b_s = tl.load(state_ptr + o_s, mask=m_s, other=0.0)  # [BK, BV] fp32
+    for i_c in range(num_chunks):
+        i_w = i_c * num_v_heads + i_h
+        o_wk = (i_w * BT + o_r[:, None]) * DK + o_k[None, :]
+        b_w = tl.load(w_ptr + o_wk, mask=m_k[None, :], other=0.0)
+        b_u = tl.load(u_ptr + (i_w * BT + o_r[:, None]) * DV + o_v[None, :], mask=m_v[None, :], other=0.0)
+        b_u = b_u - tl.dot(b_w, b_s, input_precision=PRECISION)
+        b_qe = tl.load(qe_ptr + o_wk, mask=m_k[None, :], other=0.0)
+        b_p = tl.load(p_ptr + (i_w * BT + o_r[:, None]) * BT + o_r[None, :])
+        b_o = tl.dot(b_qe, b_s, input_precision=PRECISION) + tl.dot(b_p, b_u, input_precision=PRECISION)
+        o_t = i_c * BT + o_r
+        p_o = o_ptr + o_t[:, None] * stride_ot + i_h * stride_oh + o_v[None, :]
+        tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=(o_t < num_tokens)[:, None] & m_v[None, :])
+        b_kt = tl.load(kt_ptr + o_wk, mask=m_k[None, :], other=0.0)
+        b_decay = tl.load(decay_ptr + i_w)
+        b_s = b_s * b_decay + tl.dot(tl.trans(b_kt), b_u, input_precision=PRECISION)
+    tl.store(new_state_ptr + o_s, b_s, mask=m_s)
+
+
+def _check_gdn_shapes(q, k, v, g, beta, state) -> tuple[int, int, int, int, int]:
+    """Shared by the chunk and recurrent wrappers: (T, Hk, Hv, Dk, Dv) or a ValueError naming the shape."""
+    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
+        raise ValueError(f"q, k must be [T, Hk, Dk] and v [T, Hv, Dv] with one T; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    num_tokens, num_k_heads, dk = q.shape
+    num_v_heads, dv = v.shape[1], v.shape[2]
+    if num_v_heads % num_k_heads:
+        raise ValueError(f"value heads {num_v_heads} must be a multiple of key heads {num_k_heads}")
+    if g.shape != (num_tokens, num_v_heads) or beta.shape != (num_tokens, num_v_heads):
+        raise ValueError(f"g and beta must be [T, Hv] = [{num_tokens}, {num_v_heads}]; got {tuple(g.shape)}, {tuple(beta.shape)}")
+    if state.shape != (num_v_heads, dk, dv):
+        raise ValueError(f"state must be [Hv, Dk, Dv] = [{num_v_heads}, {dk}, {dv}]; got {tuple(state.shape)}")
+    return num_tokens, num_k_heads, num_v_heads, dk, dv
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, chunk: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of naive.chunk_gated_delta_rule: o [T, Hv, Dv] (v's dtype), new state [Hv, Dk, Dv] fp32."""
+    num_tokens, num_k_heads, num_v_heads, dk, dv = _check_gdn_shapes(q, k, v, g, beta, state)
+    if chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two >= 16; got {chunk}")
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    state = state.float().contiguous()
+    out = torch.empty(num_tokens, num_v_heads, dv, dtype=v.dtype, device=v.device)
+    new_state = torch.empty_like(state)
+    if num_tokens == 0:
+        new_state.copy_(state)
+        return out, new_state
+    num_chunks = triton.cdiv(num_tokens, chunk)
+    block_k, block_v = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
+    ws = dict(dtype=torch.float32, device=v.device)
+    w = torch.empty(num_chunks, num_v_heads, chunk, dk, **ws)
+    u = torch.empty(num_chunks, num_v_heads, chunk, dv, **ws)
+    qe = torch.empty(num_chunks, num_v_heads, chunk, dk, **ws)
+    kt = torch.empty(num_chunks, num_v_heads, chunk, dk, **ws)
+    p = torch.empty(num_chunks, num_v_heads, chunk, chunk, **ws)
+    decay = torch.empty(num_chunks, num_v_heads, **ws)
+    _chunk_prepare_kernel[(num_chunks, num_v_heads)](
+        q, k, v, g, beta, w, u, qe, kt, p, decay,
+        num_tokens, num_v_heads, num_v_heads // num_k_heads, dk ** -0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+        DK=dk, DV=dv, BT=chunk, BK=block_k, BV=block_v, PRECISION=DOT_PRECISION,
+        num_warps=CHUNK_NUM_WARPS,
+    )
+    scan_block_v = min(SCAN_BLOCK_V, block_v)
+    _chunk_scan_kernel[(num_v_heads, triton.cdiv(dv, scan_block_v))](
+        w, u, qe, kt, p, decay, state, new_state, out,
+        num_tokens, num_chunks, num_v_heads, out.stride(0), out.stride(1),
+        DK=dk, DV=dv, BT=chunk, BK=block_k, BV=scan_block_v, PRECISION=DOT_PRECISION,
+        num_warps=SCAN_NUM_WARPS,
+    )
+    return out, new_state

@@ -1,0 +1,75 @@
+"""The gated delta rule one token at a time (decode) in Triton; the naive twin is
+naive.recurrent_gated_delta_rule.
+
+Grid (Hv, Dv / BV): the state's Dv columns never mix, so each program holds a slice S [Dk, BV] in fp32
+registers and walks the tokens in order (T is 1 in decode; any T works):
+    S <- e^g S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q
+q and k are L2-normalised in fp32 (q also scaled by Dk^-1/2) per token, as the twin does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .gdn_chunk import _check_gdn_shapes, _last_dim_contiguous
+
+RECURRENT_NUM_WARPS = 4
+RECURRENT_BLOCK_V = 32
+
+
+@triton.jit
+def _recurrent_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, new_state_ptr, o_ptr,
+    num_tokens, heads_per_key, scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, stride_oh,
+    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    i_h, i_v = tl.program_id(0), tl.program_id(1)
+    i_kh = i_h // heads_per_key
+    o_k = tl.arange(0, BK)
+    m_k = o_k < DK
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < DV
+    o_s = i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]
+    m_s = m_k[:, None] & m_v[None, :]
+    b_s = tl.load(state_ptr + o_s, mask=m_s, other=0.0)  # [BK, BV] fp32
+    for t in range(num_tokens):
+        b_q = tl.load(q_ptr + t * stride_qt + i_kh * stride_qh + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k_ptr + t * stride_kt + i_kh * stride_kh + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 0) + 1e-6)
+        b_q = b_q * scale
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
+        b_v = tl.load(v_ptr + t * stride_vt + i_h * stride_vh + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_g = tl.load(g_ptr + t * stride_gt + i_h * stride_gh).to(tl.float32)
+        b_beta = tl.load(beta_ptr + t * stride_bt + i_h * stride_bh).to(tl.float32)
+        b_s = b_s * tl.exp(b_g)
+        b_u = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
+        b_s = b_s + b_k[:, None] * b_u[None, :]
+        b_o = tl.sum(b_s * b_q[:, None], 0)
+        tl.store(o_ptr + t * stride_ot + i_h * stride_oh + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
+    tl.store(new_state_ptr + o_s, b_s, mask=m_s)
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of naive.recurrent_gated_delta_rule: o [T, Hv, Dv] (v's dtype), new state [Hv, Dk, Dv] fp32."""
+    num_tokens, num_k_heads, num_v_heads, dk, dv = _check_gdn_shapes(q, k, v, g, beta, state)
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    state = state.float().contiguous()
+    out = torch.empty(num_tokens, num_v_heads, dv, dtype=v.dtype, device=v.device)
+    new_state = torch.empty_like(state)
+    block_k = triton.next_power_of_2(dk)
+    block_v = min(RECURRENT_BLOCK_V, triton.next_power_of_2(dv))
+    _recurrent_kernel[(num_v_heads, triton.cdiv(dv, block_v))](
+        q, k, v, g, beta, state, new_state, out,
+        num_tokens, num_v_heads // num_k_heads, dk ** -0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
+        DK=dk, DV=dv, BK=block_k, BV=block_v,
+        num_warps=RECURRENT_NUM_WARPS,
+    )
+    return out, new_state

@@ -1,0 +1,92 @@
+"""The torch forward on the embedded default: determinism, grid exactness, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qse.models.qwen3_5 import InputError
+from qse.models.qwen3_5.presets import EMBEDDED_SHAPE
+
+GRID = 64
+
+
+def _state(model, cache):
+    return ([t.clone() for t in cache.recurrent], [t.clone() for t in cache.conv],
+            [cache.kv.read(s, cache.length) for s in range(len(model.cfg.attention_layers))])
+
+
+def _equal(a, b):
+    rec_a, conv_a, kv_a = a
+    rec_b, conv_b, kv_b = b
+    return (all(torch.equal(x, y) for x, y in zip(rec_a, rec_b)) and all(torch.equal(x, y) for x, y in zip(conv_a, conv_b))
+            and all(torch.equal(ka, kb) and torch.equal(va, vb) for (ka, va), (kb, vb) in zip(kv_a, kv_b)))
+
+
+def _read_on_grid(model, ids, grid=GRID):
+    cache = model.new_cache()
+    logits = [model.forward(ids[s : s + grid], cache, "last") for s in range(0, len(ids), grid)]
+    return cache, logits
+
+
+def test_embedded_default_has_the_real_vocabulary(tiny_engine):
+    cfg = tiny_engine.cfg
+    assert cfg.vocab_size == 248320
+    assert cfg.hidden_size == EMBEDDED_SHAPE["hidden_size"]
+    assert tiny_engine.chat.tokenizer.vocab_size == 248077
+    assert len(cfg.attention_layers) == 2 and len(cfg.gdn_layers) == 6
+
+
+def test_grid_reads_are_deterministic(tiny_engine):
+    model = tiny_engine.model
+    ids = torch.randint(0, 248000, (5 * GRID,), generator=torch.Generator().manual_seed(0))
+    a, la = _read_on_grid(model, ids)
+    b, lb = _read_on_grid(model, ids)
+    assert _equal(_state(model, a), _state(model, b))
+    assert all(torch.equal(x, y) for x, y in zip(la, lb))
+
+
+def test_grid_chunks_in_two_sittings_equal_one_fresh_prefill(tiny_engine):
+    """Reading 3 chunks, stopping, then 2 more equals reading all 5 at once on the same grid."""
+    model = tiny_engine.model
+    ids = torch.randint(0, 248000, (5 * GRID,), generator=torch.Generator().manual_seed(1))
+    fresh, _ = _read_on_grid(model, ids)
+    cache = model.new_cache()
+    for s in range(0, 3 * GRID, GRID):
+        model.forward(ids[s : s + GRID], cache, "none")
+    snapshot = [t.clone() for t in cache.recurrent]
+    for s in range(3 * GRID, 5 * GRID, GRID):
+        model.forward(ids[s : s + GRID], cache, "none")
+    assert _equal(_state(model, cache), _state(model, fresh))
+    assert not all(torch.equal(x, y) for x, y in zip(snapshot, cache.recurrent))
+
+
+def test_another_grid_is_close_but_is_another_rounding(tiny_engine):
+    model = tiny_engine.model
+    ids = torch.randint(0, 248000, (4 * GRID,), generator=torch.Generator().manual_seed(2))
+    a, la = _read_on_grid(model, ids, GRID)
+    b, lb = _read_on_grid(model, ids, 2 * GRID)
+    assert torch.allclose(la[-1], lb[-1], atol=1e-3)
+    assert torch.equal(la[-1].argmax(), lb[-1].argmax())
+
+
+@pytest.mark.parametrize("bad,match", [
+    (torch.tensor([1, 2, 248320]), "token id 248320 is outside the vocabulary"),
+    (torch.tensor([-1, 2]), "token id -1 is outside the vocabulary"),
+    (torch.tensor([], dtype=torch.long), "empty input"),
+    (torch.tensor([[1, 2]]), "1-D tensor"),
+], ids=["id-past-vocab", "negative-id", "empty", "2d"])
+def test_bad_ids_are_refused_with_the_value(tiny_engine, bad, match):
+    model = tiny_engine.model
+    cache = model.new_cache()
+    with pytest.raises(InputError, match=match):
+        model.forward(bad, cache)
+    assert cache.length == 0
+
+
+def test_window_is_enforced(tiny_engine):
+    model = tiny_engine.model
+    cache = model.new_cache()
+    cache.length = model.cfg.max_position_embeddings
+    with pytest.raises(InputError, match="exceeds the model window"):
+        model.forward(torch.tensor([1]), cache)
