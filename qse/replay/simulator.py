@@ -1,0 +1,413 @@
+"""Replay sessions through qse/core's decisions on a virtual clock.
+
+Each session of a usage ledger is replayed on its own engine (the served model serves only that
+session, as for one agent or one user): its turns arrive as recorded, the served model prefills
+from arrival to first token and decodes to the end, and the reader reads the session in whole grid
+chunks whenever qse/core lets it (`IdleWindow`/`IdleBurst` between turns, `TurnRation` between decode
+rounds), through the same `drive_plan` loop the runtime runs, charging the same `GpuLedger`. A chunk
+costs what the read model says at its context; the estimator learns from those costs, so decisions
+are taken on estimates and accounted on "measurements", as in the server.
+
+Time the reader takes from the served model pushes the rest of the session later (the client waits
+for the answer): a slice between decode rounds lengthens the turn, and a request that arrives during
+an idle chunk starts when that chunk ends.
+
+A turn start is where freshness is measured. The new prompt keeps what the session held before it
+up to `shared_prefix_tokens`; when the whole previous prompt is shared, the previous output is taken
+as kept too (inside a tool loop the template re-renders it verbatim), capped at the new prompt.
+If the reader had read past what is kept, it goes back to its newest checkpoint at or below (one at
+each turn's prompt end, on the grid, `checkpoints` kept), or to 0. Behind = kept - read after that;
+fresh = behind < grid. A session's first turn holds nothing before it and is fresh by definition;
+the report gives both all turn starts and follow-up turns only.
+
+Policy switches (the seed's policy is the default, all off): `ration_from="turn_start"` (the seed's
+first build, to show its decode loss), `prefill_share` (read during the served prefill, this share of
+its time: the first token comes later, the decode is untouched), `wake_on_end` (the idle window looks
+the moment a turn ends instead of at its next poll).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, NamedTuple
+
+from qse.core import (ChunkCostEstimator, DriveResult, GpuLedger, IdleWindow, Role, Stop, TurnRation, Window,
+                      drive_plan, plan_read, whole_chunks)
+from qse.replay.read_model import ReadModel
+from qse.replay.usage import UsageRecord, sessions_of
+
+RATION_FROM = ("first_token", "turn_start")
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    ration: float = 0.02
+    slice_ms: float = 150.0
+    idle_poll_s: float = 0.2
+    idle_burst_s: float = 2.0
+    grid: int = 512
+    checkpoints: int = 6
+    chunk_prior_ms: float | None = None  # None: the read model's cost at context 0
+    estimator_bucket_tokens: int = 4096
+    output_kept: bool = True  # modelling: a fully shared previous prompt keeps its output too
+    # policy switches (all off: the seed's policy)
+    ration_from: str = "first_token"
+    prefill_share: float = 0.0
+    wake_on_end: bool = False
+
+    def __post_init__(self) -> None:
+        if self.ration_from not in RATION_FROM:
+            raise ValueError(f"ration_from must be one of {RATION_FROM}, got {self.ration_from!r}")
+        if self.grid <= 0:
+            raise ValueError(f"grid must be a positive number of rows, got {self.grid}")
+        if self.checkpoints < 0:
+            raise ValueError(f"checkpoints must be >= 0, got {self.checkpoints}")
+
+    @classmethod
+    def from_settings(cls, settings=None, **overrides) -> "SimOptions":
+        from qse.settings import SETTINGS
+
+        settings = SETTINGS if settings is None else settings
+        base = dict(ration=settings.get("QSE_SHADOW_RATION"), slice_ms=settings.get("QSE_SHADOW_SLICE_MS"),
+                    idle_poll_s=settings.get("QSE_SHADOW_IDLE_POLL_S"),
+                    idle_burst_s=settings.get("QSE_SHADOW_IDLE_BURST_S"), grid=settings.get("QSE_SHADOW_GRID"),
+                    checkpoints=settings.get("QSE_SHADOW_CHECKPOINTS"))
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**base)
+
+
+class TurnStart(NamedTuple):
+    session: str
+    turn: int
+    arrival_s: float  # virtual wall clock, after the session's shifts
+    kept_tokens: int  # what the new prompt keeps of what the session held
+    behind_tokens: int
+    rolled_back_tokens: int  # read rows the reader lost going back to a checkpoint
+    fresh: bool
+    prompt_ready_s: float | None  # from arrival until the prompt's whole chunks were read (None: not before the next turn)
+
+
+class Decision(NamedTuple):
+    """One plan carried out: the decision trace the equivalence test compares."""
+
+    session: str
+    turn: int  # the turn it belongs to (idle: the turn it preceded)
+    window: Window
+    opened_s: float
+    start_row: int
+    num_chunks: int
+    gpu_us: int
+    stop: Stop
+
+
+@dataclass
+class SimResult:
+    options: SimOptions
+    turn_starts: list[TurnStart] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
+    ledger: GpuLedger = field(default_factory=GpuLedger)
+    served_prefill_s: float = 0.0
+    served_decode_s: float = 0.0
+    request_waits_ms: list[float] = field(default_factory=list)
+    num_sessions: int = 0
+    num_overlapping_turns: int = 0
+
+    def report(self) -> dict:
+        return build_report(self)
+
+
+def _percentile(values: list[float], p: float) -> float | None:
+    """Nearest-rank percentile (an observed value; None for no values)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(p / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def _dist(values: list[float]) -> dict:
+    return {"n": len(values), "p50": _percentile(values, 50), "p90": _percentile(values, 90),
+            "p99": _percentile(values, 99), "max": max(values) if values else None}
+
+
+def build_report(result: SimResult) -> dict:
+    starts = result.turn_starts
+    follow = [s for s in starts if s.turn > 0]
+    total = result.ledger.balance()
+    idle_ms = total.gpu_ms(Role.READER_IDLE)
+    ration_ms = total.gpu_ms(Role.READER_RATION)
+    prefill_ms = total.gpu_ms(Role.READER_PREFILL)
+    decode_ms = result.served_decode_s * 1000
+    prefill_served_ms = result.served_prefill_s * 1000
+    reader_ms = idle_ms + ration_ms + prefill_ms
+    ready = [s.prompt_ready_s for s in starts if s.prompt_ready_s is not None]
+    return {
+        "num_sessions": result.num_sessions,
+        "num_turns": len(starts),
+        "num_followup_turns": len(follow),
+        "fresh_share": (sum(s.fresh for s in starts) / len(starts)) if starts else None,
+        "fresh_share_followups": (sum(s.fresh for s in follow) / len(follow)) if follow else None,
+        "behind_tokens": _dist([s.behind_tokens for s in starts]),
+        "behind_tokens_followups": _dist([s.behind_tokens for s in follow]),
+        "rolled_back_tokens": sum(s.rolled_back_tokens for s in starts),
+        "reader_ms": {"idle": idle_ms, "ration": ration_ms, "prefill": prefill_ms, "total": reader_ms},
+        "reader_share_by_window": ({"idle": idle_ms / reader_ms, "ration": ration_ms / reader_ms,
+                                    "prefill": prefill_ms / reader_ms} if reader_ms > 0 else None),
+        "served_decode_ms": decode_ms,
+        "served_prefill_ms": prefill_served_ms,
+        "decode_loss": (ration_ms / decode_ms) if decode_ms > 0 else None,
+        "prefill_loss": (prefill_ms / prefill_served_ms) if prefill_served_ms > 0 else None,
+        "estimate_error_ms": {r.value: total.estimate_error_us(r) / 1000
+                              for r in (Role.READER_IDLE, Role.READER_RATION, Role.READER_PREFILL)},
+        "request_wait_ms": _dist(result.request_waits_ms),
+        "prompt_ready_s": {**_dist(ready), "num_not_ready_by_next_turn": len(starts) - len(ready)},
+        "num_overlapping_turns": result.num_overlapping_turns,
+        "options": asdict(result.options),
+    }
+
+
+class Simulator:
+    """Replays sessions; one estimator and one ledger over the whole replay (an engine that has been running)."""
+
+    def __init__(self, read_model: ReadModel, options: SimOptions = SimOptions(), record_decisions: bool = False):
+        self.read_model = read_model
+        self.options = options
+        self.record_decisions = record_decisions
+        prior = options.chunk_prior_ms
+        if prior is None:
+            prior = read_model.ms_per_chunk(0, options.grid)
+        self.estimator = ChunkCostEstimator(prior, options.estimator_bucket_tokens)
+        self.idle = IdleWindow(options.idle_poll_s, options.idle_burst_s)
+        self.ration = TurnRation(options.ration, options.slice_ms, Window.RATION)
+        self.prefill = (TurnRation(options.prefill_share, options.slice_ms, Window.PREFILL)
+                        if options.prefill_share > 0 else None)
+        self.result = SimResult(options)
+
+    # -- the whole replay ----------------------------------------------------------------------
+    def run(self, records: Iterable[UsageRecord], progress: bool = False) -> SimResult:
+        sessions = sessions_of(records)
+        items: Iterable = sessions.items()
+        if progress:
+            from tqdm import tqdm
+
+            items = tqdm(items, total=len(sessions), unit="session", desc="replay", file=sys.stderr)
+        for session_id, recs in items:
+            _SessionReplay(self, session_id).run(recs)
+            self.result.num_sessions += 1
+        return self.result
+
+
+class _SessionReplay:
+    """One session on its own engine. All times are the virtual wall clock."""
+
+    def __init__(self, sim: Simulator, session_id: str):
+        self.sim = sim
+        self.opt = sim.options
+        self.grid = sim.options.grid
+        self.session_id = session_id
+        self.committed = 0  # rows read, a multiple of grid
+        self.known = 0  # ids the session holds
+        self.prompt = 0  # the current turn's prompt length
+        self.checkpoints: list[int] = []  # rows with a recurrent-state checkpoint, oldest first
+        self.prompt_lines: set[int] = set()  # prompt-end grid lines not yet checkpointed
+        self.now = 0.0
+        self.turn = 0
+        self.ready_target = 0
+        self.ready_at: float | None = None
+        self.arrival = 0.0
+
+    # -- reading ---------------------------------------------------------------------------------
+    def _read_chunk(self, row: int) -> float:
+        ms = self.sim.read_model.ms_per_chunk(row, self.grid)
+        self.now += ms / 1000
+        end = row + self.grid
+        if end in self.prompt_lines:
+            self.prompt_lines.discard(end)
+            self.checkpoints.append(end)
+            if len(self.checkpoints) > self.opt.checkpoints:
+                self.checkpoints.pop(0)
+        if self.ready_at is None and end >= self.ready_target:
+            self.ready_at = self.now - self.arrival
+        return ms
+
+    def _drive(self, window: Window, decision, turn_id: str | None, waiting_at: float | None,
+               budget_ms: float, est_ms: float) -> DriveResult | None:
+        plan = plan_read(window, session_id=self.session_id, turn_id=turn_id, committed_rows=self.committed,
+                         prompt_tokens=self.prompt, known_tokens=self.known, grid=self.grid,
+                         budget_ms=budget_ms, first_chunk_est_ms=est_ms)
+        if plan is None:
+            return None
+        opened = self.now
+        res = drive_plan(plan, decision, estimator=self.sim.estimator, ledger=self.sim.result.ledger,
+                         read_chunk=self._read_chunk, clock=lambda: self.now,
+                         request_waiting=lambda: waiting_at is not None and self.now >= waiting_at)
+        self.committed = res.end_row
+        if self.sim.record_decisions:
+            self.sim.result.decisions.append(Decision(self.session_id, self.turn, window, opened, plan.start_row,
+                                                      res.num_chunks, res.gpu_us, res.stop))
+        return res
+
+    # -- the idle window between two turns -------------------------------------------------------
+    def _idle(self, free_s: float, arrival_s: float, next_poll_s: float) -> tuple[float, float]:
+        """Idle reading from `free_s` (the engine is free) until the request arriving at `arrival_s`.
+        Returns (when the turn may start, the next poll)."""
+        idle = self.sim.idle
+        t = free_s if self.opt.wake_on_end else idle.first_poll_at_or_after(next_poll_s, free_s)
+        start = arrival_s
+        while t < arrival_s:
+            if whole_chunks(self.committed, self.known, self.grid) == 0:
+                return start, t
+            est = self.sim.estimator.estimate_ms(self.committed)
+            if est > idle.burst_s * 1000:
+                return start, t  # no chunk ever fits a burst
+            self.now = t
+            burst = idle.open(t)
+            self._drive(Window.IDLE, burst, None, arrival_s, idle.burst_s * 1000, est)
+            start = max(start, self.now)
+            t = idle.next_poll_s(self.now)
+        return start, t
+
+    # -- the served prefill (exploratory window) -------------------------------------------------
+    def _prefill(self, turn_id: str, start_s: float, prefill_s: float) -> float:
+        """Read during the served prefill under its share; returns the reader's time spent (s)."""
+        share = self.sim.prefill
+        ledger = self.sim.result.ledger
+        spent_s = 0.0
+        t = start_s
+        while share is not None and whole_chunks(self.committed, self.known, self.grid) > 0:
+            est = self.sim.estimator.estimate_ms(self.committed)
+            spent_us = ledger.spent_us(Role.READER_PREFILL, turn_id) or 0
+            sl = share.open_slice(t, start_s, spent_us, est)
+            if sl is None:
+                t_star = share.earliest_s(start_s, spent_us, est)
+                if t_star is None or t_star - start_s - spent_s >= prefill_s:
+                    break
+                t = max(t_star, t)
+                continue
+            self.now = t
+            self._drive(Window.PREFILL, sl, turn_id, None, sl.budget_us / 1000, est)
+            spent_s += self.now - t
+            t = self.now
+        return spent_s
+
+    # -- the ration between decode rounds --------------------------------------------------------
+    def _decode(self, turn_id: str, first_token_s: float, since_s: float, decode_s: float, output_tokens: int) -> float:
+        """The ration's slices between decode rounds; returns the reader's time inside the decode (s)."""
+        ration = self.sim.ration
+        ledger = self.sim.result.ledger
+        if output_tokens < 2 or decode_s <= 0:
+            return 0.0
+        round_s = decode_s / output_tokens
+        reader_s = 0.0
+        i = 1  # the boundary after round i: i output ids are known
+        while i <= output_tokens - 1:
+            self.known = self.prompt + i
+            if whole_chunks(self.committed, self.known, self.grid) == 0:
+                i = self.committed + self.grid - self.prompt  # the round that completes the next chunk
+                continue
+            est = self.sim.estimator.estimate_ms(self.committed)
+            t_i = first_token_s + i * round_s + reader_s
+            spent_us = ledger.spent_us(Role.READER_RATION, turn_id) or 0
+            sl = ration.open_slice(t_i, since_s, spent_us, est)
+            if sl is None:
+                t_star = ration.earliest_s(since_s, spent_us, est)
+                if t_star is None:
+                    break
+                i = max(i + 1, math.ceil((t_star - first_token_s - reader_s) / round_s))
+                continue
+            self.now = t_i
+            self._drive(Window.RATION, sl, turn_id, None, sl.budget_us / 1000, est)
+            reader_s += self.now - t_i
+            i += 1
+        return reader_s
+
+    # -- one session -----------------------------------------------------------------------------
+    def _turn_start(self, rec: UsageRecord, prev: UsageRecord | None) -> TurnStart:
+        kept = 0
+        if prev is not None:
+            kept = rec.shared_prefix_tokens
+            if self.opt.output_kept and rec.shared_prefix_tokens >= prev.prompt_tokens:
+                kept = min(rec.prompt_tokens, prev.prompt_tokens + prev.output_tokens)
+            kept = min(kept, self.known)
+        rolled_back = 0
+        if self.committed > kept:
+            back_to = max((c for c in self.checkpoints if c <= kept), default=0)
+            rolled_back = self.committed - back_to
+            self.committed = back_to
+            self.checkpoints = [c for c in self.checkpoints if c <= back_to]
+        self.prompt_lines = {line for line in self.prompt_lines if line <= kept}
+        behind = max(0, kept - self.committed)
+        return TurnStart(self.session_id, self.turn, self.arrival, kept, behind, rolled_back, behind < self.grid, None)
+
+    def run(self, recs: list[UsageRecord]) -> None:
+        result = self.sim.result
+        ledger = result.ledger
+        shift_s = 0.0  # how much later than recorded this session runs, from the reader's time
+        free_s: float | None = None  # when the previous turn ended
+        next_poll_s = recs[0].arrival_s if recs else 0.0
+        prev: UsageRecord | None = None
+        pending: TurnStart | None = None
+        for k, rec in enumerate(recs):
+            self.turn = k
+            arrival = rec.arrival_s + shift_s
+            if free_s is not None and arrival < free_s:
+                result.num_overlapping_turns += 1
+                shift_s += free_s - arrival
+                arrival = free_s
+            if free_s is not None:
+                start, next_poll_s = self._idle(free_s, arrival, next_poll_s)
+                if start > arrival:
+                    result.request_waits_ms.append((start - arrival) * 1000)
+                    shift_s += start - arrival
+                    arrival = start
+            if pending is not None:
+                result.turn_starts.append(pending._replace(prompt_ready_s=self.ready_at))
+            self.arrival = arrival
+            start_rec = self._turn_start(rec, prev)
+
+            turn_id = f"{self.session_id}#{k}"
+            ledger.open_turn(turn_id)
+            self.prompt = rec.prompt_tokens
+            self.known = rec.prompt_tokens
+            line = (rec.prompt_tokens // self.grid) * self.grid
+            if line > 0:
+                if line == self.committed and line not in self.checkpoints:
+                    self.checkpoints.append(line)
+                    self.checkpoints = self.checkpoints[-self.opt.checkpoints:] if self.opt.checkpoints else []
+                elif line > self.committed:
+                    self.prompt_lines.add(line)
+            self.ready_target = line
+            self.ready_at = 0.0 if self.committed >= line else None
+            pending = start_rec
+
+            prefill_s = rec.first_token_s - rec.arrival_s
+            decode_s = rec.end_s - rec.first_token_s
+            ledger.record(Role.SERVED_PREFILL, prefill_s * 1000, turn_id=turn_id)
+            reader_prefill_s = self._prefill(turn_id, arrival, prefill_s) if self.sim.prefill else 0.0
+            first_token = arrival + prefill_s + reader_prefill_s
+            since = first_token if self.opt.ration_from == "first_token" else arrival
+            reader_decode_s = self._decode(turn_id, first_token, since, decode_s, rec.output_tokens)
+            ledger.record(Role.SERVED_DECODE, decode_s * 1000, turn_id=turn_id)
+            ledger.close_turn(turn_id)
+
+            shift_s += reader_prefill_s + reader_decode_s
+            free_s = first_token + decode_s + reader_decode_s
+            self.known = rec.prompt_tokens + rec.output_tokens
+            result.served_prefill_s += prefill_s
+            result.served_decode_s += decode_s
+            prev = rec
+        if free_s is not None:  # after the last turn the idle window reads until the reader catches up
+            self.turn = len(recs)
+            self._idle(free_s, math.inf, next_poll_s)
+        if pending is not None:
+            result.turn_starts.append(pending._replace(prompt_ready_s=self.ready_at))
+
+
+def simulate(records: Iterable[UsageRecord], read_model: ReadModel | None = None,
+             options: SimOptions = SimOptions(), progress: bool = False,
+             record_decisions: bool = False) -> SimResult:
+    """Replay `records` and return the result (`.report()` for the summary)."""
+    sim = Simulator(read_model or ReadModel.flat(), options, record_decisions)
+    return sim.run(records, progress=progress)

@@ -1,0 +1,357 @@
+"""One parked session, one safetensors file: its whole state, checkpoints, ids and fingerprints.
+
+    <dir>/<sha256(session id)>.safetensors      (the id itself is stored inside)
+    [u64 header length][header JSON: __metadata__ first, then one entry a tensor][tensor bytes]
+
+    tensors   ids                              int32 [num_ids]   everything the session knew
+              ckpt.<i>.recurrent.<j>, ckpt.<i>.conv.<j>          checkpoint i's GDN state (positions in metadata)
+              state.s.<name>, state.v.<name>                     the ModelState (sections, KV views)
+    metadata  format, version, the fingerprints (weights, grid, signature, kernel), session_id,
+              committed, checkpoints, checkpoint_lines, mode, stats, written_s, ids_sha256, checksum
+
+The file is the safetensors layout (any safetensors reader opens it), written here so that it can
+stream, hash and sync: it goes to a temporary name in the same directory, is fsynced, renamed into
+place, and the directory is fsynced, so a reader sees no file or a whole one. The checksum is the
+sha256 of every byte of the file with the checksum's own 64 characters read as '0'. A file is read
+only when its format, version and every fingerprint match and the checksum holds; anything else is
+a `FileMiss` carrying one reason from `MISS_REASONS`.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import math
+import os
+import secrets
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+FORMAT = "qse.shadow.session"
+VERSION = 1
+SUFFIX = ".safetensors"
+TMP_SUFFIX = ".tmp"
+CHECKSUM_KEY = "checksum"
+_ZERO_DIGEST = "0" * 64
+_DIGEST_MARK = f'"{CHECKSUM_KEY}":"'.encode()
+_MAX_HEADER_NBYTES = 100 << 20
+_IO_BLOCK = 64 << 20
+
+# why a file was not read back (or not written): the keys of the store's miss counts
+MISS_REASONS = (
+    "empty", "truncated", "corrupt", "checksum", "format", "version", "weights", "grid", "signature", "kernel",
+    "session_id", "unreadable", "missing", "no_room",  # reading
+    "disk_full", "read_only", "write_error", "disk_cap",  # writing
+)
+
+_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_CODES = {code: dtype for dtype, code in _DTYPES.items()}
+
+
+class FileMiss(Exception):
+    """A parked file that cannot be used (or written); `reason` is one of MISS_REASONS."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What must match for a parked state to continue exactly on this reader."""
+
+    weights_id: str
+    grid: int
+    signature: str  # ModelState signature: tensor names, shapes and dtypes
+    kernel: str  # kernels, torch build and device that wrote the state
+
+    def metadata(self) -> dict[str, str]:
+        return {"weights_id": self.weights_id, "grid": str(self.grid), "signature": self.signature, "kernel": self.kernel}
+
+    def check(self, meta: dict[str, str]) -> None:
+        """Raise FileMiss naming the first fingerprint that differs."""
+        for reason, key, mine in (("weights", "weights_id", self.weights_id), ("grid", "grid", str(self.grid)),
+                                  ("signature", "signature", self.signature), ("kernel", "kernel", self.kernel)):
+            theirs = meta.get(key)
+            if theirs != mine:
+                raise FileMiss(reason, f"file has {key}={theirs!r}, this reader {mine!r}")
+
+
+def kernel_fingerprint(device: torch.device) -> str:
+    """qse_kernels' fingerprint when it offers one, plus the torch build and the device model."""
+    import qse_kernels
+
+    fn = getattr(qse_kernels, "kernel_fingerprint", None)
+    base = str(fn()) if callable(fn) else "qse_kernels:unversioned"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        where = f"cuda:{torch.cuda.get_device_name(device)}:sm{major}{minor}"
+    else:
+        where = device.type
+    return f"{base}|torch-{torch.__version__}|{where}"
+
+
+def file_name(session_id: str) -> str:
+    """Session ids may hold any characters; the file is named by their hash."""
+    return hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest() + SUFFIX
+
+
+def is_temp_name(name: str) -> bool:
+    return name.startswith(".") and name.endswith(TMP_SUFFIX)
+
+
+def write_reason(exc: OSError) -> str:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "disk_full"
+    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return "read_only"
+    return "write_error"
+
+
+# ---- writing ---------------------------------------------------------------------------------
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    flat = t.detach().reshape(-1).contiguous().cpu()
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    view = data.cast("B") if data.format != "B" else data
+    while len(view):
+        n = os.write(fd, view[:_IO_BLOCK])
+        view = view[n:]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _header_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    meta = {CHECKSUM_KEY: _ZERO_DIGEST, **{k: v for k, v in metadata.items() if k != CHECKSUM_KEY}}
+    entries: dict[str, object] = {"__metadata__": meta}
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"tensor {name!r} has dtype {t.dtype}, which a parked file cannot hold")
+        n = t.numel() * t.element_size()
+        entries[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    header = json.dumps(entries, separators=(",", ":")).encode()  # ASCII: json escapes the rest
+    return header + b" " * (-len(header) % 8)
+
+
+def write_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+    """Write tensors and metadata to `path` atomically (temp name, fsync, rename, fsync dir).
+
+    Returns the file's size. Raises OSError when the disk refuses; the temporary file is removed
+    then, and whatever was at `path` before is untouched.
+    """
+    path = Path(path)
+    header = _header_bytes(tensors, metadata)
+    prefix = struct.pack("<Q", len(header))
+    digest_at = len(prefix) + header.index(_DIGEST_MARK) + len(_DIGEST_MARK)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        h = hashlib.sha256()
+        h.update(prefix)
+        h.update(header)
+        _write_all(fd, memoryview(prefix + header))
+        size = len(prefix) + len(header)
+        for t in tensors.values():
+            data = _tensor_bytes(t)
+            h.update(data)
+            _write_all(fd, data)
+            size += data.nbytes
+        digest = h.hexdigest().encode()
+        if os.pwrite(fd, digest, digest_at) != len(digest):
+            raise OSError(errno.EIO, "short write of the checksum")
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    os.close(fd)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+    return size
+
+
+# ---- reading ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Entry:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # offsets in the data section
+    end: int
+
+
+@dataclass(frozen=True)
+class FileHeader:
+    path: Path
+    meta: dict[str, str]
+    entries: dict[str, Entry]  # in file order
+    data_start: int  # 8 + header length
+    size: int
+    hashed_head: bytes  # length prefix + header with the checksum read as zeros
+
+
+def read_header(path: Path) -> FileHeader:
+    """Parse and check the header: format, version, layout and sizes (not the fingerprints)."""
+    path = Path(path)
+    try:
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                raise FileMiss("empty", "zero-length file")
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise FileMiss("truncated", f"{size} bytes, shorter than the length prefix")
+            (n,) = struct.unpack("<Q", prefix)
+            if n > _MAX_HEADER_NBYTES:
+                raise FileMiss("corrupt", f"header length {n} is not plausible")
+            if 8 + n > size:
+                raise FileMiss("truncated", f"header of {n} bytes, file of {size}")
+            header = _read_exact(f, n)
+    except FileNotFoundError:
+        raise FileMiss("missing", str(path)) from None
+    except IsADirectoryError:
+        raise FileMiss("unreadable", f"{path} is a directory") from None
+    except OSError as exc:
+        raise FileMiss("unreadable", f"{exc.strerror or exc}") from None
+    try:
+        raw = json.loads(header.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise FileMiss("corrupt", f"header is not JSON ({exc})") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("__metadata__"), dict):
+        raise FileMiss("corrupt", "header has no __metadata__")
+    meta = raw.pop("__metadata__")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise FileMiss("corrupt", "metadata values must be strings")
+    if meta.get("format") != FORMAT:
+        raise FileMiss("format", f"format {meta.get('format')!r}, expected {FORMAT!r}")
+    if meta.get("version") != str(VERSION):
+        raise FileMiss("version", f"format version {meta.get('version')!r}, this build reads {VERSION}")
+    entries = _parse_entries(raw)
+    data_nbytes = max((e.end for e in entries.values()), default=0)
+    if 8 + n + data_nbytes > size:
+        raise FileMiss("truncated", f"tensors end at {8 + n + data_nbytes}, the file at {size}")
+    if 8 + n + data_nbytes < size:
+        raise FileMiss("corrupt", f"{size - 8 - n - data_nbytes} bytes after the last tensor")
+    mark = header.find(_DIGEST_MARK)
+    digest = header[mark + len(_DIGEST_MARK) : mark + len(_DIGEST_MARK) + 64] if mark >= 0 else b""
+    if mark < 0 or digest.decode("ascii", "replace") != meta.get(CHECKSUM_KEY):
+        raise FileMiss("corrupt", "checksum field is not where it was written")
+    at = mark + len(_DIGEST_MARK)
+    zeroed = header[:at] + _ZERO_DIGEST.encode() + header[at + 64 :]
+    return FileHeader(path, meta, entries, 8 + n, size, prefix + zeroed)
+
+
+def _parse_entries(raw: dict) -> dict[str, Entry]:
+    entries: dict[str, Entry] = {}
+    try:
+        for name, spec in raw.items():
+            dtype = _CODES[spec["dtype"]]
+            shape = tuple(int(d) for d in spec["shape"])
+            start, end = (int(x) for x in spec["data_offsets"])
+            if any(d < 0 for d in shape) or end - start != math.prod(shape) * _itemsize(dtype):
+                raise ValueError(f"tensor {name!r}: offsets do not match its shape")
+            entries[name] = Entry(dtype, shape, start, end)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FileMiss("corrupt", f"bad tensor entry ({exc})") from None
+    ordered = sorted(entries.items(), key=lambda kv: kv[1].start)
+    at = 0
+    for name, e in ordered:
+        if e.start != at:
+            raise FileMiss("corrupt", f"tensor {name!r} starts at {e.start}, expected {at}")
+        at = e.end
+    return dict(ordered)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _read_exact(f, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = f.readinto(view[got:])
+        if not k:
+            raise FileMiss("truncated", f"file ended {n - got} bytes early")
+        got += k
+    return bytes(buf)
+
+
+def _readinto_exact(f, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        k = f.readinto(view[got : got + _IO_BLOCK])
+        if not k:
+            raise FileMiss("truncated", f"file ended {len(view) - got} bytes early")
+        got += k
+
+
+def read_tensors(header: FileHeader, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """CPU tensors of the file. With `names` None every tensor is read and the checksum verified;
+    with a list, only those tensors are read (no checksum: the caller verifies them otherwise)."""
+    wanted = list(header.entries) if names is None else names
+    out: dict[str, torch.Tensor] = {}
+    h = hashlib.sha256(header.hashed_head) if names is None else None
+    try:
+        with open(header.path, "rb", buffering=0) as f:
+            if os.fstat(f.fileno()).st_size != header.size:
+                raise FileMiss("truncated" if os.fstat(f.fileno()).st_size < header.size else "corrupt",
+                               "the file changed size since its header was read")
+            f.seek(header.data_start)
+            for name in wanted:
+                e = header.entries.get(name)
+                if e is None:
+                    raise FileMiss("corrupt", f"no tensor {name!r}")
+                buf = torch.empty(e.end - e.start, dtype=torch.uint8)
+                view = memoryview(buf.numpy())
+                if names is not None:
+                    f.seek(header.data_start + e.start)
+                _readinto_exact(f, view)
+                if h is not None:
+                    h.update(view)
+                out[name] = buf.view(e.dtype).reshape(e.shape) if buf.numel() else torch.empty(e.shape, dtype=e.dtype)
+    except FileNotFoundError:
+        raise FileMiss("missing", str(header.path)) from None
+    except OSError as exc:
+        raise FileMiss("unreadable", f"{exc.strerror or exc}") from None
+    if h is not None and h.hexdigest() != header.meta.get(CHECKSUM_KEY):
+        raise FileMiss("checksum", f"sha256 {h.hexdigest()[:16]}..., the file says {header.meta.get(CHECKSUM_KEY, '')[:16]}...")
+    return out
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(_tensor_bytes(t)).hexdigest()
+
+
+__all__ = ["FORMAT", "MISS_REASONS", "VERSION", "Entry", "FileHeader", "FileMiss", "Fingerprint", "file_name",
+           "is_temp_name", "kernel_fingerprint", "read_header", "read_tensors", "tensor_sha256", "write_file",
+           "write_reason"]
