@@ -85,6 +85,7 @@ _DECLARED: list[Setting] = [
     Setting("QSE_HOST", str, "127.0.0.1", "address the server binds"),
     Setting("QSE_PORT", int, 8000, "port the server binds"),
     Setting("QSE_ROOT_PATH", str, "", "ASGI root path when served under a prefix behind a proxy"),
+    Setting("QSE_FORWARDED_ALLOW_IPS", str, "127.0.0.1", "proxies whose X-Forwarded-For/-Proto are trusted (comma list, * for any)"),
     Setting("QSE_API_KEY", str, "", "if set, every route but /healthz needs 'Authorization: Bearer <key>'"),
     Setting("QSE_MAX_BODY_BYTES", int, 8 * 1024 * 1024, "largest request body accepted, bytes"),
     Setting("QSE_MAX_PROMPT_TOKENS", int, 262144, "largest prompt accepted, tokens"),

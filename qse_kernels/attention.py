@@ -15,6 +15,8 @@ depends on nothing but the inputs.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -25,6 +27,11 @@ PREFILL_MIN_SPLIT_ROWS = 1024
 DECODE_MIN_SPLIT_ROWS = 256
 COMBINE_BLOCK_SPLITS = 16
 LOG2_E = 1.4426950408889634
+
+
+def _interpreting() -> bool:
+    """Triton 3.9's interpreter multiplies 16-bit float dot operands as raw integers: widen them there."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _config(num_q: int, group: int, head_dim: int) -> dict:
@@ -48,7 +55,7 @@ def split_rows(num_q: int, num_heads: int, num_kv: int, head_dim: int, num_rows:
 
 @triton.jit
 def _attn_block(b_q, k_ptr, v_ptr, n, o_n, o_d, m_d, pos, num_rows, stride_kl, stride_vl,
-                b_m, b_l, b_acc, scale_log2, MASKED: tl.constexpr):
+                b_m, b_l, b_acc, scale_log2, MASKED: tl.constexpr, DOT_FP32: tl.constexpr):
     """One BN block of keys into the online softmax state (b_m, b_l, b_acc)."""
     o_key = n + o_n
     if MASKED:
@@ -58,6 +65,8 @@ def _attn_block(b_q, k_ptr, v_ptr, n, o_n, o_d, m_d, pos, num_rows, stride_kl, s
     else:
         b_k = tl.load(k_ptr + o_key[:, None] * stride_kl + o_d[None, :], mask=m_d[None, :], other=0.0)
         b_v = tl.load(v_ptr + o_key[:, None] * stride_vl + o_d[None, :], mask=m_d[None, :], other=0.0)
+    if DOT_FP32:
+        b_k, b_v = b_k.to(tl.float32), b_v.to(tl.float32)
     b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2
     if MASKED:
         b_s = tl.where((o_key[None, :] <= pos[:, None]) & (o_key < num_rows)[None, :], b_s, float("-inf"))
@@ -77,7 +86,7 @@ def _attn_kernel(
     q_start, num_q, num_heads, num_rows, rows_per_split, scale_log2,
     stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ot, stride_oh,
     G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     i_m, i_hk, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_m = i_m * BM + tl.arange(0, BM)
@@ -90,6 +99,8 @@ def _attn_kernel(
     o_n = tl.arange(0, BN)
     p_q = q_ptr + o_t[:, None] * stride_qt + o_head[:, None] * stride_qh + o_d[None, :]
     b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)
+    if DOT_FP32:
+        b_q = b_q.to(tl.float32)
 
     t_first = (i_m * BM) // G
     t_last = tl.minimum((i_m * BM + BM - 1) // G, num_q - 1)
@@ -106,10 +117,10 @@ def _attn_kernel(
     v_head = v_ptr + i_hk * stride_vh
     for n in range(lo, full_hi, BN):
         b_m, b_l, b_acc = _attn_block(b_q, k_head, v_head, n, o_n, o_d, m_d, pos, num_rows, stride_kl, stride_vl,
-                                      b_m, b_l, b_acc, scale_log2, MASKED=False)
+                                      b_m, b_l, b_acc, scale_log2, MASKED=False, DOT_FP32=DOT_FP32)
     for n in range(full_hi, hi, BN):
         b_m, b_l, b_acc = _attn_block(b_q, k_head, v_head, n, o_n, o_d, m_d, pos, num_rows, stride_kl, stride_vl,
-                                      b_m, b_l, b_acc, scale_log2, MASKED=True)
+                                      b_m, b_l, b_acc, scale_log2, MASKED=True, DOT_FP32=DOT_FP32)
 
     m_out = m_m[:, None] & m_d[None, :]
     if SPLIT:
@@ -197,6 +208,7 @@ def attention_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: 
         q_start, num_q, num_heads, num_rows, rows_per_split, scale * LOG2_E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         G=group, D=head_dim, BD=block_d, BM=cfg["BM"], BN=cfg["BN"], SPLIT=is_split,
+        DOT_FP32=_interpreting() and q.dtype != torch.float32,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if is_split:

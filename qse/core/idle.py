@@ -75,8 +75,9 @@ class IdleWindow:
         """The first look at or after `t` of a loop that last looked at `last_poll_s` and found work busy."""
         if t <= last_poll_s:
             return last_poll_s
+        # round first so 0.6 / 0.2 = 2.9999999999999996 counts as 3 looks, and never answer before t
         n = math.ceil(round((t - last_poll_s) / self.poll_s, 9))
-        return last_poll_s + n * self.poll_s
+        return max(t, last_poll_s + n * self.poll_s)
 
 
 @dataclass(frozen=True)

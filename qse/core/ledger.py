@@ -27,9 +27,10 @@ class Role(str, Enum):
     READER_RATION = "reader_ration"  # the reader between two decode rounds (its share of the turn)
     READER_PREFILL = "reader_prefill"  # exploratory: the reader during the served prefill (off by default)
     NARRATOR = "narrator"
+    READER_ASK = "reader_ask"  # a question to the reader (a fork over its state)
 
 
-READER_ROLES = (Role.READER_IDLE, Role.READER_RATION, Role.READER_PREFILL)
+READER_ROLES = (Role.READER_IDLE, Role.READER_RATION, Role.READER_PREFILL)  # the reading windows
 
 
 def ms_to_us(ms: float) -> int | None:

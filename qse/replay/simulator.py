@@ -132,6 +132,10 @@ def _dist(values: list[float]) -> dict:
             "p99": _percentile(values, 99), "max": max(values) if values else None}
 
 
+def _share(flags: list[bool]) -> float | None:
+    return sum(flags) / len(flags) if flags else None
+
+
 def build_report(result: SimResult) -> dict:
     starts = result.turn_starts
     follow = [s for s in starts if s.turn > 0]
@@ -147,11 +151,15 @@ def build_report(result: SimResult) -> dict:
         "num_sessions": result.num_sessions,
         "num_turns": len(starts),
         "num_followup_turns": len(follow),
-        "fresh_share": (sum(s.fresh for s in starts) / len(starts)) if starts else None,
-        "fresh_share_followups": (sum(s.fresh for s in follow) / len(follow)) if follow else None,
+        "fresh_share": _share([s.fresh for s in starts]),
+        "fresh_share_followups": _share([s.fresh for s in follow]),
         "behind_tokens": _dist([s.behind_tokens for s in starts]),
         "behind_tokens_followups": _dist([s.behind_tokens for s in follow]),
         "rolled_back_tokens": sum(s.rolled_back_tokens for s in starts),
+        # a turn whose prompt re-rendered below the reader's read rows: no read policy can be fresh there,
+        # the new prompt only arrives with the turn
+        "num_rollback_turns": sum(1 for s in follow if s.rolled_back_tokens > 0),
+        "fresh_share_followups_without_rollback": _share([s.fresh for s in follow if s.rolled_back_tokens == 0]),
         "reader_ms": {"idle": idle_ms, "ration": ration_ms, "prefill": prefill_ms, "total": reader_ms},
         "reader_share_by_window": ({"idle": idle_ms / reader_ms, "ration": ration_ms / reader_ms,
                                     "prefill": prefill_ms / reader_ms} if reader_ms > 0 else None),
@@ -315,7 +323,9 @@ class _SessionReplay:
                 t_star = ration.earliest_s(since_s, spent_us, est)
                 if t_star is None:
                     break
-                i = max(i + 1, math.ceil((t_star - first_token_s - reader_s) / round_s))
+                # skip the boundaries well before t_star; the core decides at the ones near it (it
+                # rounds time to whole microseconds, so the float boundary just below may still do)
+                i = max(i + 1, math.floor((t_star - first_token_s - reader_s) / round_s) - 1)
                 continue
             self.now = t_i
             self._drive(Window.RATION, sl, turn_id, None, sl.budget_us / 1000, est)

@@ -70,14 +70,14 @@ def _rates_meta(rates: Rates) -> dict:
             "rates_source": "seed 000: Qwen3.8-27B on GB10, 16,350-token prompt in 17.46 s, decode 36 tok/s"}
 
 
-def _read_csv(path: Path, need: tuple[str, ...]) -> csv.DictReader:
-    f = path.open(newline="")
-    reader = csv.DictReader(f)
-    missing = [c for c in need if c not in (reader.fieldnames or [])]
-    if missing:
-        f.close()
-        raise TraceError(f"{path}: missing columns {missing}; header is {reader.fieldnames}")
-    return reader
+def _read_csv(path: Path, need: tuple[str, ...]) -> list[dict[str, str]]:
+    """All rows of a CSV trace, after checking its header names the columns a converter needs."""
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in need if c not in (reader.fieldnames or [])]
+        if missing:
+            raise TraceError(f"{path}: missing columns {missing}; header is {reader.fieldnames}")
+        return list(reader)
 
 
 # -- weka: coding-agent sessions -----------------------------------------------------------------
@@ -89,9 +89,9 @@ def from_weka(path: Path | str, rates: Rates = Rates(), max_sessions: int | None
     """Coding-agent sessions: arrival is t_s; with api_time_s the request ends at t_s + api_time_s and its
     decode is the last output/decode_tok_s of that (all of it if shorter); without, both are modelled."""
     path = Path(path)
-    reader = _read_csv(path, ("trace_id", "agent", "idx", "t_s", "model", "in", "out", "api_time_s", "lcp_prev_tokens"))
+    rows_in = _read_csv(path, ("trace_id", "agent", "idx", "t_s", "model", "in", "out", "api_time_s", "lcp_prev_tokens"))
     sessions: dict[str, list[dict]] = {}
-    for row in reader:
+    for row in rows_in:
         sid = f"{row['trace_id']}/{row['agent']}"
         if sid not in sessions and max_sessions is not None and len(sessions) >= max_sessions:
             continue
@@ -168,14 +168,14 @@ def from_mooncake(path: Path | str, rates: Rates = Rates(), max_sessions: int | 
     about 28 ids). Timing is modelled; a request that would arrive before the session's previous one
     ends is moved to that end (timestamps are rounded to about 3 s)."""
     path = Path(path)
-    reader = _read_csv(path, ("idx", "timestamp_ms", "input_length", "output_length", "parent_idx", "shared_prefix_blocks"))
+    rows_in = _read_csv(path, ("idx", "timestamp_ms", "input_length", "output_length", "parent_idx", "shared_prefix_blocks"))
     if hashes_path is None:
         hashes_path = path.with_name("mooncake_conversation_trace.jsonl")
     hashes = _mooncake_hashes(Path(hashes_path))
     root: dict[int, int] = {}
     rows: dict[int, dict] = {}
     sessions: dict[int, list[int]] = {}
-    for row in reader:
+    for row in rows_in:
         idx, parent = int(row["idx"]), int(row["parent_idx"])
         r = root.get(parent, idx) if parent >= 0 else idx
         if r not in sessions:
@@ -242,10 +242,10 @@ def _azure_seconds(stamp: str) -> float:
 def from_azure(path: Path | str, rates: Rates = Rates(), max_sessions: int | None = None) -> Converted:
     """Requests without sessions: each is its own session, its timing modelled."""
     path = Path(path)
-    reader = _read_csv(path, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"))
+    rows_in = _read_csv(path, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"))
     records: list[UsageRecord] = []
     origin: float | None = None
-    for i, row in enumerate(reader):
+    for i, row in enumerate(rows_in):
         if max_sessions is not None and i >= max_sessions:
             break
         t = _azure_seconds(row["TIMESTAMP"])

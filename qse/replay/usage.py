@@ -4,7 +4,9 @@
      "shared_prefix_tokens": 0, "output_tokens": 346, "model": "qwen3.5-27b"}
 
 Times are seconds on one clock per file (any origin); `shared_prefix_tokens` counts the prompt's ids
-that equal the start of the same session's previous prompt (0 for a session's first request). The
+that equal the start of the same session's previous prompt (0 for a session's first request).
+`first_token_s` may be null for a request that produced no token: it reads as `end_s`. Fields this
+module does not know (a server may write more: request id, measured ms) are ignored on reading. The
 server appends one record per request (`append_usage`); the converters in `traces.py` write the same
 format from public traces. A converted file may have a sidecar `<file>.meta.json` that states how
 timings were modelled; `read_meta` returns it (or None).
@@ -22,7 +24,7 @@ import msgspec
 class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
     session: str
     arrival_s: float
-    first_token_s: float
+    first_token_s: float | None
     end_s: float
     prompt_tokens: int
     shared_prefix_tokens: int
@@ -31,6 +33,8 @@ class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
 
     def problem(self) -> str | None:
         """What is inconsistent in this record, or None."""
+        if self.first_token_s is None:
+            return "first_token_s is null (read_usage fills it with end_s)"
         if not (self.arrival_s <= self.first_token_s <= self.end_s):
             return (f"times out of order: arrival_s {self.arrival_s} <= first_token_s {self.first_token_s}"
                     f" <= end_s {self.end_s} does not hold")
@@ -83,6 +87,8 @@ def iter_usage(path: Path | str):
                 record = _decoder.decode(line)
             except msgspec.DecodeError as exc:
                 raise UsageError(f"{path}:{lineno}: not a usage record ({exc}); see qse/replay/usage.py") from None
+            if record.first_token_s is None:
+                record = msgspec.structs.replace(record, first_token_s=record.end_s)
             problem = record.problem()
             if problem is not None:
                 raise UsageError(f"{path}:{lineno}: {problem}")

@@ -71,7 +71,11 @@ class SummaryResult:
 
 
 class Residency(Protocol):
-    """What the reader asks of the residency manager (qse/store). The default drops LRU sessions."""
+    """What the reader asks of the residency manager (qse/store). The default drops LRU sessions.
+
+    make_room is asked before every growth of a session's KV pages (not only when the pool is
+    short), so a manager can keep a byte cap as sessions are read; True means the pages are free.
+    """
 
     def make_room(self, reader: "ShadowReader", pages: int, keep: ShadowSession) -> bool: ...
 
@@ -245,7 +249,7 @@ class ShadowReader:
             return None
         start = session.committed
         pages = session.kv.pages_for(start + self.grid) - len(session.kv.pages)
-        if pages > 0 and not self.pool.can_allocate(pages) and not self.residency.make_room(self, pages, session):
+        if pages > 0 and not self.residency.make_room(self, pages, session):
             raise MemoryError(f"the shadow KV pool ({self.pool.num_pages} pages) cannot hold session {session_id!r} at {start + self.grid} rows")
         ids = self.engine.ids_tensor(session.ids[start : start + self.grid])
         _, gpu_ms = self.engine.forward(session.cache, ids, logits="none")
@@ -296,7 +300,7 @@ class ShadowReader:
         saved_rec = [t.clone() for t in cache.recurrent]
         saved_conv = [t.clone() for t in cache.conv]
         pages = session.kv.pages_for(total) - len(session.kv.pages)
-        if pages > 0 and not self.pool.can_allocate(pages) and not self.residency.make_room(self, pages, session):
+        if pages > 0 and not self.residency.make_room(self, pages, session):
             raise MemoryError(f"the shadow KV pool cannot hold a fork of {len(ids)} ids on session {session.session_id!r}")
         try:
             out, gpu_ms = self.engine.forward(cache, self.engine.ids_tensor(ids), logits=logits)

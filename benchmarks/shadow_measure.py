@@ -1,0 +1,175 @@
+#!/usr/bin/env python
+"""Read rate of the shadow reader: ms per grid chunk against context, the whole-session read, the
+300-token 9-letter question, fork decode, the first long prompt; with the peer in the same run.
+
+    python benchmarks/shadow_measure.py --presets qwen3.5-0.8b,qwen3.5-2b,qwen3.5-4b \
+        --tokens 65536 --long-tokens 102400 --ops naive,triton --peer ../shared/anchors/hf_reader_baseline.py
+
+Writes benchmarks/results/shadow_measure-<date>-<device>.json (or --out DIR). The peer runs twice in
+fresh processes (its first pass is slower: warm-up) and both passes are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from qse.engine.engine import Engine  # noqa: E402
+from qse.models import resolve  # noqa: E402
+from qse.shadow.reader import ShadowReader  # noqa: E402
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("triton", "transformers", "fla"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception as exc:  # noqa: BLE001
+            out[name] = f"missing: {type(exc).__name__}"
+    return out
+
+
+def use_ops(engine: Engine, ops: str) -> None:
+    if ops == "triton":
+        import qse_kernels
+
+        engine.model.ops = qse_kernels.triton_ops()
+
+
+def measure_preset(name: str, tokens: int, long_tokens: int, grid: int, ops: str, device: torch.device) -> dict:
+    cache_dir = Path(os.environ.get("QSE_CACHE_DIR", "/tmp/qse-bench-cache"))
+    engine = Engine(resolve(name, device, torch.bfloat16, cache_dir))
+    use_ops(engine, ops)
+    total = max(tokens, long_tokens)
+    per_token = engine.state_bytes_per_token()
+    reader = ShadowReader(engine, grid=grid, pool_bytes=per_token * (total + 8 * grid) + (64 << 20))
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 248000, (total + 1024,), generator=gen).tolist()
+    # warm-up: a few chunks on a throw-away session (allocator, cuBLAS handles, Triton compile)
+    reader.feed("warm", ids[: 4 * grid])
+    reader.read_all("warm")
+    reader.close("warm")
+    torch.cuda.synchronize() if device.type == "cuda" else None
+
+    reader.feed("s", ids[:total])
+    chunk_ms, contexts = [], []
+    t0 = time.perf_counter()
+    first_40k_s = None
+    read_64k_s = None
+    while (report := reader.read_step("s")) is not None:
+        chunk_ms.append(report.gpu_ms)
+        contexts.append(report.context)
+        if first_40k_s is None and report.position >= 40960:
+            first_40k_s = time.perf_counter() - t0
+        if read_64k_s is None and report.position >= tokens:
+            read_64k_s = time.perf_counter() - t0
+            ms_64k = sum(chunk_ms)
+    whole_s = time.perf_counter() - t0
+    by_context = {}
+    for ctx in (0, 4096, 8192, 16384, 32768, 49152, 65024, 99840):
+        near = [m for c, m in zip(contexts, chunk_ms) if abs(c - ctx) <= 2 * grid]
+        if near:
+            by_context[str(ctx)] = round(statistics.median(near), 3)
+    row = {
+        "preset": name, "ops": ops, "grid": grid, "chunks": len(chunk_ms),
+        "ms_per_chunk_by_context": by_context,
+        f"read_{tokens}_from_empty_ms": round(ms_64k, 1),
+        f"read_{tokens}_ms_per_1000_tokens": round(ms_64k * 1000 / tokens, 3),
+        f"read_{tokens}_wall_s": round(read_64k_s, 3),
+        "first_40k_read_wall_s": round(first_40k_s, 3) if first_40k_s else None,
+        f"read_{total}_wall_s": round(whole_s, 3),
+        f"read_{total}_ms_per_1000_tokens": round(sum(chunk_ms) * 1000 / (len(chunk_ms) * grid), 3),
+    }
+    letters = [chr(65 + i) for i in range(9)]
+    question = torch.randint(0, 248000, (300,), generator=gen).tolist()
+    for at in sorted({min(32768, total), 102400}):
+        if at > total:
+            continue
+        # a session committed exactly to `at`, no tail: the question is the whole fork
+        sid = "s" if at == total else f"q{at}"
+        if sid != "s":
+            reader.feed(sid, ids[:at])
+            reader.read_all(sid)
+        times = []
+        for _ in range(5):
+            times.append(reader.ask(sid, question, letters).gpu_ms)
+        row[f"question_300_at_{at}_ms"] = round(statistics.median(times[1:]), 3)
+        summary = reader.summarize(sid, question[:20], max_tokens=33)
+        row[f"fork_decode_at_{at}_ms_per_token"] = round(summary.ms_per_token, 3)
+        if sid != "s":
+            reader.close(sid)
+    del reader, engine
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def run_peer(peer: Path, tokens: int, shapes: str) -> list[dict]:
+    passes = []
+    for i in range(2):
+        env = dict(os.environ, N=str(tokens), SHAPES=shapes, OUT="")
+        out = subprocess.run([sys.executable, str(peer)], capture_output=True, text=True, env=env, timeout=900)
+        lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
+        passes.append(json.loads(lines[-1]) if lines else {"error": out.stderr[-2000:]})
+    return passes
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--presets", default="qwen3.5-0.8b,qwen3.5-2b,qwen3.5-4b")
+    p.add_argument("--tokens", type=int, default=65536)
+    p.add_argument("--long-tokens", type=int, default=102400, help="0.8B only: read on to this length")
+    p.add_argument("--grid", type=int, default=512)
+    p.add_argument("--ops", default="naive", help="comma list of naive,triton")
+    p.add_argument("--peer", default="", help="path to hf_reader_baseline.py; run twice in this invocation")
+    p.add_argument("--peer-tokens", type=int, default=32768)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    result = {
+        "command": " ".join([sys.executable, *sys.argv]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        "versions": versions(), "qse": [],
+    }
+    for preset in args.presets.split(","):
+        for ops in args.ops.split(","):
+            long_tokens = args.long_tokens if "0.8b" in preset else 0
+            try:
+                row = measure_preset(preset, args.tokens, long_tokens, args.grid, ops, device)
+            except Exception as exc:  # noqa: BLE001 - a failing variant is reported, the rest still run
+                row = {"preset": preset, "ops": ops, "error": repr(exc)[:2000]}
+            print(json.dumps(row), flush=True)
+            result["qse"].append(row)
+    if args.peer:
+        shapes = ",".join({"qwen3.5-0.8b": "0.8B", "qwen3.5-2b": "2B", "qwen3.5-4b": "4B"}.get(s, s) for s in args.presets.split(","))
+        result["peer"] = run_peer(Path(args.peer), args.peer_tokens, shapes)
+        best = {}
+        for shape in shapes.split(","):
+            vals = [ps[shape]["ms_per_1000_tokens"] for ps in result["peer"] if shape in ps]
+            if vals:
+                best[shape] = min(vals)
+        result["peer_best_ms_per_1000_tokens"] = best
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tag = "h200" if "H200" in result["device"] else device.type
+    path = out_dir / f"shadow_measure-{dt.date.today().isoformat()}-{tag}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(json.dumps({"written": str(path)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,114 @@
+"""`qse replay`: replay a usage ledger (or a public trace) through the reader's policy; one JSON object out.
+
+    qse replay LEDGER [--format auto|weka|mooncake|azure|tracelab|ledger] [--read-model RESULTS.json]
+                      [--out DIR] [--ration 0.02] [--slice-ms 150] [--idle-poll-s 0.2] [--idle-burst-s 2]
+                      [--grid 512] [--decode-tok-s 36] [--prefill-tok-s 936] [--max-sessions N]
+                      [--prefill-share 0] [--wake-on-end] [--ration-from first_token|turn_start]
+    qse replay convert TRACE [--format ...] -o LEDGER.jsonl     (writes LEDGER.jsonl and LEDGER.jsonl.meta.json)
+
+Defaults come from the settings registry (QSE_SHADOW_RATION, ...); the read model defaults to the
+seed's 87 ms per 1,000 tokens at grid 512 (--ms-per-1000 changes it; --read-model loads a results file,
+see qse/replay/read_model.py for its format).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from qse.replay.read_model import SEED_MS_PER_1000_TOKENS, ReadModel, ReadModelError
+from qse.replay.simulator import RATION_FROM, SimOptions, simulate
+from qse.replay.traces import FORMATS, Rates, TraceError, convert
+from qse.replay.usage import UsageError, write_usage
+
+
+def _trace_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", default="auto", choices=("auto",) + FORMATS, help="input format (auto: from the first line)")
+    p.add_argument("--decode-tok-s", type=float, default=Rates.decode_tok_s,
+                   help="served decode rate where the trace has no timing (seed's GB10: 36)")
+    p.add_argument("--prefill-tok-s", type=float, default=Rates.prefill_tok_s,
+                   help="served prefill rate where the trace has no timing (seed's GB10: 936)")
+    p.add_argument("--max-sessions", type=int, default=None, help="only the first N sessions")
+
+
+def replay_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qse replay", description="Replay sessions through the shadow reader's policy.")
+    p.add_argument("ledger", type=Path, help="usage ledger (JSONL) or a public trace (see --format)")
+    _trace_args(p)
+    p.add_argument("--read-model", type=Path, default=None, help='JSON with {"read_model": {"points": [[ctx, ms], ...], "grid": 512}}')
+    p.add_argument("--ms-per-1000", type=float, default=SEED_MS_PER_1000_TOKENS,
+                   help="flat read rate when no --read-model (seed's GB10: 87)")
+    p.add_argument("--out", type=Path, default=None, help="write report.json and replay.png here")
+    p.add_argument("--ration", type=float, default=None, help="reader share of the time since first token (QSE_SHADOW_RATION)")
+    p.add_argument("--slice-ms", type=float, default=None, help="longest slice between decode rounds (QSE_SHADOW_SLICE_MS)")
+    p.add_argument("--idle-poll-s", type=float, default=None, help="idle window poll (QSE_SHADOW_IDLE_POLL_S)")
+    p.add_argument("--idle-burst-s", type=float, default=None, help="longest idle burst (QSE_SHADOW_IDLE_BURST_S)")
+    p.add_argument("--grid", type=int, default=None, help="rows per chunk (QSE_SHADOW_GRID)")
+    p.add_argument("--checkpoints", type=int, default=None, help="checkpoints per session (QSE_SHADOW_CHECKPOINTS)")
+    p.add_argument("--prefill-share", type=float, default=0.0, help="exploratory: read during the served prefill, this share of it")
+    p.add_argument("--wake-on-end", action="store_true", help="exploratory: the idle window looks as soon as a turn ends")
+    p.add_argument("--ration-from", choices=RATION_FROM, default="first_token",
+                   help="count the ration from the first token (the rule) or the turn start (the seed's first build)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return p
+
+
+def convert_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qse replay convert", description="Convert a public trace to the usage ledger.")
+    p.add_argument("trace", type=Path)
+    _trace_args(p)
+    p.add_argument("-o", "--output", type=Path, required=True, help="the usage ledger to write (JSONL)")
+    return p
+
+
+def _fail(message: str) -> int:
+    print(f"qse replay: {message}", file=sys.stderr)
+    return 2
+
+
+def convert_main(argv: list[str]) -> int:
+    args = convert_parser().parse_args(argv)
+    try:
+        converted = convert(args.trace, args.format, Rates(args.decode_tok_s, args.prefill_tok_s), args.max_sessions)
+    except (OSError, TraceError, UsageError, ValueError) as exc:
+        return _fail(str(exc))
+    n = write_usage(args.output, converted.records, converted.meta)
+    print(json.dumps({"ledger": str(args.output), "num_records": n, "meta": converted.meta}, sort_keys=True))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["convert"]:
+        return convert_main(argv[1:])
+    args = replay_parser().parse_args(argv)
+    try:
+        read_model = (ReadModel.load(args.read_model) if args.read_model is not None
+                      else ReadModel.flat(args.ms_per_1000))
+        options = SimOptions.from_settings(ration=args.ration, slice_ms=args.slice_ms, idle_poll_s=args.idle_poll_s,
+                                           idle_burst_s=args.idle_burst_s, grid=args.grid,
+                                           checkpoints=args.checkpoints, prefill_share=args.prefill_share,
+                                           wake_on_end=args.wake_on_end, ration_from=args.ration_from)
+        converted = convert(args.ledger, args.format, Rates(args.decode_tok_s, args.prefill_tok_s), args.max_sessions)
+    except (OSError, TraceError, UsageError, ReadModelError, ValueError) as exc:
+        return _fail(str(exc))
+    show = not args.no_progress and sys.stderr.isatty() and len({r.session for r in converted.records}) >= 50
+    result = simulate(converted.records, read_model, options, progress=show)
+    report = result.report()
+    report["input"] = {"path": str(args.ledger), **converted.meta}
+    report["read_model"] = read_model.to_json()["read_model"]
+    report["engine_model"] = "one engine per session: each session replayed alone on its own served model and reader"
+    if args.out is not None:
+        from qse.replay.chart import write_chart
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        report["chart"] = str(write_chart(result, args.out, title=args.ledger.name))
+        (args.out / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+    print(json.dumps(report, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

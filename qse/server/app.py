@@ -1,0 +1,278 @@
+"""The Starlette app: OpenAI routes, the shadow's routes, /metrics and /healthz.
+
+    RootPath -> RequestContext (X-Request-Id, timing, the request event) -> ApiKey -> routes
+
+Routes are thin: read the body (size limit), decode it into a wire Struct, hand it to the Service,
+encode what comes back. Every error a client meets is JSON in OpenAI's shape (errors.py).
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, Awaitable, Callable
+
+import structlog
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from . import wire
+from .errors import ApiError
+from .metrics import CONTENT_TYPE
+from .service import Service
+from .sse import EventStream
+
+log = structlog.get_logger("qse.server")
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+OPEN_PATHS = frozenset({"/healthz"})
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(wire.encode(obj), status_code=status, media_type="application/json", headers=headers)
+
+
+def error_response(err: ApiError) -> Response:
+    return json_response(err.body(), err.status)
+
+
+def _info(request: Request) -> dict[str, Any]:
+    """What the request event will carry; handlers add to it."""
+    return request.scope.setdefault("qse", {})
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body has {declared} bytes, over the limit of {limit} (QSE_MAX_BODY_BYTES)",
+                       code="request_too_large")
+    chunks, total = [], 0
+    try:
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limit:
+                raise ApiError(413, f"the request body is over the limit of {limit} bytes (QSE_MAX_BODY_BYTES)",
+                               code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ApiError(400, "the client left before the request body ended", code="client_disconnected") from None
+    return b"".join(chunks)
+
+
+def endpoint(fn: Callable[[Request], Awaitable[Any]]) -> Callable[[Request], Awaitable[Any]]:
+    """ApiError -> its JSON; anything else -> a logged 500 in the same shape (the server keeps serving)."""
+
+    async def wrapped(request: Request):
+        try:
+            return await fn(request)
+        except ApiError as exc:
+            return error_response(exc)
+        except Exception as exc:
+            log.exception("request_failed", error=repr(exc), request_id=_info(request).get("request_id"))
+            return error_response(ApiError(500, f"internal error: {exc!r}", code="internal_error"))
+
+    wrapped.__name__ = fn.__name__
+    return wrapped
+
+
+def create_app(service: Service, root_path: str | None = None) -> Starlette:
+    """The ASGI app over `service`; root_path defaults to QSE_ROOT_PATH."""
+    settings = service.settings
+    body_limit = settings.get("QSE_MAX_BODY_BYTES")
+
+    def turn_headers(request: Request, session: str) -> dict[str, str]:
+        return {"x-session-id": session}
+
+    async def chat_completions(request: Request):
+        req = wire.decode(await read_body(request, body_limit), wire.ChatCompletionRequest)
+        info = _info(request)
+        plan = await service.prepare_chat(req, info["request_id"], request.headers.get("x-session-id") or None,
+                                          request.headers.get("x-router-class") or None)
+        info.update(session=plan.session_id, prompt_tokens=len(plan.prompt_ids), stream=req.stream)
+        tools_offered = bool(req.tools) and req.tool_choice != "none"
+        headers = turn_headers(request, plan.session_id)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return EventStream(_note_output(service.chat_chunks(plan, tools_offered, include_usage), plan, info),
+                               headers)
+        answer = await service.chat_answer(plan, tools_offered)
+        info.update(output_tokens=plan.output_tokens, finish_reason=answer.choices[0].finish_reason)
+        return json_response(answer, headers=headers)
+
+    async def completions(request: Request):
+        req = wire.decode(await read_body(request, body_limit), wire.CompletionRequest)
+        info = _info(request)
+        plan = await service.prepare_completion(req, info["request_id"], request.headers.get("x-session-id") or None,
+                                                request.headers.get("x-router-class") or None)
+        info.update(session=plan.session_id, prompt_tokens=len(plan.prompt_ids), stream=req.stream)
+        headers = turn_headers(request, plan.session_id)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return EventStream(_note_output(service.completion_chunks(plan, include_usage), plan, info), headers)
+        answer = await service.completion_answer(plan)
+        info.update(output_tokens=plan.output_tokens, finish_reason=plan.finish_reason)
+        return json_response(answer, headers=headers)
+
+    async def models(request: Request):
+        card = wire.ModelCard(id=service.model_name, object="model", created=service.created_s, owned_by="qse")
+        return json_response(wire.ModelList(object="list", data=[card]))
+
+    async def shadow_ask(request: Request):
+        req = wire.decode(await read_body(request, body_limit), wire.AskRequest)
+        _info(request)["session"] = req.session
+        return json_response(await service.ask(req))
+
+    async def shadow_summarize(request: Request):
+        req = wire.decode(await read_body(request, body_limit), wire.SummarizeRequest)
+        _info(request)["session"] = req.session
+        return json_response(await service.summarize(req))
+
+    async def shadow_status(request: Request):
+        return json_response(service.status())
+
+    async def metrics(request: Request):
+        return Response(service.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    async def healthz(request: Request):
+        return json_response({"status": "ok", "model": service.model_name})
+
+    routes = [
+        Route("/healthz", endpoint(healthz), methods=["GET"]),
+        Route("/v1/models", endpoint(models), methods=["GET"]),
+        Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
+        Route("/v1/completions", endpoint(completions), methods=["POST"]),
+        Route("/v1/conductor/shadow/ask", endpoint(shadow_ask), methods=["POST"]),
+        Route("/v1/conductor/shadow/status", endpoint(shadow_status), methods=["GET"]),
+        Route("/v1/conductor/shadow/summarize", endpoint(shadow_summarize), methods=["POST"]),
+        Route("/metrics", endpoint(metrics), methods=["GET"]),
+    ]
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(ApiError(exc.status_code, message, code=code))
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    app.state.service = service
+    known = frozenset(r.path for r in routes)
+    api_key = settings.get("QSE_API_KEY")
+    inner: Any = ApiKey(app, api_key) if api_key else app
+    root = settings.get("QSE_ROOT_PATH") if root_path is None else root_path
+    return RootPath(RequestContext(inner, service, known), root)  # type: ignore[return-value]
+
+
+async def _note_output(chunks, plan, info: dict[str, Any]):
+    """Pass the chunks through; note the turn's outcome for the request event when they end."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        await chunks.aclose()
+        info.update(output_tokens=plan.output_tokens, finish_reason=plan.finish_reason)
+
+
+def route_path(scope) -> str:
+    root = scope.get("root_path", "")
+    path = scope["path"]
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+class RootPath:
+    """Serve under QSE_ROOT_PATH whether the proxy strips the prefix or passes it on."""
+
+    def __init__(self, app, root_path: str):
+        self.app = app
+        self.root = root_path.rstrip("/")
+
+    def __getattr__(self, name: str):
+        return getattr(self.app, name)
+
+    async def __call__(self, scope, receive, send):
+        if self.root and scope["type"] in ("http", "websocket"):
+            scope = dict(scope)
+            path = scope["path"]
+            if not (path == self.root or path.startswith(self.root + "/")):
+                scope["path"] = self.root + path
+                scope["raw_path"] = self.root.encode() + scope.get("raw_path", path.encode())
+            scope["root_path"] = self.root
+        await self.app(scope, receive, send)
+
+
+class RequestContext:
+    """X-Request-Id in and out, the request's latency metric, and one 'request' event per request."""
+
+    def __init__(self, app, service: Service, known_routes: frozenset[str]):
+        self.app = app
+        self.service = service
+        self.known = known_routes
+
+    def __getattr__(self, name: str):
+        return getattr(self.app, name)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        headers = dict(scope.get("headers") or [])
+        asked = headers.get(b"x-request-id", b"").decode("latin-1")
+        request_id = asked if _REQUEST_ID.match(asked) else uuid.uuid4().hex
+        info = scope.setdefault("qse", {})
+        info["request_id"] = request_id
+        status = {"code": 500}
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                message = dict(message)
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            seconds = time.perf_counter() - t0
+            path = route_path(scope)
+            route = path if path in self.known else "other"
+            self.service.metrics.request_seconds.labels(route, str(status["code"])).observe(seconds)
+            client = scope.get("client")
+            log.info("request", method=scope["method"], path=path, status=status["code"], ms=round(seconds * 1e3, 3),
+                     client=client[0] if client else None, scheme=scope.get("scheme"),
+                     **{k: v for k, v in info.items()})
+
+
+class ApiKey:
+    """Authorization: Bearer <QSE_API_KEY> on every route but /healthz."""
+
+    def __init__(self, app, key: str):
+        self.app = app
+        self.key = key.encode()
+
+    def __getattr__(self, name: str):
+        return getattr(self.app, name)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or route_path(scope) in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        if scheme.lower() != b"bearer" or not token:
+            err = ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        elif not hmac.compare_digest(token.strip(), self.key):
+            err = ApiError(401, "the API key is not valid", code="invalid_api_key")
+        else:
+            return await self.app(scope, receive, send)
+        await error_response(err)(scope, receive, send)

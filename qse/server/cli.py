@@ -1,0 +1,112 @@
+"""`qse serve`: load the served model (and the reader's), build the conductor, run the app under uvicorn.
+
+    qse serve                          the embedded default model on 127.0.0.1:8000, profile 'default'
+    qse serve --model DIR --profile coding --port 8001 --env-file config/serve.env
+
+Flags win over QSE_* switches; --env-file fills switches the environment does not set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from ..settings import SETTINGS, EngineSettings, SettingError, load_env_file
+from .profiles import ProfileError, load_profile
+from .service import Service
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qse serve", description="Serve the model over an OpenAI-compatible API, "
+                                "with the shadow reader beside it. Unset flags fall back to the QSE_* switches.")
+    p.add_argument("--host", help="address to bind (QSE_HOST, 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to bind (QSE_PORT, 8000)")
+    p.add_argument("--model", help="checkpoint dir or preset; empty: the embedded default (QSE_MODEL)")
+    p.add_argument("--shadow-model", help="the reader's model; empty: the served model's weights (QSE_SHADOW_MODEL)")
+    p.add_argument("--profile", help="profile name in config/profiles, or a path to a .yaml (QSE_PROFILE)")
+    p.add_argument("--grid", type=int, help="reader grid rows (QSE_SHADOW_GRID)")
+    p.add_argument("--root-path", help="prefix the app is served under behind a proxy (QSE_ROOT_PATH)")
+    p.add_argument("--device", help="torch device (QSE_DEVICE)")
+    p.add_argument("--dtype", help="compute dtype (QSE_DTYPE)")
+    p.add_argument("--log-level", help="log level (QSE_LOG_LEVEL)")
+    p.add_argument("--env-file", type=Path, help="a serve.env file (KEY=VALUE) of QSE_* switches, checked first")
+    return p
+
+
+def apply_env_file(path: Path) -> dict[str, str]:
+    """Set the file's switches that the environment does not set already; returns what was set."""
+    applied = {}
+    for key, value in load_env_file(path).items():
+        if key not in os.environ:
+            os.environ[key] = value
+            applied[key] = value
+    return applied
+
+
+def build_service(model: str = "", shadow_model: str = "", profile: str = "default", grid: int | None = None,
+                  device: str = "auto", dtype: str = "auto", settings: EngineSettings = SETTINGS) -> Service:
+    """Models, reader, store and conductor, as the profile asks. The reader reuses the served Engine
+    when it would load the same weights."""
+    from ..engine.engine import Engine
+    from ..models import pick_device, pick_dtype, resolve
+    from ..runtime.conductor import Conductor, ConductorConfig, ShadowOptions
+    from ..shadow.reader import ShadowReader
+    from ..store import GIB, ShadowStore
+
+    prof = load_profile(profile)
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    cache = settings.cache_dir()
+    served = Engine(resolve(model, dev, dt, cache))
+    reader = store = None
+    if prof.shadow.mode == "on":
+        engine = served if shadow_model in ("", model) else Engine(resolve(shadow_model, dev, dt, cache))
+        store = ShadowStore.from_settings(settings)
+        reader = ShadowReader(engine, grid=grid or settings.get("QSE_SHADOW_GRID"),
+                              pool_bytes=int(settings.get("QSE_SHADOW_GB") * GIB),
+                              max_checkpoints=settings.get("QSE_SHADOW_CHECKPOINTS"), residency=store)
+        store.attach(reader)
+    s = prof.shadow
+    options = ShadowOptions(mode=s.mode, narrator=s.narrator, router=s.router, router_min_tokens=s.router_min_tokens)
+    conductor = Conductor(served, reader, options, ConductorConfig.from_settings(settings))
+    return Service(conductor, served.chat, served.name, prof, settings, store=store,
+                   max_context_tokens=served.cfg.max_position_embeddings)
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.env_file is not None:
+            apply_env_file(args.env_file)
+        settings = SETTINGS
+        level = args.log_level or settings.get("QSE_LOG_LEVEL")
+        from .logs import configure_logging, uvicorn_log_config
+
+        configure_logging(level)
+        service = build_service(
+            model=settings.get("QSE_MODEL") if args.model is None else args.model,
+            shadow_model=settings.get("QSE_SHADOW_MODEL") if args.shadow_model is None else args.shadow_model,
+            profile=args.profile or settings.get("QSE_PROFILE"), grid=args.grid,
+            device=args.device or settings.get("QSE_DEVICE"), dtype=args.dtype or settings.get("QSE_DTYPE"),
+            settings=settings)
+    except (ProfileError, SettingError, ValueError, FileNotFoundError, MemoryError) as exc:
+        sys.stderr.write(f"qse serve: error: {exc}\n")
+        return 2
+
+    import uvicorn
+
+    from .app import create_app
+
+    app = create_app(service, root_path=args.root_path)
+    config = uvicorn.Config(
+        app, host=args.host or settings.get("QSE_HOST"),
+        port=settings.get("QSE_PORT") if args.port is None else args.port,
+        proxy_headers=True, forwarded_allow_ips=settings.get("QSE_FORWARDED_ALLOW_IPS"),
+        log_config=uvicorn_log_config(level), access_log=False, lifespan="on", server_header=False,
+        timeout_graceful_shutdown=30,
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1

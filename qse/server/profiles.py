@@ -1,0 +1,93 @@
+"""Profiles: config/profiles/<name>.yaml decoded into typed Structs; an unknown key is an error naming it.
+
+    shadow:                 # the reader beside the served model (absent: the defaults below)
+      mode: on              # off | on
+      narrator: off         # off | on: summarize a turn's reasoning on the reader after the turn
+      router: off           # off | shadow: ask the router's class question of the reader, journal it
+      router_min_tokens: 8192
+      narrator_max_tokens: 48
+    generation:             # what a request that names nothing gets
+      max_tokens: 4096
+      temperature: 0.6
+      top_p: 0.95
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+import yaml
+from msgspec import Meta, Struct
+
+PROFILE_DIR = Path(__file__).resolve().parents[2] / "config" / "profiles"
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be found or read."""
+
+
+class ShadowBlock(Struct, forbid_unknown_fields=True):
+    mode: Literal["off", "on"] = "on"
+    narrator: Literal["off", "on"] = "off"
+    router: Literal["off", "shadow"] = "off"
+    router_min_tokens: Annotated[int, Meta(ge=1)] = 8192
+    narrator_max_tokens: Annotated[int, Meta(ge=1, le=1024)] = 48
+
+
+class GenerationBlock(Struct, forbid_unknown_fields=True):
+    max_tokens: Annotated[int, Meta(ge=1)] = 4096  # capped by QSE_MAX_OUTPUT_TOKENS
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 0.6
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.95
+
+
+class Profile(Struct, forbid_unknown_fields=True):
+    name: str = "default"
+    description: str = ""
+    shadow: ShadowBlock = msgspec.field(default_factory=ShadowBlock)
+    generation: GenerationBlock = msgspec.field(default_factory=GenerationBlock)
+
+
+def _on_off(value):
+    # YAML 1.1 reads bare on/off as booleans; the profile's words are the strings
+    if value is True:
+        return "on"
+    if value is False:
+        return "off"
+    return value
+
+
+def parse_profile(text: str, where: str) -> Profile:
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ProfileError(f"{where}: not valid YAML: {exc}") from None
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ProfileError(f"{where}: expected a mapping at the top, got {type(raw).__name__}")
+    shadow = raw.get("shadow")
+    if isinstance(shadow, dict):
+        raw["shadow"] = {k: (_on_off(v) if k in ("mode", "narrator", "router") else v) for k, v in shadow.items()}
+    try:
+        return msgspec.convert(raw, type=Profile)
+    except msgspec.ValidationError as exc:
+        raise ProfileError(f"{where}: {exc}") from None
+
+
+def load_profile(name_or_path: str, profile_dir: Path = PROFILE_DIR) -> Profile:
+    """A profile by name (config/profiles/<name>.yaml) or by path; 'default' works with no file."""
+    candidate = Path(name_or_path).expanduser()
+    if candidate.suffix in (".yaml", ".yml") or candidate.is_file():
+        path = candidate
+    else:
+        path = Path(profile_dir) / f"{name_or_path}.yaml"
+    if not path.is_file():
+        if name_or_path == "default":
+            return Profile()
+        known = sorted(p.stem for p in Path(profile_dir).glob("*.yaml"))
+        raise ProfileError(f"profile {name_or_path!r} not found ({path}); known profiles: {known}")
+    profile = parse_profile(path.read_text(), str(path))
+    if profile.name == "default" and path.stem != "default":
+        profile = msgspec.structs.replace(profile, name=path.stem)
+    return profile

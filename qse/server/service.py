@@ -1,0 +1,406 @@
+"""What the routes ask of the server: turn a request into a turn of the conductor and the turn into answers.
+
+    request --prepare (render + encode on a worker thread, limits, session)--> TurnPlan
+    TurnPlan --drive (conductor.generate: the engine lock, the reader follows the turn)--> token ids
+    ids --OutputText / Sections--> chunks or one answer;  on_turn --> usage ledger + metrics
+    a turn with reasoning, narrator on --> conductor.summarize in the background, logged
+
+The service reaches the model only through the conductor and the chat format it was given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+import structlog
+
+from ..engine.sampling import SamplingParams
+from ..replay.usage import UsageRecord, append_usage
+from ..runtime.conductor import Conductor, GenerateRequest, TurnRecord
+from ..settings import SETTINGS, EngineSettings
+from ..shadow.reader import ShadowError, UnknownSession
+from . import wire
+from .errors import ApiError, bad_request
+from .metrics import ServerMetrics
+from .profiles import Profile
+from .text import OutputText, Sections
+
+log = structlog.get_logger("qse.server")
+
+NARRATOR_PROMPT = ("In one or two sentences, summarize what the assistant is thinking about and planning "
+                   "in its latest turn.")
+SUMMARY_PROMPT = "Summarize this session so far in a few sentences."
+
+
+@dataclass
+class TurnPlan:
+    """One request as the conductor will run it; `finish_reason` and `output_tokens` are set by drive()."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stops: list[str]
+    session_id: str
+    request_id: str
+    router_label: str | None = None
+    prompt_text: str = ""
+    finish_reason: str = "length"
+    output_tokens: int = 0
+
+
+@dataclass
+class Narration:
+    session: str
+    text: str
+    tokens: int
+    position: int
+    gpu_ms: float
+    at_s: float = field(default_factory=time.time)
+
+
+def _retry(fn: Callable[[], Any], attempts: int = 5) -> Any:
+    """Reads of the reader's dicts from the event loop can race its thread growing them; read again."""
+    for i in range(attempts):
+        try:
+            return fn()
+        except RuntimeError:  # dictionary changed size during iteration
+            if i == attempts - 1:
+                raise
+    return None
+
+
+class Service:
+    def __init__(self, conductor: Conductor, chat: Any, model_name: str, profile: Profile,
+                 settings: EngineSettings = SETTINGS, ledger_path: Path | None = None, store: Any = None,
+                 max_context_tokens: int | None = None):
+        self.conductor = conductor
+        self.chat = chat
+        self.model_name = model_name
+        self.profile = profile
+        self.settings = settings
+        self.store = store
+        self.max_context_tokens = max_context_tokens
+        self.created_s = int(time.time())
+        self.ledger_path = ledger_path or settings.get("QSE_LEDGER") or settings.cache_dir() / "usage.jsonl"
+        self.metrics = ServerMetrics(self.status)
+        self.narrations: dict[str, Narration] = {}
+        self._background: set[asyncio.Task] = set()
+        # the conductor's clock (monotonic) -> wall seconds, so one ledger file spans restarts
+        self._wall_offset_s = time.time() - conductor.clock()
+        previous = conductor.on_turn
+        conductor.on_turn = self._on_turn if previous is None else (lambda r: (previous(r), self._on_turn(r)))
+        self.max_prompt_tokens = settings.get("QSE_MAX_PROMPT_TOKENS")
+        self.max_output_tokens = settings.get("QSE_MAX_OUTPUT_TOKENS")
+        self.max_question_tokens = settings.get("QSE_MAX_QUESTION_TOKENS")
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.conductor.start()
+        log.info("server_ready", model=self.model_name, profile=self.profile.name, shadow=self.profile.shadow.mode,
+                 ledger=str(self.ledger_path))
+
+    async def stop(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        await self.conductor.stop()
+
+    @property
+    def shadow_on(self) -> bool:
+        return self.conductor.reader is not None
+
+    # ---- requests into plans -------------------------------------------------------------------
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise ApiError(404, f"the model {name!r} is not served here; GET /v1/models lists {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def _max_tokens(self, asked: int | None) -> int:
+        if asked is not None and asked > self.max_output_tokens:
+            raise bad_request(f"max_tokens {asked} is over the limit of {self.max_output_tokens} "
+                              "(QSE_MAX_OUTPUT_TOKENS)", "max_tokens", "max_tokens_exceeded")
+        return asked if asked is not None else min(self.profile.generation.max_tokens, self.max_output_tokens)
+
+    def _sampling(self, temperature: float | None, top_p: float | None, seed: int | None) -> SamplingParams:
+        g = self.profile.generation
+        return SamplingParams(temperature=g.temperature if temperature is None else temperature,
+                              top_p=g.top_p if top_p is None else top_p, seed=seed)
+
+    def _check_prompt(self, ids: list[int], max_tokens: int, param: str) -> None:
+        if not ids:
+            raise bad_request("the prompt is empty", param, "empty_prompt")
+        if len(ids) > self.max_prompt_tokens:
+            raise bad_request(f"the prompt has {len(ids)} tokens, over the limit of {self.max_prompt_tokens} "
+                              "(QSE_MAX_PROMPT_TOKENS)", param, "context_length_exceeded")
+        window = self.max_context_tokens
+        if window is not None and len(ids) + max_tokens > window:
+            raise bad_request(f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) is over the model's "
+                              f"window of {window} tokens", param, "context_length_exceeded")
+
+    async def session_for(self, prompt_ids: list[int], explicit: str | None) -> str:
+        """X-Session-Id, else the reader's session sharing the longest prefix (>= one chunk), else new.
+        The prefix search walks every session's ids: off the event loop."""
+        if explicit:
+            return explicit
+        mapped = await asyncio.to_thread(_retry, lambda: self.conductor.map_session(prompt_ids, None))
+        return mapped or f"s-{uuid.uuid4().hex[:16]}"
+
+    async def prepare_chat(self, req: wire.ChatCompletionRequest, request_id: str, session: str | None,
+                           router_label: str | None) -> TurnPlan:
+        self.check_model(req.model)
+        wire.check_chat(req)
+        messages = wire.template_messages(req.messages)
+        tools = None if req.tool_choice == "none" else wire.template_tools(req.tools)
+        thinking = (req.chat_template_kwargs or {}).get("enable_thinking")
+        max_tokens = self._max_tokens(req.max_completion_tokens or req.max_tokens)
+
+        def render() -> tuple[str, list[int]]:
+            text = self.chat.render(messages, tools, True, thinking)
+            return text, self.chat.tokenizer.encode(text)
+
+        try:
+            text, ids = await asyncio.to_thread(render)
+        except ValueError as exc:  # the chat format refuses the messages (roles, order, arguments)
+            raise bad_request(str(exc), "messages", "invalid_messages") from None
+        self._check_prompt(ids, max_tokens, "messages")
+        return TurnPlan(ids, max_tokens, self._sampling(req.temperature, req.top_p, req.seed),
+                        wire.stop_list(req.stop), await self.session_for(ids, session), request_id, router_label, text)
+
+    async def prepare_completion(self, req: wire.CompletionRequest, request_id: str, session: str | None,
+                                 router_label: str | None) -> TurnPlan:
+        self.check_model(req.model)
+        wire.check_completion(req)
+        max_tokens = self._max_tokens(req.max_tokens if req.max_tokens is not None else 16)
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            vocab = self.chat.tokenizer.vocab_size
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
+            ids, text = list(prompt), ""
+        else:
+            text = prompt[0] if isinstance(prompt, list) else prompt
+            ids = await asyncio.to_thread(self.chat.tokenizer.encode, text)
+        self._check_prompt(ids, max_tokens, "prompt")
+        return TurnPlan(ids, max_tokens, self._sampling(req.temperature, req.top_p, req.seed),
+                        wire.stop_list(req.stop), await self.session_for(ids, session), request_id, router_label, text)
+
+    # ---- the turn ------------------------------------------------------------------------------
+    async def drive(self, plan: TurnPlan, out: OutputText) -> AsyncIterator[int]:
+        """Run the turn on the conductor; push each id into `out`, yield the count; stop at a stop string."""
+        req = GenerateRequest(prompt_ids=plan.prompt_ids, max_tokens=plan.max_tokens, sampling=plan.sampling,
+                              stop_ids=tuple(self.chat.stop_ids), session_id=plan.session_id,
+                              request_id=plan.request_id, router_label=plan.router_label)
+        try:
+            async with aclosing(self.conductor.generate(req)) as tokens:
+                async for token in tokens:
+                    out.push(token)
+                    plan.output_tokens = out.num_ids
+                    yield out.num_ids
+                    if out.is_stopped:
+                        break
+        except ShadowError as exc:
+            raise bad_request(str(exc), None, "invalid_turn") from None
+        out.finish()
+        plan.finish_reason = "stop" if out.is_stopped or out.num_ids < plan.max_tokens else "length"
+
+    def _usage(self, plan: TurnPlan) -> wire.Usage:
+        n = len(plan.prompt_ids)
+        return wire.Usage(prompt_tokens=n, completion_tokens=plan.output_tokens, total_tokens=n + plan.output_tokens)
+
+    def _sections(self, plan: TurnPlan, stream_content: bool) -> Sections:
+        prompt = plan.prompt_text
+        return Sections(lambda text: self.chat.parse(text, prompt), stream_content)
+
+    async def chat_chunks(self, plan: TurnPlan, tools_offered: bool,
+                          include_usage: bool) -> AsyncIterator[wire.ChatCompletionChunk]:
+        cid, created = f"chatcmpl-{plan.request_id}", int(time.time())
+
+        def chunk(delta: wire.Delta, finish: str | None = None) -> wire.ChatCompletionChunk:
+            return wire.ChatCompletionChunk(id=cid, object="chat.completion.chunk", created=created,
+                                            model=self.model_name, choices=[wire.ChunkChoice(0, delta, finish)])
+
+        yield chunk(wire.Delta(role="assistant", content=""))
+        out = OutputText(self.chat.tokenizer.decode, plan.stops)
+        sections = self._sections(plan, stream_content=not tools_offered)
+        async for _ in self.drive(plan, out):
+            d = sections.update(out.visible)
+            if d:
+                yield chunk(wire.Delta(content=d.content or None, reasoning_content=d.reasoning or None))
+        d = sections.finish(out.text)
+        if d.reasoning or d.content:
+            yield chunk(wire.Delta(content=d.content or None, reasoning_content=d.reasoning or None))
+        if d.tool_calls:
+            yield chunk(wire.Delta(tool_calls=[
+                wire.ToolCallDelta(index=i, id=c["id"], type=c["type"], function=wire.FunctionCallOut(**c["function"]))
+                for i, c in enumerate(d.tool_calls)]))
+        yield chunk(wire.Delta(), "tool_calls" if d.tool_calls else plan.finish_reason)
+        if include_usage:
+            yield wire.ChatCompletionChunk(id=cid, object="chat.completion.chunk", created=created,
+                                           model=self.model_name, choices=[], usage=self._usage(plan))
+        self.after_chat(plan, sections.reasoning)
+
+    async def chat_answer(self, plan: TurnPlan, tools_offered: bool) -> wire.ChatCompletion:
+        out = OutputText(self.chat.tokenizer.decode, plan.stops)
+        async for _ in self.drive(plan, out):
+            pass
+        parsed = self._sections(plan, stream_content=True).finish(out.text)
+        calls = [wire.ToolCallOut(id=c["id"], type=c["type"], function=wire.FunctionCallOut(**c["function"]))
+                 for c in parsed.tool_calls]
+        message = wire.ChatMessageOut(role="assistant", content=parsed.content if (parsed.content or not calls) else None,
+                                      reasoning_content=parsed.reasoning or None, tool_calls=calls or None)
+        self.after_chat(plan, parsed.reasoning)
+        return wire.ChatCompletion(id=f"chatcmpl-{plan.request_id}", object="chat.completion", created=int(time.time()),
+                                   model=self.model_name,
+                                   choices=[wire.ChatChoice(0, message, "tool_calls" if calls else plan.finish_reason)],
+                                   usage=self._usage(plan))
+
+    async def completion_chunks(self, plan: TurnPlan, include_usage: bool) -> AsyncIterator[wire.Completion]:
+        cid, created = f"cmpl-{plan.request_id}", int(time.time())
+
+        def chunk(text: str, finish: str | None = None) -> wire.Completion:
+            return wire.Completion(id=cid, object="text_completion", created=created, model=self.model_name,
+                                   choices=[wire.CompletionChoice(0, text, finish)])
+
+        out = OutputText(self.chat.tokenizer.decode, plan.stops)
+        sent = 0
+        async for _ in self.drive(plan, out):
+            visible = out.visible
+            if len(visible) > sent:
+                yield chunk(visible[sent:])
+                sent = len(visible)
+        yield chunk(out.text[sent:], plan.finish_reason)
+        if include_usage:
+            yield wire.Completion(id=cid, object="text_completion", created=created, model=self.model_name,
+                                  choices=[], usage=self._usage(plan))
+
+    async def completion_answer(self, plan: TurnPlan) -> wire.Completion:
+        out = OutputText(self.chat.tokenizer.decode, plan.stops)
+        async for _ in self.drive(plan, out):
+            pass
+        return wire.Completion(id=f"cmpl-{plan.request_id}", object="text_completion", created=int(time.time()),
+                               model=self.model_name, choices=[wire.CompletionChoice(0, out.text, plan.finish_reason)],
+                               usage=self._usage(plan))
+
+    # ---- after a turn --------------------------------------------------------------------------
+    def _on_turn(self, record: TurnRecord) -> None:
+        """Every finished turn: one usage-ledger line and the turn's metrics."""
+        m = self.metrics
+        m.prompt_tokens.inc(record.prompt_tokens)
+        m.output_tokens.inc(record.output_tokens)
+        m.finished.labels(record.finish_reason).inc()
+        if record.first_token_s is not None:
+            m.ttft_seconds.observe(max(0.0, record.first_token_s - record.arrival_s))
+        if record.decode_tokens_per_s > 0:
+            m.decode_tokens_per_second.observe(record.decode_tokens_per_s)
+            m.reader_share.observe(record.reader_share)
+        wall = self._wall_offset_s
+        first = record.first_token_s if record.first_token_s is not None else record.end_s
+        usage = UsageRecord(session=record.session_id or "", arrival_s=round(record.arrival_s + wall, 6),
+                            first_token_s=round(first + wall, 6), end_s=round(record.end_s + wall, 6),
+                            prompt_tokens=record.prompt_tokens, shared_prefix_tokens=record.shared_prefix_tokens,
+                            output_tokens=record.output_tokens, model=record.model)
+        try:
+            Path(self.ledger_path).parent.mkdir(parents=True, exist_ok=True)
+            append_usage(self.ledger_path, usage)
+        except OSError as exc:  # the ledger must never fail a request
+            log.error("ledger_write_failed", path=str(self.ledger_path), error=repr(exc))
+
+    def after_chat(self, plan: TurnPlan, reasoning: str | None) -> None:
+        shadow = self.profile.shadow
+        if reasoning and shadow.narrator == "on" and self.shadow_on:
+            self._spawn(self._narrate(plan.session_id), f"qse-narrator-{plan.session_id}")
+
+    def _spawn(self, coro, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _narrate(self, session_id: str) -> None:
+        try:
+            result = await self.conductor.summarize(session_id, NARRATOR_PROMPT,
+                                                    self.profile.shadow.narrator_max_tokens)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the narrator must never take the server down
+            log.error("narration_failed", session=session_id, error=repr(exc))
+            return
+        self.narrations[session_id] = Narration(session_id, result.text, len(result.token_ids), result.position,
+                                                round(result.gpu_ms, 3))
+        self.metrics.narrations.inc()
+        log.info("narration", session=session_id, text=result.text, tokens=len(result.token_ids),
+                 position=result.position, gpu_ms=round(result.gpu_ms, 3))
+
+    async def wait_background(self) -> None:
+        """Wait for the narrator tasks in flight (tests, and a stop)."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    # ---- the shadow ----------------------------------------------------------------------------
+    def _need_shadow(self) -> None:
+        if not self.shadow_on:
+            raise ApiError(409, f"the shadow reader is off in profile {self.profile.name!r}", code="shadow_off")
+
+    async def ask(self, req: wire.AskRequest) -> wire.AskResponse:
+        self._need_shadow()
+        dup = next((c for c in req.choices if req.choices.count(c) > 1), None)
+        if dup is not None:
+            raise bad_request(f"choice {dup!r} appears twice; choices must differ", "choices", "duplicate_choice")
+        try:
+            session = self.conductor.reader.get(req.session)
+        except UnknownSession:
+            raise ApiError(404, f"unknown session {req.session!r}; GET /v1/conductor/shadow/status lists them",
+                           param="session", code="session_not_found") from None
+        if req.at is not None and not session.committed <= req.at <= len(session.ids):
+            raise bad_request(f"at={req.at} is outside [{session.committed}, {len(session.ids)}]: the reader can "
+                              "answer between its committed rows and the last id it knows", "at")
+        n = len(await asyncio.to_thread(self.chat.tokenizer.encode, req.question))
+        if n > self.max_question_tokens:
+            raise bad_request(f"the question has {n} tokens, over the limit of {self.max_question_tokens} "
+                              "(QSE_MAX_QUESTION_TOKENS)", "question", "question_too_long")
+        try:
+            result = await self.conductor.ask(req.session, req.question, list(req.choices), req.at)
+        except UnknownSession:
+            raise ApiError(404, f"unknown session {req.session!r}", param="session", code="session_not_found") from None
+        except ShadowError as exc:
+            raise bad_request(str(exc), None, "invalid_question") from None
+        self.metrics.asks.inc()
+        return wire.AskResponse(session=result.session_id, distribution=result.distribution, label=result.label,
+                                probability=result.probability, position=result.position, committed=result.committed,
+                                latency_ms=round(result.latency_ms, 3), gpu_ms=round(result.gpu_ms, 3))
+
+    async def summarize(self, req: wire.SummarizeRequest) -> wire.SummaryResponse:
+        self._need_shadow()
+        prompt = req.prompt or SUMMARY_PROMPT
+        n = len(await asyncio.to_thread(self.chat.tokenizer.encode, prompt))
+        if n > self.max_question_tokens:
+            raise bad_request(f"the prompt has {n} tokens, over the limit of {self.max_question_tokens} "
+                              "(QSE_MAX_QUESTION_TOKENS)", "prompt", "question_too_long")
+        try:
+            result = await self.conductor.summarize(req.session, prompt, req.max_tokens)
+        except UnknownSession:
+            raise ApiError(404, f"unknown session {req.session!r}; GET /v1/conductor/shadow/status lists them",
+                           param="session", code="session_not_found") from None
+        except ShadowError as exc:
+            raise bad_request(str(exc), None, "invalid_question") from None
+        return wire.SummaryResponse(session=result.session_id, text=result.text, tokens=len(result.token_ids),
+                                    position=result.position, gpu_ms=round(result.gpu_ms, 3),
+                                    ms_per_token=round(result.ms_per_token, 3))
+
+    def status(self) -> dict[str, Any]:
+        out = _retry(self.conductor.status)
+        out["profile"] = self.profile.name
+        if self.store is not None:
+            parked = _retry(lambda: list(self.store.parked.values()))
+            out["parked"] = [{"session": p.session_id, "path": str(p.path), "bytes": p.nbytes,
+                              "written_s": p.written_s, "committed": p.committed} for p in parked]
+        out["narrations"] = {sid: {"text": n.text, "tokens": n.tokens, "position": n.position, "at_s": n.at_s}
+                             for sid, n in list(self.narrations.items())[-32:]}
+        return out

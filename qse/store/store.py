@@ -1,0 +1,544 @@
+"""The reader's residency manager: resident states under a byte cap, the rest parked on disk.
+
+    resident (cache in the KV pool)  --park: past the cap, least recently fed-->  parked (one file)
+                                     <--bring_back: fed or asked again, exact--
+    no disk, or the write failed     --drop: the state is forgotten; the ids stay, read again from row 0
+
+Invariants:
+  * after `after_feed` and `make_room` return, the resident bytes (ShadowSession.nbytes: KV pages in
+    use, recurrent, conv, checkpoints) plus what the caller is about to add are at most `cap_nbytes`,
+    unless the kept session alone is larger than the cap;
+  * the session being fed or read (`keep`) is never evicted;
+  * a session is resident or parked, never both: its file is removed once it is back;
+  * a parked session keeps its ids and committed length in memory (the conductor maps requests by
+    ids; the status shows the position), its state and checkpoints are only on disk;
+  * a file that cannot be used is a miss: logged with its reason, counted, removed, and the session
+    is read again from row 0. Nothing raises to the reader and no other session is touched.
+
+All calls come from the reader's thread (the executor that owns its device work).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import structlog
+import torch
+
+from ..engine.kv import PagedKV
+from ..models.state import ModelState, StateMismatch
+from ..settings import SETTINGS, EngineSettings
+from ..shadow.reader import ShadowReader, _common_prefix
+from ..shadow.session import Checkpoint, SessionStats, ShadowSession
+from . import disk
+from .disk import FileHeader, FileMiss, Fingerprint
+from .policy import ParkedFile, Resident, plan_room, plan_sweep
+
+log = structlog.get_logger("qse.store")
+
+GIB = 1 << 30
+
+
+@dataclass
+class Parked:
+    """A session whose state is in one file."""
+
+    session_id: str
+    path: Path
+    nbytes: int  # the file's size
+    written_s: float  # wall clock at the rename
+    committed: int
+
+
+@dataclass
+class StoreCounts:
+    evictions: int = 0  # resident sessions pushed out by the cap or the pool (parked or dropped)
+    parks: int = 0  # files written (evictions and park_all)
+    restores: int = 0  # files read back into the pool
+    drops: int = 0  # states forgotten by the store (no disk, write failed, file expired or evicted)
+    expired: int = 0  # files removed by the time-to-live
+    disk_evictions: int = 0  # files removed by the disk cap
+    park_nbytes: int = 0
+    restore_nbytes: int = 0
+    last_park_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    last_restore_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+class ShadowStore:
+    """Implements the reader's `Residency` protocol with a disk tier.
+
+    cap_nbytes:      resident state cap (QSE_SHADOW_GB)
+    disk_dir:        directory of parked files; None: no disk tier (past the cap, states are dropped)
+    disk_cap_nbytes: cap on the parked files (QSE_SHADOW_DISK_GB); the oldest go first
+    ttl_s:           a parked file older than this is removed (QSE_SHADOW_DISK_TTL_S)
+    wall_clock:      seconds since the epoch, for file ages (files outlive the process)
+
+    One store serves one reader, and one reader owns a disk directory.
+    """
+
+    def __init__(self, cap_nbytes: int, disk_dir: Path | str | None = None, disk_cap_nbytes: int = 64 * GIB,
+                 ttl_s: float = 48 * 3600.0, wall_clock: Callable[[], float] = time.time):
+        if cap_nbytes < 0 or disk_cap_nbytes < 0 or ttl_s < 0:
+            raise ValueError(f"store caps and ttl must be >= 0, got cap={cap_nbytes} disk_cap={disk_cap_nbytes} ttl={ttl_s}")
+        self.cap_nbytes = int(cap_nbytes)
+        self.disk_dir = Path(disk_dir).expanduser() if disk_dir is not None else None
+        self.disk_cap_nbytes = int(disk_cap_nbytes)
+        self.ttl_s = float(ttl_s)
+        self.wall_clock = wall_clock
+        self.parked: dict[str, Parked] = {}
+        self.counts = StoreCounts()
+        self.misses: Counter[str] = Counter()
+        self.events: deque[tuple[str, str]] = deque(maxlen=256)  # (verb, session id), newest last
+        self._dir_ready = False
+        self._reader: ShadowReader | None = None
+        self._fingerprint: Fingerprint | None = None
+
+    @classmethod
+    def from_settings(cls, settings: EngineSettings = SETTINGS) -> "ShadowStore":
+        raw = settings.get("QSE_SHADOW_DISK").strip()
+        if raw.lower() == "off":
+            disk_dir = None
+        elif raw.lower() in ("", "auto"):
+            disk_dir = settings.cache_dir() / "shadow-disk"
+        else:
+            disk_dir = Path(raw).expanduser()
+        return cls(int(settings.get("QSE_SHADOW_GB") * GIB), disk_dir, int(settings.get("QSE_SHADOW_DISK_GB") * GIB),
+                   settings.get("QSE_SHADOW_DISK_TTL_S"))
+
+    # ---- the Residency protocol ----------------------------------------------------------------
+    def make_room(self, reader: ShadowReader, pages: int, keep: ShadowSession) -> bool:
+        """Free `pages` pool pages and keep the cap with them (and the checkpoint the chunk may take)."""
+        need_nbytes = pages * reader.pool.page_nbytes
+        if keep.is_resident and keep.committed + reader.grid in keep.checkpoint_lines:
+            need_nbytes += reader.engine.recurrent_nbytes()
+        return self._fit(reader, keep, pages, need_nbytes)
+
+    def bring_back(self, reader: ShadowReader, session: ShadowSession) -> bool:
+        """Restore a parked session exactly; False (a miss, or never parked) means read it again."""
+        if self._restore(reader, session):
+            return True
+        # the reader now makes a fresh state (recurrent + conv): keep the cap with it
+        self._fit(reader, session, 0, reader.engine.recurrent_nbytes())
+        return False
+
+    def _restore(self, reader: ShadowReader, session: ShadowSession) -> bool:
+        entry = self.parked.pop(session.session_id, None)
+        if entry is None:
+            return False
+        self._bind(reader)
+        t0 = time.perf_counter()
+        try:
+            record = self._load(reader, entry.path, session.session_id)
+        except FileMiss as miss:
+            self._miss(entry.path, session.session_id, miss)
+            return False
+        t_read = time.perf_counter()
+        state = record.state
+        pages = -(-state.length // reader.pool.page_rows)
+        need = pages * reader.pool.page_nbytes + sum(t.numel() * t.element_size() for t in state.sections.values())
+        need += sum(c.nbytes for c in record.checkpoints)
+        self._fit(reader, session, pages, need)
+        kv = PagedKV(reader.pool)
+        try:
+            cache = reader.engine.restore_cache(state, kv)
+        except StateMismatch as exc:
+            kv.release_all()
+            self._miss(entry.path, session.session_id, FileMiss("signature", str(exc)))
+            return False
+        if cache is None:
+            kv.release_all()
+            self._miss(entry.path, session.session_id, FileMiss("no_room", f"the pool has {reader.pool.num_free} free pages, the state needs {pages}"))
+            return False
+        device = reader.engine.device
+        session.cache = cache
+        session.committed = state.length
+        session.checkpoints = [Checkpoint(c.position, [t.to(device) for t in c.recurrent], [t.to(device) for t in c.conv])
+                               for c in record.checkpoints]
+        session.mode = record.mode
+        self._unlink(entry.path)
+        # the session may have been fed other ids while parked: go back as a resident one would
+        first_diff = _common_prefix(record.ids, session.ids, session.committed)
+        if first_diff < session.committed:
+            reader._rollback(session, first_diff)
+        reader.engine.synchronize()
+        t_done = time.perf_counter()
+        self.counts.restores += 1
+        self.counts.restore_nbytes += entry.nbytes
+        self.events.append(("restore", session.session_id))
+        self.counts.last_restore_ms = {"read_ms": (t_read - t0) * 1e3, "restore_ms": (t_done - t_read) * 1e3,
+                                       "total_ms": (t_done - t0) * 1e3, "nbytes": entry.nbytes}
+        log.info("store_restore", session=session.session_id, position=session.committed, nbytes=entry.nbytes,
+                 ms=round((t_done - t0) * 1e3, 3), rolled_back_to=session.committed if first_diff < state.length else None)
+        return True
+
+    def after_feed(self, reader: ShadowReader, session: ShadowSession) -> None:
+        self._fit(reader, session, 0, 0)
+        if self.parked:
+            self.sweep(reader)
+
+    def forget(self, reader: ShadowReader, session: ShadowSession) -> None:
+        entry = self.parked.pop(session.session_id, None)
+        if entry is not None:
+            self._unlink(entry.path)
+
+    # ---- parking -------------------------------------------------------------------------------
+    def park(self, reader: ShadowReader, session: ShadowSession) -> bool:
+        """Write a resident session to disk and free its state; False (it stays resident) if it cannot."""
+        if not session.is_resident or not self._disk_ready():
+            return False
+        self._bind(reader)
+        fp = self._fingerprint_of(reader)
+        assert self.disk_dir is not None
+        t0 = time.perf_counter()
+        state = reader.engine.cache_state(session.cache)
+        tensors = _session_tensors(session, state)
+        estimate = sum(t.numel() * t.element_size() for t in tensors.values()) + 64 * 1024
+        if estimate > self.disk_cap_nbytes:
+            self._count_write_miss(session, FileMiss("disk_cap", f"{estimate} bytes, the disk cap is {self.disk_cap_nbytes}"))
+            return False
+        self.sweep(reader, incoming_nbytes=estimate)
+        t_export = time.perf_counter()
+        written_s = self.wall_clock()
+        meta = {"format": disk.FORMAT, "version": str(disk.VERSION), **fp.metadata(), **_session_meta(session, state),
+                "model": reader.engine.name, "written_s": repr(written_s),
+                "ids_sha256": disk.tensor_sha256(tensors["ids"])}
+        path = self.disk_dir / disk.file_name(session.session_id)
+        try:
+            nbytes = disk.write_file(path, tensors, meta)
+        except OSError as exc:
+            self._count_write_miss(session, FileMiss(disk.write_reason(exc), exc.strerror or str(exc)))
+            return False
+        t_done = time.perf_counter()
+        self.parked[session.session_id] = Parked(session.session_id, path, nbytes, written_s, session.committed)
+        session.kv.release_all()
+        session.cache = None
+        session.checkpoints = []
+        self.counts.parks += 1
+        self.counts.park_nbytes += nbytes
+        self.events.append(("park", session.session_id))
+        self.counts.last_park_ms = {"export_ms": (t_export - t0) * 1e3, "write_ms": (t_done - t_export) * 1e3,
+                                    "total_ms": (t_done - t0) * 1e3, "nbytes": nbytes}
+        log.info("store_park", session=session.session_id, position=session.committed, nbytes=nbytes,
+                 ms=round((t_done - t0) * 1e3, 3))
+        return True
+
+    def park_all(self, reader: ShadowReader) -> dict:
+        """Planned stop: write every resident session, least recently fed first (so the disk cap keeps
+        the newest). Sessions that cannot be written stay resident and are reported."""
+        t0 = time.perf_counter()
+        resident = sorted((s for s in reader.sessions.values() if s.is_resident), key=lambda s: s.last_fed_s)
+        parked, failed = [], []
+        for s in resident:
+            (parked if self.park(reader, s) else failed).append(s.session_id)
+        report = {"parked": len(parked), "failed": failed, "files": len(self.parked),
+                  "parked_bytes": sum(p.nbytes for p in self.parked.values()), "seconds": time.perf_counter() - t0}
+        log.info("store_park_all", **report)
+        return report
+
+    def attach(self, reader: ShadowReader) -> dict:
+        """At start: register every usable file's session as parked (ids known, state on disk), so it
+        resumes without reading again; remove torn temporaries and unusable files (misses)."""
+        self._bind(reader)
+        if not self._disk_ready():
+            return {"sessions": 0, "misses": {}, "disk": None}
+        assert self.disk_dir is not None
+        fp = self._fingerprint_of(reader)
+        found, misses = 0, Counter()
+        try:
+            names = sorted(os.listdir(self.disk_dir))
+        except OSError as exc:
+            log.warning("store_attach_failed", dir=str(self.disk_dir), error=exc.strerror or str(exc))
+            return {"sessions": 0, "misses": {}, "disk": str(self.disk_dir)}
+        for name in names:
+            path = self.disk_dir / name
+            if disk.is_temp_name(name):
+                self._unlink(path)  # a writer died before its rename: never a file
+                log.info("store_torn_temp_removed", path=str(path))
+                continue
+            if not name.endswith(disk.SUFFIX):
+                continue
+            try:
+                header = disk.read_header(path)
+                fp.check(header.meta)
+                session_id = header.meta.get("session_id", "")
+                if disk.file_name(session_id) != name:
+                    raise FileMiss("session_id", f"file {name} holds session {session_id!r}")
+                ids = _read_ids(header, reader.engine.cfg.vocab_size)
+                committed = _meta_int(header.meta, "committed")
+                lines = {int(x) for x in _meta_json(header.meta, "checkpoint_lines")}
+                stats = _session_stats(header.meta)
+                written_s = float(header.meta.get("written_s", "nan"))
+                if not (0 <= committed <= len(ids)) or written_s != written_s:
+                    raise FileMiss("corrupt", f"committed {committed} of {len(ids)} ids, written_s {written_s}")
+            except FileMiss as miss:
+                misses[miss.reason] += 1
+                self._miss(path, None, miss)
+                continue
+            existing = reader.sessions.get(session_id)
+            if existing is not None and (existing.is_resident or session_id in self.parked):
+                if existing.is_resident:
+                    self._unlink(path)  # the resident state is newer than any file
+                continue
+            session = existing or ShadowSession(session_id, reader.grid, None)
+            session.mode = header.meta.get("mode", "eager")
+            session.ids = ids
+            session.committed = committed
+            session.checkpoints = []
+            session.checkpoint_lines = lines
+            session.stats = stats
+            reader.sessions[session_id] = session
+            self.parked[session_id] = Parked(session_id, path, header.size, written_s, committed)
+            found += 1
+        self.sweep(reader)
+        report = {"sessions": found, "misses": dict(misses), "disk": str(self.disk_dir),
+                  "parked_bytes": sum(p.nbytes for p in self.parked.values())}
+        log.info("store_attach", **report)
+        return report
+
+    def sweep(self, reader: ShadowReader, now: float | None = None, incoming_nbytes: int = 0) -> list[str]:
+        """Remove files past the time-to-live, then the oldest until the disk cap holds (with room
+        for a file of `incoming_nbytes`); their sessions are read again when fed. Returns their ids."""
+        now = self.wall_clock() if now is None else now
+        files = [ParkedFile(p.session_id, p.written_s, p.nbytes) for p in self.parked.values()]
+        decision = plan_sweep(files, now, self.ttl_s, self.disk_cap_nbytes, incoming_nbytes)
+        for why, ids in (("expired", decision.expired), ("disk_cap", decision.evicted)):
+            for sid in ids:
+                entry = self.parked.pop(sid)
+                self._unlink(entry.path)
+                if why == "expired":
+                    self.counts.expired += 1
+                else:
+                    self.counts.disk_evictions += 1
+                self.events.append((why, sid))
+                session = reader.sessions.get(sid)
+                if session is not None and not session.is_resident:
+                    reader.drop_state(session)
+                    self.counts.drops += 1
+                log.info("store_file_removed", session=sid, why=why, age_s=round(now - entry.written_s, 3), nbytes=entry.nbytes)
+        return decision.expired + decision.evicted
+
+    # ---- status --------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        reader = self._reader
+        resident = [s for s in list(reader.sessions.values()) if s.is_resident] if reader is not None else []
+        c = self.counts
+        return {
+            "cap_bytes": self.cap_nbytes,
+            "resident_bytes": reader.resident_nbytes() if reader is not None else 0,
+            "resident_sessions": len(resident),
+            "parked_sessions": len(self.parked),
+            "parked_bytes": sum(p.nbytes for p in list(self.parked.values())),
+            "files": len(self.parked),
+            "disk_dir": str(self.disk_dir) if self.disk_dir is not None else None,
+            "disk_cap_bytes": self.disk_cap_nbytes,
+            "ttl_s": self.ttl_s,
+            "evictions": c.evictions,
+            "parks": c.parks,
+            "restores": c.restores,
+            "drops": c.drops,
+            "expired": c.expired,
+            "disk_evictions": c.disk_evictions,
+            "park_bytes_total": c.park_nbytes,
+            "restore_bytes_total": c.restore_nbytes,
+            "last_park_ms": dict(c.last_park_ms),
+            "last_restore_ms": dict(c.last_restore_ms),
+            "misses": dict(self.misses),
+        }
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _bind(self, reader: ShadowReader) -> None:
+        if self._reader is not reader:
+            self._reader = reader
+            self._fingerprint = None
+
+    def _fingerprint_of(self, reader: ShadowReader) -> Fingerprint:
+        if self._fingerprint is None:
+            engine = reader.engine
+            self._fingerprint = Fingerprint(engine.resolved.weights_id, reader.grid, engine.state_signature(),
+                                            disk.kernel_fingerprint(engine.device))
+        return self._fingerprint
+
+    def _fit(self, reader: ShadowReader, keep: ShadowSession, pages: int, need_nbytes: int) -> bool:
+        self._bind(reader)
+        others = [Resident(s.session_id, s.last_fed_s, s.nbytes, len(s.kv.pages))
+                  for s in reader.sessions.values() if s.is_resident and s is not keep]
+        room = plan_room(others, keep.nbytes, reader.pool.num_free, pages, need_nbytes, self.cap_nbytes)
+        for sid in room.victims:
+            self._evict(reader, reader.sessions[sid])
+        if not room.fits_cap:
+            log.warning("store_over_cap", session=keep.session_id, nbytes=keep.nbytes + need_nbytes, cap=self.cap_nbytes)
+        return reader.pool.can_allocate(pages)
+
+    def _evict(self, reader: ShadowReader, session: ShadowSession) -> None:
+        self.counts.evictions += 1
+        if self.park(reader, session):
+            return
+        reader.drop_state(session)
+        self.counts.drops += 1
+        self.events.append(("drop", session.session_id))
+        log.info("store_drop", session=session.session_id, disk=self.disk_dir is not None)
+
+    def _disk_ready(self) -> bool:
+        if self.disk_dir is None:
+            return False
+        if not self._dir_ready:
+            try:
+                self.disk_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                log.warning("store_disk_unavailable", dir=str(self.disk_dir), error=exc.strerror or str(exc))
+                return False
+            self._dir_ready = True
+        return True
+
+    def _load(self, reader: ShadowReader, path: Path, session_id: str) -> "_Record":
+        fp = self._fingerprint_of(reader)
+        header = disk.read_header(path)
+        fp.check(header.meta)
+        if header.meta.get("session_id") != session_id:
+            raise FileMiss("session_id", f"file holds session {header.meta.get('session_id')!r}, expected {session_id!r}")
+        tensors = disk.read_tensors(header)  # verifies the checksum
+        return _decode(header, tensors, reader)
+
+    def _miss(self, path: Path, session_id: str | None, miss: FileMiss) -> None:
+        self.misses[miss.reason] += 1
+        self.events.append(("miss:" + miss.reason, session_id or path.name))
+        self._unlink(path)
+        log.warning("store_miss", session=session_id, reason=miss.reason, detail=miss.detail, path=str(path))
+
+    def _count_write_miss(self, session: ShadowSession, miss: FileMiss) -> None:
+        self.misses[miss.reason] += 1
+        self.events.append(("miss:" + miss.reason, session.session_id))
+        log.warning("store_miss", session=session.session_id, reason=miss.reason, detail=miss.detail,
+                    dir=str(self.disk_dir), write=True)
+
+    def _unlink(self, path: Path) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("store_unlink_failed", path=str(path), error=exc.strerror or str(exc))
+
+
+# ---- the session <-> file mapping ----------------------------------------------------------------
+@dataclass
+class _Record:
+    ids: list[int]
+    state: ModelState
+    checkpoints: list[Checkpoint]
+    mode: str
+
+
+def _session_tensors(session: ShadowSession, state: ModelState) -> dict[str, torch.Tensor]:
+    out = {"ids": torch.tensor(session.ids, dtype=torch.int32)}
+    for i, c in enumerate(session.checkpoints):
+        for j, t in enumerate(c.recurrent):
+            out[f"ckpt.{i}.recurrent.{j}"] = t
+        for j, t in enumerate(c.conv):
+            out[f"ckpt.{i}.conv.{j}"] = t
+    for name, t in state.sections.items():
+        out[f"state.s.{name}"] = t
+    for name, t in state.views.items():
+        out[f"state.v.{name}"] = t
+    return out
+
+
+def _session_meta(session: ShadowSession, state: ModelState) -> dict[str, str]:
+    return {
+        "session_id": session.session_id,
+        "committed": str(state.length),
+        "num_ids": str(len(session.ids)),
+        "checkpoints": json.dumps([c.position for c in session.checkpoints]),
+        "checkpoint_counts": json.dumps([[len(c.recurrent), len(c.conv)] for c in session.checkpoints]),
+        "checkpoint_lines": json.dumps(sorted(session.checkpoint_lines)),
+        "mode": session.mode,
+        "stats": json.dumps(dataclasses.asdict(session.stats)),
+    }
+
+
+def _meta_int(meta: dict[str, str], key: str) -> int:
+    try:
+        return int(meta[key])
+    except (KeyError, ValueError):
+        raise FileMiss("corrupt", f"metadata {key}={meta.get(key)!r} is not an integer") from None
+
+
+def _meta_json(meta: dict[str, str], key: str) -> list:
+    try:
+        value = json.loads(meta[key])
+    except (KeyError, ValueError):
+        raise FileMiss("corrupt", f"metadata {key}={meta.get(key)!r} is not JSON") from None
+    if not isinstance(value, list):
+        raise FileMiss("corrupt", f"metadata {key} is not a list")
+    return value
+
+
+def _session_stats(meta: dict[str, str]) -> SessionStats:
+    try:
+        raw = json.loads(meta.get("stats", "{}"))
+        known = {f.name for f in dataclasses.fields(SessionStats)}
+        return SessionStats(**{k: v for k, v in raw.items() if k in known})
+    except (ValueError, TypeError, AttributeError):
+        return SessionStats()  # statistics only: not worth a miss
+
+
+def _check_ids(ids: torch.Tensor, vocab_size: int) -> list[int]:
+    if ids.dim() != 1 or ids.dtype != torch.int32:
+        raise FileMiss("corrupt", f"ids tensor has shape {tuple(ids.shape)} and dtype {ids.dtype}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise FileMiss("corrupt", f"ids outside the vocabulary [0, {vocab_size})")
+    return ids.tolist()
+
+
+def _read_ids(header: FileHeader, vocab_size: int) -> list[int]:
+    """The ids alone (attach): checked against their own hash, the body is verified at bring_back."""
+    ids = disk.read_tensors(header, ["ids"])["ids"]
+    if disk.tensor_sha256(ids) != header.meta.get("ids_sha256"):
+        raise FileMiss("checksum", "the ids do not match their hash")
+    return _check_ids(ids, vocab_size)
+
+
+def _same_layout(tensors: list[torch.Tensor], sections: dict[str, torch.Tensor], kind: str) -> bool:
+    """Checkpoint tensor j is the GDN layer j's `kind` state: same count, shapes and dtypes."""
+    if len(tensors) != sum(1 for k in sections if k.endswith("." + kind)):
+        return False
+    refs = [sections.get(f"gdn.{j}.{kind}") for j in range(len(tensors))]
+    return all(r is not None and r.shape == t.shape and r.dtype == t.dtype for r, t in zip(refs, tensors))
+
+
+def _decode(header: FileHeader, tensors: dict[str, torch.Tensor], reader: ShadowReader) -> _Record:
+    meta = header.meta
+    committed = _meta_int(meta, "committed")
+    positions = [int(p) for p in _meta_json(meta, "checkpoints")]
+    counts = _meta_json(meta, "checkpoint_counts")
+    if "ids" not in tensors:
+        raise FileMiss("corrupt", "no ids tensor")
+    ids = _check_ids(tensors["ids"], reader.engine.cfg.vocab_size)
+    sections = {k[len("state.s."):]: t for k, t in tensors.items() if k.startswith("state.s.")}
+    views = {k[len("state.v."):]: t for k, t in tensors.items() if k.startswith("state.v.")}
+    if committed > len(ids) or committed % reader.grid or any(v.shape[0] != committed for v in views.values()):
+        raise FileMiss("corrupt", f"committed {committed} does not fit {len(ids)} ids, grid {reader.grid} and the KV rows")
+    checkpoints = []
+    if len(counts) != len(positions):
+        raise FileMiss("corrupt", "checkpoint positions and counts differ")
+    for i, (position, (num_rec, num_conv)) in enumerate(zip(positions, counts)):
+        try:
+            rec = [tensors[f"ckpt.{i}.recurrent.{j}"] for j in range(num_rec)]
+            cnv = [tensors[f"ckpt.{i}.conv.{j}"] for j in range(num_conv)]
+        except KeyError as exc:
+            raise FileMiss("corrupt", f"checkpoint {i} lacks {exc}") from None
+        if not 0 < position <= committed or position % reader.grid or not (
+                _same_layout(rec, sections, "recurrent") and _same_layout(cnv, sections, "conv")):
+            raise FileMiss("corrupt", f"checkpoint {i} at {position} does not match the state")
+        checkpoints.append(Checkpoint(position, rec, cnv))
+    return _Record(ids, ModelState(sections=sections, views=views, length=committed), checkpoints, meta.get("mode", "eager"))
+
+
+__all__ = ["GIB", "Parked", "ShadowStore", "StoreCounts"]

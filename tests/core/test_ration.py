@@ -1,0 +1,122 @@
+"""The ration inside a turn, on a scripted clock: exact decisions, exact ledger balances."""
+
+import pytest
+
+from qse.core.chunk_cost import ChunkCostEstimator
+from qse.core.drive import Stop, drive_plan
+from qse.core.ledger import GpuLedger, Role
+from qse.core.plan import Window, plan_read
+from qse.core.ration import TurnRation
+from qse.core.share import ShareBudget
+from qse.settings import EngineSettings
+
+CHUNK_MS = 44.544  # the seed's 87 ms per 1000 tokens, one 512 chunk
+
+
+class Clock:
+    def __init__(self, t: float):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_share_counts_from_first_token_not_turn_start():
+    ration = TurnRation(0.02, 150.0)
+    arrival_s, first_token_s = 0.0, 17.0  # a 17 s prefill earns nothing
+    assert ration.allowance_us(17.0, first_token_s, 0) == 0
+    assert ration.allowance_us(26.6, first_token_s, 0) == 192_000  # 2 % of 9.6 s
+    # counted from the turn's start it would have earned 532 ms: the seed's first build, -5.3 % decode
+    assert ration.allowance_us(26.6, arrival_s, 0) == 532_000
+    assert ration.allowance_us(26.6, first_token_s, 150_000) == 42_000
+    assert ration.allowance_us(26.6, first_token_s, 500_000) == 0  # overspent: nothing, never negative
+    assert ration.allowance_us(16.0, first_token_s, 0) == 0  # before the first token
+
+
+def test_share_arithmetic_is_exact():
+    share = ShareBudget(0.29)  # 0.29 * 100 is 28.999999999999996 in floats
+    assert share.earned_us(100e-6, 0.0) == 29
+    assert share.earliest_s(0.0, 0, 29) == 100e-6
+    assert ShareBudget(0.02).earliest_s(5.0, 0, 44_544) == 5.0 + 2.2272
+    assert ShareBudget(0.0).earliest_s(0.0, 0, 1) is None
+    with pytest.raises(ValueError, match="1.5"):
+        ShareBudget(1.5)
+
+
+def test_a_chunk_whose_estimate_exceeds_what_is_left_is_not_started():
+    ration = TurnRation(0.02, 150.0)
+    # 2 s after the first token: 40 ms earned, a 44.544 ms chunk does not fit
+    assert ration.open_slice(12.0, 10.0, 0, CHUNK_MS) is None
+    when = ration.earliest_s(10.0, 0, CHUNK_MS)
+    assert when == 10.0 + 2.2272
+    assert ration.open_slice(when, 10.0, 0, CHUNK_MS) is not None
+    assert ration.open_slice(when - 1e-6, 10.0, 0, CHUNK_MS) is None
+    # a chunk dearer than a whole slice never fits
+    assert ration.earliest_s(10.0, 0, 150.001) is None
+    assert ration.open_slice(1e6, 10.0, 0, 150.001) is None
+
+
+def test_slices_never_exceed_slice_ms_nor_split_a_chunk():
+    ration = TurnRation(0.02, 150.0)
+    ledger = GpuLedger()
+    ledger.open_turn("t")
+    est = ChunkCostEstimator(prior_ms=CHUNK_MS)
+    clock = Clock(30.0)  # 20 s after the first token: 400 ms earned, a slice holds 150
+    sl = ration.open_slice(clock(), 10.0, 0, CHUNK_MS)
+    assert sl.budget_us == 150_000
+    plan = plan_read(Window.RATION, session_id="s", turn_id="t", committed_rows=0, prompt_tokens=51200,
+                     known_tokens=51200, grid=512, budget_ms=sl.budget_us / 1000, first_chunk_est_ms=CHUNK_MS)
+
+    def read_chunk(row):
+        clock.t += CHUNK_MS / 1000
+        return CHUNK_MS
+
+    res = drive_plan(plan, sl, estimator=est, ledger=ledger, read_chunk=read_chunk, clock=clock,
+                     request_waiting=lambda: False)
+    assert (res.num_chunks, res.end_row, res.stop) == (3, 1536, Stop.BUDGET)  # a 4th would make 178.176 ms
+    assert res.gpu_us == 133_632
+    assert ledger.spent_us(Role.READER_RATION, "t") == 133_632
+    balance = ledger.close_turn("t")
+    assert balance.gpu_us == {Role.READER_RATION: 133_632}
+    assert balance.est_us == {Role.READER_RATION: 133_632}
+
+    # the next slice at 30.2 s: 404 ms earned - 133.632 spent = 270.368 left, capped at 150 again
+    assert ration.open_slice(30.2, 10.0, 133_632, CHUNK_MS).budget_us == 150_000
+    # at 16.7 s: 134 ms earned, 0.368 left: nothing
+    assert ration.open_slice(16.7, 10.0, 133_632, CHUNK_MS) is None
+
+
+def test_measured_overrun_shrinks_the_rest_of_the_slice_and_teaches_the_estimator():
+    ration = TurnRation(0.02, 150.0)
+    ledger = GpuLedger()
+    est = ChunkCostEstimator(prior_ms=40.0)
+    clock = Clock(100.0)
+    sl = ration.open_slice(clock(), 0.0, 0, est.estimate_ms(0))
+    plan = plan_read(Window.RATION, session_id="s", turn_id=None, committed_rows=0, prompt_tokens=10_000,
+                     known_tokens=10_000, grid=512, budget_ms=150.0, first_chunk_est_ms=40.0)
+    measured = iter([70.0, 70.0, 70.0])
+
+    def read_chunk(row):
+        ms = next(measured)
+        clock.t += ms / 1000
+        return ms
+
+    res = drive_plan(plan, sl, estimator=est, ledger=ledger, read_chunk=read_chunk, clock=clock,
+                     request_waiting=lambda: False)
+    # first chunk admitted on 40 (prior), measured 70; the second's estimate is 70: 140 <= 150, admitted;
+    # a third would make 210
+    assert (res.num_chunks, res.gpu_us, res.stop) == (2, 140_000, Stop.BUDGET)
+    assert ledger.balance().estimate_error_us(Role.READER_RATION) == 140_000 - 110_000
+    assert est.estimate_ms(1024) == 70.0
+
+
+def test_narrator_share_the_same_way_from_settings():
+    settings = EngineSettings({})
+    narrator = TurnRation.narrator(settings)
+    reader = TurnRation.reader(settings)
+    assert (narrator.share, narrator.window) == (0.03, Window.NARRATOR)
+    assert (reader.share, reader.slice_ms, reader.window) == (0.02, 150.0, Window.RATION)
+    assert narrator.allowance_us(20.0, 10.0, 0) == 300_000
+    assert narrator.open_slice(20.0, 10.0, 0, 15.0).budget_us == 150_000
+    # a narrator's fork decode token of 15 ms needs 0.5 s of the served model's decode
+    assert narrator.earliest_s(10.0, 0, 15.0) == 10.5

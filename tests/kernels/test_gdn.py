@@ -1,0 +1,158 @@
+"""The gated delta rule: chunk (prefill) and recurrent (decode) kernels against their naive twins."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qse_kernels import gdn_chunk, gdn_recurrent, naive
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+CHUNK_CASES = {
+    "one-chunk": (64, 1, 1, 16, 16, torch.float32),
+    "gqa-tail-T130": (130, 2, 4, 32, 16, torch.float32),
+    "short-T5": (5, 2, 2, 16, 32, torch.float32),
+    "odd-dims": (70, 1, 2, 24, 20, torch.float32),
+    "bf16-T100": (100, 2, 2, 32, 32, torch.bfloat16),
+}
+
+
+def _inputs(num_tokens, num_k, num_v, dk, dv, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(num_tokens, num_k, dk, generator=gen).to(device, dtype)
+    k = torch.randn(num_tokens, num_k, dk, generator=gen).to(device, dtype)
+    v = torch.randn(num_tokens, num_v, dv, generator=gen).to(device, dtype)
+    g = F.logsigmoid(torch.randn(num_tokens, num_v, generator=gen) + 2).to(device)  # decays near 1, some strong
+    beta = torch.rand(num_tokens, num_v, generator=gen).to(device)
+    state = torch.randn(num_v, dk, dv, generator=gen).to(device)
+    return q, k, v, g, beta, state
+
+
+def _check(rel, out, ref, dtype):
+    o, s = out
+    ref_o, ref_s = ref
+    assert o.dtype == ref_o.dtype and o.shape == ref_o.shape and s.dtype == torch.float32
+    assert rel(o, ref_o) < TOL[dtype]
+    assert rel(s, ref_s) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("num_tokens,num_k,num_v,dk,dv,dtype", CHUNK_CASES.values(), ids=CHUNK_CASES.keys())
+def test_chunk_matches_twin(device, rel, num_tokens, num_k, num_v, dk, dv, dtype):
+    args = _inputs(num_tokens, num_k, num_v, dk, dv, dtype, device)
+    _check(rel, gdn_chunk.chunk_gated_delta_rule(*args), naive.chunk_gated_delta_rule(*args), dtype)
+
+
+def test_chunk_strong_correlation(device, rel):
+    """Nearly parallel keys with beta near 1 make (I + A) far from I: the substitution must stay exact."""
+    q, k, v, g, beta, state = _inputs(64, 1, 1, 16, 16, torch.float32, device, seed=5)
+    k = k[:1].expand_as(k) + 0.05 * k
+    beta = 0.9 + 0.1 * beta
+    g = torch.zeros_like(g) - 1e-3
+    args = (q, k, v, g, beta, state)
+    _check(rel, gdn_chunk.chunk_gated_delta_rule(*args), naive.chunk_gated_delta_rule(*args), torch.float32)
+
+
+def test_chunk_strided_views_like_the_model(device, rel):
+    """q, k, v reshaped out of one conv output [T, C]; the state taken from a larger cache."""
+    num_tokens, num_k, num_v, dk, dv = 40, 2, 4, 16, 16
+    kd = num_k * dk
+    qkv = torch.randn(num_tokens, 2 * kd + num_v * dv, device=device)
+    q = qkv[:, :kd].reshape(num_tokens, num_k, dk)
+    k = qkv[:, kd:2 * kd].reshape(num_tokens, num_k, dk)
+    v = qkv[:, 2 * kd:].reshape(num_tokens, num_v, dv)
+    _, _, _, g, beta, _ = _inputs(num_tokens, num_k, num_v, dk, dv, torch.float32, device)
+    cache = torch.randn(3, num_v, dk, dv, device=device)
+    args = (q, k, v, g, beta, cache[1])
+    _check(rel, gdn_chunk.chunk_gated_delta_rule(*args), naive.chunk_gated_delta_rule(*args), torch.float32)
+    _check(rel, gdn_recurrent.recurrent_gated_delta_rule(*args), naive.recurrent_gated_delta_rule(*args), torch.float32)
+
+
+def test_chunk_split_on_chunk_lines_is_bitwise(device):
+    """512 tokens in one call == 8 calls of 64 with the fp32 state carried: the same bits."""
+    q, k, v, g, beta, state = _inputs(512, 1, 2, 16, 16, torch.float32, device, seed=1)
+    o_whole, s_whole = gdn_chunk.chunk_gated_delta_rule(q, k, v, g, beta, state)
+    parts, s = [], state
+    for start in range(0, 512, 64):
+        sl = slice(start, start + 64)
+        o, s = gdn_chunk.chunk_gated_delta_rule(q[sl], k[sl], v[sl], g[sl], beta[sl], s)
+        parts.append(o)
+    assert torch.equal(torch.cat(parts), o_whole)
+    assert torch.equal(s, s_whole)
+
+
+@pytest.mark.parametrize("first", [37, 64, 100], ids=["37+93", "64+66", "100+30"])
+def test_chunk_carried_state(device, rel, first):
+    q, k, v, g, beta, state = _inputs(130, 2, 2, 16, 16, torch.float32, device, seed=2)
+    o_whole, s_whole = gdn_chunk.chunk_gated_delta_rule(q, k, v, g, beta, state)
+    a, b = slice(0, first), slice(first, 130)
+    o1, s1 = gdn_chunk.chunk_gated_delta_rule(q[a], k[a], v[a], g[a], beta[a], state)
+    o2, s2 = gdn_chunk.chunk_gated_delta_rule(q[b], k[b], v[b], g[b], beta[b], s1)
+    assert rel(torch.cat((o1, o2)), o_whole) < TOL[torch.float32]
+    assert rel(s2, s_whole) < TOL[torch.float32]
+
+
+def test_chunk_deterministic(device):
+    args = _inputs(130, 2, 4, 32, 16, torch.bfloat16, device, seed=3)
+    o1, s1 = gdn_chunk.chunk_gated_delta_rule(*args)
+    o2, s2 = gdn_chunk.chunk_gated_delta_rule(*args)
+    assert torch.equal(o1, o2) and torch.equal(s1, s2)
+
+
+RECURRENT_CASES = {
+    "decode-T1": (1, 2, 2, 32, 32, torch.float32),
+    "decode-gqa-T1": (1, 1, 4, 16, 16, torch.float32),
+    "steps-T3-odd-dims": (3, 2, 4, 24, 40, torch.float32),
+    "decode-bf16": (1, 2, 4, 32, 16, torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("num_tokens,num_k,num_v,dk,dv,dtype", RECURRENT_CASES.values(), ids=RECURRENT_CASES.keys())
+def test_recurrent_matches_twin(device, rel, num_tokens, num_k, num_v, dk, dv, dtype):
+    args = _inputs(num_tokens, num_k, num_v, dk, dv, dtype, device)
+    _check(rel, gdn_recurrent.recurrent_gated_delta_rule(*args), naive.recurrent_gated_delta_rule(*args), dtype)
+
+
+def test_decode_after_prefill_matches_one_prefill(device, rel):
+    """chunk over 70 tokens, then 3 recurrent steps, == the chunk twin over all 73."""
+    q, k, v, g, beta, state = _inputs(73, 2, 4, 16, 16, torch.float32, device, seed=4)
+    a = slice(0, 70)
+    outs = []
+    o, s = gdn_chunk.chunk_gated_delta_rule(q[a], k[a], v[a], g[a], beta[a], state)
+    outs.append(o)
+    for t in range(70, 73):
+        b = slice(t, t + 1)
+        o, s = gdn_recurrent.recurrent_gated_delta_rule(q[b], k[b], v[b], g[b], beta[b], s)
+        outs.append(o)
+    ref_o, ref_s = naive.chunk_gated_delta_rule(q, k, v, g, beta, state)
+    assert rel(torch.cat(outs), ref_o) < TOL[torch.float32]
+    assert rel(s, ref_s) < TOL[torch.float32]
+
+
+def test_recurrent_deterministic(device):
+    args = _inputs(1, 2, 4, 32, 32, torch.bfloat16, device, seed=6)
+    o1, s1 = gdn_recurrent.recurrent_gated_delta_rule(*args)
+    o2, s2 = gdn_recurrent.recurrent_gated_delta_rule(*args)
+    assert torch.equal(o1, o2) and torch.equal(s1, s2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_k,num_v", [(16, 16), (16, 48)], ids=["0.8B", "27B"])
+def test_gdn_model_shapes_gpu(rel, num_k, num_v):
+    q, k, v, g, beta, state = _inputs(512, num_k, num_v, 128, 128, torch.bfloat16, "cuda", seed=7)
+    ref_o, ref_s = naive.chunk_gated_delta_rule(q, k, v, g, beta, state)
+    o, s = gdn_chunk.chunk_gated_delta_rule(q, k, v, g, beta, state)
+    assert rel(o, ref_o) < 1e-2 and rel(s, ref_s) < 1e-3
+    parts, s8 = [], state
+    for start in range(0, 512, 64):
+        sl = slice(start, start + 64)
+        o8, s8 = gdn_chunk.chunk_gated_delta_rule(q[sl], k[sl], v[sl], g[sl], beta[sl], s8)
+        parts.append(o8)
+    assert torch.equal(torch.cat(parts), o) and torch.equal(s8, s)
+    o2, s2 = gdn_chunk.chunk_gated_delta_rule(q, k, v, g, beta, state)
+    assert torch.equal(o2, o) and torch.equal(s2, s)
+    one = slice(0, 1)
+    ro, rs = gdn_recurrent.recurrent_gated_delta_rule(q[one], k[one], v[one], g[one], beta[one], state)
+    nro, nrs = naive.recurrent_gated_delta_rule(q[one], k[one], v[one], g[one], beta[one], state)
+    assert rel(ro, nro) < 1e-2 and rel(rs, nrs) < 1e-4

@@ -1,0 +1,31 @@
+"""qse_kernels' package surface: the ops namespace, the fingerprint, and a Triton-free import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import qse_kernels
+
+
+def test_triton_ops_cover_the_model_ops():
+    from qse.models.qwen3_5.model import default_ops
+
+    ops = qse_kernels.triton_ops()
+    assert set(vars(ops)) == set(vars(default_ops()))
+    assert all(callable(fn) for fn in vars(ops).values())
+
+
+def test_available_under_the_interpreter_or_cuda():
+    assert qse_kernels.available()
+
+
+def test_kernel_fingerprint_is_stable_sha256():
+    a, b = qse_kernels.kernel_fingerprint(), qse_kernels.kernel_fingerprint()
+    assert a == b and len(a) == 64 and int(a, 16) >= 0
+
+
+def test_import_needs_no_triton():
+    code = "import sys, qse_kernels, qse_kernels.naive; assert 'triton' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(qse_kernels.__file__).parents[1])

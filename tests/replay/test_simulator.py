@@ -1,0 +1,171 @@
+"""The simulator on hand-built ledgers with known answers (flat read model: 44.544 ms a 512 chunk)."""
+
+import json
+
+import pytest
+
+from qse.core import Role, Stop, Window
+from qse.replay.cli import main
+from qse.replay.read_model import ReadModel
+from qse.replay.simulator import SimOptions, simulate
+from qse.replay.usage import UsageRecord, write_usage
+
+CHUNK_MS = 44.544
+SEED = ReadModel.flat(87.0)
+
+
+def rec(session, arrival, first, end, prompt, shared, output):
+    return UsageRecord(session=session, arrival_s=arrival, first_token_s=first, end_s=end, prompt_tokens=prompt,
+                       shared_prefix_tokens=shared, output_tokens=output)
+
+
+def test_always_fresh():
+    recs = [rec("s", 0.0, 1.0, 2.0, 1000, 0, 36),
+            rec("s", 10.0, 10.1, 11.0, 1086, 1000, 36),
+            rec("s", 20.0, 20.1, 21.0, 1172, 1086, 36)]
+    res = simulate(recs, SEED, record_decisions=True)
+    # turn 1 keeps 1000 + 36 ids (1024 read), turn 2 keeps 1086 + 36 (still 1024 read): less than a chunk behind
+    assert [(s.turn, s.behind_tokens, s.fresh) for s in res.turn_starts] == [(0, 0, True), (1, 12, True), (2, 98, True)]
+    # the one read: the idle window's first look after turn 0 (polls every 0.2 s from 0), two whole chunks
+    assert [(d.window, d.opened_s, d.start_row, d.num_chunks, d.stop) for d in res.decisions] == [
+        (Window.IDLE, 2.0, 0, 2, Stop.BACKLOG)]
+    assert res.ledger.balance().gpu_us == {Role.SERVED_PREFILL: 1_200_000, Role.SERVED_DECODE: 2_800_000,
+                                           Role.READER_IDLE: 89_088}
+    report = res.report()
+    assert report["fresh_share"] == 1.0 and report["fresh_share_followups"] == 1.0
+    assert report["decode_loss"] == 0.0
+
+
+def test_never_catches_up():
+    # 20,000 new ids a turn, 0.5 s between turns, a one-id answer: the reader falls further behind each turn
+    recs, prompt, t = [], 0, 0.0
+    for k in range(6):
+        new = 20_000
+        recs.append(rec("s", t, t + 0.5, t + 0.6, prompt + new, prompt, 1))
+        prompt += new + 1
+        t += 1.1
+    res = simulate(recs, SEED)
+    behind = [s.behind_tokens for s in res.turn_starts]
+    assert all(b > a for a, b in zip(behind, behind[1:]))
+    assert not any(s.fresh for s in res.turn_starts[1:])
+    assert res.report()["fresh_share_followups"] == 0.0
+
+
+@pytest.mark.parametrize("chunks,next_arrival,fresh,behind,num_bursts", [
+    (44, 3.0, True, 1, 1),  # 44 chunks fit one 2 s burst: 1959.936 ms
+    (45, 3.1, False, 513, 1),  # one chunk left, the next poll (3.159936) is after the arrival
+    (45, 3.3, True, 1, 2),  # the second burst reads it
+], ids=["44-one-burst", "45-arrives-too-soon", "45-second-burst"])
+def test_exactly_one_idle_window(chunks, next_arrival, fresh, behind, num_bursts):
+    prompt = chunks * 512
+    recs = [rec("s", 0.0, 0.5, 1.0, prompt, 0, 1),
+            rec("s", next_arrival, next_arrival + 0.1, next_arrival + 0.2, prompt + 100, prompt, 1)]
+    res = simulate(recs, SEED, record_decisions=True)
+    start = res.turn_starts[1]
+    assert (start.fresh, start.behind_tokens) == (fresh, behind)
+    before = [d for d in res.decisions if d.turn == 1]
+    assert len(before) == num_bursts
+    assert (before[0].opened_s, before[0].num_chunks) == (1.0, 44)
+    assert before[0].stop is (Stop.BACKLOG if chunks == 44 else Stop.BUDGET)
+    if num_bursts == 2:
+        assert before[1].opened_s == pytest.approx(1.0 + 1.959936 + 0.2)
+        assert before[1].num_chunks == 1
+    # every whole chunk is read in the end (arriving too soon, the 45th after the last turn)
+    assert res.ledger.balance().gpu_us[Role.READER_IDLE] == 44_544 * chunks
+
+
+def test_ration_counts_from_first_token():
+    # a 17 s prefill, then 346 ids in 9.6 s: 2 % of 9.6 s is 192 ms, four 44.544 ms chunks
+    recs = [rec("s", 0.0, 17.0, 26.6, 2048, 0, 346)]
+    res = simulate(recs, SEED, record_decisions=True)
+    ration = [d for d in res.decisions if d.window is Window.RATION]
+    assert [(d.start_row, d.num_chunks) for d in ration] == [(0, 1), (512, 1), (1024, 1), (1536, 1)]
+    assert ration[0].opened_s >= 17.0 + 2.2272  # not one chunk before it is earned
+    assert ration[0].opened_s - (17.0 + 2.2272) < 9.6 / 346  # the first round boundary after
+    report = res.report()
+    assert report["reader_ms"]["ration"] == 4 * CHUNK_MS
+    assert report["decode_loss"] == pytest.approx(4 * CHUNK_MS / 9600)
+
+    # counted from the turn start (the seed's first build) the prefill's 340 ms is spent at once
+    res2 = simulate(recs, SEED, SimOptions(ration_from="turn_start"), record_decisions=True)
+    ration2 = [d for d in res2.decisions if d.window is Window.RATION]
+    assert [(d.start_row, d.num_chunks, d.stop) for d in ration2] == [(0, 3, Stop.BUDGET), (1536, 1, Stop.BACKLOG)]
+    assert ration2[0].opened_s == pytest.approx(17.0 + 9.6 / 346)
+    assert res2.ledger.balance().gpu_us[Role.READER_RATION] == 4 * 44_544
+
+
+def test_a_waiting_request_waits_at_most_one_chunk():
+    recs = [rec("s", 0.0, 0.5, 1.0, 100 * 512, 0, 1),
+            rec("s", 1.5, 1.6, 1.7, 100 * 512 + 10, 100 * 512, 1)]
+    res = simulate(recs, SEED, record_decisions=True)
+    burst = [d for d in res.decisions if d.turn == 1][0]
+    assert (burst.num_chunks, burst.stop) == (12, Stop.WAITING)
+    (wait,) = res.request_waits_ms
+    assert wait == pytest.approx(34.528)
+    assert res.turn_starts[1].arrival_s == pytest.approx(1.534528)  # the turn starts after the chunk
+
+
+def test_rollback_to_checkpoint():
+    # turn 0 prompt 4096 (checkpoint at 4096 once read), turn 1 keeps only 3000 ids of it: back to 0
+    # (no checkpoint at or below 3000 except the start); with the prompt end at 2048 it goes back there
+    recs = [rec("s", 0.0, 0.1, 0.2, 4096, 0, 1), rec("s", 5.0, 5.1, 5.2, 6000, 3000, 1)]
+    res = simulate(recs, SEED)
+    assert (res.turn_starts[1].rolled_back_tokens, res.turn_starts[1].behind_tokens) == (4096, 3000)
+    recs = [rec("s", 0.0, 0.1, 0.2, 2048, 0, 1), rec("s", 5.0, 5.1, 5.2, 4096, 2048, 1),
+            rec("s", 10.0, 10.1, 10.2, 6000, 3000, 1)]
+    res = simulate(recs, SEED)
+    assert (res.turn_starts[2].rolled_back_tokens, res.turn_starts[2].behind_tokens) == (2048, 952)
+    assert not res.turn_starts[2].fresh
+
+
+def test_ration_never_exceeds_its_share_on_a_trace_slice(traces_dir):
+    from qse.replay.traces import from_weka
+
+    recs = from_weka(traces_dir / "weka_cc_sessions_dev.csv", max_sessions=8).records
+    res = simulate(recs, SEED, record_decisions=True)
+    report = res.report()
+    assert 0.0 < report["fresh_share"] <= 1.0
+    assert report["decode_loss"] <= 0.02 / 0.98 + 1e-9
+    slices = [d for d in res.decisions if d.window is Window.RATION]
+    assert slices and all(d.gpu_us <= 150_000 for d in slices)
+
+
+def test_cli_replay_writes_report_and_chart(tmp_path, capsys):
+    ledger = tmp_path / "u.jsonl"
+    write_usage(ledger, [rec("a", 0.0, 1.0, 20.0, 8192, 0, 684), rec("a", 30.0, 30.5, 40.0, 9000, 8192, 300),
+                         rec("b", 0.0, 0.2, 1.0, 600, 0, 30)])
+    model = tmp_path / "rm.json"
+    model.write_text(json.dumps({"read_model": {"points": [[0, 40.0], [8192, 50.0]], "grid": 512}}))
+    out = tmp_path / "out"
+    rc = main([str(ledger), "--read-model", str(model), "--out", str(out), "--ration", "0.03", "--grid", "512",
+               "--no-progress"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["num_sessions"] == 2 and report["num_turns"] == 3
+    assert report["options"]["ration"] == 0.03
+    assert report["read_model"]["points"] == [[0, 40.0], [8192, 50.0]]
+    assert (out / "replay.png").stat().st_size > 0
+    assert json.loads((out / "report.json").read_text())["fresh_share"] == report["fresh_share"]
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    bad = tmp_path / "rm.json"
+    bad.write_text('{"read_model": {"points": []}}')
+    ledger = tmp_path / "u.jsonl"
+    write_usage(ledger, [rec("a", 0.0, 1.0, 2.0, 100, 0, 1)])
+    assert main([str(ledger), "--read-model", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qse replay: ") and "no points" in err and err.count("\n") == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["weka_cc_sessions_dev.csv", "mooncake_conversation_inferred_chains.csv"])
+def test_whole_trace_replays_within_the_rules(traces_dir, name):
+    from qse.replay.traces import convert
+
+    res = simulate(convert(traces_dir / name).records, SEED, record_decisions=False)
+    report = res.report()
+    assert report["num_turns"] == len(res.turn_starts) > 10_000
+    assert 0.5 < report["fresh_share_followups"] <= 1.0
+    assert report["decode_loss"] <= 0.02 / 0.98
+    assert report["request_wait_ms"]["max"] <= CHUNK_MS + 1e-6  # a waiting request waits at most one chunk

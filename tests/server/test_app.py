@@ -1,0 +1,271 @@
+"""The app in process (httpx.ASGITransport): SSE framing, tool-call deltas, stop strings, the router's header,
+the narrator, metrics, the API key, the root path, the ledger. A scripted conductor stands in for the model
+where a test needs a known output (the embedded model's weights are random)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from qse.replay.usage import read_usage
+from qse.runtime.conductor import Conductor, ConductorConfig, ShadowOptions, TurnRecord
+from qse.server.app import create_app
+from qse.server.profiles import Profile, ShadowBlock
+from qse.server.service import Service
+from qse.settings import EngineSettings
+from qse.shadow.reader import ShadowReader
+
+TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file",
+                                           "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                                                          "required": ["path"]}}}]
+SCRIPT = ("The user wants the file read first.\n</think>\n\nI will read it.\n\n<tool_call>\n<function=read_file>\n"
+          "<parameter=path>\nsrc/main.py\n</parameter>\n</function>\n</tool_call>")
+
+
+class ScriptedConductor:
+    """The conductor's public surface, answering a fixed text (one id at a time)."""
+
+    def __init__(self, ids: list[int]):
+        self.ids = ids
+        self.clock = time.monotonic
+        self.on_turn = None
+        self.reader = None
+        self.turns = 0
+
+    async def start(self):
+        pass
+
+    async def stop(self):
+        pass
+
+    def map_session(self, prompt_ids, explicit):
+        return explicit
+
+    async def generate(self, req):
+        arrival = self.clock()
+        n = 0
+        try:
+            for token in self.ids[: req.max_tokens]:
+                n += 1
+                await asyncio.sleep(0)
+                yield token
+        finally:
+            self.turns += 1
+            now = self.clock()
+            self.on_turn(TurnRecord(req.request_id, req.session_id, arrival, arrival, now, len(req.prompt_ids), 0, n,
+                                    "scripted", 0.0, 1.0, 0.0, "length", float(n), 0.0))
+
+    def status(self):
+        return {"served_model": "scripted", "shadow": "off", "turns": self.turns, "ledger_ms": {}, "idle_bursts": 0}
+
+
+def settings_for(tmp_path: Path, **env: str) -> EngineSettings:
+    return EngineSettings({"QSE_CACHE_DIR": str(tmp_path), "QSE_LEDGER": str(tmp_path / "usage.jsonl"), **env})
+
+
+def real_service(engine, tmp_path: Path, profile: Profile | None = None, **env: str) -> Service:
+    profile = profile or Profile()
+    s = profile.shadow
+    reader = ShadowReader(engine, grid=64, pool_bytes=16 << 20) if s.mode == "on" else None
+    conductor = Conductor(engine, reader, ShadowOptions(s.mode, s.narrator, s.router, s.router_min_tokens),
+                          ConductorConfig(idle_poll_s=0.05, journal_dir=tmp_path / "shadow"))
+    return Service(conductor, engine.chat, engine.name, profile, settings_for(tmp_path, **env),
+                   max_context_tokens=engine.cfg.max_position_embeddings)
+
+
+def scripted_service(engine, tmp_path: Path, text: str = SCRIPT, **env: str) -> Service:
+    ids = engine.chat.tokenizer.encode(text)
+    return Service(ScriptedConductor(ids), engine.chat, "scripted", Profile(shadow=ShadowBlock(mode="off")),
+                   settings_for(tmp_path, **env))
+
+
+@asynccontextmanager
+async def serving(service: Service, headers: dict | None = None, root_path: str | None = None):
+    await service.start()
+    app = create_app(service, root_path=root_path)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                     headers=headers or {}, timeout=60) as client:
+            yield client
+    finally:
+        await service.stop()
+
+
+def body(model: str, content: str = "Hello there, how are you today?", **fields) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": content}], **fields}
+
+
+def sse_events(raw: bytes) -> list:
+    """A strict SSE parse: every frame one `data: ` line and a blank line; [DONE] last."""
+    text = raw.decode()
+    assert text.endswith("\n\n")
+    frames = text[:-2].split("\n\n")
+    assert all(f.startswith("data: ") and "\n" not in f for f in frames), frames
+    assert frames[-1] == "data: [DONE]"
+    return [json.loads(f[len("data: "):]) for f in frames[:-1]]
+
+
+async def test_sse_framing_usage_and_headers(tiny_engine, tmp_path):
+    service = real_service(tiny_engine, tmp_path)
+    async with serving(service) as client:
+        r = await client.post("/v1/chat/completions", headers={"X-Request-Id": "req-1", "X-Session-Id": "sess-1"},
+                              json=body(service.model_name, stream=True, max_tokens=6, temperature=0,
+                                        stream_options={"include_usage": True}))
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-request-id"] == "req-1" and r.headers["x-session-id"] == "sess-1"
+        events = sse_events(r.content)
+        assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert all(e["id"] == "chatcmpl-req-1" and e["object"] == "chat.completion.chunk" for e in events)
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 6
+        streamed = "".join(e["choices"][0]["delta"].get("reasoning_content", "") for e in events if e["choices"])
+
+        r = await client.post("/v1/chat/completions", headers={"X-Session-Id": "sess-2"},
+                              json=body(service.model_name, max_tokens=6, temperature=0))
+        answer = r.json()
+        assert answer["choices"][0]["message"]["reasoning_content"] == streamed  # greedy: the same turn
+        assert answer["usage"] == {"prompt_tokens": events[-1]["usage"]["prompt_tokens"], "completion_tokens": 6,
+                                   "total_tokens": events[-1]["usage"]["total_tokens"]}
+        status = (await client.get("/v1/conductor/shadow/status")).json()
+        known = {s["session"]: s["known"] for s in status["sessions"]}
+        assert known == {"sess-1": answer["usage"]["total_tokens"], "sess-2": answer["usage"]["total_tokens"]}
+
+
+async def test_tool_calls_stream_as_deltas_at_the_end(tiny_engine, tmp_path):
+    service = scripted_service(tiny_engine, tmp_path)
+    async with serving(service) as client:
+        r = await client.post("/v1/chat/completions", json=body("scripted", stream=True, tools=TOOLS, max_tokens=64))
+        events = sse_events(r.content)
+        deltas = [e["choices"][0]["delta"] for e in events]
+        reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+        content = "".join(d.get("content") or "" for d in deltas)
+        calls = [c for d in deltas for c in d.get("tool_calls", [])]
+        assert reasoning == "The user wants the file read first."
+        assert content == "I will read it."
+        assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["type"] == "function"
+        assert calls[0]["function"] == {"name": "read_file", "arguments": json.dumps({"path": "src/main.py"})}
+        assert calls[0]["id"].startswith("call_")
+        assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        # content never carries the call's markup, even part of it
+        assert "<" not in content
+
+        r = await client.post("/v1/chat/completions", json=body("scripted", tools=TOOLS, max_tokens=64))
+        message = r.json()["choices"][0]["message"]
+        assert message["content"] == "I will read it." and message["reasoning_content"] == reasoning
+        assert message["tool_calls"][0]["function"]["name"] == "read_file"
+        assert r.json()["choices"][0]["finish_reason"] == "tool_calls"
+
+
+async def test_content_streams_live_without_tools_and_stops_at_a_stop_string(tiny_engine, tmp_path):
+    service = scripted_service(tiny_engine, tmp_path, "plan\n</think>\n\nalpha beta gamma delta epsilon zeta eta")
+    async with serving(service) as client:
+        r = await client.post("/v1/chat/completions", json=body("scripted", stream=True, stop=["delta"]))
+        events = sse_events(r.content)
+        contents = [e["choices"][0]["delta"].get("content") for e in events[1:] if e["choices"][0]["delta"].get("content")]
+        assert "".join(contents) == "alpha beta gamma "
+        assert events[-1]["choices"][0]["finish_reason"] == "stop"
+        r = await client.post("/v1/completions", json={"model": "scripted", "prompt": "x", "stop": "gamma",
+                                                       "max_tokens": 64, "stream": True})
+        events = sse_events(r.content)
+        assert "".join(e["choices"][0]["text"] for e in events) == "plan\n</think>\n\nalpha beta "
+        assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_router_class_header_reaches_the_journal(tiny_engine, tmp_path):
+    profile = Profile(name="routed", shadow=ShadowBlock(router="shadow", router_min_tokens=32))
+    service = real_service(tiny_engine, tmp_path, profile)
+    async with serving(service) as client:
+        r = await client.post("/v1/chat/completions", headers={"X-Router-Class": "code_edit"},
+                              json=body(service.model_name, "Please fix the failing test in the parser module. " * 10,
+                                        max_tokens=4, temperature=0))
+        assert r.status_code == 200
+        journal = tmp_path / "shadow" / "shadow.jsonl"
+        deadline = time.monotonic() + 20
+        while not journal.exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        entry = json.loads(journal.read_text().splitlines()[0])
+        assert entry["router_label"] == "code_edit" and entry["session"] == r.headers["x-session-id"]
+        assert entry["agree"] == (entry["label"] == "code_edit")
+
+
+async def test_narrator_summarizes_a_turn_with_reasoning(tiny_engine, tmp_path):
+    profile = Profile(name="narrated", shadow=ShadowBlock(narrator="on", narrator_max_tokens=4))
+    service = real_service(tiny_engine, tmp_path, profile)
+    async with serving(service) as client:
+        r = await client.post("/v1/chat/completions", json=body(service.model_name, max_tokens=4, temperature=0))
+        assert r.json()["choices"][0]["message"]["reasoning_content"]
+        await service.wait_background()
+        status = (await client.get("/v1/conductor/shadow/status")).json()
+        narration = status["narrations"][r.headers["x-session-id"]]
+        assert 1 <= narration["tokens"] <= 4
+        assert status["ledger_ms"]["narrator"] > 0
+        r = await client.post("/v1/conductor/shadow/summarize", json={"session": r.headers["x-session-id"],
+                                                                      "max_tokens": 3})
+        assert r.status_code == 200 and 1 <= r.json()["tokens"] <= 3
+
+
+async def test_api_key_guards_all_but_healthz(tiny_engine, tmp_path):
+    service = scripted_service(tiny_engine, tmp_path, QSE_API_KEY="k-123")
+    async with serving(service) as client:
+        assert (await client.get("/healthz")).status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic k-123"}):
+            r = await client.get("/v1/models", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        for path in ("/metrics", "/v1/conductor/shadow/status"):
+            assert (await client.get(path)).status_code == 401
+        r = await client.get("/v1/models", headers={"Authorization": "Bearer k-123"})
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == "scripted"
+
+
+async def test_root_path_with_and_without_a_stripping_proxy(tiny_engine, tmp_path):
+    service = scripted_service(tiny_engine, tmp_path)
+    async with serving(service, root_path="/api/qse") as client:
+        assert (await client.get("/api/qse/v1/models")).status_code == 200
+        assert (await client.get("/v1/models")).status_code == 200
+        r = await client.get("/api/qse/v1/nothing")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+        r = await client.get("/v1/chat/completions")
+        assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_limits_and_errors_in_openai_shape(tiny_engine, tmp_path):
+    service = scripted_service(tiny_engine, tmp_path, QSE_MAX_BODY_BYTES="2000", QSE_MAX_PROMPT_TOKENS="50",
+                               QSE_MAX_OUTPUT_TOKENS="32")
+    async with serving(service) as client:
+        cases = [
+            (body("scripted", "x " * 1200), 413, "request_too_large"),
+            (body("scripted", "word " * 80), 400, "context_length_exceeded"),
+            (body("scripted", max_tokens=33), 400, "max_tokens_exceeded"),
+            (body("other-model"), 404, "model_not_found"),
+            ({"model": "scripted", "messages": [{"role": "assistant", "content": "no user"}]}, 400, "invalid_messages"),
+        ]
+        for payload, status, code in cases:
+            r = await client.post("/v1/chat/completions", json=payload)
+            assert r.status_code == status, r.text
+            assert r.json()["error"]["code"] == code and set(r.json()["error"]) == {"message", "type", "param", "code"}
+        r = await client.post("/v1/conductor/shadow/ask", json={"session": "s", "question": "q", "choices": ["A"]})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "shadow_off"
+        assert (await client.post("/v1/chat/completions", json=body("scripted", max_tokens=3))).status_code == 200
+
+
+async def test_every_turn_is_a_ledger_record_and_metrics_count_it(tiny_engine, tmp_path):
+    service = real_service(tiny_engine, tmp_path)
+    async with serving(service) as client:
+        for i in range(2):
+            r = await client.post("/v1/completions", json={"model": service.model_name, "prompt": "count: 1 2 3",
+                                                           "max_tokens": 3, "temperature": 0})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        records = read_usage(tmp_path / "usage.jsonl")  # checks every record's consistency
+        assert [r.output_tokens for r in records] == [3, 3]
+        assert records[0].model == service.model_name and records[0].arrival_s > 1e9  # wall-clock seconds
+        text = (await client.get("/metrics")).text
+        for name in ("qse_request_seconds_bucket", "qse_ttft_seconds_count", "qse_decode_tokens_per_second_count",
+                     'qse_device_ms_total{role="served_decode"}', "qse_shadow_read_position_tokens",
+                     "qse_shadow_backlog_tokens_sum", "qse_output_tokens_total 6.0"):
+            assert name in text, name
