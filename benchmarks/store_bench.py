@@ -54,6 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=None, help="park/restore cycles per size (default 3; --quick: 2)")
     p.add_argument("--cache", choices=["cold", "warm"], default="cold", help="page cache for the file at restore")
     p.add_argument("--disk-dir", type=Path, default=None, help="where files go (default <cache>/shadow-disk-bench)")
+    p.add_argument("--no-read-check", action="store_true", help="skip reading a short session through the model")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="directory for the JSON")
     return p.parse_args(argv)
 
@@ -97,6 +98,23 @@ def same(reader: ShadowReader, session: ShadowSession, snap) -> bool:
     if not state.equal(snap[0]) or [c[0] for c in ckpts] != [c[0] for c in snap[1]]:
         return False
     return all(torch.equal(x, y) for a, b in zip(ckpts, snap[1]) for x, y in zip(a[1] + a[2], b[1] + b[2]))
+
+
+def reading_goes_on(engine: Engine, grid: int, disk_dir: Path) -> dict:
+    """Read a short session through the model, park it, bring it back, read on: equal to a fresh prefill?"""
+    store = ShadowStore(cap_nbytes=1 << 50, disk_dir=disk_dir)
+    reader = ShadowReader(engine, grid=grid, pool_bytes=16 * grid * engine.state_bytes_per_token(), residency=store)
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, engine.chat.tokenizer.vocab_size, (5 * grid + 17,), generator=gen).tolist()
+    reader.feed("check", ids[: 3 * grid + 5], prompt_end=2 * grid + 1)
+    reader.read_all("check")
+    parked = store.park(reader, reader.get("check"))
+    reader.feed("check", ids)
+    reader.read_all("check")
+    fresh = reader.fresh_prefill(ids)
+    equal = reader.state_equal(reader.get("check"), fresh)
+    return {"tokens": len(ids), "parked": parked, "restores": store.counts.restores, "equal_to_fresh_prefill": equal,
+            "exact": parked and store.counts.restores == 1 and all(equal.values())}
 
 
 def drop_page_cache(path: Path) -> None:
@@ -165,6 +183,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     results = []
     try:
+        reading = None if args.no_read_check else reading_goes_on(engine, grid, run_dir)
+        if reading is not None:
+            print(f"read, park, restore, read on: exact={reading['exact']}", flush=True)
         for n in tokens:
             session = fill_session(reader, f"bench-{n}", n, args.checkpoints, seed=n)
             engine.synchronize()
@@ -230,6 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
         "filesystem": filesystem_of(disk_dir),
         "model_build_s": build_s,
         "state": NOTE,
+        "reading_goes_on": reading,
         "GB": "1e9 bytes",
         "results": results,
     }
@@ -254,4 +276,5 @@ def _mkdir(path: Path) -> Path:
 
 if __name__ == "__main__":
     result = main()
-    sys.exit(0 if all(r["exact"] for r in result["results"]) else 1)
+    reading_ok = result["reading_goes_on"] is None or result["reading_goes_on"]["exact"]
+    sys.exit(0 if reading_ok and all(r["exact"] for r in result["results"]) else 1)

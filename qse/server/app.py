@@ -86,9 +86,6 @@ def create_app(service: Service, root_path: str | None = None) -> Starlette:
     settings = service.settings
     body_limit = settings.get("QSE_MAX_BODY_BYTES")
 
-    def turn_headers(request: Request, session: str) -> dict[str, str]:
-        return {"x-session-id": session}
-
     async def chat_completions(request: Request):
         req = wire.decode(await read_body(request, body_limit), wire.ChatCompletionRequest)
         info = _info(request)
@@ -96,7 +93,7 @@ def create_app(service: Service, root_path: str | None = None) -> Starlette:
                                           request.headers.get("x-router-class") or None)
         info.update(session=plan.session_id, prompt_tokens=len(plan.prompt_ids), stream=req.stream)
         tools_offered = bool(req.tools) and req.tool_choice != "none"
-        headers = turn_headers(request, plan.session_id)
+        headers = {"x-session-id": plan.session_id}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStream(_note_output(service.chat_chunks(plan, tools_offered, include_usage), plan, info),
@@ -111,7 +108,7 @@ def create_app(service: Service, root_path: str | None = None) -> Starlette:
         plan = await service.prepare_completion(req, info["request_id"], request.headers.get("x-session-id") or None,
                                                 request.headers.get("x-router-class") or None)
         info.update(session=plan.session_id, prompt_tokens=len(plan.prompt_ids), stream=req.stream)
-        headers = turn_headers(request, plan.session_id)
+        headers = {"x-session-id": plan.session_id}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStream(_note_output(service.completion_chunks(plan, include_usage), plan, info), headers)

@@ -75,17 +75,20 @@ def parse_profile(text: str, where: str) -> Profile:
         raise ProfileError(f"{where}: {exc}") from None
 
 
-def load_profile(name_or_path: str, profile_dir: Path = PROFILE_DIR) -> Profile:
-    """A profile by name (config/profiles/<name>.yaml) or by path; 'default' works with no file."""
+def load_profile(name_or_path: str, profile_dir: Path | None = None) -> Profile:
+    """A profile by path, or by name: <profile_dir>/<name>.yaml, else ./config/profiles, else the
+    checkout's config/profiles. 'default' works with no file at all."""
     candidate = Path(name_or_path).expanduser()
     if candidate.suffix in (".yaml", ".yml") or candidate.is_file():
-        path = candidate
+        dirs, path = [], candidate
     else:
-        path = Path(profile_dir) / f"{name_or_path}.yaml"
+        dirs = [Path(profile_dir)] if profile_dir is not None else [Path.cwd() / "config" / "profiles", PROFILE_DIR]
+        path = next((d / f"{name_or_path}.yaml" for d in dirs if (d / f"{name_or_path}.yaml").is_file()),
+                    dirs[0] / f"{name_or_path}.yaml")
     if not path.is_file():
         if name_or_path == "default":
             return Profile()
-        known = sorted(p.stem for p in Path(profile_dir).glob("*.yaml"))
+        known = sorted({p.stem for d in dirs for p in d.glob("*.yaml")})
         raise ProfileError(f"profile {name_or_path!r} not found ({path}); known profiles: {known}")
     profile = parse_profile(path.read_text(), str(path))
     if profile.name == "default" and path.stem != "default":

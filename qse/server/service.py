@@ -94,7 +94,14 @@ class Service:
         # the conductor's clock (monotonic) -> wall seconds, so one ledger file spans restarts
         self._wall_offset_s = time.time() - conductor.clock()
         previous = conductor.on_turn
-        conductor.on_turn = self._on_turn if previous is None else (lambda r: (previous(r), self._on_turn(r)))
+        if previous is None:
+            conductor.on_turn = self._on_turn
+        else:
+            def both(record: TurnRecord) -> None:
+                previous(record)
+                self._on_turn(record)
+
+            conductor.on_turn = both
         self.max_prompt_tokens = settings.get("QSE_MAX_PROMPT_TOKENS")
         self.max_output_tokens = settings.get("QSE_MAX_OUTPUT_TOKENS")
         self.max_question_tokens = settings.get("QSE_MAX_QUESTION_TOKENS")
@@ -198,6 +205,7 @@ class Service:
         req = GenerateRequest(prompt_ids=plan.prompt_ids, max_tokens=plan.max_tokens, sampling=plan.sampling,
                               stop_ids=tuple(self.chat.stop_ids), session_id=plan.session_id,
                               request_id=plan.request_id, router_label=plan.router_label)
+        plan.finish_reason = "incomplete"  # stays so if the client leaves before the end
         try:
             async with aclosing(self.conductor.generate(req)) as tokens:
                 async for token in tokens:

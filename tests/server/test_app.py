@@ -269,3 +269,32 @@ async def test_every_turn_is_a_ledger_record_and_metrics_count_it(tiny_engine, t
                      'qse_device_ms_total{role="served_decode"}', "qse_shadow_read_position_tokens",
                      "qse_shadow_backlog_tokens_sum", "qse_output_tokens_total 6.0"):
             assert name in text, name
+
+
+async def test_the_openai_client_reads_tool_calls_streamed_and_whole(tiny_engine, tmp_path):
+    openai = pytest.importorskip("openai")
+    service = scripted_service(tiny_engine, tmp_path)
+    await service.start()
+    transport = httpx.ASGITransport(app=create_app(service))
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=http, max_retries=0)
+            messages = [{"role": "user", "content": "Read src/main.py"}]
+            stream = await client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS,
+                                                          stream=True, stream_options={"include_usage": True})
+            names, arguments, finish, usage = [], "", None, None
+            async for chunk in stream:
+                usage = chunk.usage or usage
+                for choice in chunk.choices:
+                    for call in choice.delta.tool_calls or []:
+                        names.append(call.function.name)
+                        arguments += call.function.arguments or ""
+                    finish = choice.finish_reason or finish
+            assert names == ["read_file"] and json.loads(arguments) == {"path": "src/main.py"}
+            assert finish == "tool_calls" and usage.completion_tokens == len(tiny_engine.chat.tokenizer.encode(SCRIPT))
+            answer = await client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS)
+            call = answer.choices[0].message.tool_calls[0]
+            assert call.function.name == "read_file" and json.loads(call.function.arguments) == {"path": "src/main.py"}
+            assert answer.choices[0].message.reasoning_content == "The user wants the file read first."
+    finally:
+        await service.stop()

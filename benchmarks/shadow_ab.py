@@ -1,0 +1,121 @@
+#!/usr/bin/env python
+"""Decode-loss A/B: the served model decoding with the reader off and on, arms alternating, paired.
+
+Each run is a new session with one long prompt (so the reader has the whole prompt to read, inside
+the turn's 2 % ration and in the idle gap before the next request), `--out-tokens` of output, and
+`--gap-s` between requests. Arms alternate (off, on, off, on, ...) and are paired run by run.
+
+    python benchmarks/shadow_ab.py --served qwen3.5-9b --reader qwen3.5-0.8b --prompt-tokens 16350 \
+        --out-tokens 346 --pairs 4
+
+Writes benchmarks/results/shadow_ab-<date>-<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from qse.engine.engine import Engine  # noqa: E402
+from qse.engine.sampling import SamplingParams  # noqa: E402
+from qse.models import resolve  # noqa: E402
+from qse.runtime.conductor import Conductor, ConductorConfig, GenerateRequest, ShadowOptions  # noqa: E402
+from qse.shadow.reader import ShadowReader  # noqa: E402
+
+
+async def one_run(conductor: Conductor, prompt: list[int], out_tokens: int) -> dict:
+    records = []
+    conductor.on_turn = records.append
+    t0 = time.perf_counter()
+    n = 0
+    async for _ in conductor.generate(GenerateRequest(prompt, out_tokens, SamplingParams(), stop_ids=())):
+        n += 1
+    rec = records[-1]
+    ttft_s = rec.first_token_s - rec.arrival_s
+    decode_s = rec.end_s - rec.first_token_s
+    return {"output_tokens": n, "ttft_s": round(ttft_s, 4), "decode_tok_s": round((n - 1) / decode_s, 3),
+            "decode_device_tok_s": round(rec.decode_tokens_per_s, 3), "reader_ration_ms": round(rec.reader_ration_ms, 3),
+            "wall_s": round(time.perf_counter() - t0, 3)}
+
+
+async def main_async(args) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cache = Path(os.environ.get("QSE_CACHE_DIR", "/tmp/qse-bench-cache"))
+    served = Engine(resolve(args.served, device, dtype, cache))
+    reader_engine = served if args.reader == args.served else Engine(resolve(args.reader, device, dtype, cache))
+    if args.ops == "triton":
+        import qse_kernels
+
+        reader_engine.model.ops = qse_kernels.triton_ops()
+    per_token = reader_engine.state_bytes_per_token()
+    gen = torch.Generator().manual_seed(0)
+    config = ConductorConfig(journal_dir=None)
+    arms = {"off": [], "on": []}
+    for i in range(2 * args.pairs + 1):  # run 0 warms up (discarded)
+        arm = "on" if i % 2 == 0 else "off"
+        reader = ShadowReader(reader_engine, grid=args.grid, pool_bytes=per_token * (2 * args.prompt_tokens + 8192))
+        conductor = Conductor(served, reader, ShadowOptions(mode=arm), config)
+        await conductor.start()
+        prompt = torch.randint(0, 248000, (args.prompt_tokens,), generator=gen).tolist()
+        result = await one_run(conductor, prompt, args.out_tokens)
+        await asyncio.sleep(args.gap_s)  # the idle window between requests
+        result["reader_chunks"] = reader.stats.chunks if arm == "on" else 0
+        result["ledger_ms"] = dict(conductor.status()["ledger_ms"])
+        await conductor.stop()
+        print(json.dumps({"run": i, "arm": arm, **result}), flush=True)
+        if i > 0:
+            arms[arm].append(result)
+    pairs = [(on["decode_tok_s"] - off["decode_tok_s"]) / off["decode_tok_s"] * 100 for off, on in zip(arms["off"], arms["on"])]
+    med = {a: statistics.median(r["decode_tok_s"] for r in runs) for a, runs in arms.items()}
+    return {
+        "served": args.served, "reader": args.reader, "ops": args.ops, "grid": args.grid,
+        "prompt_tokens": args.prompt_tokens, "out_tokens": args.out_tokens, "pairs": args.pairs, "gap_s": args.gap_s,
+        "decode_tok_s_median": med, "decode_loss_pct": round((med["off"] - med["on"]) / med["off"] * 100, 3),
+        "paired_deltas_pct": [round(d, 3) for d in pairs],
+        "ttft_s_median": {a: statistics.median(r["ttft_s"] for r in runs) for a, runs in arms.items()},
+        "runs": arms,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--served", default="qwen3.5-9b")
+    p.add_argument("--reader", default="qwen3.5-0.8b")
+    p.add_argument("--ops", default="naive")
+    p.add_argument("--grid", type=int, default=512)
+    p.add_argument("--prompt-tokens", type=int, default=16350)
+    p.add_argument("--out-tokens", type=int, default=346)
+    p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--gap-s", type=float, default=1.5)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = p.parse_args(argv)
+    result = asyncio.run(main_async(args))
+    result.update({"command": " ".join([sys.executable, *sys.argv]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
+                   "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+                   "versions": {"torch": torch.__version__, "python": platform.python_version()}})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = "h200" if "H200" in result["device"] else "cpu"
+    path = out / f"shadow_ab-{dt.date.today().isoformat()}-{tag}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: result[k] for k in ("decode_tok_s_median", "decode_loss_pct", "paired_deltas_pct", "ttft_s_median")}))
+    print(json.dumps({"written": str(path)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
