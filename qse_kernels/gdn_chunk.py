@@ -30,10 +30,13 @@ import triton.language as tl
 DOT_PRECISION = "tf32x3"
 CHUNK_NUM_WARPS = 8
 SCAN_NUM_WARPS = 4
+SCAN_NUM_STAGES = 2
 SCAN_BLOCK_V = 32
 
 
-@triton.jit
+# The counts stay run-time arguments (Triton would otherwise compile a count of 1 as a constant): one call
+# of N chunks and N calls of one chunk must run the same machine code.
+@triton.jit(do_not_specialize=["num_tokens"])
 def _chunk_prepare_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
     w_ptr, u_ptr, qe_ptr, kt_ptr, p_ptr, decay_ptr,
@@ -102,7 +105,7 @@ def _chunk_prepare_kernel(
     tl.store(decay_ptr + i_w, tl.exp(b_c_last))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_chunks"])
 def _chunk_scan_kernel(
     w_ptr, u_ptr, qe_ptr, kt_ptr, p_ptr, decay_ptr, state_ptr, new_state_ptr, o_ptr,
     num_tokens, num_chunks, num_v_heads, stride_ot, stride_oh,
@@ -186,13 +189,13 @@ def chunk_gated_delta_rule(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         DK=dk, DV=dv, BT=chunk, BK=block_k, BV=block_v, PRECISION=DOT_PRECISION,
-        num_warps=CHUNK_NUM_WARPS,
+        num_warps=CHUNK_NUM_WARPS, num_stages=1,
     )
     scan_block_v = min(SCAN_BLOCK_V, block_v)
     _chunk_scan_kernel[(num_v_heads, triton.cdiv(dv, scan_block_v))](
         w, u, qe, kt, p, decay, state, new_state, out,
         num_tokens, num_chunks, num_v_heads, out.stride(0), out.stride(1),
         DK=dk, DV=dv, BT=chunk, BK=block_k, BV=scan_block_v, PRECISION=DOT_PRECISION,
-        num_warps=SCAN_NUM_WARPS,
+        num_warps=SCAN_NUM_WARPS, num_stages=SCAN_NUM_STAGES,
     )
     return out, new_state

@@ -1,20 +1,25 @@
 """The asyncio conductor: the served model's turns, and the reader's time around and inside them.
 
-    idle loop (every poll_s)         turn (one request at a time on the engine lock)
-    ------------------------         ------------------------------------------------
-    quiet? -> take engine lock       feed prompt to the reader (rollback if it diverged)
-      at the lowest rank             prefill  -> first token (the ration clock starts here)
-    read chunks <= burst_s,          decode round, ration slice, decode round, ration slice ...
-      stop before the next chunk     end: feed the output, account the turn, emit the record
-      once a request waits
+    idle loop (every poll_s)               turn (one request at a time on the engine lock, FIFO)
+    ------------------------               ----------------------------------------------------
+    quiet? -> engine lock, never           feed the prompt to the reader (rollback if it diverged)
+      queueing; box lock, never waiting    prefill -> first token: the ration counts from here
+    IdleBurst: chunks while <= burst_s,    decode round | reader's slice (2 %) | narrator's slice (3 %) | ...
+      none once a request waits            end: feed the output, close the turn's ledger, emit the record
 
-The decisions (may the reader read now, how much) come from the budget helpers below; the device
-work runs on the engine's own executor thread; every measured slice goes into the GPU-time ledger.
+Who decides: qse/core. `IdleWindow`/`IdleBurst` (may the idle reader read, and the next chunk?),
+`TurnRation` (the reader's and the narrator's share of the time since the served model's first token,
+in slices of whole chunks), `ChunkCostEstimator` (the next chunk's cost at its context, learnt from
+measured chunks), `pick_idle_session`, the lock priorities. Who carries it out: this module on the event
+loop (when a window opens), `ChunkRunner` on the reader's executor thread (plan_read + drive_plan), and
+the engines' executors for every piece of device work. Every measured piece goes into the GPU-time
+ledger (core's GpuLedger), per turn and in total.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 import uuid
@@ -24,12 +29,21 @@ from typing import Any, AsyncIterator, Callable
 
 import structlog
 
+from ..core.chunk_cost import ChunkCostEstimator
+from ..core.drive import Stop
+from ..core.idle import IdleBurst, IdleWindow, SessionBacklog, pick_idle_session
+from ..core.ledger import Role
+from ..core.locks import HeldLocks, LockRank, Priority
+from ..core.plan import ROLE_OF_WINDOW, Window, whole_chunks
+from ..core.ration import RationSlice, TurnRation
 from ..engine.engine import Engine
 from ..engine.sampling import Sampler, SamplingParams
 from ..settings import SETTINGS, EngineSettings
 from ..shadow.reader import AskResult, ShadowError, ShadowReader
 from .executor import EngineExecutor
-from .locks import RANK_NARRATOR, RANK_READER_IDLE, RANK_SERVED, LockBoard
+from .ledger import RuntimeLedger
+from .locks import LockBoard
+from .reading import ChunkRunner, ReadOutcome
 
 log = structlog.get_logger("qse.conductor")
 
@@ -39,6 +53,10 @@ ROUTER_QUESTION = (
     + "; ".join(f"{chr(65 + i)}) {c}" for i, c in enumerate(ROUTER_CLASSES))
     + ". Answer with the letter only."
 )
+
+
+class ConductorStopped(RuntimeError):
+    """The conductor was stopped (a planned stop); the request was not run."""
 
 
 @dataclass
@@ -53,12 +71,13 @@ class ShadowOptions:
 
 @dataclass
 class ConductorConfig:
-    ration: float = 0.02
-    slice_ms: float = 150.0
+    ration: float = 0.02  # the reader's share of the served model's time since its first token
+    slice_ms: float = 150.0  # longest slice between two decode rounds
     idle_poll_s: float = 0.2
     idle_burst_s: float = 2.0
     narrator_share: float = 0.03
     journal_dir: Path | None = None
+    chunk_prior_ms: float = 50.0  # a chunk's cost before the reader measured one
 
     @classmethod
     def from_settings(cls, settings: EngineSettings = SETTINGS) -> "ConductorConfig":
@@ -69,6 +88,7 @@ class ConductorConfig:
             idle_burst_s=settings.get("QSE_SHADOW_IDLE_BURST_S"),
             narrator_share=settings.get("QSE_NARRATOR_SHARE"),
             journal_dir=settings.get("QSE_SHADOW_DIR") or settings.cache_dir() / "shadow",
+            chunk_prior_ms=settings.get("QSE_SHADOW_CHUNK_PRIOR_MS"),
         )
 
 
@@ -99,39 +119,31 @@ class TurnRecord:
     reader_ration_ms: float
     finish_reason: str
     decode_tokens_per_s: float
-    reader_share: float
-
-
-class Ledger:
-    """Measured device time by role, per turn and in total (ms)."""
-
-    ROLES = ("served_prefill", "served_decode", "reader_idle", "reader_ration", "narrator", "reader_ask")
-
-    def __init__(self):
-        self.total_ms = {r: 0.0 for r in self.ROLES}
-        self.entries = 0
-
-    def add(self, role: str, gpu_ms: float) -> None:
-        if role not in self.total_ms:
-            raise ValueError(f"unknown ledger role {role!r}; roles: {self.ROLES}")
-        self.total_ms[role] += gpu_ms
-        self.entries += 1
+    reader_share: float  # reader ration / served decode time
+    narrator_ms: float = 0.0  # the narrator's slices inside this turn
+    start_s: float | None = None  # when the turn got the engine lock (arrival + queueing)
 
 
 @dataclass
-class TurnBudget:
-    """The ration inside one turn: share x time since the first token, minus what was spent."""
+class _Turn:
+    """A running turn, as the conductor needs it between two decode rounds."""
 
-    share: float
-    slice_ms: float
+    req: GenerateRequest
+    turn_id: str  # the ledger's key
+    session_id: str | None
+    arrival_s: float
+    shared_prefix_tokens: int
+    start_s: float | None = None
     first_token_s: float | None = None
-    spent_ms: float = 0.0
+    out_ids: list[int] = field(default_factory=list)
+    finish: str = "length"
 
-    def allowance_ms(self, now: float) -> float:
-        if self.first_token_s is None:
-            return 0.0
-        earned = self.share * (now - self.first_token_s) * 1e3
-        return min(self.slice_ms, max(0.0, earned - self.spent_ms))
+    @property
+    def num_known(self) -> int:
+        return len(self.req.prompt_ids) + len(self.out_ids)
+
+    def known_ids(self) -> list[int]:
+        return list(self.req.prompt_ids) + self.out_ids
 
 
 class Conductor:
@@ -139,48 +151,77 @@ class Conductor:
                  config: ConductorConfig | None = None, on_turn: Callable[[TurnRecord], None] | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.served = served
-        self.reader = reader if (options or ShadowOptions()).mode == "on" else None
         self.options = options or ShadowOptions()
+        self.reader = reader if self.options.mode == "on" else None
         self.config = config or ConductorConfig.from_settings()
         self.on_turn = on_turn
         self.clock = clock
         self.board = LockBoard()
-        self.ledger = Ledger()
+        self.ledger = RuntimeLedger()
+        cfg = self.config
+        self.estimator = ChunkCostEstimator(cfg.chunk_prior_ms)
+        self.idle = IdleWindow(cfg.idle_poll_s, cfg.idle_burst_s)
+        self.ration = TurnRation(cfg.ration, cfg.slice_ms, Window.RATION)
+        self.narrator_ration = TurnRation(cfg.narrator_share, cfg.slice_ms, Window.NARRATOR)
         self.served_exec = EngineExecutor("served")
         self.reader_exec = self.served_exec if (reader is None or reader.engine is served) else EngineExecutor("reader")
+        self.runner = ChunkRunner(self.reader, self.estimator, self.ledger, clock) if self.reader is not None else None
         self._idle_task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
         self._router_pending: dict[str, list[dict[str, Any]]] = {}
         self._journal_lock = asyncio.Lock()
         self._session_prompts: dict[str, list[int]] = {}
+        self._unread_since: dict[str, float] = {}  # session -> when its oldest unread chunk became known
+        self._narrator_waiting: dict[str, int] = {}  # sessions whose summary waits for the engine lock
+        self._turn: _Turn | None = None
+        self._turn_seq = itertools.count()
         self._stopping = False
+        self._stopped = False
         self.turns = 0
         self.idle_bursts = 0
+        self._seed_estimator()
+
+    def _seed_estimator(self) -> None:
+        """Start from the reader's own measurements where it has some (sessions read before we started)."""
+        if self.reader is None:
+            return
+        for s in self.reader.sessions.values():
+            if s.stats.last_chunk_ms > 0 and s.committed >= self.reader.grid:
+                self.estimator.observe(s.committed - self.reader.grid, s.stats.last_chunk_ms)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
-        if self.reader is not None and self._idle_task is None:
+        if self.reader is not None and self._idle_task is None and not self._stopping:
+            self._wake = asyncio.Event()
             self._idle_task = asyncio.create_task(self._idle_loop(), name="qse-idle-reader")
 
     async def stop(self) -> None:
-        """Planned stop: finish the work in flight, then write every resident session (if a disk tier)."""
+        """Planned stop: the idle burst stops before its next chunk, the request in flight (and those queued
+        before the stop) finish, then every resident session is written (if the store has a disk tier)."""
+        if self._stopping:
+            return
         self._stopping = True
         if self._idle_task is not None:
-            self._idle_task.cancel()
-            try:
-                await self._idle_task
-            except asyncio.CancelledError:
-                pass
+            assert self._wake is not None
+            self._wake.set()
+            await self._idle_task
             self._idle_task = None
-        await self.board.engine.acquire(RANK_SERVED)  # waits for the request in flight
         try:
-            park_all = getattr(self.reader.residency, "park_all", None) if self.reader is not None else None
-            if park_all is not None:
-                await self.reader_exec.run(park_all, self.reader)
+            async with self.board.engine_lock(Priority.SERVED):
+                self._stopped = True
+                park_all = getattr(self.reader.residency, "park_all", None) if self.reader is not None else None
+                if park_all is not None:
+                    parked = await self.reader_exec.run(park_all, self.reader)
+                    log.info("conductor_parked", result=parked if isinstance(parked, dict) else None)
         finally:
-            self.board.engine.release()
-        self.served_exec.shutdown()
-        if self.reader_exec is not self.served_exec:
-            self.reader_exec.shutdown()
+            self._stopped = True
+            self.served_exec.shutdown()
+            if self.reader_exec is not self.served_exec:
+                self.reader_exec.shutdown()
+
+    def _refuse_if_stopped(self) -> None:
+        if self._stopped:
+            raise ConductorStopped("the conductor is stopped (a planned stop); send the request again after the restart")
 
     # ---- sessions ----------------------------------------------------------------------------
     def map_session(self, prompt_ids: list[int], explicit: str | None) -> str | None:
@@ -201,108 +242,184 @@ class Conductor:
             return best
         return f"s-{uuid.uuid4().hex[:16]}"
 
+    def _note_backlog(self, session_id: str) -> None:
+        """Keep when each session's oldest unread chunk became known (the idle window reads the oldest first)."""
+        session = self.reader.sessions.get(session_id) if self.reader is not None else None
+        if session is not None and session.backlog >= self.reader.grid:
+            self._unread_since.setdefault(session_id, self.clock())
+        else:
+            self._unread_since.pop(session_id, None)
+
     # ---- the served turn ---------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[int]:
         """Stream the served model's token ids for one request; the reader follows the turn."""
         arrival = self.clock()
-        if not req.prompt_ids:
-            raise ShadowError("empty prompt: at least one token id is needed")
-        self.served.model.check_ids(self.served.ids_tensor(req.prompt_ids).cpu())
+        self._check_prompt(req.prompt_ids)
         session_id = self.map_session(req.prompt_ids, req.session_id)
-        shared = 0
+        turn = _Turn(req, f"{req.request_id}#{next(self._turn_seq)}", session_id, arrival,
+                     self._shared_prefix(session_id, req.prompt_ids))
+        async with self.board.engine_lock(Priority.SERVED, HeldLocks()):
+            self._refuse_if_stopped()
+            turn.start_s = self.clock()
+            self.ledger.open_turn(turn.turn_id)
+            self._turn = turn
+            try:
+                await self._turn_start(turn)
+                # plan, run, account, emit: one decode round at a time, the reader's slices between rounds
+                cache, sampler, token, ms = await self.served_exec.run(self._prefill_on_thread, req)
+                self.ledger.record(Role.SERVED_PREFILL, ms, turn_id=turn.turn_id)
+                turn.first_token_s = self.clock()
+                while True:
+                    if token in req.stop_ids:
+                        turn.finish = "stop"
+                        break
+                    turn.out_ids.append(token)
+                    yield token
+                    if len(turn.out_ids) >= req.max_tokens:
+                        break
+                    token, ms = await self.served_exec.run(self._decode_on_thread, cache, sampler, token)
+                    self.ledger.record(Role.SERVED_DECODE, ms, turn_id=turn.turn_id)
+                    await self._between_rounds(turn)
+            finally:
+                self._turn = None
+                await self._turn_end(turn)
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ShadowError("empty prompt: at least one token id is needed")
+        vocab = self.served.cfg.vocab_size
+        bad = next((i for i in ids if not (isinstance(i, int) and 0 <= i < vocab)), None)
+        if bad is not None:
+            raise ShadowError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+
+    def _shared_prefix(self, session_id: str | None, ids: list[int]) -> int:
         prev = self._session_prompts.get(session_id or "")
+        n = 0
         if prev:
-            while shared < min(len(prev), len(req.prompt_ids)) and prev[shared] == req.prompt_ids[shared]:
-                shared += 1
-        budget = TurnBudget(self.config.ration, self.config.slice_ms)
-        out_ids: list[int] = []
-        prefill_ms = decode_ms = 0.0
-        first_token_s = None
-        finish = "length"
-        await self.board.engine.acquire(RANK_SERVED)
-        try:
-            if self.reader is not None and session_id is not None:
-                await self.reader_exec.run(self.reader.feed, session_id, list(req.prompt_ids), len(req.prompt_ids))
-                self._session_prompts[session_id] = list(req.prompt_ids)
-                self._maybe_queue_router(session_id, req)
-            sampler = Sampler(req.sampling, vocab_limit=self.served.chat.tokenizer.vocab_size)
-            cache = self.served.new_cache()
-            logits, ms = await self.served_exec.run(self.served.forward, cache, self.served.ids_tensor(req.prompt_ids), "last")
-            prefill_ms += ms
-            self.ledger.add("served_prefill", ms)
-            while len(out_ids) < req.max_tokens:
-                token = sampler(logits[-1])
-                if first_token_s is None:
-                    first_token_s = self.clock()
-                    budget.first_token_s = first_token_s
-                if token in req.stop_ids:
-                    finish = "stop"
-                    break
-                out_ids.append(token)
-                yield token
-                if len(out_ids) >= req.max_tokens:
-                    break
-                logits, ms = await self.served_exec.run(self.served.forward, cache, self.served.ids_tensor([token]), "last")
-                decode_ms += ms
-                self.ledger.add("served_decode", ms)
-                if self.reader is not None and session_id is not None:
-                    await self._ration_slice(session_id, req.prompt_ids, out_ids, budget)
-        finally:
-            if self.reader is not None and session_id is not None and out_ids:
-                await self.reader_exec.run(self.reader.feed, session_id, list(req.prompt_ids) + out_ids)
-            self.board.engine.release()
-            end = self.clock()
-            self.turns += 1
-            n_decode = max(0, len(out_ids) - 1)
-            record = TurnRecord(
-                request_id=req.request_id, session_id=session_id, arrival_s=arrival, first_token_s=first_token_s,
-                end_s=end, prompt_tokens=len(req.prompt_ids), shared_prefix_tokens=shared, output_tokens=len(out_ids),
-                model=self.served.name, prefill_ms=prefill_ms, decode_ms=decode_ms, reader_ration_ms=budget.spent_ms,
-                finish_reason=finish, decode_tokens_per_s=(n_decode / (decode_ms / 1e3)) if decode_ms > 0 else 0.0,
-                reader_share=(budget.spent_ms / decode_ms) if decode_ms > 0 else 0.0,
-            )
-            log.info("turn", **asdict(record))
-            if self.on_turn is not None:
-                self.on_turn(record)
+            limit = min(len(prev), len(ids))
+            while n < limit and prev[n] == ids[n]:
+                n += 1
+        return n
 
-    async def _ration_slice(self, session_id: str, prompt_ids: list[int], out_ids: list[int], budget: TurnBudget) -> None:
-        """Between two decode rounds: whole chunks within the ration, prompt first, then the output."""
-        allowance = budget.allowance_ms(self.clock())
+    def _prefill_on_thread(self, req: GenerateRequest):
+        served = self.served
+        sampler = Sampler(req.sampling, vocab_limit=served.chat.tokenizer.vocab_size)
+        cache = served.new_cache()
+        logits, ms = served.forward(cache, served.ids_tensor(req.prompt_ids), "last")
+        return cache, sampler, sampler(logits[-1]), ms
+
+    def _decode_on_thread(self, cache, sampler: Sampler, token: int) -> tuple[int, float]:
+        logits, ms = self.served.forward(cache, self.served.ids_tensor([token]), "last")
+        return sampler(logits[-1]), ms
+
+    async def _turn_start(self, turn: _Turn) -> None:
+        """The reader learns the new prompt (rolling back where it diverged); the router's question queues."""
+        sid = turn.session_id
+        if self.reader is None or sid is None:
+            return
+        prompt = list(turn.req.prompt_ids)
+        await self.reader_exec.run(self.reader.feed, sid, prompt, len(prompt))
+        self._session_prompts[sid] = prompt
+        self._note_backlog(sid)
+        self._maybe_queue_router(sid, turn.req)
+
+    async def _between_rounds(self, turn: _Turn) -> None:
+        """The reader's slice (prompt first, then the output so far), then the narrator's for waiting summaries."""
+        if self.reader is None or turn.session_id is None:
+            return
+        await self._slice(self.ration, turn, turn.session_id)
+        for sid in list(self._narrator_waiting):
+            await self._slice(self.narrator_ration, turn, sid)
+
+    async def _slice(self, ration: TurnRation, turn: _Turn, session_id: str) -> None:
+        """One slice of `ration` between two decode rounds, if the next chunk's estimate fits what it earned."""
         session = self.reader.sessions.get(session_id)
-        if session is None or allowance <= 0:
+        if session is None or turn.first_token_s is None:
             return
-        estimate = session.stats.last_chunk_ms or self.reader.stats.gpu_ms / max(1, self.reader.stats.chunks)
-        if estimate <= 0 or estimate > allowance:
+        is_own = session_id == turn.session_id
+        known = turn.num_known if is_own else len(session.ids)
+        if whole_chunks(session.committed, known, self.reader.grid) == 0:
             return
+        role = ROLE_OF_WINDOW[ration.window]
+        spent_us = self.ledger.spent_us(role, turn.turn_id) or 0
+        est_ms = self.estimator.estimate_ms(session.committed)
+        sl = ration.open_slice(self.clock(), turn.first_token_s, spent_us, est_ms)
+        if sl is None:
+            return
+        known_ids = turn.known_ids() if is_own else None
+        num_chunks, _ = await self._read(ration.window, session_id, turn.turn_id, sl, known_ids=known_ids)
+        log.info("ration_slice", window=ration.window.value, session=session_id, request_id=turn.req.request_id,
+                 chunks=num_chunks, gpu_ms=sl.spent_us / 1000, budget_ms=sl.budget_us / 1000,
+                 spent_turn_ms=(self.ledger.spent_us(role, turn.turn_id) or 0) / 1000)
 
-        def read_slice() -> list[float]:
-            self.reader.engine.synchronize()  # nothing of the reader runs beside a decode round
-            if session.behind and len(session.ids) < len(prompt_ids) + len(out_ids):
-                self.reader.feed(session_id, list(prompt_ids) + list(out_ids))
-            spent, costs = 0.0, []
-            est = estimate
-            while spent + est <= allowance:
-                report = self.reader.read_step(session_id)
-                if report is None:
-                    break
-                spent += report.gpu_ms
-                costs.append(report.gpu_ms)
-                est = report.gpu_ms
-            return costs
+    async def _turn_end(self, turn: _Turn) -> None:
+        sid = turn.session_id
+        if self.reader is not None and sid is not None and turn.out_ids:
+            await self.reader_exec.run(self.reader.feed, sid, turn.known_ids())
+            self._note_backlog(sid)
+        balance = self.ledger.close_turn(turn.turn_id)
+        end = self.clock()
+        self.turns += 1
+        prefill_ms = balance.gpu_ms(Role.SERVED_PREFILL) if balance else 0.0
+        decode_ms = balance.gpu_ms(Role.SERVED_DECODE) if balance else 0.0
+        ration_ms = balance.gpu_ms(Role.READER_RATION) if balance else 0.0
+        n_decode = max(0, len(turn.out_ids) - 1)
+        record = TurnRecord(
+            request_id=turn.req.request_id, session_id=sid, arrival_s=turn.arrival_s,
+            first_token_s=turn.first_token_s, end_s=end, prompt_tokens=len(turn.req.prompt_ids),
+            shared_prefix_tokens=turn.shared_prefix_tokens, output_tokens=len(turn.out_ids), model=self.served.name,
+            prefill_ms=prefill_ms, decode_ms=decode_ms, reader_ration_ms=ration_ms, finish_reason=turn.finish,
+            decode_tokens_per_s=(n_decode / (decode_ms / 1e3)) if decode_ms > 0 else 0.0,
+            reader_share=(ration_ms / decode_ms) if decode_ms > 0 else 0.0,
+            narrator_ms=balance.gpu_ms(Role.NARRATOR) if balance else 0.0, start_s=turn.start_s,
+        )
+        log.info("turn", **asdict(record))
+        if self.on_turn is not None:
+            self.on_turn(record)
 
-        costs = await self.reader_exec.run(read_slice)
-        if costs:
-            spent = sum(costs)
-            budget.spent_ms += spent
-            self.ledger.add("reader_ration", spent)
-            log.info("ration_slice", session=session_id, chunks=len(costs), gpu_ms=round(spent, 3),
-                     allowance_ms=round(allowance, 3))
-            await self._answer_router(session_id)
+    # ---- reading -----------------------------------------------------------------------------
+    async def _read(self, window: Window, session_id: str, turn_id: str | None, decision: IdleBurst | RationSlice,
+                    known_ids: list[int] | None = None) -> tuple[int, Stop | None]:
+        """Whole chunks of one session while `decision` allows, on the reader's thread; a router question
+        is asked where the turn inserted it, then reading goes on. Returns (chunks read, why it stopped)."""
+        num_chunks = 0
+        while True:
+            now = self.clock()
+            left_us = decision.left_us(now) if isinstance(decision, IdleBurst) else decision.left_us
+            outcome: ReadOutcome | None = await self.reader_exec.run(
+                self.runner.run, window, session_id, turn_id, decision, budget_ms=left_us / 1000,
+                prompt_tokens=len(self._session_prompts.get(session_id, ())) or None, known_ids=known_ids,
+                question_rows=self._question_rows(session_id), request_waiting=self._request_waiting)
+            if outcome is None:
+                self._note_backlog(session_id)
+                return num_chunks, None
+            num_chunks += outcome.result.num_chunks
+            self._note_backlog(session_id)
+            for report in outcome.reports:
+                log.info("chunk", window=window.value, session=session_id, position=report.position,
+                         backlog=report.backlog, gpu_ms=round(report.gpu_ms, 3))
+            if outcome.result.stop is Stop.REFUSED:
+                log.error("chunk_not_recorded", window=window.value, session=session_id,
+                          gpu_ms=outcome.reports[-1].gpu_ms if outcome.reports else None)
+            if outcome.reports or outcome.is_at_question:
+                await self._answer_router(session_id)
+            if not outcome.is_at_question:
+                return num_chunks, outcome.result.stop
+
+    def _request_waiting(self) -> bool:
+        """Asked on the reader's thread before every idle chunk: someone waits for the engine, or we stop."""
+        return self._stopping or self.board.engine.has_waiter_above(Priority.IDLE_READER)
 
     # ---- the idle window ---------------------------------------------------------------------
     async def _idle_loop(self) -> None:
+        assert self._wake is not None
         while not self._stopping:
-            await asyncio.sleep(self.config.idle_poll_s)
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.idle.poll_s)
+            except TimeoutError:
+                pass
+            if self._stopping:
+                break
             try:
                 await self.idle_once()
             except asyncio.CancelledError:
@@ -310,33 +427,60 @@ class Conductor:
             except Exception as exc:  # the reader must never take the server down
                 log.error("idle_read_failed", error=repr(exc))
 
+    def _idle_has_work(self) -> bool:
+        reader = self.reader
+        if any(s.backlog >= reader.grid for s in reader.sessions.values()):
+            return True
+        return any(self._ready_questions(sid) for sid in self._router_pending)
+
     async def idle_once(self) -> int:
         """One look at the idle window: read up to idle_burst_s if nothing runs or waits. Returns chunks read."""
-        if self.reader is None or not self.board.is_quiet() or not self.reader.sessions_with_backlog():
+        if self.reader is None or self._stopping:
             return 0
-        if not self.board.engine.try_acquire(RANK_READER_IDLE):
+        board = self.board
+        if not self.idle.may_open(request_running=board.engine.locked, request_waiting=board.engine.num_waiting > 0,
+                                  hold_on=board.holds > 0, box_locked=board.box.locked):
             return 0
+        if not self._idle_has_work():
+            return 0
+        held = HeldLocks()
+        if not board.engine.try_acquire(Priority.IDLE_READER):  # behind every waiter: it never queues
+            return 0
+        held.acquire(LockRank.ENGINE)
         chunks = 0
-        start = self.clock()
         try:
-            while self.clock() - start < self.config.idle_burst_s:
-                if self.board.engine.num_waiting:  # a request waits: stop before the next chunk
-                    break
-                ready = self.reader.sessions_with_backlog()
-                if not ready:
-                    break
-                report = await self.reader_exec.run(self.reader.read_step, ready[0].session_id)
-                if report is None:
-                    break
-                chunks += 1
-                self.ledger.add("reader_idle", report.gpu_ms)
-                log.info("chunk", window="idle", session=report.session_id, position=report.position,
-                         backlog=report.backlog, gpu_ms=round(report.gpu_ms, 3))
-                await self._answer_router(report.session_id)
+            if not board.try_box(held):  # without waiting
+                return 0
+            try:
+                chunks = await self._idle_burst()
+            finally:
+                board.release_box(held)
         finally:
-            self.board.engine.release()
+            board.engine.release()
+            held.release(LockRank.ENGINE)
         if chunks:
             self.idle_bursts += 1
+        return chunks
+
+    async def _idle_burst(self) -> int:
+        for sid in [sid for sid in self._router_pending if self._ready_questions(sid)]:
+            await self._answer_router(sid)  # the reader already stands where these were asked
+        burst = self.idle.open(self.clock())
+        chunks = 0
+        while True:
+            now = self.clock()
+            backlogs = {s.session_id: SessionBacklog(self._unread_since.setdefault(s.session_id, now),
+                                                     s.backlog // self.reader.grid)
+                        for s in self.reader.sessions.values() if s.backlog >= self.reader.grid}
+            sid = pick_idle_session(backlogs)
+            if sid is None:
+                break
+            num, stop = await self._read(Window.IDLE, sid, None, burst)
+            chunks += num
+            if stop is not Stop.BACKLOG:  # a request waits, the burst is spent, or a chunk was not recorded
+                break
+        log.info("idle_burst", chunks=chunks, gpu_ms=burst.spent_us / 1000,
+                 wall_ms=round((self.clock() - burst.opened_s) * 1e3, 3))
         return chunks
 
     # ---- questions ---------------------------------------------------------------------------
@@ -352,20 +496,32 @@ class Conductor:
         limit = SETTINGS.get("QSE_MAX_QUESTION_TOKENS")
         if len(ids) > limit:
             raise ShadowError(f"the question has {len(ids)} tokens, over the limit of {limit} (QSE_MAX_QUESTION_TOKENS)")
-        async with self.board.engine.hold(RANK_NARRATOR):
+        async with self.board.engine_lock(Priority.QUESTION):
+            self._refuse_if_stopped()
             result = await self.reader_exec.run(self.reader.ask, session_id, ids, choices, upto)
-        self.ledger.add("reader_ask", result.gpu_ms)
+            self.ledger.record(Role.READER_ASK, result.gpu_ms)
         return result
 
     async def summarize(self, session_id: str, prompt: str, max_tokens: int):
+        """The narrator's summary on a fork. While a turn runs, the narrator reads the session's unread
+        chunks in its own slices (3 % of the turn); the summary itself runs once the engine is free."""
         if self.reader is None:
             raise ShadowError("the shadow reader is off in this profile")
         self.reader.get(session_id)
         ids = self.render_question(prompt)
         stop = (self.reader.engine.chat.tokenizer.im_end_id,)
-        async with self.board.engine.hold(RANK_NARRATOR):
-            result = await self.reader_exec.run(self.reader.summarize, session_id, ids, max_tokens, stop)
-        self.ledger.add("narrator", result.gpu_ms)
+        self._narrator_waiting[session_id] = self._narrator_waiting.get(session_id, 0) + 1
+        try:
+            async with self.board.engine_lock(Priority.NARRATOR):
+                self._refuse_if_stopped()
+                result = await self.reader_exec.run(self.reader.summarize, session_id, ids, max_tokens, stop)
+                self.ledger.record(Role.NARRATOR, result.gpu_ms)
+        finally:
+            n = self._narrator_waiting.get(session_id, 1) - 1
+            if n > 0:
+                self._narrator_waiting[session_id] = n
+            else:
+                self._narrator_waiting.pop(session_id, None)
         return result
 
     def _maybe_queue_router(self, session_id: str, req: GenerateRequest) -> None:
@@ -374,24 +530,36 @@ class Conductor:
         im_end = self.served.chat.turn_end_id
         insertion = max((i + 1 for i, t in enumerate(req.prompt_ids) if t == im_end), default=len(req.prompt_ids))
         session = self.reader.sessions[session_id]
+        if insertion < session.committed:  # the reader is already past it: it can no longer answer there
+            log.warning("router_question_passed", session=session_id, request_id=req.request_id,
+                        position=insertion, committed=session.committed)
+            return
         self._router_pending.setdefault(session_id, []).append({
             "request_id": req.request_id, "position": insertion, "router_label": req.router_label,
             "behind_at_turn_start": session.behind_at_turn_start, "asked_at": self.clock(),
         })
 
+    def _question_rows(self, session_id: str) -> frozenset[int]:
+        """Rows at which a read must stop: the chunk starting there would pass a pending question."""
+        grid = self.reader.grid
+        return frozenset((p["position"] // grid) * grid for p in self._router_pending.get(session_id, ()))
+
+    def _ready_questions(self, session_id: str) -> list[dict[str, Any]]:
+        session = self.reader.sessions.get(session_id)
+        if session is None:
+            return []
+        grid = self.reader.grid
+        return [p for p in self._router_pending.get(session_id, ())
+                if session.committed <= p["position"] < session.committed + grid]
+
     async def _answer_router(self, session_id: str) -> None:
-        """Answer pending router questions the reader has reached (the next chunk would pass them)."""
-        pending = self._router_pending.get(session_id)
-        if not pending:
-            return
-        session = self.reader.sessions[session_id]
-        ready = [p for p in pending if session.committed <= p["position"] < session.committed + self.reader.grid]
-        for item in ready:
-            pending.remove(item)
+        """Answer the pending router questions the reader has reached (the next chunk would pass them)."""
+        for item in self._ready_questions(session_id):
+            self._router_pending[session_id].remove(item)
             ids = self.render_question(ROUTER_QUESTION)
             letters = [chr(65 + i) for i in range(len(ROUTER_CLASSES))]
             result = await self.reader_exec.run(self.reader.ask, session_id, ids, letters, item["position"])
-            self.ledger.add("reader_ask", result.gpu_ms)
+            self.ledger.record(Role.READER_ASK, result.gpu_ms)
             label = ROUTER_CLASSES[letters.index(result.label)]
             entry = {
                 "ts": time.time(), "session": session_id, "request_id": item["request_id"], "label": label,
@@ -401,6 +569,8 @@ class Conductor:
                 "position": item["position"],
             }
             await self._journal(entry)
+        if not self._router_pending.get(session_id, True):
+            del self._router_pending[session_id]
 
     async def _journal(self, entry: dict[str, Any]) -> None:
         root = self.config.journal_dir
@@ -413,12 +583,15 @@ class Conductor:
 
     # ---- status ------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
+        turn = self._turn
         out: dict[str, Any] = {
             "served_model": self.served.name,
             "shadow": self.options.mode,
             "turns": self.turns,
             "ledger_ms": {k: round(v, 3) for k, v in self.ledger.total_ms.items()},
             "idle_bursts": self.idle_bursts,
+            "running": turn.req.request_id if turn is not None else None,
+            "waiting": self.board.engine.num_waiting,
         }
         if self.reader is None:
             return out
@@ -437,6 +610,8 @@ class Conductor:
             "resident_bytes": r.resident_nbytes(),
             "last_answers": list(r.stats.last_answers),
             "router_pending": sum(len(v) for v in self._router_pending.values()),
+            "narrator_waiting": sum(self._narrator_waiting.values()),
+            "chunk_estimate_ms": self.estimator.estimate_ms(0),
         })
         stats = getattr(r.residency, "stats", None)
         if callable(stats):

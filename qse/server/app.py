@@ -204,7 +204,7 @@ class RootPath:
             path = scope["path"]
             if not (path == self.root or path.startswith(self.root + "/")):
                 scope["path"] = self.root + path
-                scope["raw_path"] = self.root.encode() + scope.get("raw_path", path.encode())
+                scope["raw_path"] = self.root.encode() + (scope.get("raw_path") or path.encode())
             scope["root_path"] = self.root
         await self.app(scope, receive, send)
 

@@ -53,6 +53,14 @@ class ConductorCollector:
         yield position
         yield behind
         yield backlog
+        router = status.get("router")
+        if isinstance(router, dict):
+            answers = CounterMetricFamily("qse_router_shadow_answers", "the router's class question asked of the "
+                                          "reader: answered, compared with the router's own class, agreed",
+                                          labels=["kind"])
+            for kind, n in router.items():
+                answers.add_metric([kind], n)
+            yield answers
         store = status.get("store")
         if isinstance(store, dict):
             gauge = GaugeMetricFamily("qse_shadow_store", "the disk tier's figures (parks, restores, ...)",

@@ -65,14 +65,13 @@ class Narration:
 
 
 def _retry(fn: Callable[[], Any], attempts: int = 5) -> Any:
-    """Reads of the reader's dicts from the event loop can race its thread growing them; read again."""
-    for i in range(attempts):
+    """Reads of the reader's dicts outside its thread can race it growing them; read again."""
+    for _ in range(attempts - 1):
         try:
             return fn()
         except RuntimeError:  # dictionary changed size during iteration
-            if i == attempts - 1:
-                raise
-    return None
+            continue
+    return fn()
 
 
 class Service:
@@ -262,8 +261,9 @@ class Service:
         parsed = self._sections(plan, stream_content=True).finish(out.text)
         calls = [wire.ToolCallOut(id=c["id"], type=c["type"], function=wire.FunctionCallOut(**c["function"]))
                  for c in parsed.tool_calls]
-        message = wire.ChatMessageOut(role="assistant", content=parsed.content if (parsed.content or not calls) else None,
-                                      reasoning_content=parsed.reasoning or None, tool_calls=calls or None)
+        content = parsed.content if (parsed.content or not calls) else None  # null beside tool calls, as OpenAI
+        message = wire.ChatMessageOut(role="assistant", content=content, reasoning_content=parsed.reasoning or None,
+                                      tool_calls=calls or None)
         self.after_chat(plan, parsed.reasoning)
         return wire.ChatCompletion(id=f"chatcmpl-{plan.request_id}", object="chat.completion", created=int(time.time()),
                                    model=self.model_name,

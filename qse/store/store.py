@@ -97,6 +97,7 @@ class ShadowStore:
         self.misses: Counter[str] = Counter()
         self.events: deque[tuple[str, str]] = deque(maxlen=256)  # (verb, session id), newest last
         self._dir_ready = False
+        self._over_cap: set[str] = set()
         self._reader: ShadowReader | None = None
         self._fingerprint: Fingerprint | None = None
 
@@ -213,6 +214,8 @@ class ShadowStore:
         try:
             nbytes = disk.write_file(path, tensors, meta)
         except OSError as exc:
+            if isinstance(exc, FileNotFoundError):
+                self._dir_ready = False  # the directory went away: make it again next time
             self._count_write_miss(session, FileMiss(disk.write_reason(exc), exc.strerror or str(exc)))
             return False
         t_done = time.perf_counter()
@@ -286,14 +289,15 @@ class ShadowStore:
                 if existing.is_resident:
                     self._unlink(path)  # the resident state is newer than any file
                 continue
-            session = existing or ShadowSession(session_id, reader.grid, None)
+            if existing is None:
+                session = ShadowSession(session_id, reader.grid, None, ids=ids, checkpoint_lines=lines, stats=stats)
+                reader.sessions[session_id] = session
+            else:  # known but dropped: keep what it was fed since; bring_back goes back where ids differ
+                session = existing
+                session.checkpoint_lines |= {p for p in lines if p <= len(session.ids)}
             session.mode = header.meta.get("mode", "eager")
-            session.ids = ids
             session.committed = committed
             session.checkpoints = []
-            session.checkpoint_lines = lines
-            session.stats = stats
-            reader.sessions[session_id] = session
             self.parked[session_id] = Parked(session_id, path, header.size, written_s, committed)
             found += 1
         self.sweep(reader)
@@ -372,8 +376,12 @@ class ShadowStore:
         room = plan_room(others, keep.nbytes, reader.pool.num_free, pages, need_nbytes, self.cap_nbytes)
         for sid in room.victims:
             self._evict(reader, reader.sessions[sid])
-        if not room.fits_cap:
-            log.warning("store_over_cap", session=keep.session_id, nbytes=keep.nbytes + need_nbytes, cap=self.cap_nbytes)
+        if not room.fits_cap and keep.session_id not in self._over_cap:
+            self._over_cap.add(keep.session_id)  # once a session: it warns again only after it fitted
+            log.warning("store_over_cap", session=keep.session_id, nbytes=keep.nbytes + need_nbytes, cap=self.cap_nbytes,
+                        hint="QSE_SHADOW_GB is smaller than this one session; it stays resident alone")
+        elif room.fits_cap:
+            self._over_cap.discard(keep.session_id)
         return reader.pool.can_allocate(pages)
 
     def _evict(self, reader: ShadowReader, session: ShadowSession) -> None:
@@ -403,7 +411,7 @@ class ShadowStore:
         fp.check(header.meta)
         if header.meta.get("session_id") != session_id:
             raise FileMiss("session_id", f"file holds session {header.meta.get('session_id')!r}, expected {session_id!r}")
-        tensors = disk.read_tensors(header)  # verifies the checksum
+        tensors = disk.read_tensors(header, device=reader.engine.device)  # verifies the checksum
         return _decode(header, tensors, reader)
 
     def _miss(self, path: Path, session_id: str | None, miss: FileMiss) -> None:

@@ -167,7 +167,7 @@ async def test_content_streams_live_without_tools_and_stops_at_a_stop_string(tin
     async with serving(service) as client:
         r = await client.post("/v1/chat/completions", json=body("scripted", stream=True, stop=["delta"]))
         events = sse_events(r.content)
-        contents = [e["choices"][0]["delta"].get("content") for e in events[1:] if e["choices"][0]["delta"].get("content")]
+        contents = [e["choices"][0]["delta"].get("content") or "" for e in events[1:]]
         assert "".join(contents) == "alpha beta gamma "
         assert events[-1]["choices"][0]["finish_reason"] == "stop"
         r = await client.post("/v1/completions", json={"model": "scripted", "prompt": "x", "stop": "gamma",
@@ -192,6 +192,9 @@ async def test_router_class_header_reaches_the_journal(tiny_engine, tmp_path):
         entry = json.loads(journal.read_text().splitlines()[0])
         assert entry["router_label"] == "code_edit" and entry["session"] == r.headers["x-session-id"]
         assert entry["agree"] == (entry["label"] == "code_edit")
+        status = (await client.get("/v1/conductor/shadow/status")).json()
+        assert status["router"] == {"answered": 1, "compared": 1, "agreed": int(entry["agree"])}
+        assert 'qse_router_shadow_answers_total{kind="answered"} 1.0' in (await client.get("/metrics")).text
 
 
 async def test_narrator_summarizes_a_turn_with_reasoning(tiny_engine, tmp_path):

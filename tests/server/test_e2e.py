@@ -75,11 +75,12 @@ def test_agent_loop_with_tools_follows_every_turn(server, oai, http):
         messages.append({"role": "assistant", "content": content, "reasoning_content": reasoning,
                          "tool_calls": [{"id": call_id, "type": "function", "function": {
                              "name": "read_file", "arguments": json.dumps({"path": f"src/parser_{k}.py"})}}]})
-        messages.append({"role": "tool", "tool_call_id": call_id, "content": f"def parse_{k}(text):\n    return text\n"})
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": f"def parse_{k}(s):\n    return s\n"})
 
     # one more tool turn, then the agent answers and the user speaks: the template drops the reasoning
     r = oai.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=8, temperature=0)
-    messages.append({"role": "assistant", "content": "Fixed.", "reasoning_content": r.choices[0].message.reasoning_content})
+    reasoning = r.choices[0].message.reasoning_content
+    messages.append({"role": "assistant", "content": "Fixed.", "reasoning_content": reasoning})
     before = check_followed(http, server, session)
     messages.append({"role": "user", "content": "Thanks. Now explain the fix in one sentence."})
     r = oai.chat.completions.with_raw_response.create(model=model, messages=messages, tools=TOOLS, max_tokens=8,
@@ -124,9 +125,12 @@ def test_raw_sse_chat_stream(server, http):
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
     assert events[-1]["usage"] == {"prompt_tokens": events[-1]["usage"]["prompt_tokens"], "completion_tokens": 10,
                                    "total_tokens": events[-1]["usage"]["prompt_tokens"] + 10}
-    again = [e for e in sse(http.post("/v1/chat/completions", json=payload).content)]
-    text = lambda evs: "".join(e["choices"][0]["delta"].get("reasoning_content", "") for e in evs if e["choices"])
-    assert text(again) == text(events)  # the seed fixes the sampled turn
+    again = sse(http.post("/v1/chat/completions", json=payload).content)
+
+    def reasoning(evs: list) -> str:
+        return "".join(e["choices"][0]["delta"].get("reasoning_content", "") for e in evs if e["choices"])
+
+    assert reasoning(again) == reasoning(events)  # the seed fixes the sampled turn
 
 
 def test_shadow_ask_summarize_and_status(server, http):

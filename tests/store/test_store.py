@@ -80,6 +80,21 @@ def test_the_pool_is_a_limit_too_and_the_session_being_read_is_kept(engine, tmp_
     assert reader.get("c").committed == 4 * GRID
 
 
+def test_a_session_larger_than_the_cap_is_kept_while_read_and_alone(engine, tmp_path):
+    reader, store = make_reader(engine, tmp_path, cap_nbytes=0)
+    store.cap_nbytes = session_nbytes(engine, reader, 2 * GRID)
+    reader.feed("a", random_ids(1, 2 * GRID), now=1.0)
+    reader.read_all("a")
+    reader.feed("b", random_ids(2, 4 * GRID), now=2.0)
+    reader.read_all("b")  # past the cap with every other session gone: b is still read to the end
+    assert list(store.events) == [("park", "a")]
+    assert reader.get("b").committed == 4 * GRID and reader.get("b").is_resident
+    reader.feed("a", reader.get("a").ids, now=3.0)  # b is not evicted by a's feed ...
+    assert reader.get("b").is_resident
+    reader.read_all("a")  # ... but by a's restore, which is the session read now
+    assert list(store.events)[1:] == [("park", "b"), ("restore", "a")]
+
+
 @pytest.mark.parametrize("has_disk", [True, False], ids=["disk", "no-disk"])
 @pytest.mark.parametrize("seed", range(6))
 def test_the_cap_holds_after_every_feed_and_read_and_states_stay_exact(engine, tmp_path, seed, has_disk):
