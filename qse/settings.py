@@ -73,6 +73,7 @@ _DECLARED: list[Setting] = [
     Setting("QSE_SHADOW_DISK", str, "auto", "disk tier dir; auto: <cache>/shadow-disk; off: no disk tier"),
     Setting("QSE_SHADOW_DISK_GB", float, 64.0, "cap on the disk tier, GiB"),
     Setting("QSE_SHADOW_DISK_TTL_S", float, 48 * 3600.0, "time-to-live of a parked session file, seconds"),
+    Setting("QSE_KERNELS", str, "naive", "op set of the engines: naive (torch twins), triton (qse_kernels), auto (triton on cuda)"),
     Setting("QSE_SHADOW_GRAPHS", bool, True, "capture grid chunks as CUDA graphs on cuda devices"),
     # the conductor
     Setting("QSE_SHADOW_RATION", float, 0.02, "reader share of the served model's time since its first token"),

@@ -1,23 +1,25 @@
 """Chunked gated delta rule (prefill) in Triton; the naive twin is naive.chunk_gated_delta_rule.
 
-Two launches, no atomics, configurations pinned by the head dims alone:
+Three launches, no atomics, configurations pinned by the head dims alone:
 
   prepare  grid (chunks, Hv), every chunk in parallel. L2-normalises q and k (q also scaled by Dk^-1/2),
            takes the chunk's cumulative log decay c, builds the strictly lower A of the chunk's system
-           (I + A) U = beta V - beta e^c K S0, inverts the unit-lower (I + A) by forward substitution in
-           fp32, and writes what the scan needs to an fp32 workspace:
-             W  = (I + A)^-1 (beta e^c K)      [BT, Dk]
-             U0 = (I + A)^-1 (beta V)          [BT, Dv]
-             Qe = q e^c                        [BT, Dk]
-             Kt = k e^(c_last - c)             [BT, Dk]
+           (I + A) U = beta V - beta e^c K S0, inverts the unit-lower (I + A) in fp32, and writes to an
+           fp32 workspace:
+             W  = (I + A)^-1 (beta e^c K)        [BT, Dk]
+             U0 = (I + A)^-1 (beta V)            [BT, Dv]
+             Qe = q e^c                          [BT, Dk]
+             Kt = k e^(c_last - c)               [BT, Dk]
              P  = (q k^T) e^(c_i - c_j), j <= i  [BT, BT]
-             e^c_last                          scalar
-  scan     grid (Hv, Dv / BV), chunks in order; the state slice S [Dk, BV] stays in fp32 registers:
-             u = U0 - W S;  o = Qe S + P u;  S <- e^c_last S + Kt^T u
+             e^c_last                            scalar
+  scan     grid (Hv, Dv / BV), chunks in order; the state slice S [Dk, BV] stays in fp32 registers and
+           each chunk's starting state is kept:  S_c;  u = U0 - W S;  S <- e^c_last S + Kt^T u
+  output   grid (chunks, Hv, Dv / BV), in parallel again:  o = Qe S_c + P (U0 - W S_c)
 
 The Dv columns of the state never mix, so the scan splits them across programs. Each chunk runs the
-same code whatever T is, so T tokens in one call and the same tokens in calls split on chunk lines give
-the same bits. Padded rows of a partial last chunk load k = v = g = beta = 0 and so write zeros.
+same machine code whatever T is (the counts are not specialised), so T tokens in one call and the same
+tokens in calls split on chunk lines give the same bits. Padded rows of a partial last chunk load
+k = v = g = beta = 0 and so write zeros.
 """
 
 from __future__ import annotations
@@ -26,12 +28,53 @@ import torch
 import triton
 import triton.language as tl
 
-# fp32 operands through three tf32 products: close to fp32, still on the tensor cores.
+# fp32 operands through three tf32 products: close to fp32, still on the tensor cores. (One tf32
+# product leaves ~1e-3 in the carried state, which then compounds from chunk to chunk.)
 DOT_PRECISION = "tf32x3"
-CHUNK_NUM_WARPS = 8
+INVERSE_BLOCK = 16
+PREPARE_NUM_WARPS = 8
+SCAN_BLOCK_V = 16
 SCAN_NUM_WARPS = 4
 SCAN_NUM_STAGES = 2
-SCAN_BLOCK_V = 32
+OUTPUT_BLOCK_V = 32
+OUTPUT_NUM_WARPS = 4
+
+
+@triton.jit
+def _unit_lower_inverse(b_a, b_at, BT: tl.constexpr, SB: tl.constexpr, PRECISION: tl.constexpr):
+    """(I + A)^-1 for strictly lower A [BT, BT] (b_at = A^T), in diagonal blocks of SB rows.
+
+    The BT/SB diagonal blocks are inverted together by SB steps of forward substitution,
+    X[i, :] = e_i - sum_{j<i} A[i, j] X[j, :], giving the block diagonal D = (I + A_diag)^-1 (A^T lets
+    a row of A be read as a column, with no layout change). With N = D A_off (A below the diagonal
+    blocks; N^(BT/SB) = 0), (I + A)^-1 = (I + N)^-1 D = (I - N + N^2 - ...) D: a few small matmuls.
+    """
+    NB: tl.constexpr = BT // SB
+    o_b = tl.arange(0, NB)
+    o_i = tl.arange(0, SB)
+    same = o_b[:, None] == o_b[None, :]
+    # diagonal blocks of A^T: at3[b, j, i] = A[b*SB + i, b*SB + j]
+    at3 = tl.sum(tl.where(same[:, None, :, None], tl.reshape(b_at, (NB, SB, NB, SB)), 0.0), 2)
+    x3 = tl.zeros((NB, SB, SB), tl.float32) + tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)[None, :, :]
+    for i in range(1, SB):
+        b_ai = tl.sum(tl.where(o_i[None, None, :] == i, at3, 0.0), 2)  # [NB, SB] over j: A_b[i, j]
+        b_s = tl.sum(b_ai[:, :, None] * x3, 1)  # [NB, SB] over columns
+        x3 = x3 - tl.where(o_i[None, :, None] == i, b_s[:, None, :], 0.0)
+    b_d = tl.reshape(tl.where(same[:, None, :, None], x3[:, :, None, :], 0.0), (BT, BT))
+    o_r = tl.arange(0, BT)
+    b_n = tl.dot(b_d, tl.where(o_r[:, None] // SB > o_r[None, :] // SB, b_a, 0.0), input_precision=PRECISION)
+    b_eye = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)
+    b_y = b_eye - b_n
+    for _ in tl.static_range(NB - 2):
+        b_y = b_eye - tl.dot(b_n, b_y, input_precision=PRECISION)
+    return tl.dot(b_y, b_d, input_precision=PRECISION)
+
+
+@triton.jit
+def _load_unit_rows(ptr, o_t, m_t, stride_t, o_k, m_k):
+    """[BT, BK] rows scaled to unit L2 norm, in fp32."""
+    b_x = tl.load(ptr + o_t[:, None] * stride_t + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    return b_x * tl.rsqrt(tl.sum(b_x * b_x, 1) + 1e-6)[:, None]
 
 
 # The counts stay run-time arguments (Triton would otherwise compile a count of 1 as a constant): one call
@@ -44,7 +87,7 @@ def _chunk_prepare_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_gt, stride_gh, stride_bt, stride_bh,
     DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PRECISION: tl.constexpr,
+    SB: tl.constexpr, PRECISION: tl.constexpr,
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_kh = i_h // heads_per_key
@@ -55,60 +98,47 @@ def _chunk_prepare_kernel(
     m_k = o_k < DK
     o_v = tl.arange(0, BV)
     m_v = o_v < DV
-    # workspace rows of this (chunk, head)
-    i_w = i_c * num_v_heads + i_h
+    i_w = i_c * num_v_heads + i_h  # this (chunk, head)'s slot in the workspace
+    o_wk = (i_w * BT + o_r[:, None]) * DK + o_k[None, :]
+    m_wk = m_k[None, :]
 
     b_g = tl.load(g_ptr + o_t * stride_gt + i_h * stride_gh, mask=m_t, other=0.0).to(tl.float32)
     b_beta = tl.load(beta_ptr + o_t * stride_bt + i_h * stride_bh, mask=m_t, other=0.0).to(tl.float32)
     b_c = tl.cumsum(b_g, 0)  # [BT]; flat past the last token, so b_c[BT-1] is the last token's
     b_c_last = tl.sum(tl.where(o_r == BT - 1, b_c, 0.0), 0)
-
-    p_k = k_ptr + o_t[:, None] * stride_kt + i_kh * stride_kh + o_k[None, :]
-    b_k = tl.load(p_k, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
-
+    tl.store(decay_ptr + i_w, tl.exp(b_c_last))
     causal = o_r[:, None] >= o_r[None, :]  # [i, j]: j <= i
-    upper = o_r[:, None] < o_r[None, :]  # [j, i]: j < i
-    # kept transposed so the substitution below reads a row of A as a column, with no layout change:
-    # A^T[j, i] = A[i, j] = beta_i (k_i . k_j) e^(c_i - c_j) for j < i (k k^T is symmetric)
+    b_decay = tl.exp(tl.where(causal, b_c[:, None] - b_c[None, :], float("-inf")))  # e^(c_i - c_j), j <= i
+
+    # first what needs q: P and Qe, so that q is dead before the inverse
+    b_k = _load_unit_rows(k_ptr + i_kh * stride_kh, o_t, m_t, stride_kt, o_k, m_k)
+    tl.store(kt_ptr + o_wk, b_k * tl.exp(b_c_last - b_c)[:, None], mask=m_wk)
+    b_q = _load_unit_rows(q_ptr + i_kh * stride_qh, o_t, m_t, stride_qt, o_k, m_k) * scale
+    b_p = tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * b_decay, 0.0)
+    tl.store(p_ptr + (i_w * BT + o_r[:, None]) * BT + o_r[None, :], b_p)
+    tl.store(qe_ptr + o_wk, b_q * tl.exp(b_c)[:, None], mask=m_wk)
+
+    # A[i, j] = beta_i (k_i . k_j) e^(c_i - c_j) for j < i; k k^T is symmetric, so A^T comes from the same tile
     b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
-    b_decay_t = tl.exp(tl.where(upper, b_c[None, :] - b_c[:, None], float("-inf")))
-    b_at = tl.where(upper, b_beta[None, :] * b_kk * b_decay_t, 0.0)
-    # (I + A)^-1 by forward substitution: X[i, :] = e_i - sum_{j<i} A[i, j] X[j, :]
-    b_x = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)
-    for i in range(1, BT):
-        b_a = tl.sum(tl.where(o_r[None, :] == i, b_at, 0.0), 1)  # [BT] over j: A[i, j]
-        b_s = tl.sum(b_a[:, None] * b_x, 0)  # [BT] over columns
-        b_x = b_x - tl.where(o_r[:, None] == i, b_s[None, :], 0.0)
+    b_a = tl.where(o_r[:, None] > o_r[None, :], b_beta[:, None] * b_kk * b_decay, 0.0)
+    b_decay_t = tl.exp(tl.where(o_r[:, None] < o_r[None, :], b_c[None, :] - b_c[:, None], float("-inf")))
+    b_at = tl.where(o_r[:, None] < o_r[None, :], b_beta[None, :] * b_kk * b_decay_t, 0.0)
+    b_x = _unit_lower_inverse(b_a, b_at, BT, SB, PRECISION)
 
-    o_wk = (i_w * BT + o_r[:, None]) * DK + o_k[None, :]
-    m_wk = m_k[None, :]
-    b_kb = b_k * (b_beta * tl.exp(b_c))[:, None]
-    b_w = tl.dot(b_x, b_kb, input_precision=PRECISION)
+    # k again rather than kept live through the inverse (registers); the same arithmetic, the same bits
+    b_k = _load_unit_rows(k_ptr + i_kh * stride_kh, o_t, m_t, stride_kt, o_k, m_k)
+    b_w = tl.dot(b_x, b_k * (b_beta * tl.exp(b_c))[:, None], input_precision=PRECISION)
     tl.store(w_ptr + o_wk, b_w, mask=m_wk)
-    b_kt = b_k * tl.exp(b_c_last - b_c)[:, None]
-    tl.store(kt_ptr + o_wk, b_kt, mask=m_wk)
-
     p_v = v_ptr + o_t[:, None] * stride_vt + i_h * stride_vh + o_v[None, :]
     b_v = tl.load(p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
     b_u = tl.dot(b_x, b_v * b_beta[:, None], input_precision=PRECISION)
     tl.store(u_ptr + (i_w * BT + o_r[:, None]) * DV + o_v[None, :], b_u, mask=m_v[None, :])
 
-    p_q = q_ptr + o_t[:, None] * stride_qt + i_kh * stride_qh + o_k[None, :]
-    b_q = tl.load(p_q, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None]
-    b_q = b_q * scale
-    b_decay = tl.exp(tl.where(causal, b_c[:, None] - b_c[None, :], float("-inf")))
-    b_p = tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * b_decay, 0.0)
-    tl.store(p_ptr + (i_w * BT + o_r[:, None]) * BT + o_r[None, :], b_p)
-    tl.store(qe_ptr + o_wk, b_q * tl.exp(b_c)[:, None], mask=m_wk)
-    tl.store(decay_ptr + i_w, tl.exp(b_c_last))
 
-
-@triton.jit(do_not_specialize=["num_tokens", "num_chunks"])
+@triton.jit(do_not_specialize=["num_chunks"])
 def _chunk_scan_kernel(
-    w_ptr, u_ptr, qe_ptr, kt_ptr, p_ptr, decay_ptr, state_ptr, new_state_ptr, o_ptr,
-    num_tokens, num_chunks, num_v_heads, stride_ot, stride_oh,
+    w_ptr, u_ptr, kt_ptr, decay_ptr, state_ptr, states_ptr, new_state_ptr,
+    num_chunks, num_v_heads,
     DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -118,25 +148,47 @@ def _chunk_scan_kernel(
     m_k = o_k < DK
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < DV
-    o_s = i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]
+    o_s = o_k[:, None] * DV + o_v[None, :]
     m_s = m_k[:, None] & m_v[None, :]
-    b_s = tl.load(state_ptr + o_s, mask=m_s, other=0.0)  # [BK, BV] fp32
+    b_s = tl.load(state_ptr + i_h * DK * DV + o_s, mask=m_s, other=0.0)  # [BK, BV] fp32
     for i_c in range(num_chunks):
         i_w = i_c * num_v_heads + i_h
+        tl.store(states_ptr + i_w * DK * DV + o_s, b_s, mask=m_s)
         o_wk = (i_w * BT + o_r[:, None]) * DK + o_k[None, :]
         b_w = tl.load(w_ptr + o_wk, mask=m_k[None, :], other=0.0)
         b_u = tl.load(u_ptr + (i_w * BT + o_r[:, None]) * DV + o_v[None, :], mask=m_v[None, :], other=0.0)
         b_u = b_u - tl.dot(b_w, b_s, input_precision=PRECISION)
-        b_qe = tl.load(qe_ptr + o_wk, mask=m_k[None, :], other=0.0)
-        b_p = tl.load(p_ptr + (i_w * BT + o_r[:, None]) * BT + o_r[None, :])
-        b_o = tl.dot(b_qe, b_s, input_precision=PRECISION) + tl.dot(b_p, b_u, input_precision=PRECISION)
-        o_t = i_c * BT + o_r
-        p_o = o_ptr + o_t[:, None] * stride_ot + i_h * stride_oh + o_v[None, :]
-        tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=(o_t < num_tokens)[:, None] & m_v[None, :])
         b_kt = tl.load(kt_ptr + o_wk, mask=m_k[None, :], other=0.0)
         b_decay = tl.load(decay_ptr + i_w)
         b_s = b_s * b_decay + tl.dot(tl.trans(b_kt), b_u, input_precision=PRECISION)
-    tl.store(new_state_ptr + o_s, b_s, mask=m_s)
+    tl.store(new_state_ptr + i_h * DK * DV + o_s, b_s, mask=m_s)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _chunk_output_kernel(
+    w_ptr, u_ptr, qe_ptr, p_ptr, states_ptr, o_ptr,
+    num_tokens, num_v_heads, stride_ot, stride_oh,
+    DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_w = i_c * num_v_heads + i_h
+    o_r = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < DK
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < DV
+    b_s = tl.load(states_ptr + i_w * DK * DV + o_k[:, None] * DV + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+    o_wk = (i_w * BT + o_r[:, None]) * DK + o_k[None, :]
+    b_w = tl.load(w_ptr + o_wk, mask=m_k[None, :], other=0.0)
+    b_u = tl.load(u_ptr + (i_w * BT + o_r[:, None]) * DV + o_v[None, :], mask=m_v[None, :], other=0.0)
+    b_u = b_u - tl.dot(b_w, b_s, input_precision=PRECISION)
+    b_qe = tl.load(qe_ptr + o_wk, mask=m_k[None, :], other=0.0)
+    b_p = tl.load(p_ptr + (i_w * BT + o_r[:, None]) * BT + o_r[None, :])
+    b_o = tl.dot(b_qe, b_s, input_precision=PRECISION) + tl.dot(b_p, b_u, input_precision=PRECISION)
+    o_t = i_c * BT + o_r
+    p_o = o_ptr + o_t[:, None] * stride_ot + i_h * stride_oh + o_v[None, :]
+    tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=(o_t < num_tokens)[:, None] & m_v[None, :])
 
 
 def _check_gdn_shapes(q, k, v, g, beta, state) -> tuple[int, int, int, int, int]:
@@ -165,8 +217,8 @@ def chunk_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of naive.chunk_gated_delta_rule: o [T, Hv, Dv] (v's dtype), new state [Hv, Dk, Dv] fp32."""
     num_tokens, num_k_heads, num_v_heads, dk, dv = _check_gdn_shapes(q, k, v, g, beta, state)
-    if chunk < 16 or chunk & (chunk - 1):
-        raise ValueError(f"chunk must be a power of two >= 16; got {chunk}")
+    if chunk < INVERSE_BLOCK or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two >= {INVERSE_BLOCK}; got {chunk}")
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     state = state.float().contiguous()
     out = torch.empty(num_tokens, num_v_heads, dv, dtype=v.dtype, device=v.device)
@@ -183,19 +235,25 @@ def chunk_gated_delta_rule(
     kt = torch.empty(num_chunks, num_v_heads, chunk, dk, **ws)
     p = torch.empty(num_chunks, num_v_heads, chunk, chunk, **ws)
     decay = torch.empty(num_chunks, num_v_heads, **ws)
+    states = torch.empty(num_chunks, num_v_heads, dk, dv, **ws)  # each chunk's starting state
     _chunk_prepare_kernel[(num_chunks, num_v_heads)](
         q, k, v, g, beta, w, u, qe, kt, p, decay,
         num_tokens, num_v_heads, num_v_heads // num_k_heads, dk ** -0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
-        DK=dk, DV=dv, BT=chunk, BK=block_k, BV=block_v, PRECISION=DOT_PRECISION,
-        num_warps=CHUNK_NUM_WARPS, num_stages=1,
+        DK=dk, DV=dv, BT=chunk, BK=block_k, BV=block_v, SB=INVERSE_BLOCK, PRECISION=DOT_PRECISION,
+        num_warps=PREPARE_NUM_WARPS, num_stages=1,
     )
     scan_block_v = min(SCAN_BLOCK_V, block_v)
     _chunk_scan_kernel[(num_v_heads, triton.cdiv(dv, scan_block_v))](
-        w, u, qe, kt, p, decay, state, new_state, out,
-        num_tokens, num_chunks, num_v_heads, out.stride(0), out.stride(1),
+        w, u, kt, decay, state, states, new_state, num_chunks, num_v_heads,
         DK=dk, DV=dv, BT=chunk, BK=block_k, BV=scan_block_v, PRECISION=DOT_PRECISION,
         num_warps=SCAN_NUM_WARPS, num_stages=SCAN_NUM_STAGES,
+    )
+    output_block_v = min(OUTPUT_BLOCK_V, block_v)
+    _chunk_output_kernel[(num_chunks, num_v_heads, triton.cdiv(dv, output_block_v))](
+        w, u, qe, p, states, out, num_tokens, num_v_heads, out.stride(0), out.stride(1),
+        DK=dk, DV=dv, BT=chunk, BK=block_k, BV=output_block_v, PRECISION=DOT_PRECISION,
+        num_warps=OUTPUT_NUM_WARPS, num_stages=1,
     )
     return out, new_state

@@ -18,6 +18,7 @@ import torch
 from ..models import ResolvedModel
 from ..models.cache import SequenceCache
 from ..models.state import ModelState
+from ..settings import SETTINGS
 
 
 @dataclass
@@ -44,7 +45,7 @@ class Stopwatch:
 
 
 class Engine:
-    def __init__(self, resolved: ResolvedModel):
+    def __init__(self, resolved: ResolvedModel, kernels: str | None = None):
         self.resolved = resolved
         self.model = resolved.model
         self.chat = resolved.chat
@@ -52,6 +53,21 @@ class Engine:
         self.device = self.model.device
         self.dtype = self.model.dtype
         self.name = resolved.name
+        self.kernels = self._pick_kernels(kernels or SETTINGS.get("QSE_KERNELS"))
+
+    def _pick_kernels(self, requested: str) -> str:
+        """Swap the model's ops for qse_kernels' Triton kernels where asked (and where they can run)."""
+        import qse_kernels
+
+        if requested not in ("naive", "triton", "auto"):
+            raise ValueError(f"QSE_KERNELS={requested!r}: expected naive, triton or auto")
+        use = requested == "triton" or (requested == "auto" and self.device.type == "cuda")
+        if not use:
+            return "naive"
+        if not qse_kernels.available():
+            raise RuntimeError("QSE_KERNELS=triton asked for, but Triton cannot run here (no CUDA device, no TRITON_INTERPRET=1)")
+        self.model.ops = qse_kernels.triton_ops()
+        return "triton"
 
     # ---- hot verbs ---------------------------------------------------------------------------
     def new_cache(self, kv=None) -> SequenceCache:

@@ -179,6 +179,7 @@ class Conductor:
         self._stopped = False
         self.turns = 0
         self.idle_bursts = 0
+        self.router_counts = {"answered": 0, "compared": 0, "agreed": 0}  # the router's question in shadow mode
         self._seed_estimator()
 
     def _seed_estimator(self) -> None:
@@ -221,7 +222,8 @@ class Conductor:
 
     def _refuse_if_stopped(self) -> None:
         if self._stopped:
-            raise ConductorStopped("the conductor is stopped (a planned stop); send the request again after the restart")
+            raise ConductorStopped("the conductor is stopped (a planned stop); send the request again "
+                                   "after the restart")
 
     # ---- sessions ----------------------------------------------------------------------------
     def map_session(self, prompt_ids: list[int], explicit: str | None) -> str | None:
@@ -334,8 +336,8 @@ class Conductor:
     async def _slice(self, ration: TurnRation, turn: _Turn, session_id: str) -> None:
         """One slice of `ration` between two decode rounds, if the next chunk's estimate fits what it earned."""
         session = self.reader.sessions.get(session_id)
-        if session is None or turn.first_token_s is None:
-            return
+        if session is None or turn.first_token_s is None or not session.is_resident:
+            return  # a parked session comes back in the idle window, never between two decode rounds
         is_own = session_id == turn.session_id
         known = turn.num_known if is_own else len(session.ids)
         if whole_chunks(session.committed, known, self.reader.grid) == 0:
@@ -401,9 +403,8 @@ class Conductor:
             if outcome.result.stop is Stop.REFUSED:
                 log.error("chunk_not_recorded", window=window.value, session=session_id,
                           gpu_ms=outcome.reports[-1].gpu_ms if outcome.reports else None)
-            if outcome.reports or outcome.is_at_question:
-                await self._answer_router(session_id)
-            if not outcome.is_at_question:
+            answered = await self._answer_router(session_id) if (outcome.reports or outcome.is_at_question) else 0
+            if not outcome.is_at_question or not answered:  # (a gate with nothing to answer would spin)
                 return num_chunks, outcome.result.stop
 
     def _request_waiting(self) -> bool:
@@ -552,15 +553,20 @@ class Conductor:
         return [p for p in self._router_pending.get(session_id, ())
                 if session.committed <= p["position"] < session.committed + grid]
 
-    async def _answer_router(self, session_id: str) -> None:
+    async def _answer_router(self, session_id: str) -> int:
         """Answer the pending router questions the reader has reached (the next chunk would pass them)."""
-        for item in self._ready_questions(session_id):
+        ready = self._ready_questions(session_id)
+        for item in ready:
             self._router_pending[session_id].remove(item)
             ids = self.render_question(ROUTER_QUESTION)
             letters = [chr(65 + i) for i in range(len(ROUTER_CLASSES))]
             result = await self.reader_exec.run(self.reader.ask, session_id, ids, letters, item["position"])
             self.ledger.record(Role.READER_ASK, result.gpu_ms)
             label = ROUTER_CLASSES[letters.index(result.label)]
+            self.router_counts["answered"] += 1
+            if item["router_label"]:
+                self.router_counts["compared"] += 1
+                self.router_counts["agreed"] += int(label == item["router_label"])
             entry = {
                 "ts": time.time(), "session": session_id, "request_id": item["request_id"], "label": label,
                 "probability": round(result.probability, 6), "router_label": item["router_label"],
@@ -571,6 +577,7 @@ class Conductor:
             await self._journal(entry)
         if not self._router_pending.get(session_id, True):
             del self._router_pending[session_id]
+        return len(ready)
 
     async def _journal(self, entry: dict[str, Any]) -> None:
         root = self.config.journal_dir
@@ -610,6 +617,7 @@ class Conductor:
             "resident_bytes": r.resident_nbytes(),
             "last_answers": list(r.stats.last_answers),
             "router_pending": sum(len(v) for v in self._router_pending.values()),
+            "router": dict(self.router_counts),
             "narrator_waiting": sum(self._narrator_waiting.values()),
             "chunk_estimate_ms": self.estimator.estimate_ms(0),
         })

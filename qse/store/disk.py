@@ -7,7 +7,7 @@
               ckpt.<i>.recurrent.<j>, ckpt.<i>.conv.<j>          checkpoint i's GDN state (positions in metadata)
               state.s.<name>, state.v.<name>                     the ModelState (sections, KV views)
     metadata  format, version, the fingerprints (weights, grid, signature, kernel), session_id,
-              committed, checkpoints, checkpoint_lines, mode, stats, written_s, ids_sha256, checksum
+              committed, checkpoints, checkpoint_lines, mode, stats, written_s, ids_sha256, checksum(_block)
 
 The file is the safetensors layout (any safetensors reader opens it), written here so that it can
 stream, hash and sync: it goes to a temporary name in the same directory, is fsynced, renamed into
@@ -96,8 +96,9 @@ class Fingerprint:
                 raise FileMiss(reason, f"file has {key}={theirs!r}, this reader {mine!r}")
 
 
-def kernel_fingerprint(device: torch.device) -> str:
-    """qse_kernels' fingerprint when it offers one, plus the torch build and the device model."""
+def kernel_fingerprint(device: torch.device, ops: str | None = None) -> str:
+    """qse_kernels' fingerprint when it offers one, the op set the engine runs (naive or triton),
+    the torch build and the device model: a state continues exactly only on the same kernels."""
     import qse_kernels
 
     fn = getattr(qse_kernels, "kernel_fingerprint", None)
@@ -107,7 +108,7 @@ def kernel_fingerprint(device: torch.device) -> str:
         where = f"cuda:{torch.cuda.get_device_name(device)}:sm{major}{minor}"
     else:
         where = device.type
-    return f"{base}|torch-{torch.__version__}|{where}"
+    return f"{base}|ops-{ops or 'naive'}|torch-{torch.__version__}|{where}"
 
 
 def file_name(session_id: str) -> str:

@@ -137,8 +137,8 @@ class ShadowStore:
         t0 = time.perf_counter()
         try:
             record = self._load(reader, entry.path, session.session_id)
-        except FileMiss as miss:
-            self._miss(entry.path, session.session_id, miss)
+        except (FileMiss, *_BAD_FIELD) as exc:
+            self._miss(entry.path, session.session_id, _as_miss(exc))
             return False
         t_read = time.perf_counter()
         state = record.state
@@ -280,7 +280,8 @@ class ShadowStore:
                 written_s = float(header.meta.get("written_s", "nan"))
                 if not (0 <= committed <= len(ids)) or written_s != written_s:
                     raise FileMiss("corrupt", f"committed {committed} of {len(ids)} ids, written_s {written_s}")
-            except FileMiss as miss:
+            except (FileMiss, *_BAD_FIELD) as exc:
+                miss = _as_miss(exc)
                 misses[miss.reason] += 1
                 self._miss(path, None, miss)
                 continue
@@ -366,7 +367,7 @@ class ShadowStore:
         if self._fingerprint is None:
             engine = reader.engine
             self._fingerprint = Fingerprint(engine.resolved.weights_id, reader.grid, engine.state_signature(),
-                                            disk.kernel_fingerprint(engine.device))
+                                            disk.kernel_fingerprint(engine.device, getattr(engine, "kernels", None)))
         return self._fingerprint
 
     def _fit(self, reader: ShadowReader, keep: ShadowSession, pages: int, need_nbytes: int) -> bool:
@@ -436,6 +437,14 @@ class ShadowStore:
 
 
 # ---- the session <-> file mapping ----------------------------------------------------------------
+# what a well-formed header with nonsense in a field raises while it is decoded (a miss, not a crash)
+_BAD_FIELD = (ValueError, TypeError, KeyError, IndexError, RuntimeError)
+
+
+def _as_miss(exc: Exception) -> FileMiss:
+    return exc if isinstance(exc, FileMiss) else FileMiss("corrupt", f"{type(exc).__name__}: {exc}")
+
+
 @dataclass
 class _Record:
     ids: list[int]

@@ -14,14 +14,14 @@ from store_helpers import GRID
 
 
 @pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory) -> Path:
+def store_cache_dir(tmp_path_factory) -> Path:
     """The cache dir holding the embedded model (child processes load it from here too)."""
     return tmp_path_factory.mktemp("qse-cache")
 
 
 @pytest.fixture(scope="session")
-def engine(cache_dir) -> Engine:
-    return Engine(resolve("", torch.device("cpu"), torch.float32, cache_dir))
+def engine(store_cache_dir) -> Engine:
+    return Engine(resolve("", torch.device("cpu"), torch.float32, store_cache_dir))
 
 
 @pytest.fixture

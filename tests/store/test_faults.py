@@ -236,9 +236,9 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def test_a_writer_killed_mid_file_leaves_no_file_that_loads(engine, cache_dir, ref, tmp_path):
+def test_a_writer_killed_mid_file_leaves_no_file_that_loads(engine, store_cache_dir, ref, tmp_path):
     d = tmp_path / "disk"
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(cache_dir), str(d)], cwd=REPO,
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(store_cache_dir), str(d)], cwd=REPO,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -276,3 +276,22 @@ def test_a_writer_killed_mid_file_leaves_no_file_that_loads(engine, cache_dir, r
     reader.read_all("keeper")
     assert store.stats()["restores"] == 1 and keeper.stats.chunks_read == 8  # not read again
     assert_fresh(reader, "keeper", ref)
+
+
+@pytest.mark.parametrize("field,value", [("checkpoint_lines", '["x"]'), ("written_s", "soon"), ("committed", "-32"),
+                                         ("checkpoint_counts", '[["a", 1]]'), ("checkpoints", "{}")])
+def test_nonsense_in_a_checksummed_header_is_a_miss(engine, ref, tmp_path, field, value):
+    reader, store, snap_b, sha_b = two_parked(engine, tmp_path)
+    rewrite_meta(tmp_path / disk.file_name("a"), **{field: value})  # a valid checksum over the nonsense
+    again, again_store = make_reader(engine, tmp_path)
+    report = again_store.attach(again)
+    if report["sessions"] == 2:  # attach reads only what it needs; the rest is checked at bring_back
+        again.feed("a", reader.get("a").ids, now=10.0)
+        again.read_all("a")
+    assert again_store.stats()["misses"] == {"corrupt": 1} and not (tmp_path / disk.file_name("a")).exists()
+    again.feed("a", reader.get("a").ids, now=11.0)
+    again.read_all("a")
+    assert_fresh(again, "a", ref)
+    again.feed("b", reader.get("b").ids, now=12.0)
+    again.read_all("b")
+    assert_same(again, again.get("b"), snap_b)

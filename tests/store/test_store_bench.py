@@ -9,8 +9,8 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "store_bench.py"
 
 
-def test_quick_bench_writes_exact_results(cache_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("QSE_CACHE_DIR", str(cache_dir))
+def test_quick_bench_writes_exact_results(store_cache_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("QSE_CACHE_DIR", str(store_cache_dir))
     spec = importlib.util.spec_from_file_location("store_bench", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

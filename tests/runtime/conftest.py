@@ -1,0 +1,39 @@
+"""Fixtures of the runtime tests (the rig itself is in runtime_rig.py)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+from runtime_rig import GRID, Probe, Rig, ScriptedClock
+
+from qse.engine.engine import Engine
+from qse.runtime.conductor import Conductor, ConductorConfig, ShadowOptions, TurnRecord
+from qse.shadow.reader import ShadowReader
+
+
+@pytest.fixture
+def make_rig(tiny_engine, tmp_path):
+    """Build a conductor: shared=True puts the reader on the served engine (one executor thread)."""
+    made: list[Conductor] = []
+
+    def make(*, clock: Callable[[], float] | None = None, script_ms: dict[str, float] | None = None,
+             shared: bool = False, options: ShadowOptions | None = None, residency=None, **config) -> Rig:
+        clock = clock or ScriptedClock()
+        served = Engine(tiny_engine.resolved)  # a fresh wrapper over the one tiny model
+        reader_engine = served if shared else Engine(tiny_engine.resolved)
+        reader = ShadowReader(reader_engine, grid=GRID, pool_bytes=8 << 20, residency=residency)
+        probe = Probe(clock, script_ms)
+        probe.attach(served)
+        probe.attach(reader_engine)
+        records: list[TurnRecord] = []
+        config.setdefault("journal_dir", tmp_path / "shadow")
+        conductor = Conductor(served, reader, options or ShadowOptions(), ConductorConfig(**config),
+                              on_turn=records.append, clock=clock)
+        made.append(conductor)
+        return Rig(conductor, reader, probe, records, clock)
+
+    yield make
+    for c in made:  # a test that did not stop its conductor leaves no threads behind
+        c.served_exec.shutdown()
+        c.reader_exec.shutdown()

@@ -1,0 +1,96 @@
+"""The idle window on the real runtime: a request that arrives waits at most one chunk; everyone who waits
+for the engine goes before the idle reader; a hold or the box lock keeps the window shut."""
+
+import asyncio
+
+from runtime_rig import GRID, prompt_ids
+
+from qse.core.ledger import Role
+from qse.core.locks import Priority
+from qse.runtime.conductor import GenerateRequest
+
+
+async def _consume(conductor, req: GenerateRequest) -> list[int]:
+    return [t async for t in conductor.generate(req)]
+
+
+async def test_a_request_arriving_mid_burst_waits_at_most_one_chunk(make_rig):
+    rig = make_rig()  # a frozen scripted clock: the burst never runs out of time, only a waiter stops it
+    c, reader, probe = rig.conductor, rig.reader, rig.probe
+    reader.feed("old", prompt_ids(10 * GRID))
+    second_chunk = probe.hold("chunk", 2)
+    burst = asyncio.create_task(c.idle_once())
+    await second_chunk.entered  # the burst is reading its second chunk
+
+    request = GenerateRequest(prompt_ids(20, start=3000), max_tokens=3, session_id="new")
+    turn = asyncio.create_task(_consume(c, request))
+    await c.board.engine.wait_for_waiters(1)  # the request waits for the engine
+    assert c.board.engine.holder is Priority.IDLE_READER
+    second_chunk.release.set()
+
+    assert await burst == 2  # the chunk in flight finished; no further chunk started
+    out = await turn
+    assert len(out) == 3
+    kinds = probe.kinds()
+    assert kinds[: kinds.index("prefill")] == ["chunk", "chunk"]
+    assert reader.sessions["old"].committed == 2 * GRID
+    assert c.idle_bursts == 1
+    assert c.ledger.balance().num_entries[Role.READER_IDLE] == 2
+
+
+async def test_the_idle_reader_goes_behind_every_waiter(make_rig):
+    rig = make_rig(shared=True)
+    c, reader, probe = rig.conductor, rig.reader, rig.probe
+    reader.feed("old", prompt_ids(4 * GRID))
+    first_decode = probe.hold("decode", 1)
+    a = asyncio.create_task(rig.turn(prompt_ids(10, start=5000), 3, session="a"))
+    await first_decode.entered
+    b = asyncio.create_task(rig.turn(prompt_ids(10, start=6000), 3, session="b"))
+    await c.board.engine.wait_for_waiters(1)
+
+    assert await c.idle_once() == 0  # a request runs and one waits: the window stays shut
+    first_decode.release.set()
+    await asyncio.gather(a, b)
+    kinds = probe.kinds()
+    # b's prefill came right after a's turn: no idle chunk between them
+    assert "chunk" not in kinds
+    assert [r.session_id for r in rig.records] == ["a", "b"]
+
+    # now quiet: the idle reader reads the backlog
+    assert await c.idle_once() == 4
+    assert reader.sessions["old"].backlog == 0
+
+
+async def test_a_hold_or_the_box_lock_keeps_the_window_shut(make_rig):
+    rig = make_rig()
+    c = rig.conductor
+    rig.reader.feed("old", prompt_ids(2 * GRID))
+    async with c.board.hold():
+        assert await c.idle_once() == 0
+    async with c.board.box_lock():
+        assert await c.idle_once() == 0
+    assert rig.probe.calls == []
+    assert await c.idle_once() == 2
+
+
+async def test_the_burst_reads_the_oldest_backlog_first_and_stops_at_its_end(make_rig):
+    rig = make_rig()
+    c, reader, clock = rig.conductor, rig.reader, rig.clock
+    reader.feed("a", prompt_ids(GRID + 5))
+    c._note_backlog("a")
+    clock.t += 1.0
+    reader.feed("b", prompt_ids(2 * GRID, start=9000))
+    c._note_backlog("b")
+    assert await c.idle_once() == 3
+    chunks = [r for r in rig.probe.calls if r.kind == "chunk"]
+    assert len(chunks) == 3
+    assert (reader.sessions["a"].committed, reader.sessions["b"].committed) == (GRID, 2 * GRID)
+    assert await c.idle_once() == 0  # nothing left
+
+
+async def test_the_idle_loop_stops_with_the_conductor(make_rig):
+    rig = make_rig(idle_poll_s=3600.0)
+    c = rig.conductor
+    await c.start()
+    await c.stop()  # wakes the loop at once; nothing waits for a poll
+    assert c._idle_task is None

@@ -1,0 +1,170 @@
+"""Turns on the real runtime: the ledger holds what was measured, the ration and the narrator's share stay
+within what the turn earned since its first token in whole chunks, requests queue FIFO, and the router's
+question is asked exactly where the turn inserted it."""
+
+import asyncio
+import json
+import math
+
+from runtime_rig import GRID, prompt_ids
+
+from qse.core.ledger import Role, ms_to_us
+from qse.core.locks import Priority
+from qse.runtime.conductor import ShadowOptions
+
+
+def _us(calls) -> int:
+    return sum(ms_to_us(c.ms) for c in calls)
+
+
+async def test_the_ledger_holds_exactly_what_was_measured(make_rig):
+    import time
+
+    rig = make_rig(clock=time.monotonic, shared=True)  # real clock, real measurements
+    c, reader, probe = rig.conductor, rig.reader, rig.probe
+    reader.feed("x", prompt_ids(3 * GRID + 7))
+    assert await c.idle_once() == 3
+    idle_chunks = probe.of("chunk")
+
+    mark = len(probe.calls)
+    out = await rig.turn(prompt_ids(2 * GRID + 3, start=7000), 5, session="y")
+    assert len(out) == 5
+    turn_calls = probe.calls[mark:]
+    ration_chunks = [k for k in turn_calls if k.kind == "chunk"]
+
+    answer = await c.ask("x", "Is this a test?", ["A", "B"])
+    summary = await c.summarize("x", "Summarize.", 3)
+
+    total = c.ledger.balance()
+    assert total.gpu_us.get(Role.READER_IDLE, 0) == _us(idle_chunks)
+    assert total.gpu_us.get(Role.READER_RATION, 0) == _us(ration_chunks)
+    assert total.gpu_us[Role.SERVED_PREFILL] == _us(k for k in turn_calls if k.kind == "prefill")
+    assert total.gpu_us[Role.SERVED_DECODE] == _us(k for k in turn_calls if k.kind == "decode")
+    assert total.gpu_us[Role.READER_ASK] == ms_to_us(answer.gpu_ms)
+    assert total.gpu_us[Role.NARRATOR] == ms_to_us(summary.gpu_ms)
+    assert c.ledger.total_ms == {role.value: total.gpu_us.get(role, 0) / 1000 for role in Role}
+    assert c.status()["ledger_ms"]["reader_idle"] == round(_us(idle_chunks) / 1000, 3)
+    record = rig.records[0]
+    assert ms_to_us(record.reader_ration_ms) == _us(ration_chunks)
+    assert ms_to_us(record.decode_ms) == _us(k for k in turn_calls if k.kind == "decode")
+    assert c.ledger.num_open_turns == 0
+
+
+SCRIPT = {"prefill": 1000.0, "decode": 100.0, "chunk": 10.0, "fork": 5.0}
+
+
+async def test_the_ration_never_exceeds_what_the_turn_earned_and_reads_whole_chunks(make_rig):
+    rig = make_rig(script_ms=SCRIPT, chunk_prior_ms=20.0)
+    c, reader, probe = rig.conductor, rig.reader, rig.probe
+    reports = []
+    read_step = reader.read_step
+    reader.read_step = lambda sid: reports.append(read_step(sid)) or reports[-1]
+
+    prompt = prompt_ids(4 * GRID + 12)
+    out = await rig.turn(prompt, 40, session="s")
+    assert len(out) == 40
+    record = rig.records[0]
+    first_token_s = record.first_token_s
+    assert first_token_s == 100.0 + 1.0  # the scripted prefill
+
+    chunks = probe.of("chunk")
+    assert chunks, "the ration read nothing"
+    spent_us = 0
+    for chunk in chunks:
+        spent_us += ms_to_us(chunk.ms)
+        earned_us = math.floor(0.02 * round((chunk.t0 - first_token_s) * 1e6))
+        assert spent_us <= earned_us, (chunk, spent_us, earned_us)
+    # the first slice: 20 ms (the prior) earned 1 s after the first token, two 10 ms chunks in it
+    assert round(chunks[0].t0 - first_token_s, 6) == 1.0 and round(chunks[1].t0 - chunks[0].t0, 6) == 0.01
+    # whole chunks on the grid, the prompt first, then the output so far
+    assert [(r.context, r.position - r.context) for r in reports] == [(i * GRID, GRID) for i in range(5)]
+    assert reports[-1].position > len(prompt)  # the fifth chunk holds output ids
+    assert all(k.num_ids == GRID for k in chunks)
+    assert record.reader_ration_ms == 5 * 10.0
+    assert record.decode_ms == 39 * 100.0 and record.prefill_ms == 1000.0
+    assert record.reader_share == 50.0 / 3900.0
+    assert c.ledger.total_ms["reader_ration"] == 50.0
+    assert c.ledger.balance().estimate_error_us(Role.READER_RATION) == -10_000  # the prior said 20, it cost 10
+
+
+async def test_the_narrator_reads_in_its_own_share_and_summarizes_after_the_turn(make_rig):
+    rig = make_rig(script_ms=SCRIPT, chunk_prior_ms=20.0)
+    c, reader, probe = rig.conductor, rig.reader, rig.probe
+    reader.feed("b", prompt_ids(6 * GRID, start=20_000))
+    first_decode = probe.hold("decode", 1)
+    turn = asyncio.create_task(rig.turn(prompt_ids(1), 30, session="a"))  # 31 ids: no chunk of its own
+    await first_decode.entered
+    summary = asyncio.create_task(c.summarize("b", "Summarize.", 2))
+    await c.board.engine.wait_for_waiters(1)
+    assert c.status()["narrator_waiting"] == 1
+    first_decode.release.set()
+    await turn
+    result = await summary
+
+    record = rig.records[0]
+    turn_end = len(probe.calls) - len(probe.of("fork"))
+    narrator_chunks = [k for k in probe.calls[:turn_end] if k.kind == "chunk"]
+    assert len(narrator_chunks) >= 2
+    spent_us = 0
+    for chunk in narrator_chunks:
+        spent_us += ms_to_us(chunk.ms)
+        assert spent_us <= math.floor(0.03 * round((chunk.t0 - record.first_token_s) * 1e6))
+    # 20 ms (the prior) at 3 % is earned 2/3 s after the first token
+    assert chunks_start_after(narrator_chunks[0].t0 - record.first_token_s, 2 / 3)
+    assert record.narrator_ms == len(narrator_chunks) * 10.0
+    assert probe.kinds()[turn_end:] == ["fork"] * len(probe.of("fork"))  # the summary ran after the turn
+    assert c.ledger.balance().gpu_us[Role.NARRATOR] == ms_to_us(record.narrator_ms) + ms_to_us(result.gpu_ms)
+    assert c.status()["narrator_waiting"] == 0
+
+
+def chunks_start_after(elapsed_s: float, threshold_s: float) -> bool:
+    return elapsed_s >= threshold_s - 1e-9
+
+
+async def test_concurrent_requests_queue_fifo_within_rank_and_each_completes(make_rig):
+    rig = make_rig(shared=True)
+    c, probe = rig.conductor, rig.probe
+    first_decode = probe.hold("decode", 1)
+    tasks = {"r0": asyncio.create_task(rig.turn(prompt_ids(8), 4, session="s0", request_id="r0"))}
+    await first_decode.entered
+    order: list[str] = []
+    rig.reader.feed("q", prompt_ids(GRID))
+
+    async def ask():
+        await c.ask("q", "Yes or no?", ["A", "B"])
+        order.append("ask")
+
+    for name in ("r1", "ask", "r2", "r3"):
+        waiting = c.board.engine.num_waiting
+        if name == "ask":
+            tasks[name] = asyncio.create_task(ask())
+        else:
+            tasks[name] = asyncio.create_task(rig.turn(prompt_ids(8, start=100 * len(tasks)), 4, session=f"s{name}",
+                                                       request_id=name))
+        await c.board.engine.wait_for_waiters(waiting + 1)
+    assert c.status()["waiting"] == 4 and c.status()["running"] == "r0"
+    assert c.board.engine.has_waiter_above(Priority.QUESTION)
+    first_decode.release.set()
+    outs = await asyncio.gather(*tasks.values())
+    assert [r.request_id for r in rig.records] == ["r0", "r1", "r2", "r3"]  # FIFO among served requests
+    assert all(len(o) == 4 for name, o in zip(tasks, outs) if name != "ask")
+    assert order == ["ask"] and probe.kinds()[-1] == "fork"  # the question went after every served request
+    starts = [r.start_s for r in rig.records]
+    assert starts == sorted(starts)
+
+
+async def test_the_router_question_is_asked_where_the_turn_inserted_it(make_rig, tmp_path):
+    rig = make_rig(options=ShadowOptions(router="shadow", router_min_tokens=64))
+    c, reader, probe = rig.conductor, rig.reader, rig.probe
+    im_end = c.served.chat.turn_end_id
+    prompt = prompt_ids(9 * GRID + 12)
+    prompt[100] = im_end  # the prompt's last end-of-turn: the question goes at position 101
+    await rig.turn(prompt, 2, session="r", request_id="routed")
+    assert c.status()["router_pending"] == 1
+    assert await c.idle_once() == 9
+    assert probe.kinds()[-10:] == ["chunk"] * 3 + ["fork"] + ["chunk"] * 6  # asked before passing row 101
+    assert c.status()["router_pending"] == 0
+    lines = (tmp_path / "shadow" / "shadow.jsonl").read_text().splitlines()
+    entry = json.loads(lines[-1])
+    assert (entry["request_id"], entry["position"], entry["session"]) == ("routed", 101, "r")
+    assert entry["behind_at_turn_start"] == len(prompt)
