@@ -13,10 +13,10 @@ SHARED = REPO.parent / "shared"
 
 
 def shared_path(*parts: str) -> Path:
-    """A file under ../shared (beside the clone in CI too); skip only if the folder is absent."""
+    """A file under ../shared (laid beside the clone in CI too); its absence is a failure, not a skip."""
     path = SHARED.joinpath(*parts)
     if not path.exists():
-        pytest.skip(f"{path} is not present (../shared is laid beside the checkout in CI)")
+        pytest.fail(f"{path} is not present (../shared is laid beside the checkout in CI)")
     return path
 
 

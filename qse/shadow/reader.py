@@ -305,14 +305,20 @@ class ShadowReader:
         try:
             out, gpu_ms = self.engine.forward(cache, self.engine.ids_tensor(ids), logits=logits)
         finally:
-            for dst, src in zip(cache.recurrent, saved_rec):
-                dst.copy_(src)
-            for dst, src in zip(cache.conv, saved_conv):
-                dst.copy_(src)
-            session.kv.truncate(session.committed)
-            cache.length = session.committed
+            self._put_back(session, saved_rec, saved_conv)
         session.stats.forks += 1
         return out, gpu_ms, total, len(ids)
+
+    @staticmethod
+    def _put_back(session: ShadowSession, saved_rec: list[torch.Tensor], saved_conv: list[torch.Tensor]) -> None:
+        """End a fork: the GDN state as saved, KV pages above the committed rows given back."""
+        cache = session.cache
+        for dst, src in zip(cache.recurrent, saved_rec):
+            dst.copy_(src)
+        for dst, src in zip(cache.conv, saved_conv):
+            dst.copy_(src)
+        session.kv.truncate(session.committed)
+        cache.length = session.committed
 
     def letter_ids(self, choices: list[str]) -> list[int]:
         if not isinstance(choices, list) or not choices:
@@ -382,12 +388,7 @@ class ShadowReader:
                 logits, ms = self.engine.forward(cache, self.engine.ids_tensor([token]), "last")
                 decode_ms += ms
         finally:
-            for dst, src in zip(cache.recurrent, saved_rec):
-                dst.copy_(src)
-            for dst, src in zip(cache.conv, saved_conv):
-                dst.copy_(src)
-            session.kv.truncate(session.committed)
-            cache.length = session.committed
+            self._put_back(session, saved_rec, saved_conv)
         self.stats.summaries += 1
         steps = max(1, len(out_ids) - 1)
         return SummaryResult(session_id, out_ids, self.engine.chat.tokenizer.decode(out_ids),

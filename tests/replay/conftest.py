@@ -15,5 +15,5 @@ def shared_traces_dir() -> Path:
 def traces_dir() -> Path:
     path = shared_traces_dir()
     if not path.is_dir():
-        pytest.skip(f"public traces not found at {path} (the shared dir sits beside the clone as ../shared)")
+        pytest.fail(f"public traces not found at {path} (the shared dir sits beside the clone as ../shared)")
     return path
