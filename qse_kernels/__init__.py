@@ -44,6 +44,7 @@ def triton_ops() -> SimpleNamespace:
         chunk_gated_delta_rule=mods["gdn_chunk"].chunk_gated_delta_rule,
         recurrent_gated_delta_rule=mods["gdn_recurrent"].recurrent_gated_delta_rule,
         attention=mods["attention"].attention,
+        paged_attention=mods["attention"].paged_attention,
     )
 
 

@@ -1,16 +1,23 @@
-"""Causal GQA attention in Triton, prefill chunks and decode alike; the naive twin is naive.attention.
+"""Causal GQA attention in Triton over a paged KV (prefill chunks, questions and decode alike); the naive
+twin is naive.attention.
+
+Keys and values are read through a page table: row r of the sequence lives at row r % page_rows of page
+page_table[r // page_rows]. A contiguous KV is one page with no end (`attention`). The query start (the
+sequence position of the first query) is read from device memory, so one launch shape serves every
+position and a CUDA graph holding it stays valid as the session grows.
 
 Query rows of one KV head are packed: row m of kv head hk is token m // G of query head hk*G + m % G
 (G = H / Hkv), so a K/V tile loaded once serves the whole group. Grid (M / BM, Hkv, splits).
 
-    split s covers KV rows [s*R, (s+1)*R) (R a multiple of BN); within it a program walks its rows
-    in blocks of BN with an fp32 online softmax (log2 domain), first the blocks every query row sees
-    (no mask), then the causal edge (masked).
+    split s covers KV rows [s*R, (s+1)*R); within it a program walks its rows in blocks of BN with an
+    fp32 online softmax (log2 domain), first the blocks every query row sees (no mask), then the
+    causal edge (masked).
 
-With one split the program writes the output; with several it writes each split's normalised
-partial and log-sum-exp, and a second launch combines the splits in order 0..S-1. R is a fixed
-function of (T, H, Hkv, L) alone (`split_rows`), never of the device or its load, so a result
-depends on nothing but the inputs.
+R = max(MIN_ROWS, BN * ceil(ceil(L / WANT) / BN)) for L = start + T rows, computed in the kernel from L
+alone: it never depends on the device, its load, or how many split programs the grid launched. A grid
+may launch more splits than L needs (a captured graph launches WANT); the extra ones find no rows and
+add exact zeros in the combine, so the bits are the same. With one split the program writes the output
+directly; that equals the combine of one split bit for bit (weight 2^0 = 1, denominator 1).
 """
 
 from __future__ import annotations
@@ -21,12 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-# split-K sizing: aim at about this many programs, with splits of at least this many rows
+# split-K sizing: aim at about this many programs, with splits of at least MIN_ROWS rows
 TARGET_PROGRAMS = 264
 PREFILL_MIN_SPLIT_ROWS = 1024
 DECODE_MIN_SPLIT_ROWS = 256
 COMBINE_BLOCK_SPLITS = 16
 LOG2_E = 1.4426950408889634
+CONTIGUOUS_PAGE_ROWS = 1 << 30  # a contiguous KV is one page this long
 
 
 def _interpreting() -> bool:
@@ -37,34 +45,48 @@ def _interpreting() -> bool:
 def _config(num_q: int, group: int, head_dim: int) -> dict:
     """Tile sizes pinned by the shape: (BM, BN, num_warps, num_stages)."""
     if num_q * group <= 16:  # decode: the group's heads of one token
-        return dict(BM=16, BN=64, num_warps=4, num_stages=3)
+        return dict(BM=16, BN=64, num_warps=4, num_stages=3, MIN_ROWS=DECODE_MIN_SPLIT_ROWS)
     if head_dim > 128:
-        return dict(BM=128, BN=64, num_warps=8, num_stages=2)
-    return dict(BM=128, BN=64, num_warps=4, num_stages=3)
+        return dict(BM=128, BN=64, num_warps=8, num_stages=2, MIN_ROWS=PREFILL_MIN_SPLIT_ROWS)
+    return dict(BM=128, BN=64, num_warps=4, num_stages=3, MIN_ROWS=PREFILL_MIN_SPLIT_ROWS)
+
+
+def max_splits(num_q: int, num_heads: int, num_kv: int, head_dim: int) -> int:
+    """WANT: the most splits a launch of this shape ever needs, whatever the context."""
+    cfg = _config(num_q, num_heads // num_kv, head_dim)
+    base_programs = triton.cdiv(num_q * (num_heads // num_kv), cfg["BM"]) * num_kv
+    return triton.cdiv(TARGET_PROGRAMS, base_programs)
 
 
 def split_rows(num_q: int, num_heads: int, num_kv: int, head_dim: int, num_rows: int) -> int:
-    """KV rows per split: a multiple of BN; num_rows or more means one split (no combine pass)."""
+    """R, the KV rows of one split, for L = num_rows (the kernel computes the same on the device)."""
     cfg = _config(num_q, num_heads // num_kv, head_dim)
-    base_programs = triton.cdiv(num_q * (num_heads // num_kv), cfg["BM"]) * num_kv
-    want = triton.cdiv(TARGET_PROGRAMS, base_programs)
-    min_rows = DECODE_MIN_SPLIT_ROWS if cfg["BM"] == 16 else PREFILL_MIN_SPLIT_ROWS
-    rows = max(min_rows, triton.cdiv(triton.cdiv(max(num_rows, 1), want), cfg["BN"]) * cfg["BN"])
-    return rows
+    want = max_splits(num_q, num_heads, num_kv, head_dim)
+    return max(cfg["MIN_ROWS"], triton.cdiv(triton.cdiv(max(num_rows, 1), want), cfg["BN"]) * cfg["BN"])
+
+
+def splits_for(num_q: int, num_heads: int, num_kv: int, head_dim: int, max_rows: int, rows_per_split: int = 0) -> int:
+    """Split programs enough for every context up to max_rows rows. Below MIN_ROWS * WANT rows R is
+    MIN_ROWS, so ceil(rows / MIN_ROWS) is what the longest of them needs; above, WANT always suffices."""
+    if rows_per_split:
+        return triton.cdiv(max_rows, rows_per_split)
+    cfg = _config(num_q, num_heads // num_kv, head_dim)
+    return max(1, min(max_splits(num_q, num_heads, num_kv, head_dim), triton.cdiv(max_rows, cfg["MIN_ROWS"])))
 
 
 @triton.jit
-def _attn_block(b_q, k_ptr, v_ptr, n, o_n, o_d, m_d, pos, num_rows, stride_kl, stride_vl,
+def _attn_block(b_q, k_base, v_base, n, o_n, o_d, m_d, pos, num_rows, stride_kl, stride_vl,
                 b_m, b_l, b_acc, scale_log2, MASKED: tl.constexpr, DOT_FP32: tl.constexpr):
-    """One BN block of keys into the online softmax state (b_m, b_l, b_acc)."""
+    """One BN block of keys (rows n.. of the sequence; k_base, v_base point at row n) into the online
+    softmax state (b_m, b_l, b_acc)."""
     o_key = n + o_n
     if MASKED:
         m_key = o_key < num_rows
-        b_k = tl.load(k_ptr + o_key[:, None] * stride_kl + o_d[None, :], mask=m_key[:, None] & m_d[None, :], other=0.0)
-        b_v = tl.load(v_ptr + o_key[:, None] * stride_vl + o_d[None, :], mask=m_key[:, None] & m_d[None, :], other=0.0)
+        b_k = tl.load(k_base + o_n[:, None] * stride_kl + o_d[None, :], mask=m_key[:, None] & m_d[None, :], other=0.0)
+        b_v = tl.load(v_base + o_n[:, None] * stride_vl + o_d[None, :], mask=m_key[:, None] & m_d[None, :], other=0.0)
     else:
-        b_k = tl.load(k_ptr + o_key[:, None] * stride_kl + o_d[None, :], mask=m_d[None, :], other=0.0)
-        b_v = tl.load(v_ptr + o_key[:, None] * stride_vl + o_d[None, :], mask=m_d[None, :], other=0.0)
+        b_k = tl.load(k_base + o_n[:, None] * stride_kl + o_d[None, :], mask=m_d[None, :], other=0.0)
+        b_v = tl.load(v_base + o_n[:, None] * stride_vl + o_d[None, :], mask=m_d[None, :], other=0.0)
     if DOT_FP32:
         b_k, b_v = b_k.to(tl.float32), b_v.to(tl.float32)
     b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2
@@ -81,14 +103,28 @@ def _attn_block(b_q, k_ptr, v_ptr, n, o_n, o_d, m_d, pos, num_rows, stride_kl, s
 
 
 @triton.jit
+def _page_base(ptr, table_ptr, n, page_rows, stride_page, stride_row):
+    """Address of sequence row n (a block start: a block never straddles a page)."""
+    page = tl.load(table_ptr + n // page_rows).to(tl.int64)
+    return ptr + page * stride_page + (n % page_rows).to(tl.int64) * stride_row
+
+
+# num_q stays a run-time argument so that every T compiles to the same arithmetic
+@triton.jit(do_not_specialize=["num_q", "page_rows", "forced_rows"])
 def _attn_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, part_ptr, lse_ptr,
-    q_start, num_q, num_heads, num_rows, rows_per_split, scale_log2,
-    stride_qt, stride_qh, stride_kl, stride_kh, stride_vl, stride_vh, stride_ot, stride_oh,
+    q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, o_ptr, part_ptr, lse_ptr,
+    num_q, num_heads, page_rows, forced_rows, scale_log2,
+    stride_qt, stride_qh, stride_kp, stride_kl, stride_kh, stride_vp, stride_vl, stride_vh, stride_ot, stride_oh,
     G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
+    WANT: tl.constexpr, MIN_ROWS: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     i_m, i_hk, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(start_ptr)
+    num_rows = q_start + num_q
+    if forced_rows > 0:
+        rows_per_split = forced_rows
+    else:
+        rows_per_split = tl.maximum(MIN_ROWS, tl.cdiv(tl.cdiv(num_rows, WANT), BN) * BN)
     o_m = i_m * BM + tl.arange(0, BM)
     o_t = o_m // G
     o_head = i_hk * G + o_m % G
@@ -116,10 +152,14 @@ def _attn_kernel(
     k_head = k_ptr + i_hk * stride_kh
     v_head = v_ptr + i_hk * stride_vh
     for n in range(lo, full_hi, BN):
-        b_m, b_l, b_acc = _attn_block(b_q, k_head, v_head, n, o_n, o_d, m_d, pos, num_rows, stride_kl, stride_vl,
+        k_base = _page_base(k_head, table_ptr, n, page_rows, stride_kp, stride_kl)
+        v_base = _page_base(v_head, table_ptr, n, page_rows, stride_vp, stride_vl)
+        b_m, b_l, b_acc = _attn_block(b_q, k_base, v_base, n, o_n, o_d, m_d, pos, num_rows, stride_kl, stride_vl,
                                       b_m, b_l, b_acc, scale_log2, MASKED=False, DOT_FP32=DOT_FP32)
     for n in range(full_hi, hi, BN):
-        b_m, b_l, b_acc = _attn_block(b_q, k_head, v_head, n, o_n, o_d, m_d, pos, num_rows, stride_kl, stride_vl,
+        k_base = _page_base(k_head, table_ptr, n, page_rows, stride_kp, stride_kl)
+        v_base = _page_base(v_head, table_ptr, n, page_rows, stride_vp, stride_vl)
+        b_m, b_l, b_acc = _attn_block(b_q, k_base, v_base, n, o_n, o_d, m_d, pos, num_rows, stride_kl, stride_vl,
                                       b_m, b_l, b_acc, scale_log2, MASKED=True, DOT_FP32=DOT_FP32)
 
     m_out = m_m[:, None] & m_d[None, :]
@@ -141,7 +181,8 @@ def _attn_combine_kernel(
     part_ptr, lse_ptr, o_ptr, num_splits, num_q, num_heads, stride_ot, stride_oh,
     D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
 ):
-    """out = sum_s 2^(lse_s - M) part_s / sum_s 2^(lse_s - M), splits in order 0..S-1."""
+    """out = sum_s 2^(lse_s - M) part_s / sum_s 2^(lse_s - M), splits in order 0..S-1 (empty splits
+    carry lse = -inf and part = 0: weight 0, exact zeros)."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
@@ -166,15 +207,87 @@ def _attn_combine_kernel(
     tl.store(o_ptr + i_t * stride_ot + i_h * stride_oh + o_d, b_out.to(o_ptr.dtype.element_ty), mask=m_d)
 
 
+def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
+                    start: torch.Tensor, max_rows: int | None = None, scale: float | None = None,
+                    rows_per_split: int = 0) -> torch.Tensor:
+    """q [T, H, D] at positions start.. (start: an int32 tensor [1] on q's device) over the rows
+    [0, start + T) of a paged KV: k_pages, v_pages [P, page_rows, Hkv, D] (any page stride), page_table
+    int32 [>= pages used]. Returns [T, H, D] in q's dtype.
+
+    max_rows: a bound on start + T (exact when eager; the pool's capacity under a graph): the launch
+    takes min(max_splits, ceil(max_rows / MIN_ROWS)) splits, enough for any context up to the bound;
+    None takes max_splits. The bits never depend on it. rows_per_split > 0 forces R (tests)."""
+    if q.dim() != 3 or k_pages.dim() != 4 or v_pages.shape != k_pages.shape or k_pages.shape[3] != q.shape[2]:
+        raise ValueError(f"q must be [T, H, D] and k, v pages [P, rows, Hkv, D]; got {tuple(q.shape)}, "
+                         f"{tuple(k_pages.shape)}, {tuple(v_pages.shape)}")
+    if page_table.dtype != torch.int32 or start.dtype != torch.int32 or start.numel() != 1:
+        raise ValueError(f"page_table and start must be int32 tensors (start of one element); got "
+                         f"{page_table.dtype}, {start.dtype} x {start.numel()}")
+    page_rows = k_pages.shape[1]
+    bn = _config(q.shape[0], q.shape[1] // max(1, k_pages.shape[2]), q.shape[2])["BN"]
+    if page_rows % bn:
+        raise ValueError(f"page_rows must be a multiple of {bn}; got {page_rows}")
+    num_splits = None
+    if max_rows is not None:
+        num_splits = splits_for(q.shape[0], q.shape[1], k_pages.shape[2], q.shape[2], max_rows, rows_per_split)
+    return _launch(q, k_pages, v_pages, page_rows, k_pages.stride()[:3], v_pages.stride()[:3], page_table, start,
+                   num_splits, scale, rows_per_split)
+
+
+def _launch(q, k, v, page_rows, k_strides, v_strides, page_table, start, num_splits, scale, rows_per_split):
+    """k_strides, v_strides: (page, row, head) element strides; the last dimension is contiguous."""
+    num_q, num_heads, head_dim = q.shape
+    num_kv = k.shape[-2]
+    if num_heads % num_kv:
+        raise ValueError(f"query heads {num_heads} must be a multiple of KV heads {num_kv}")
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("k and v must have a contiguous last dimension")
+    group = num_heads // num_kv
+    cfg = _config(num_q, group, head_dim)
+    if rows_per_split < 0 or rows_per_split % cfg["BN"]:
+        raise ValueError(f"rows_per_split must be a multiple of {cfg['BN']}; got {rows_per_split}")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = torch.empty(num_q, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if num_q == 0:
+        return out
+    scale = head_dim ** -0.5 if scale is None else scale
+    want = max_splits(num_q, num_heads, num_kv, head_dim)
+    splits = want if num_splits is None else num_splits
+    is_split = splits > 1
+    if is_split:
+        part = torch.empty(splits, num_q, num_heads, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(splits, num_q, num_heads, dtype=torch.float32, device=q.device)
+    else:
+        part = lse = out  # unused
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    grid = (triton.cdiv(num_q * group, cfg["BM"]), num_kv, splits)
+    _attn_kernel[grid](
+        q, k, v, page_table, start, out, part, lse,
+        num_q, num_heads, page_rows, rows_per_split, scale * LOG2_E,
+        q.stride(0), q.stride(1), *k_strides, *v_strides, out.stride(0), out.stride(1),
+        G=group, D=head_dim, BD=block_d, BM=cfg["BM"], BN=cfg["BN"], WANT=want, MIN_ROWS=cfg["MIN_ROWS"],
+        SPLIT=is_split, DOT_FP32=_interpreting() and q.dtype != torch.float32,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if is_split:
+        _attn_combine_kernel[(num_q, num_heads)](
+            part, lse, out, splits, num_q, num_heads, out.stride(0), out.stride(1),
+            D=head_dim, BD=block_d, BS=COMBINE_BLOCK_SPLITS, num_warps=4,
+        )
+    return out
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float | None = None) -> torch.Tensor:
-    """Triton twin of naive.attention: q [T, H, D] at positions q_start.., k, v [L, Hkv, D] -> [T, H, D]."""
-    return attention_split(q, k, v, q_start, scale, None)
+    """Triton twin of naive.attention: q [T, H, D] at positions q_start.., k, v [L, Hkv, D] -> [T, H, D].
+
+    Launches just the splits this context needs (the bits equal a launch of max_splits)."""
+    return attention_split(q, k, v, q_start, scale, 0)
 
 
 def attention_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float | None,
-                    rows_per_split: int | None) -> torch.Tensor:
-    """attention with the KV split length given (a multiple of the kernel's BN; tests use it to force
-    splits); None takes `split_rows`."""
+                    rows_per_split: int, num_splits: int | None = None) -> torch.Tensor:
+    """attention with R forced (rows_per_split > 0, a multiple of the kernel's BN; tests use it to force
+    splits) and the launched split count given (None: what the context needs)."""
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or k.shape[2] != q.shape[2]:
         raise ValueError(f"q must be [T, H, D] and k, v [L, Hkv, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     num_q, num_heads, head_dim = q.shape
@@ -183,40 +296,15 @@ def attention_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: 
         raise ValueError(f"query heads {num_heads} must be a multiple of KV heads {num_kv}")
     if q_start < 0 or num_rows < q_start + num_q:
         raise ValueError(f"k, v hold {num_rows} rows; queries at {q_start}..{q_start + num_q - 1} need at least {q_start + num_q}")
-    group = num_heads // num_kv
-    cfg = _config(num_q, group, head_dim)
-    if rows_per_split is None:
-        rows_per_split = split_rows(num_q, num_heads, num_kv, head_dim, num_rows)
-    if rows_per_split <= 0 or rows_per_split % cfg["BN"]:
-        raise ValueError(f"rows_per_split must be a multiple of {cfg['BN']}; got {rows_per_split}")
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    out = torch.empty(num_q, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    if num_q == 0:
-        return out
-    scale = head_dim ** -0.5 if scale is None else scale
-    num_splits = triton.cdiv(num_rows, rows_per_split)
-    is_split = num_splits > 1
-    if is_split:
-        part = torch.empty(num_splits, num_q, num_heads, head_dim, dtype=torch.float32, device=q.device)
-        lse = torch.empty(num_splits, num_q, num_heads, dtype=torch.float32, device=q.device)
-    else:
-        part = lse = out  # unused
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    grid = (triton.cdiv(num_q * group, cfg["BM"]), num_kv, num_splits)
-    _attn_kernel[grid](
-        q, k, v, out, part, lse,
-        q_start, num_q, num_heads, num_rows, rows_per_split, scale * LOG2_E,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        G=group, D=head_dim, BD=block_d, BM=cfg["BM"], BN=cfg["BN"], SPLIT=is_split,
-        DOT_FP32=_interpreting() and q.dtype != torch.float32,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    if is_split:
-        _attn_combine_kernel[(num_q, num_heads)](
-            part, lse, out, num_splits, num_q, num_heads, out.stride(0), out.stride(1),
-            D=head_dim, BD=block_d, BS=COMBINE_BLOCK_SPLITS, num_warps=4,
-        )
-    return out
+    rows = rows_per_split or split_rows(num_q, num_heads, num_kv, head_dim, q_start + num_q)
+    if num_splits is None:
+        num_splits = triton.cdiv(q_start + num_q, rows)
+    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
+    start = torch.tensor([q_start], dtype=torch.int32, device=q.device)
+    table = torch.zeros(1, dtype=torch.int32, device=q.device)
+    # one endless page: every row is on page 0, the page stride is never used
+    return _launch(q, k, v, CONTIGUOUS_PAGE_ROWS, (0, k.stride(0), k.stride(1)), (0, v.stride(0), v.stride(1)),
+                   table, start, num_splits, scale, rows_per_split)
 
 
-__all__ = ["attention", "attention_split", "split_rows"]
+__all__ = ["attention", "attention_split", "max_splits", "paged_attention", "split_rows", "splits_for"]

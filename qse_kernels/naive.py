@@ -192,7 +192,26 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: i
     return out[0].transpose(0, 1)
 
 
+def gather_pages(pages: torch.Tensor, page_table: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Rows [0, num_rows) of a paged store [P, page_rows, ...] as one contiguous tensor."""
+    page_rows = pages.shape[1]
+    used = page_table[: -(-num_rows // page_rows)].long()
+    return pages[used].reshape(-1, *pages.shape[2:])[:num_rows]
+
+
+def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
+                    start: torch.Tensor, max_rows: int | None = None, scale: float | None = None) -> torch.Tensor:
+    """attention over a paged KV (the twin of the Triton paged kernel): gather, then attend. Reads the
+    start position back to the host (fine for the reference path; the Triton kernel reads it on device)."""
+    q_start = int(start.reshape(-1)[0])
+    num_rows = q_start + q.shape[0]
+    k, v = gather_pages(k_pages, page_table, num_rows), gather_pages(v_pages, page_table, num_rows)
+    if q.is_cuda and scale is None:
+        return sdpa_attention(q, k, v, q_start)
+    return attention(q, k, v, q_start, scale)
+
+
 __all__ = [
-    "rms_norm", "gated_rms_norm", "rotary_cos_sin", "apply_rotary", "causal_conv1d", "gdn_gating",
+    "gather_pages", "paged_attention", "rms_norm", "gated_rms_norm", "rotary_cos_sin", "apply_rotary", "causal_conv1d", "gdn_gating",
     "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "attention", "sdpa_attention", "l2norm",
 ]

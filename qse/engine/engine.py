@@ -73,11 +73,12 @@ class Engine:
     def new_cache(self, kv=None) -> SequenceCache:
         return self.model.new_cache(kv=kv)
 
-    def forward(self, cache: SequenceCache, ids: torch.Tensor, logits: str = "last") -> tuple[torch.Tensor | None, float]:
+    def forward(self, cache: SequenceCache, ids: torch.Tensor, logits: str = "last",
+                logit_row: int | None = None) -> tuple[torch.Tensor | None, float]:
         """Read ids on top of cache; returns (logits, device ms)."""
         watch = Stopwatch(self.device)
         with watch.measure():
-            out = self.model.forward(ids.to(self.device), cache, logits)
+            out = self.model.forward(ids.to(self.device), cache, logits, logit_row=logit_row)
         return out, watch.gpu_ms
 
     def synchronize(self) -> None:

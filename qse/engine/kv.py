@@ -67,7 +67,7 @@ class PagedKV:
     def __init__(self, pool: KVPool):
         self.pool = pool
         self.pages: list[int] = []
-        self._page_index: torch.Tensor | None = None
+        self._table: torch.Tensor | None = None
 
     @property
     def capacity(self) -> int:
@@ -88,7 +88,7 @@ class PagedKV:
         if got is None:
             return False
         self.pages.extend(got)
-        self._page_index = None
+        self._table = None
         return True
 
     def truncate(self, length: int) -> None:
@@ -97,7 +97,7 @@ class PagedKV:
         if keep < len(self.pages):
             self.pool.release(self.pages[keep:])
             del self.pages[keep:]
-            self._page_index = None
+            self._table = None
 
     def release_all(self) -> None:
         self.truncate(0)
@@ -123,13 +123,17 @@ class PagedKV:
         if n == 1:
             p = self.pages[0]
             return self.pool.k[p, slot, :length], self.pool.v[p, slot, :length]
-        if self._page_index is None or self._page_index.numel() < n:
-            self._page_index = torch.tensor(self.pages, device=self.pool.k.device)
-        idx = self._page_index[:n]
+        idx = self.device_table()[:n].long()
         shape = (n * self.pool.page_rows, *self.pool.k.shape[3:])
         k = self.pool.k[idx, slot].reshape(shape)[:length]
         v = self.pool.v[idx, slot].reshape(shape)[:length]
         return k, v
+
+    def device_table(self) -> torch.Tensor:
+        """The page ids as an int32 tensor on the pool's device (rebuilt only when the pages change)."""
+        if self._table is None:
+            self._table = torch.tensor(self.pages or [0], dtype=torch.int32, device=self.pool.k.device)
+        return self._table
 
     def export_rows(self, length: int) -> dict[str, torch.Tensor]:
         """Rows [0, length) of every slot as contiguous tensors (for ModelState views)."""

@@ -56,8 +56,8 @@ def load_turns(path: Path, engine: Engine) -> list[dict[str, list[int]]]:
 
 def _probe_logits(reader: ShadowReader, session_id: str, question_ids: list[int]) -> torch.Tensor:
     session = reader.get(session_id)
-    logits, _, _, _ = reader._fork_forward(session, question_ids, None, "last")
-    return logits[-1].float()
+    logits, _, _, _ = reader._fork_logits(session, question_ids, None)
+    return logits
 
 
 def run_shadow_check(engine: Engine, session_file: Path, grid: int, num_probes: int = 8,

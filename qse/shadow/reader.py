@@ -15,8 +15,16 @@ from typing import Protocol
 import torch
 
 from ..engine.engine import Engine, Stopwatch
+from ..engine.graphs import ForwardGraphs
 from ..engine.kv import KVPool, PagedKV
+from ..settings import SETTINGS
 from .session import Checkpoint, ShadowSession
+
+
+# forks are read padded to a multiple of this many rows, eager or graphed alike, so that an answer never
+# depends on the mode (and the graphs need one shape per 64 rows, not one per length)
+FORK_ALIGN = 64
+PAD_ID = 0
 
 
 class ShadowError(ValueError):
@@ -120,7 +128,10 @@ class ReaderStats:
 
 class ShadowReader:
     def __init__(self, engine: Engine, grid: int = 512, pool_bytes: int = 4 << 30, max_checkpoints: int = 6,
-                 page_rows: int | None = None, residency: Residency | None = None, clock=time.monotonic):
+                 page_rows: int | None = None, residency: Residency | None = None, clock=time.monotonic,
+                 graphs: bool | str | None = None):
+        """graphs: True/False, None for QSE_SHADOW_GRAPHS (CUDA graphs where the device is CUDA and the
+        kernels are Triton's), or "static": the graph path's buffers and flow without capturing (CPU tests)."""
         if grid < 1:
             raise ShadowError(f"grid must be a positive number of rows, got {grid}")
         self.engine = engine
@@ -136,7 +147,19 @@ class ShadowReader:
         self.residency: Residency = residency or DropLRU()
         self.clock = clock
         self.stats = ReaderStats()
-        self.mode = "eager"
+        self.graphs = self._make_graphs(graphs)
+        self.mode = "graph" if self.graphs is not None else "eager"
+
+    def _make_graphs(self, graphs: bool | str | None) -> ForwardGraphs | None:
+        if graphs == "static":
+            return ForwardGraphs(self.engine.model, self.pool, capture=False, max_tokens=max(1024, self.grid))
+        if graphs is None:
+            graphs = SETTINGS.get("QSE_SHADOW_GRAPHS") and self.engine.device.type == "cuda" and self.engine.kernels == "triton"
+        if not graphs:
+            return None
+        if self.engine.device.type != "cuda":
+            raise ShadowError(f"CUDA graphs asked for, but the reader runs on {self.engine.device}")
+        return ForwardGraphs(self.engine.model, self.pool, capture=True, max_tokens=max(1024, self.grid))
 
     # ---- sessions ----------------------------------------------------------------------------
     def get(self, session_id: str) -> ShadowSession:
@@ -251,8 +274,11 @@ class ShadowReader:
         pages = session.kv.pages_for(start + self.grid) - len(session.kv.pages)
         if pages > 0 and not self.residency.make_room(self, pages, session):
             raise MemoryError(f"the shadow KV pool ({self.pool.num_pages} pages) cannot hold session {session_id!r} at {start + self.grid} rows")
-        ids = self.engine.ids_tensor(session.ids[start : start + self.grid])
-        _, gpu_ms = self.engine.forward(session.cache, ids, logits="none")
+        ids = session.ids[start : start + self.grid]
+        if self.graphs is not None:
+            gpu_ms = self._graph_chunk(session, ids, start)
+        else:
+            _, gpu_ms = self.engine.forward(session.cache, self.engine.ids_tensor(ids), logits="none")
         session.committed = start + self.grid
         session.stats.chunks_read += 1
         session.stats.ids_read += self.grid
@@ -263,6 +289,19 @@ class ShadowReader:
         if session.committed in session.checkpoint_lines:
             self._take_checkpoint(session)
         return ChunkReport(session_id, session.committed, session.backlog, gpu_ms, start)
+
+    def _graph_chunk(self, session: ShadowSession, ids: list[int], start: int) -> float:
+        graphs, cache = self.graphs, session.cache
+        entry = graphs.prepare(len(ids), "none")
+        if not session.kv.ensure(start + len(ids)):
+            raise MemoryError(f"the shadow KV pool cannot hold session {session.session_id!r} at {start + len(ids)} rows")
+        watch = Stopwatch(self.engine.device)
+        with watch.measure():
+            graphs.load(cache)
+            graphs.run(entry, ids, start)
+            graphs.store(cache)
+        cache.length = start + len(ids)
+        return watch.gpu_ms
 
     def read_all(self, session_id: str) -> list[ChunkReport]:
         reports = []
@@ -285,8 +324,11 @@ class ShadowReader:
         return sorted(ready, key=lambda s: (s.backlog, s.last_fed_s))
 
     # ---- forks -------------------------------------------------------------------------------
-    def _fork_forward(self, session: ShadowSession, extra: list[int], upto: int | None, logits: str):
-        """Read ids[committed:upto] + extra above the committed rows, then put the state back."""
+    def _fork_logits(self, session: ShadowSession, extra: list[int], upto: int | None):
+        """The logits after ids[committed:upto] + extra, read above the committed rows; the state is put
+        back. The fork is padded to a multiple of FORK_ALIGN rows (the padding sits after the last real
+        row, so causality keeps it out of the answer). Returns (logits [vocab] fp32, device ms, the
+        absolute position answered at, ids forwarded)."""
         self._ensure_resident(session)
         cache = session.cache
         assert cache is not None
@@ -295,30 +337,55 @@ class ShadowReader:
             raise ShadowError(f"cannot answer at position {upto}: the reader already committed {session.committed} rows")
         ids = session.ids[session.committed : upto] + list(extra)
         total = session.committed + len(ids)
-        if total > self.engine.cfg.max_position_embeddings:
-            raise ShadowError(f"the fork would reach position {total}, past the model window {self.engine.cfg.max_position_embeddings}")
-        saved_rec = [t.clone() for t in cache.recurrent]
-        saved_conv = [t.clone() for t in cache.conv]
-        pages = session.kv.pages_for(total) - len(session.kv.pages)
-        if pages > 0 and not self.residency.make_room(self, pages, session):
-            raise MemoryError(f"the shadow KV pool cannot hold a fork of {len(ids)} ids on session {session.session_id!r}")
+        window = self.engine.cfg.max_position_embeddings
+        if total > window:
+            raise ShadowError(f"the fork would reach position {total}, past the model window {window}")
+        padded = min(-(-len(ids) // FORK_ALIGN) * FORK_ALIGN, window - session.committed)
+        ids_padded = ids + [PAD_ID] * (padded - len(ids))
+        self._fork_pages(session, session.committed + padded, len(ids))
+        graphs = self.graphs
         try:
-            out, gpu_ms = self.engine.forward(cache, self.engine.ids_tensor(ids), logits=logits)
+            if graphs is not None and graphs.supports(padded):
+                entry = graphs.prepare(padded, "row")
+                watch = Stopwatch(self.engine.device)
+                with watch.measure():
+                    graphs.load(cache)
+                    logits = graphs.run(entry, ids_padded, session.committed, len(ids) - 1)[0].clone()
+                gpu_ms = watch.gpu_ms
+            else:
+                saved_rec = [t.clone() for t in cache.recurrent]
+                saved_conv = [t.clone() for t in cache.conv]
+                try:
+                    out, gpu_ms = self.engine.forward(cache, self.engine.ids_tensor(ids_padded), logits="row",
+                                                      logit_row=len(ids) - 1)
+                finally:
+                    self._restore_state(session, saved_rec, saved_conv)
+                logits = out[0]
         finally:
-            self._put_back(session, saved_rec, saved_conv)
+            self._end_fork(session)
         session.stats.forks += 1
-        return out, gpu_ms, total, len(ids)
+        return logits, gpu_ms, total, len(ids)
+
+    def _fork_pages(self, session: ShadowSession, rows: int, forwarded: int) -> None:
+        pages = session.kv.pages_for(rows) - len(session.kv.pages)
+        if pages > 0 and not self.residency.make_room(self, pages, session):
+            raise MemoryError(f"the shadow KV pool cannot hold a fork of {forwarded} ids on session {session.session_id!r}")
+        if not session.kv.ensure(rows):
+            raise MemoryError(f"the shadow KV pool cannot hold session {session.session_id!r} at {rows} rows")
 
     @staticmethod
-    def _put_back(session: ShadowSession, saved_rec: list[torch.Tensor], saved_conv: list[torch.Tensor]) -> None:
-        """End a fork: the GDN state as saved, KV pages above the committed rows given back."""
+    def _restore_state(session: ShadowSession, saved_rec: list[torch.Tensor], saved_conv: list[torch.Tensor]) -> None:
         cache = session.cache
         for dst, src in zip(cache.recurrent, saved_rec):
             dst.copy_(src)
         for dst, src in zip(cache.conv, saved_conv):
             dst.copy_(src)
+
+    @staticmethod
+    def _end_fork(session: ShadowSession) -> None:
+        """KV pages above the committed rows given back; the length back at the committed rows."""
         session.kv.truncate(session.committed)
-        cache.length = session.committed
+        session.cache.length = session.committed
 
     def letter_ids(self, choices: list[str]) -> list[int]:
         if not isinstance(choices, list) or not choices:
@@ -347,8 +414,8 @@ class ShadowReader:
         if len(question_ids) > window:
             raise ShadowError(f"the question has {len(question_ids)} tokens, longer than the model window {window}")
         t0 = time.perf_counter()
-        logits, gpu_ms, total, forwarded = self._fork_forward(session, question_ids, upto, "last")
-        probs = torch.softmax(logits[-1].float()[letters], dim=-1).tolist()
+        logits, gpu_ms, total, forwarded = self._fork_logits(session, question_ids, upto)
+        probs = torch.softmax(logits[letters], dim=-1).tolist()
         latency_ms = (time.perf_counter() - t0) * 1e3
         best = max(range(len(choices)), key=lambda i: probs[i])
         result = AskResult(session_id, dict(zip(choices, probs)), choices[best], probs[best], total,
@@ -360,39 +427,60 @@ class ShadowReader:
         return result
 
     def summarize(self, session_id: str, prompt_ids: list[int], max_tokens: int, stop_ids: tuple[int, ...] = ()) -> SummaryResult:
-        """Greedy decode on a fork (eager): a short summary over the whole session."""
+        """Greedy decode on a fork: a short summary over the whole session (decode steps replay one graph
+        where graphs are on)."""
         session = self.get(session_id)
         if max_tokens < 1:
             raise ShadowError(f"max_tokens must be >= 1, got {max_tokens}")
         self._ensure_resident(session)
         cache = session.cache
         assert cache is not None
-        saved_rec = [t.clone() for t in cache.recurrent]
-        saved_conv = [t.clone() for t in cache.conv]
         ids = session.ids[session.committed :] + list(prompt_ids)
+        end = session.committed + len(ids)
+        window = self.engine.cfg.max_position_embeddings
+        if end + max_tokens > window:
+            raise ShadowError(f"the summary would reach position {end + max_tokens}, past the model window {window}")
+        vocab = self.engine.chat.tokenizer.vocab_size
+        graphs = self.graphs
         out_ids: list[int] = []
         watch = Stopwatch(self.engine.device)
         decode_ms = 0.0
+        self._fork_pages(session, end + max_tokens, len(ids))
+        saved = None
         try:
-            with watch.measure():
-                logits, _ = self.engine.forward(cache, self.engine.ids_tensor(ids), "last")
+            if graphs is not None:
+                entry = graphs.prepare(1, "last")
+                with watch.measure():
+                    graphs.load(cache)
+                    logits = graphs.forward_eager(ids, session.committed, "last")
+                    token = int(torch.argmax(logits[-1, :vocab]))
+            else:
+                saved = ([t.clone() for t in cache.recurrent], [t.clone() for t in cache.conv])
+                with watch.measure():
+                    logits, _ = self.engine.forward(cache, self.engine.ids_tensor(ids), "last")
+                    token = int(torch.argmax(logits[-1, :vocab]))
             prefill_ms = watch.gpu_ms
-            vocab = self.engine.chat.tokenizer.vocab_size
-            for _ in range(max_tokens):
-                token = int(torch.argmax(logits[-1, :vocab]))
-                if token in stop_ids:
-                    break
+            pos = end
+            while token not in stop_ids:
                 out_ids.append(token)
                 if len(out_ids) == max_tokens:
                     break
-                logits, ms = self.engine.forward(cache, self.engine.ids_tensor([token]), "last")
-                decode_ms += ms
+                with watch.measure():
+                    if graphs is not None:
+                        logits = graphs.run(entry, [token], pos)
+                    else:
+                        logits, _ = self.engine.forward(cache, self.engine.ids_tensor([token]), "last")
+                    token = int(torch.argmax(logits[-1, :vocab]))
+                decode_ms += watch.gpu_ms
+                pos += 1
         finally:
-            self._put_back(session, saved_rec, saved_conv)
+            if saved is not None:
+                self._restore_state(session, *saved)
+            self._end_fork(session)
         self.stats.summaries += 1
         steps = max(1, len(out_ids) - 1)
         return SummaryResult(session_id, out_ids, self.engine.chat.tokenizer.decode(out_ids),
-                             session.committed + len(ids), prefill_ms + decode_ms, decode_ms / steps)
+                             end, prefill_ms + decode_ms, decode_ms / steps)
 
     # ---- exactness ---------------------------------------------------------------------------
     def fresh_prefill(self, ids: list[int], session_id: str = "__fresh__") -> ShadowSession:

@@ -99,3 +99,55 @@ def test_attention_model_shapes_gpu(rel, num_q, q_start):
     out = attention.attention(q, k, v, q_start)
     assert rel(out, naive.attention(q, k, v, q_start)) < 1e-2
     assert torch.equal(out, attention.attention(q, k, v, q_start))
+
+
+# ---- the paged form (what the model runs on a paged KV and what a CUDA graph captures) ------------
+def _paged_copy(k, v, page_rows, num_pages, seed=5):
+    """k, v [L, Hkv, D] scattered over pages of a bigger pool in a shuffled order; returns the pools and table."""
+    num_rows = k.shape[0]
+    used = -(-num_rows // page_rows)
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))[:used]
+    k_pool = torch.randn(num_pages, page_rows, *k.shape[1:], dtype=k.dtype).to(k.device)  # garbage elsewhere
+    v_pool = torch.randn(num_pages, page_rows, *v.shape[1:], dtype=v.dtype).to(v.device)
+    for i, page in enumerate(order.tolist()):
+        rows = slice(i * page_rows, min((i + 1) * page_rows, num_rows))
+        k_pool[page, : rows.stop - rows.start] = k[rows]
+        v_pool[page, : rows.stop - rows.start] = v[rows]
+    return k_pool, v_pool, order.to(torch.int32).to(k.device)
+
+
+PAGED_CASES = {"chunk": (40, 150, 64), "decode": (1, 299, 64), "first-page": (20, 0, 128)}
+
+
+@pytest.mark.parametrize("num_q,q_start,page_rows", PAGED_CASES.values(), ids=PAGED_CASES.keys())
+def test_paged_equals_contiguous_bit_for_bit(device, num_q, q_start, page_rows):
+    """Shuffled pages, the start read from device memory: the same bits as the contiguous kernel."""
+    q, k, v = _inputs(num_q, 4, 2, 16, q_start, torch.float32, device, seed=6)
+    k_pool, v_pool, table = _paged_copy(k, v, page_rows, 9)
+    start = torch.tensor([q_start], dtype=torch.int32, device=device)
+    out = attention.paged_attention(q, k_pool, v_pool, table, start, max_rows=q_start + num_q)
+    assert torch.equal(out, attention.attention(q, k, v, q_start))
+
+
+def test_launching_every_split_gives_the_same_bits(device):
+    """A captured graph launches max_splits whatever the context; the splits past the rows add exact zeros."""
+    num_q, q_start = 1, 299
+    q, k, v = _inputs(num_q, 4, 1, 32, q_start, torch.float32, device, seed=7)
+    needed = attention.attention(q, k, v, q_start)
+    every = attention.attention_split(q, k, v, q_start, None, 0, num_splits=attention.max_splits(num_q, 4, 1, 32))
+    assert attention.max_splits(num_q, 4, 1, 32) > 2  # the case does launch empty splits
+    assert torch.equal(every, needed)
+    pad = torch.zeros(320 - k.shape[0], *k.shape[1:], device=device)
+    one_page = attention.paged_attention(q, torch.cat((k, pad))[None], torch.cat((v, pad))[None],
+                                         torch.zeros(1, dtype=torch.int32, device=device),
+                                         torch.tensor([q_start], dtype=torch.int32, device=device))
+    assert torch.equal(one_page, needed)
+
+
+def test_paged_rejects_bad_tables(device):
+    q, k, v = _inputs(4, 2, 1, 16, 0, torch.float32, device)
+    start = torch.zeros(1, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="int32"):
+        attention.paged_attention(q, k[None], v[None], torch.zeros(1, dtype=torch.long, device=device), start)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        attention.paged_attention(q, k[:3][None], v[:3][None], torch.zeros(1, dtype=torch.int32, device=device), start)

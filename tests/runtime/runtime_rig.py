@@ -63,7 +63,7 @@ class Probe:
             return
         real = engine.forward
 
-        def forward(cache, ids, logits="last"):
+        def forward(cache, ids, logits="last", logit_row=None):
             if isinstance(cache.kv, PagedKV):
                 kind = "chunk" if logits == "none" else "fork"
             else:
@@ -75,7 +75,7 @@ class Probe:
             if hold is not None:
                 hold.loop.call_soon_threadsafe(hold.entered.set_result, None)
                 assert hold.release.wait(30), "the test never let the held call go"
-            out, ms = real(cache, ids, logits)
+            out, ms = real(cache, ids, logits, logit_row)
             if kind in self.script_ms:
                 ms = self.script_ms[kind]
                 if isinstance(self.clock, ScriptedClock):

@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qse.shadow.reader import ShadowError, ShadowReader, UnknownSession
+from qse.shadow.reader import FORK_ALIGN, PAD_ID, ShadowError, ShadowReader, UnknownSession
 
 GRID = 32
 VOCAB = 248000
@@ -181,9 +181,23 @@ def test_ask_equals_a_plain_forward_of_tail_and_question(tiny_engine):
     cache = model.new_cache()
     for s in range(0, 2 * GRID, GRID):
         model.forward(torch.tensor(ids[s : s + GRID]), cache, "none")
-    logits = model.forward(torch.tensor(ids[2 * GRID :] + question), cache, "last")
-    expected = torch.softmax(logits[-1][letters], -1).tolist()
+    # the fork is read padded to a multiple of FORK_ALIGN rows; the answer is the last real row's
+    fork = ids[2 * GRID :] + question
+    padded = fork + [PAD_ID] * (-len(fork) % FORK_ALIGN)
+    logits = model.forward(torch.tensor(padded), cache, "row", logit_row=len(fork) - 1)
+    expected = torch.softmax(logits[0][letters], -1).tolist()
     assert result.distribution == {"A": expected[0], "B": expected[1]}
+
+
+def test_padding_does_not_reach_the_answer(tiny_engine):
+    """Causality keeps the pad rows out of the answer: the padded fork's last real row agrees with an
+    unpadded forward up to rounding (the GEMMs' row count differs, so not bit for bit)."""
+    model = tiny_engine.model
+    ids = list(range(300, 300 + 45))
+    plain = model.forward(torch.tensor(ids), model.new_cache(), "last")[0]
+    padded = model.forward(torch.tensor(ids + [PAD_ID] * 19), model.new_cache(), "row", logit_row=len(ids) - 1)[0]
+    assert torch.allclose(plain, padded, atol=1e-4, rtol=1e-4)
+    assert int(plain.argmax()) == int(padded.argmax())
 
 
 def test_ask_at_an_insertion_point(tiny_engine):

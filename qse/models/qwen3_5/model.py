@@ -12,6 +12,7 @@ contract (replay == fresh prefill) needs only that one path is used on both side
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Literal
 
@@ -27,7 +28,19 @@ from .layout import LoadedWeights
 
 GDN_CHUNK = 64
 
-Logits = Literal["last", "all", "none"]
+Logits = Literal["last", "all", "none", "row"]
+
+
+@dataclass
+class Step:
+    """What one forward needs besides the ids and the cache, kept on the device so that a CUDA graph
+    can hold it: a captured forward reads its position from `start`, never from the host."""
+
+    start: torch.Tensor  # int32 [1]: the position of the first id
+    num_tokens: int
+    pos: int | None = None  # the same position on the host (eager); None inside a captured graph
+    logit_row: torch.Tensor | None = None  # long [1]: the row whose logits logits="row" returns
+    max_rows: int | None = None  # a bound on pos + T (sizes the attention launch; exact when eager)
 
 
 class InputError(ValueError):
@@ -43,6 +56,7 @@ def default_ops() -> SimpleNamespace:
         chunk_gated_delta_rule=naive_ops.chunk_gated_delta_rule,
         recurrent_gated_delta_rule=naive_ops.recurrent_gated_delta_rule,
         attention=naive_ops.attention,
+        paged_attention=naive_ops.paged_attention,
     )
 
 
@@ -59,6 +73,7 @@ class Qwen35Model:
         self.ops = ops or default_ops()
         if self.device.type == "cuda" and ops is None:
             # the einsum twin materialises fp32 scores; on a GPU the fused kernel is the reference
+            # (naive.paged_attention takes it on CUDA by itself)
             self.ops.attention = naive_ops.sdpa_attention
         self.embed = self.w["embed_tokens.weight"]
         self.lm_head = DenseLinear(self.embed) if cfg.tie_word_embeddings else DenseLinear(self.w["lm_head.weight"])
@@ -66,6 +81,7 @@ class Qwen35Model:
         self.gdn_slot = {layer: slot for slot, layer in enumerate(cfg.gdn_layers)}
         rd = cfg.rotary_dim
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float32, device=self.device) / rd))
+        self._mm_out_fp32: bool | None = None  # whether torch.mm(out_dtype=float32) works here (tried once)
         self.skipped_tensors = len(weights.skipped)
         self.mtp_tensors = len(weights.mtp)
 
@@ -94,8 +110,9 @@ class Qwen35Model:
     # ---- forward -----------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: SequenceCache, logits: Logits = "last",
-                check: bool = True) -> torch.Tensor | None:
-        """Read ids [T] at positions [cache.length, cache.length + T); returns logits (fp32) per `logits`."""
+                check: bool = True, logit_row: int | None = None) -> torch.Tensor | None:
+        """Read ids [T] at positions [cache.length, cache.length + T); returns logits (fp32) per `logits`
+        ("row": the logits of row `logit_row` only)."""
         if check:
             self.check_ids(ids)
         pos = cache.length
@@ -104,35 +121,65 @@ class Qwen35Model:
             raise InputError(f"position {pos + num_tokens} exceeds the model window {self.cfg.max_position_embeddings}")
         if not cache.kv.ensure(pos + num_tokens):
             raise MemoryError(f"KV store cannot hold {pos + num_tokens} rows")
-        x = F.embedding(ids.to(self.device), self.embed)  # [T, h]
-        positions = torch.arange(pos, pos + num_tokens, device=self.device)
+        if logits == "row" and not (logit_row is not None and 0 <= logit_row < num_tokens):
+            raise InputError(f"logit_row {logit_row!r} must name one of the {num_tokens} rows read")
+        step = Step(torch.tensor([pos], dtype=torch.int32, device=self.device), num_tokens, pos,
+                    None if logit_row is None else torch.tensor([logit_row], device=self.device), pos + num_tokens)
+        out = self.forward_step(ids.to(self.device), cache, step, logits)
+        cache.length = pos + num_tokens
+        return out
+
+    @torch.inference_mode()
+    def forward_step(self, ids: torch.Tensor, cache: SequenceCache, step: Step, logits: Logits) -> torch.Tensor | None:
+        """The forward itself: device work only, no host reads, no checks, cache.length untouched (what a
+        CUDA graph captures). A paged KV store is written and read through its page table on the device."""
+        num_tokens = step.num_tokens
+        x = F.embedding(ids, self.embed)  # [T, h]
+        positions = step.start.long() + torch.arange(num_tokens, device=self.device)
         emb = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((emb, emb), dim=-1)
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)  # [T, rotary_dim]
+        rows = _PagedRows.of(cache.kv, positions)
         for layer, kind in enumerate(self.cfg.layer_types):
             p = f"layers.{layer}."
             h = self.ops.rms_norm(x, self.w[p + "input_layernorm.weight"], self.cfg.rms_norm_eps)
             if kind == "full_attention":
-                h = self._attention(layer, h, cache, pos, cos, sin)
+                h = self._attention(layer, h, cache, step, rows, cos, sin)
             else:
                 h = self._gdn(layer, h, cache)
             x = x + h
             h = self.ops.rms_norm(x, self.w[p + "post_attention_layernorm.weight"], self.cfg.rms_norm_eps)
             x = x + self._mlp(p, h)
-        cache.length = pos + num_tokens
         if logits == "none":
             return None
         if logits == "last":
             x = x[-1:]
+        elif logits == "row":
+            x = x.index_select(0, step.logit_row)
         x = self.ops.rms_norm(x, self.w["norm.weight"], self.cfg.rms_norm_eps)
-        return self.lm_head.matmul(x).float()  # [T or 1, vocab]
+        return self._logits(x)  # [T or 1, vocab]
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The head in fp32 output: bf16 logits would round to ~0.03 at the usual magnitudes, and
+        that rounding, not the state, would decide near-ties and distances between distributions."""
+        weight = self.lm_head.weight
+        if x.is_cuda and x.dtype != torch.float32 and self._mm_out_fp32 is not False:
+            try:
+                out = torch.mm(x, weight.t(), out_dtype=torch.float32)
+                self._mm_out_fp32 = True
+                return out
+            except (RuntimeError, TypeError, NotImplementedError):
+                self._mm_out_fp32 = False
+        if x.dtype == torch.float32:
+            return self.lm_head.matmul(x)
+        return torch.nn.functional.linear(x.float(), weight.float())
 
     def _mlp(self, p: str, h: torch.Tensor) -> torch.Tensor:
         gate = self.lin[p + "mlp.gate_proj.weight"].matmul(h)
         up = self.lin[p + "mlp.up_proj.weight"].matmul(h)
         return self.lin[p + "mlp.down_proj.weight"].matmul(F.silu(gate) * up)
 
-    def _attention(self, layer: int, h: torch.Tensor, cache: SequenceCache, pos: int,
+    def _attention(self, layer: int, h: torch.Tensor, cache: SequenceCache, step: Step, rows: "_PagedRows | None",
                    cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         cfg, a = self.cfg, f"layers.{layer}.self_attn."
         num_tokens, num_heads, num_kv, head_dim = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -145,9 +192,17 @@ class Qwen35Model:
         q = naive_ops.apply_rotary(q, cos, sin)
         k = naive_ops.apply_rotary(k, cos, sin)
         slot = self.attn_slot[layer]
-        cache.kv.write(slot, pos, k, v)
-        keys, values = cache.kv.read(slot, pos + num_tokens)  # [L, Hkv, D]
-        out = self.ops.attention(q, keys, values, pos)  # [T, H, D]
+        if rows is not None:  # paged: rows written and read through the page table on the device
+            k_pages, v_pages = rows.pool.k[:, slot], rows.pool.v[:, slot]  # [P, page_rows, Hkv, D]
+            k_pages[rows.page, rows.row] = k
+            v_pages[rows.page, rows.row] = v
+            out = self.ops.paged_attention(q, k_pages, v_pages, rows.table, step.start, max_rows=step.max_rows)
+        else:
+            pos = step.pos
+            assert pos is not None, "a contiguous KV store needs the host position (it cannot be captured)"
+            cache.kv.write(slot, pos, k, v)
+            keys, values = cache.kv.read(slot, pos + num_tokens)  # [L, Hkv, D]
+            out = self.ops.attention(q, keys, values, pos)  # [T, H, D]
         out = out.reshape(num_tokens, num_heads * head_dim) * torch.sigmoid(gate)
         return self.lin[a + "o_proj.weight"].matmul(out)
 
@@ -181,3 +236,22 @@ class Qwen35Model:
     def weights_nbytes(self) -> int:
         dense = sum(t.numel() * t.element_size() for t in self.w.values())
         return dense + sum(l.nbytes_per_use for l in self.lin.values())
+
+
+@dataclass
+class _PagedRows:
+    """Where a forward's T rows go in a paged KV store (one computation shared by every attention layer)."""
+
+    pool: "object"  # the KVPool: .k, .v [P, slots, page_rows, Hkv, D]
+    table: torch.Tensor  # int32 [pages]: the session's page ids
+    page: torch.Tensor  # long [T]
+    row: torch.Tensor  # long [T]
+
+    @classmethod
+    def of(cls, kv, positions: torch.Tensor) -> "_PagedRows | None":
+        table_of = getattr(kv, "device_table", None)
+        if table_of is None:
+            return None
+        table = table_of()
+        page_rows = kv.pool.page_rows
+        return cls(kv.pool, table, table[positions // page_rows].long(), positions % page_rows)

@@ -1,0 +1,160 @@
+"""The forward as CUDA graphs over one KV pool: one graph per (rows, logits) shape, replayed for every
+session at every position.
+
+A graph holds addresses, so everything a forward touches lives in buffers this object owns and
+never moves: the ids, the position (`start`, read on the device by the rotary and the attention
+kernel), the page table, and one working copy of the GDN state. A session's state is copied into the
+working state before a replay and back after it (about 40 MB for the 0.8B, some 15 µs); its KV rows
+are written straight into the session's own pool pages through the page table, and the pool never
+moves. So a graph captured once stays valid as sessions grow, move and come and go.
+
+Forks need no put-back of the GDN state: a fork replays on the working copy and simply does not copy
+it back.
+
+`capture=False` runs the very same flow (the same buffers, copies and calls) without capturing: each
+replay calls the forward again. It is the CPU rehearsal of the graph path, which the tests use; the
+bits equal an eager forward whenever the kernels do not depend on the launch (ours do not: see
+qse_kernels.attention on split counts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..models.cache import SequenceCache
+from ..models.qwen3_5.model import Step
+from .kv import KVPool, PagedKV
+
+
+class StaticPagedKV:
+    """The page table in one fixed buffer (as long as the pool): what a captured forward reads."""
+
+    def __init__(self, pool: KVPool):
+        self.pool = pool
+        self.table = torch.zeros(pool.num_pages, dtype=torch.int32, device=pool.k.device)
+
+    def device_table(self) -> torch.Tensor:
+        return self.table
+
+    def ensure(self, length: int) -> bool:  # the session's own store makes room before a load
+        return True
+
+    def load(self, kv: PagedKV) -> None:
+        if kv.pages:
+            self.table[: len(kv.pages)].copy_(kv.device_table())
+
+
+@dataclass
+class _Entry:
+    replay: Callable[[], Any]
+    out: Any = None
+
+
+class ForwardGraphs:
+    def __init__(self, model, pool: KVPool, capture: bool | None = None, max_tokens: int = 1024):
+        self.model = model
+        self.pool = pool
+        self.device = pool.k.device
+        self.capture = (self.device.type == "cuda") if capture is None else capture
+        if self.capture and self.device.type != "cuda":
+            raise RuntimeError("CUDA graphs need a CUDA device")
+        self.max_tokens = max_tokens
+        self.kv = StaticPagedKV(pool)
+        self.cache = model.new_cache(kv=self.kv)  # the working GDN state
+        self.start = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.logit_row = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._ids: dict[int, torch.Tensor] = {}
+        self._entries: dict[tuple[int, str], _Entry] = {}
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
+        # warm-up and capture run the forward for real: their KV rows go to pages of their own
+        self._scratch: list[int] = []
+        if self.capture:
+            got = pool.allocate(-(-max_tokens // pool.page_rows))
+            if got is None:
+                raise MemoryError(f"the KV pool ({pool.num_pages} pages) has no room for the graphs' scratch pages")
+            self._scratch = got
+
+    @property
+    def capacity(self) -> int:
+        """The most rows a session can hold in this pool: what a captured attention launch is sized for."""
+        return self.pool.num_pages * self.pool.page_rows
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._entries) if self.capture else 0
+
+    def release(self) -> None:
+        """Give the scratch pages back and drop the graphs."""
+        self._entries.clear()
+        if self._scratch:
+            self.pool.release(self._scratch)
+            self._scratch = []
+
+    def supports(self, num_tokens: int) -> bool:
+        return 1 <= num_tokens <= self.max_tokens
+
+    # ---- the working state -------------------------------------------------------------------
+    def load(self, cache: SequenceCache) -> None:
+        """The session's GDN state into the working copy, its pages into the table."""
+        torch._foreach_copy_(self.cache.recurrent + self.cache.conv, cache.recurrent + cache.conv)
+        self.kv.load(cache.kv)
+
+    def store(self, cache: SequenceCache) -> None:
+        torch._foreach_copy_(cache.recurrent + cache.conv, self.cache.recurrent + self.cache.conv)
+
+    # ---- replays -----------------------------------------------------------------------------
+    def prepare(self, num_tokens: int, logits: str) -> _Entry:
+        """The entry for this shape, captured on first use. Call before `load`: a capture runs the forward
+        on the working state and the scratch pages."""
+        if not self.supports(num_tokens):
+            raise ValueError(f"graphs serve 1..{self.max_tokens} rows, not {num_tokens}")
+        key = (num_tokens, logits)
+        entry = self._entries.get(key)
+        if entry is None:
+            ids = self._ids.setdefault(num_tokens, torch.zeros(num_tokens, dtype=torch.long, device=self.device))
+            step = Step(self.start, num_tokens, None, self.logit_row, self.capacity)
+
+            def forward() -> Any:
+                return self.model.forward_step(ids, self.cache, step, logits)
+
+            entry = self._capture(forward) if self.capture else _Entry(forward)
+            self._entries[key] = entry
+        return entry
+
+    def _capture(self, forward: Callable[[], Any]) -> _Entry:
+        self.kv.table.fill_(self._scratch[0])
+        self.kv.table[: len(self._scratch)].copy_(torch.tensor(self._scratch, dtype=torch.int32))
+        self.start.zero_()
+        self.logit_row.zero_()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side), torch.inference_mode():
+            for _ in range(2):  # compiles the kernels, sizes cuBLAS's workspace
+                forward()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._graph_pool):
+            out = forward()
+        return _Entry(graph.replay, out)
+
+    def run(self, entry: _Entry, ids: list[int] | torch.Tensor, pos: int, logit_row: int = 0) -> Any:
+        """Replay `entry` on the working state with ids at `pos`; returns its output buffer."""
+        num_tokens = len(ids)
+        self._ids[num_tokens].copy_(torch.as_tensor(ids, dtype=torch.long))
+        self.start.fill_(pos)
+        self.logit_row.fill_(logit_row)
+        out = entry.replay()
+        return entry.out if self.capture else out
+
+    def forward_eager(self, ids: list[int], pos: int, logits: str) -> Any:
+        """An eager forward on the working state (a shape no graph serves, e.g. a summary's prompt)."""
+        self.start.fill_(pos)
+        step = Step(self.start, len(ids), pos, self.logit_row, pos + len(ids))
+        with torch.inference_mode():
+            return self.model.forward_step(torch.as_tensor(ids, dtype=torch.long).to(self.device), self.cache, step, logits)
+
+
+__all__ = ["ForwardGraphs", "StaticPagedKV"]

@@ -1,0 +1,85 @@
+"""The graph path's buffers and flow (qse/engine/graphs.py) against the eager path, bit for bit.
+
+On CPU the graph path runs in its "static" form: the same fixed buffers, state copies, page table and
+device-side position as under CUDA graphs, replayed by calling the forward again. What a CPU cannot
+check (the capture itself) runs in the GPU tests; everything around it runs here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qse.shadow.reader import ShadowReader
+
+GRID = 32
+
+
+def _readers(engine):
+    eager = ShadowReader(engine, grid=GRID, pool_bytes=16 << 20, graphs=False)
+    static = ShadowReader(engine, grid=GRID, pool_bytes=16 << 20, graphs="static")
+    assert eager.mode == "eager" and static.mode == "graph"
+    return eager, static
+
+
+def _same_state(reader, a, b) -> bool:
+    """Every KV row below the committed length, the recurrent and the conv state, bit for bit."""
+    return all(reader.state_equal(a, b).values())
+
+
+def _drive(reader, script):
+    for sid, ids, prompt_end in script:
+        reader.feed(sid, ids, prompt_end=prompt_end)
+        reader.read_all(sid)
+
+
+def test_graph_path_reads_the_same_bits_as_eager(tiny_engine):
+    """Two sessions read in turns (their pages interleave in the pool), a rollback, growth past pages."""
+    base = list(range(1000, 1000 + 3 * GRID + 5))
+    other = list(range(5000, 5000 + 2 * GRID + 1))
+    edited = base[: GRID + 3] + [7, 8, 9] + base[GRID + 6 :] + list(range(20, 20 + GRID))
+    script = [("a", base[: GRID + 4], GRID + 4), ("b", other, None), ("a", base, len(base)),
+              ("b", other + list(range(60, 60 + GRID)), None), ("a", edited, None)]
+    eager, static = _readers(tiny_engine)
+    _drive(eager, script)
+    _drive(static, script)
+    for sid in ("a", "b"):
+        assert static.get(sid).committed > GRID
+        assert _same_state(eager, eager.get(sid), static.get(sid))
+    assert static.get("a").stats.rollbacks == eager.get("a").stats.rollbacks == 1
+    # and the graph path still equals its own fresh prefill
+    fresh = static.fresh_prefill(static.get("a").ids, "fresh")
+    assert all(static.state_equal(static.get("a"), fresh).values())
+
+
+def test_graph_path_answers_and_summaries_equal_eager(tiny_engine):
+    ids = list(range(2000, 2000 + 2 * GRID + 11))
+    eager, static = _readers(tiny_engine)
+    for reader in (eager, static):
+        reader.feed("s", ids)
+        reader.read_all("s")
+    before = [t.clone() for t in static.get("s").cache.recurrent]
+    question = list(range(40, 75))
+    a = eager.ask("s", question, ["A", "B", "C"])
+    b = static.ask("s", question, ["A", "B", "C"])
+    assert a.distribution == b.distribution and a.position == b.position
+    sa = eager.summarize("s", list(range(90, 96)), max_tokens=5)
+    sb = static.summarize("s", list(range(90, 96)), max_tokens=5)
+    assert sa.token_ids == sb.token_ids and len(sb.token_ids) == 5
+    # the forks left the committed state alone, and nothing above it holds pages
+    session = static.get("s")
+    assert all(torch.equal(x, y) for x, y in zip(before, session.cache.recurrent))
+    assert session.kv.capacity == session.kv.pages_for(session.committed) * static.pool.page_rows
+    assert _same_state(eager, eager.get("s"), session)
+
+
+def test_a_fork_does_not_touch_the_session_between_replays(tiny_engine):
+    """The graph path forks on its working copy: the session's own tensors are never written by a fork."""
+    _, static = _readers(tiny_engine)
+    static.feed("s", list(range(3000, 3000 + GRID + 7)))
+    static.read_all("s")
+    session = static.get("s")
+    ptrs = [t.data_ptr() for t in session.cache.recurrent]
+    versions = [t._version for t in session.cache.recurrent]
+    static.ask("s", [5, 6, 7], ["A", "B"])
+    assert [t.data_ptr() for t in session.cache.recurrent] == ptrs
+    assert [t._version for t in session.cache.recurrent] == versions
