@@ -3,7 +3,7 @@
 300-token 9-letter question, fork decode, the first long prompt; with the peer in the same run.
 
     python benchmarks/shadow_measure.py --presets qwen3.5-0.8b,qwen3.5-2b,qwen3.5-4b \
-        --tokens 65536 --long-tokens 102400 --ops naive,triton --peer ../shared/anchors/hf_reader_baseline.py
+        --tokens 65536 --long-tokens 102400 --ops graph --peer ../shared/anchors/hf_reader_baseline.py
 
 Writes benchmarks/results/shadow_measure-<date>-<device>.json (or --out DIR). The peer runs twice in
 fresh processes (its first pass is slower: warm-up) and both passes are kept.
@@ -42,20 +42,62 @@ def versions() -> dict:
     return out
 
 
-def use_ops(engine: Engine, ops: str) -> None:
-    if ops == "triton":
-        import qse_kernels
+# ops: naive (torch twins, eager), triton (qse_kernels, eager), graph (qse_kernels under CUDA graphs)
+OPS = {"naive": ("naive", False), "triton": ("triton", False), "graph": ("triton", True)}
 
-        engine.model.ops = qse_kernels.triton_ops()
+
+def kernel_table(engine: Engine, reader: ShadowReader, ids: list[int], grid: int, at: int) -> list[list]:
+    """Device time per kernel family of one eager grid chunk read at context `at` (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sid = f"prof{at}"
+    reader.feed(sid, ids[: at + grid])
+    while reader.get(sid).committed < at:
+        reader.read_step(sid)
+    cache = reader.get(sid).cache
+    chunk = engine.ids_tensor(ids[at : at + grid])
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.model.forward(chunk, cache, "none")
+        torch.cuda.synchronize()
+    reader.close(sid)
+    families: dict[str, float] = {}
+    for ev in prof.key_averages():
+        total_us = getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0)
+        if total_us <= 0:
+            continue
+        name = ev.key
+        low = name.lower()
+        if any(t in low for t in ("gemm", "nvjet", "cutlass", "xmma", "sm90", "sm80", "cublas")):
+            name = "GEMMs (cuBLAS)"
+        elif "elementwise" in low or "vectorized" in low or "reduce" in low or "index" in low or "cat" in low:
+            name = "torch elementwise/index/reduce"
+        families[name] = families.get(name, 0.0) + total_us / 1000
+    return sorted(([k, round(v, 4)] for k, v in families.items()), key=lambda kv: -kv[1])
+
+
+def graph_equals_eager(engine: Engine, ids: list[int], grid: int, tokens: int) -> dict:
+    """Read the same ids with and without graphs on one engine; bit-compare the states."""
+    per_token = engine.state_bytes_per_token()
+    pool = per_token * (tokens + 4 * grid) + (64 << 20)
+    eager = ShadowReader(engine, grid=grid, pool_bytes=pool, graphs=False)
+    graph = ShadowReader(engine, grid=grid, pool_bytes=pool, graphs=True)
+    for reader in (eager, graph):
+        reader.feed("s", ids[:tokens])
+        reader.read_all("s")
+    equal = eager.state_equal(eager.get("s"), graph.get("s"))
+    q = ids[tokens : tokens + 300]
+    same_answer = eager.ask("s", q, ["A", "B"]).distribution == graph.ask("s", q, ["A", "B"]).distribution
+    graph.graphs.release()
+    return {"tokens": tokens, "bit_equal": all(equal.values()), "equal": equal, "same_answer": same_answer}
 
 
 def measure_preset(name: str, tokens: int, long_tokens: int, grid: int, ops: str, device: torch.device) -> dict:
     cache_dir = Path(os.environ.get("QSE_CACHE_DIR", "/tmp/qse-bench-cache"))
-    engine = Engine(resolve(name, device, torch.bfloat16, cache_dir))
-    use_ops(engine, ops)
+    kernels, graphs = OPS[ops]
+    engine = Engine(resolve(name, device, torch.bfloat16, cache_dir), kernels=kernels)
     total = max(tokens, long_tokens)
     per_token = engine.state_bytes_per_token()
-    reader = ShadowReader(engine, grid=grid, pool_bytes=per_token * (total + 8 * grid) + (64 << 20))
+    reader = ShadowReader(engine, grid=grid, pool_bytes=per_token * (total + 8 * grid) + (64 << 20), graphs=graphs)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 248000, (total + 1024,), generator=gen).tolist()
     # warm-up: a few chunks on a throw-away session (allocator, cuBLAS handles, Triton compile)
@@ -111,6 +153,12 @@ def measure_preset(name: str, tokens: int, long_tokens: int, grid: int, ops: str
         row[f"fork_decode_at_{at}_ms_per_token"] = round(summary.ms_per_token, 3)
         if sid != "s":
             reader.close(sid)
+    row["mode"] = reader.mode
+    if kernels == "triton" and device.type == "cuda":
+        reader.close("s")
+        row["kernel_table_ms"] = {str(at): kernel_table(engine, reader, ids, grid, at) for at in (0, 32768)}
+        if graphs:
+            row["graph_equals_eager"] = graph_equals_eager(engine, ids, grid, 8192)
     del reader, engine
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -133,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=65536)
     p.add_argument("--long-tokens", type=int, default=102400, help="0.8B only: read on to this length")
     p.add_argument("--grid", type=int, default=512)
-    p.add_argument("--ops", default="naive", help="comma list of naive,triton")
+    p.add_argument("--ops", default="graph", help="comma list of naive,triton,graph")
     p.add_argument("--peer", default="", help="path to hf_reader_baseline.py; run twice in this invocation")
     p.add_argument("--peer-tokens", type=int, default=32768)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
