@@ -8,17 +8,23 @@ the turn's 2 % ration and in the idle gap before the next request), `--out-token
     python benchmarks/shadow_ab.py --served qwen3.5-9b --reader qwen3.5-0.8b --prompt-tokens 16350 \
         --out-tokens 346 --pairs 4
 
-Writes benchmarks/results/shadow_ab-<date>-<device>.json.
+Writes benchmarks/results/shadow_ab-<date>-<device>.json (or --json-out PATH). `--served embedded`
+(or an empty name) is the embedded tiny model, for a run on CPU end to end:
+
+    python benchmarks/shadow_ab.py --served embedded --reader embedded --prompt-tokens 300 --out-tokens 8 \
+        --pairs 1 --grid 64 --gap-s 0.5 --json-out /tmp/shadow_ab-cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -46,6 +52,9 @@ async def one_run(conductor: Conductor, prompt: list[int], out_tokens: int) -> d
     rec = records[-1]
     ttft_s = rec.first_token_s - rec.arrival_s
     decode_s = rec.end_s - rec.first_token_s
+    if n < 2 or decode_s <= 0:
+        raise RuntimeError(f"the run produced {n} tokens in {decode_s:.6f} s of decode: no decode rate "
+                           "(a stop token came early; --out-tokens must be at least 2)")
     return {"output_tokens": n, "ttft_s": round(ttft_s, 4), "decode_tok_s": round((n - 1) / decode_s, 3),
             "decode_device_tok_s": round(rec.decode_tokens_per_s, 3), "reader_ration_ms": round(rec.reader_ration_ms, 3),
             "wall_s": round(time.perf_counter() - t0, 3)}
@@ -55,8 +64,9 @@ async def main_async(args) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cache = Path(os.environ.get("QSE_CACHE_DIR", "/tmp/qse-bench-cache"))
-    served = Engine(resolve(args.served, device, dtype, cache))
-    reader_engine = served if args.reader == args.served else Engine(resolve(args.reader, device, dtype, cache))
+    served = Engine(resolve(model_spec(args.served), device, dtype, cache))
+    reader_engine = (served if model_spec(args.reader) == model_spec(args.served)
+                     else Engine(resolve(model_spec(args.reader), device, dtype, cache)))
     if args.ops == "triton":
         import qse_kernels
 
@@ -64,6 +74,8 @@ async def main_async(args) -> dict:
     per_token = reader_engine.state_bytes_per_token()
     gen = torch.Generator().manual_seed(0)
     config = ConductorConfig(journal_dir=None)
+    if args.ration is not None:
+        config.ration = args.ration
     arms = {"off": [], "on": []}
     for i in range(2 * args.pairs + 1):  # run 0 warms up (discarded)
         arm = "on" if i % 2 == 0 else "off"
@@ -73,16 +85,18 @@ async def main_async(args) -> dict:
         prompt = torch.randint(0, 248000, (args.prompt_tokens,), generator=gen).tolist()
         result = await one_run(conductor, prompt, args.out_tokens)
         await asyncio.sleep(args.gap_s)  # the idle window between requests
+        await conductor.stop()  # after the idle burst in flight, so its chunks are counted
         result["reader_chunks"] = reader.stats.chunks if arm == "on" else 0
         result["ledger_ms"] = dict(conductor.status()["ledger_ms"])
-        await conductor.stop()
         print(json.dumps({"run": i, "arm": arm, **result}), flush=True)
         if i > 0:
             arms[arm].append(result)
     pairs = [(on["decode_tok_s"] - off["decode_tok_s"]) / off["decode_tok_s"] * 100 for off, on in zip(arms["off"], arms["on"])]
     med = {a: statistics.median(r["decode_tok_s"] for r in runs) for a, runs in arms.items()}
     return {
-        "served": args.served, "reader": args.reader, "ops": args.ops, "grid": args.grid,
+        "served": args.served, "reader": args.reader, "served_model": served.name, "reader_model": reader_engine.name,
+        "shared_engine": reader_engine is served, "ops": args.ops, "grid": args.grid,
+        "conductor": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(config).items()},
         "prompt_tokens": args.prompt_tokens, "out_tokens": args.out_tokens, "pairs": args.pairs, "gap_s": args.gap_s,
         "decode_tok_s_median": med, "decode_loss_pct": round((med["off"] - med["on"]) / med["off"] * 100, 3),
         "paired_deltas_pct": [round(d, 3) for d in pairs],
@@ -91,27 +105,43 @@ async def main_async(args) -> dict:
     }
 
 
+def model_spec(name: str) -> str:
+    """What resolve() takes: a preset, a checkpoint dir, or "" (the embedded tiny model, also "embedded")."""
+    return "" if name in ("", "embedded") else name
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--served", default="qwen3.5-9b")
-    p.add_argument("--reader", default="qwen3.5-0.8b")
+    p = argparse.ArgumentParser(description="Decode-loss A/B: the served model with the reader off and on, paired.")
+    p.add_argument("--served", default="qwen3.5-9b", help="preset, checkpoint dir, or embedded (the tiny model)")
+    p.add_argument("--reader", default="qwen3.5-0.8b", help="preset, checkpoint dir, or embedded; same as --served: one engine")
     p.add_argument("--ops", default="naive")
     p.add_argument("--grid", type=int, default=512)
     p.add_argument("--prompt-tokens", type=int, default=16350)
     p.add_argument("--out-tokens", type=int, default=346)
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--gap-s", type=float, default=1.5)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--ration", type=float, default=None, help="the reader's share (default: ConductorConfig's, 2 %%)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="results dir (a dated file name)")
+    p.add_argument("--json-out", type=Path, default=None, help="write the result to this file instead")
     args = p.parse_args(argv)
+    if args.pairs < 1:
+        p.error("--pairs must be at least 1")
+    if args.out_tokens < 2:
+        p.error("--out-tokens must be at least 2 (the decode rate needs two tokens)")
+    if args.prompt_tokens < 1:
+        p.error("--prompt-tokens must be at least 1")
     result = asyncio.run(main_async(args))
-    result.update({"command": " ".join([sys.executable, *sys.argv]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
+    given = list(sys.argv[1:] if argv is None else argv)
+    result.update({"command": shlex.join([sys.executable, str(Path(__file__).relative_to(ROOT)), *given]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
                    "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
                    "versions": {"torch": torch.__version__, "python": platform.python_version()}})
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = "h200" if "H200" in result["device"] else "cpu"
-    path = out / f"shadow_ab-{dt.date.today().isoformat()}-{tag}.json"
-    path.write_text(json.dumps(result, indent=1))
+    if args.json_out is not None:
+        path = args.json_out
+    else:
+        tag = "h200" if "H200" in result["device"] else ("cuda" if torch.cuda.is_available() else "cpu")
+        path = Path(args.out) / f"shadow_ab-{dt.date.today().isoformat()}-{tag}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: result[k] for k in ("decode_tok_s_median", "decode_loss_pct", "paired_deltas_pct", "ttft_s_median")}))
     print(json.dumps({"written": str(path)}))
     return 0

@@ -1,4 +1,4 @@
-"""One PNG of a replay: how far behind the reader was at turn starts, and where its time went."""
+"""One PNG of a replay: how far behind the reader was at turn starts, why it missed, and where its time went."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def write_chart(result: SimResult, out_dir: Path | str, name: str = "replay.png"
     behind = sorted(s.behind_tokens for s in result.turn_starts if s.turn > 0) or \
         sorted(s.behind_tokens for s in result.turn_starts)
 
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax0, ax2, ax1) = plt.subplots(1, 3, figsize=(15, 4.2))
     if behind:
         n = len(behind)
         ax0.step([max(b, 1) for b in behind], [(i + 1) / n for i in range(n)], where="post")
@@ -32,6 +32,17 @@ def write_chart(result: SimResult, out_dir: Path | str, name: str = "replay.png"
     ax0.set_xlabel("tokens behind (log; 0 drawn at 1)")
     ax0.set_ylabel("share of follow-up turn starts")
     ax0.grid(alpha=0.3)
+
+    by_cause = report["misses"]["by_cause"]
+    labels = [c.replace("rollback_", "rb ").replace("backlog_", "bl ").replace("_checkpoint", " ckpt").replace("_", " ")
+              for c in by_cause]
+    ax2.barh(labels, [v["n"] for v in by_cause.values()],
+             color=["tab:red" if c.startswith("rollback") else "tab:blue" for c in by_cause])
+    ax2.invert_yaxis()
+    ax2.set_title(f"missed follow-up turn starts by cause ({report['misses']['num_missed']})")
+    ax2.set_xlabel("turn starts")
+    ax2.tick_params(axis="y", labelsize=8)
+    ax2.grid(axis="x", alpha=0.3)
 
     reader = report["reader_ms"]
     names = ["idle", "ration", "prefill"]

@@ -1,20 +1,27 @@
 """`qse replay`: replay a usage ledger (or a public trace) through the reader's policy; one JSON object out.
 
     qse replay LEDGER [--format auto|weka|mooncake|azure|tracelab|ledger] [--read-model RESULTS.json]
-                      [--out DIR] [--ration 0.02] [--slice-ms 150] [--idle-poll-s 0.2] [--idle-burst-s 2]
+                      [--read-model-preset qwen3.5-0.8b] [--read-model-ops triton]
+                      [--out DIR] [--json-out REPORT.json] [--chart REPLAY.png]
+                      [--ration 0.02] [--slice-ms 150] [--idle-poll-s 0.2] [--idle-burst-s 2]
                       [--grid 512] [--decode-tok-s 36] [--prefill-tok-s 936] [--max-sessions N]
                       [--prefill-share 0] [--wake-on-end] [--ration-from first_token|turn_start]
+                      [--checkpoint-at-line] [--recent-checkpoints N] [--pin-first-checkpoint]
+                      [--divergence-checkpoints N]
     qse replay convert TRACE [--format ...] -o LEDGER.jsonl     (writes LEDGER.jsonl and LEDGER.jsonl.meta.json)
 
 Defaults come from the settings registry (QSE_SHADOW_RATION, ...); the read model defaults to the
 seed's 87 ms per 1,000 tokens at grid 512 (--ms-per-1000 changes it; --read-model loads a results file,
-see qse/replay/read_model.py for its format).
+see qse/replay/read_model.py for its format; a benchmarks/shadow_measure.py result is read as it is,
+its 0.8B row unless --read-model-preset/--read-model-ops say otherwise). The report carries the
+command line, the read model (with its source) and the cause of every turn start that was not fresh.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -37,10 +44,17 @@ def replay_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qse replay", description="Replay sessions through the shadow reader's policy.")
     p.add_argument("ledger", type=Path, help="usage ledger (JSONL) or a public trace (see --format)")
     _trace_args(p)
-    p.add_argument("--read-model", type=Path, default=None, help='JSON with {"read_model": {"points": [[ctx, ms], ...], "grid": 512}}')
+    p.add_argument("--read-model", type=Path, default=None,
+                   help='JSON with {"read_model": {"points": [[ctx, ms], ...], "grid": 512}}, or a shadow_measure result')
+    p.add_argument("--read-model-preset", default=None,
+                   help="row of a shadow_measure result to use (default: qwen3.5-0.8b)")
+    p.add_argument("--read-model-ops", default=None,
+                   help="ops of that row (naive, triton, ...), needed when the preset was measured with several")
     p.add_argument("--ms-per-1000", type=float, default=SEED_MS_PER_1000_TOKENS,
                    help="flat read rate when no --read-model (seed's GB10: 87)")
     p.add_argument("--out", type=Path, default=None, help="write report.json and replay.png here")
+    p.add_argument("--json-out", type=Path, default=None, help="write the report (indented JSON) to this file")
+    p.add_argument("--chart", type=Path, default=None, help="write the chart (PNG) to this file")
     p.add_argument("--ration", type=float, default=None, help="reader share of the time since first token (QSE_SHADOW_RATION)")
     p.add_argument("--slice-ms", type=float, default=None, help="longest slice between decode rounds (QSE_SHADOW_SLICE_MS)")
     p.add_argument("--idle-poll-s", type=float, default=None, help="idle window poll (QSE_SHADOW_IDLE_POLL_S)")
@@ -51,6 +65,14 @@ def replay_parser() -> argparse.ArgumentParser:
     p.add_argument("--wake-on-end", action="store_true", help="exploratory: the idle window looks as soon as a turn ends")
     p.add_argument("--ration-from", choices=RATION_FROM, default="first_token",
                    help="count the ration from the first token (the rule) or the turn start (the seed's first build)")
+    p.add_argument("--checkpoint-at-line", action="store_true",
+                   help="exploratory: take the prompt end's checkpoint at once when the reader already stands on it")
+    p.add_argument("--recent-checkpoints", type=int, default=0,
+                   help="exploratory: also keep the state at the newest N grid lines read")
+    p.add_argument("--pin-first-checkpoint", action="store_true",
+                   help="exploratory: keep the lowest prompt-end checkpoint when the cap would drop it")
+    p.add_argument("--divergence-checkpoints", type=int, default=0,
+                   help="exploratory: checkpoint the grid lines of the newest N re-render points")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
@@ -85,27 +107,46 @@ def main(argv: list[str] | None = None) -> int:
         return convert_main(argv[1:])
     args = replay_parser().parse_args(argv)
     try:
-        read_model = (ReadModel.load(args.read_model) if args.read_model is not None
-                      else ReadModel.flat(args.ms_per_1000))
+        if args.read_model is not None:
+            read_model = ReadModel.load(args.read_model, args.read_model_preset, args.read_model_ops)
+        elif args.read_model_preset is not None or args.read_model_ops is not None:
+            raise ValueError("--read-model-preset and --read-model-ops need --read-model")
+        else:
+            read_model = ReadModel.flat(args.ms_per_1000)
         options = SimOptions.from_settings(ration=args.ration, slice_ms=args.slice_ms, idle_poll_s=args.idle_poll_s,
                                            idle_burst_s=args.idle_burst_s, grid=args.grid,
                                            checkpoints=args.checkpoints, prefill_share=args.prefill_share,
-                                           wake_on_end=args.wake_on_end, ration_from=args.ration_from)
+                                           wake_on_end=args.wake_on_end, ration_from=args.ration_from,
+                                           checkpoint_at_line=args.checkpoint_at_line,
+                                           recent_checkpoints=args.recent_checkpoints,
+                                           pin_first_checkpoint=args.pin_first_checkpoint,
+                                           divergence_checkpoints=args.divergence_checkpoints)
         converted = convert(args.ledger, args.format, Rates(args.decode_tok_s, args.prefill_tok_s), args.max_sessions)
     except (OSError, TraceError, UsageError, ReadModelError, ValueError) as exc:
         return _fail(str(exc))
     show = not args.no_progress and sys.stderr.isatty() and len({r.session for r in converted.records}) >= 50
     result = simulate(converted.records, read_model, options, progress=show)
     report = result.report()
+    report["command"] = shlex.join(["qse", "replay", *argv])
     report["input"] = {"path": str(args.ledger), **converted.meta}
     report["read_model"] = read_model.to_json()["read_model"]
     report["engine_model"] = "one engine per session: each session replayed alone on its own served model and reader"
-    if args.out is not None:
+    if args.out is not None or args.chart is not None:
         from qse.replay.chart import write_chart
 
-        args.out.mkdir(parents=True, exist_ok=True)
-        report["chart"] = str(write_chart(result, args.out, title=args.ledger.name))
-        (args.out / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+        charts = []
+        if args.out is not None:
+            charts.append((args.out, "replay.png"))
+        if args.chart is not None:
+            charts.append((args.chart.parent, args.chart.name))
+        for out_dir, name in charts:
+            report["chart"] = str(write_chart(result, out_dir, name=name, title=args.ledger.name))
+    text = json.dumps(report, indent=1, sort_keys=True) + "\n"
+    if args.out is not None:
+        (args.out / "report.json").write_text(text)
+    if args.json_out is not None:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(text)
     print(json.dumps(report, sort_keys=True))
     return 0
 

@@ -5,6 +5,12 @@ File format (a benchmark result, or a file written by hand); other top-level key
     {"read_model": {"grid": 512, "points": [[0, 44.5], [32768, 52.0], [100000, 75.0]],
                     "source": "free text: device, model, command"}}
 
+A `benchmarks/shadow_measure.py` result (no "read_model" block) is read as it is: its "qse" list has
+one row per preset and ops, each with "ms_per_chunk_by_context" ({context: median ms per chunk}) and
+"grid"; the points are that row's pairs. The row is chosen by `preset` (default: the 0.8B preset,
+qse's default reader) and `ops` (default: the only one measured for that preset); a row that failed
+("error") is never used. The source names the file, the row, the device, the date and the command.
+
 `points` are [context_tokens, ms_per_chunk] pairs: the measured GPU time of one grid chunk whose
 first row sits after `context_tokens` committed rows. Between points the cost is interpolated
 linearly; below the first point it is the first point's; past the last it follows the last
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SEED_MS_PER_1000_TOKENS = 87.0
+DEFAULT_PRESET = "qwen3.5-0.8b"  # the reader qse runs by default
 
 
 class ReadModelError(ValueError):
@@ -48,28 +55,71 @@ class ReadModel:
 
     @classmethod
     def flat(cls, ms_per_1000_tokens: float = SEED_MS_PER_1000_TOKENS, grid: int = 512, source: str = "") -> "ReadModel":
-        source = source or f"flat {ms_per_1000_tokens} ms per 1000 tokens (seed 000, GB10, 0.8B, grid 512)"
+        if not source:
+            source = f"flat {ms_per_1000_tokens:g} ms per 1000 tokens at grid {grid}"
+            if ms_per_1000_tokens == SEED_MS_PER_1000_TOKENS:
+                source += " (seed 000: GB10, 0.8B, the served process's flags)"
         return cls(((0, ms_per_1000_tokens * grid / 1000),), grid, source)
 
     @classmethod
-    def from_json(cls, obj: dict, origin: str = "<json>") -> "ReadModel":
+    def from_json(cls, obj: dict, origin: str = "<json>", preset: str | None = None,
+                  ops: str | None = None) -> "ReadModel":
+        """A read model from a `{"read_model": ...}` object or a shadow_measure result (see the module)."""
+        if isinstance(obj, dict) and "read_model" not in obj and isinstance(obj.get("qse"), list):
+            return cls.from_shadow_measure(obj, origin, preset, ops)
+        if preset is not None or ops is not None:
+            raise ReadModelError(f"{origin}: a preset or ops can only be chosen in a shadow_measure result "
+                                 "(a file with a \"qse\" list); this file has a \"read_model\" block")
         try:
             block = obj["read_model"]
             points = tuple((int(c), float(ms)) for c, ms in block["points"])
             grid = int(block.get("grid", 512))
         except (KeyError, TypeError, ValueError) as exc:
             raise ReadModelError(f"{origin}: expected {{\"read_model\": {{\"points\": [[context_tokens, ms_per_chunk], ...],"
-                                 f" \"grid\": 512}}}} ({type(exc).__name__}: {exc})") from None
+                                 f" \"grid\": 512}}}} or a shadow_measure result ({type(exc).__name__}: {exc})") from None
         return cls(points, grid, str(block.get("source", origin)))
 
     @classmethod
-    def load(cls, path: Path | str) -> "ReadModel":
+    def from_shadow_measure(cls, obj: dict, origin: str = "<json>", preset: str | None = None,
+                            ops: str | None = None) -> "ReadModel":
+        """The measured per-context chunk times of one row of a benchmarks/shadow_measure.py result."""
+        rows = [r for r in obj["qse"] if isinstance(r, dict)]
+        measured = [r for r in rows if "error" not in r and isinstance(r.get("ms_per_chunk_by_context"), dict)
+                    and r["ms_per_chunk_by_context"]]
+        have = sorted({f"{r.get('preset')}/{r.get('ops')}" for r in measured})
+        want = DEFAULT_PRESET if preset is None else preset
+        picked = [r for r in measured if r.get("preset") == want and (ops is None or r.get("ops") == ops)]
+        if not picked:
+            failed = [f"{r.get('preset')}/{r.get('ops')}" for r in rows if "error" in r]
+            raise ReadModelError(f"{origin}: no measured row for preset {want!r}" + (f" and ops {ops!r}" if ops else "")
+                                 + f"; measured: {have or 'none'}" + (f"; failed: {failed}" if failed else ""))
+        if len(picked) > 1:
+            raise ReadModelError(f"{origin}: preset {want!r} was measured with several ops "
+                                 f"({sorted(str(r.get('ops')) for r in picked)}); choose one (--read-model-ops)")
+        row = picked[0]
+        try:
+            points = tuple(sorted((int(c), float(ms)) for c, ms in row["ms_per_chunk_by_context"].items()))
+            grid = int(row.get("grid", 512))
+        except (TypeError, ValueError) as exc:
+            raise ReadModelError(f"{origin}: row {want}/{row.get('ops')}: ms_per_chunk_by_context is not "
+                                 f"{{context: ms}} ({exc})") from None
+        parts = [f"{origin}: shadow_measure row preset={row.get('preset')} ops={row.get('ops')} grid={grid}",
+                 "median ms per chunk by context"]
+        for key in ("device", "date", "command"):
+            if obj.get(key):
+                parts.append(f"{key} {obj[key]}")
+        return cls(points, grid, "; ".join(parts))
+
+    @classmethod
+    def load(cls, path: Path | str, preset: str | None = None, ops: str | None = None) -> "ReadModel":
         path = Path(path)
         try:
             obj = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ReadModelError(f"{path}: cannot read a read model ({exc})") from None
-        return cls.from_json(obj, str(path))
+        if not isinstance(obj, dict):
+            raise ReadModelError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+        return cls.from_json(obj, str(path), preset, ops)
 
     def to_json(self) -> dict:
         return {"read_model": {"grid": self.grid, "points": [list(p) for p in self.points], "source": self.source}}

@@ -15,15 +15,26 @@ an idle chunk starts when that chunk ends.
 A turn start is where freshness is measured. The new prompt keeps what the session held before it
 up to `shared_prefix_tokens`; when the whole previous prompt is shared, the previous output is taken
 as kept too (inside a tool loop the template re-renders it verbatim), capped at the new prompt.
-If the reader had read past what is kept, it goes back to its newest checkpoint at or below (one at
-each turn's prompt end, on the grid, `checkpoints` kept), or to 0. Behind = kept - read after that;
-fresh = behind < grid. A session's first turn holds nothing before it and is fresh by definition;
-the report gives both all turn starts and follow-up turns only.
+If the reader had read past what is kept, it goes back to its newest checkpoint at or below, or to 0.
+Checkpoints follow qse/shadow/reader.py: every turn's prompt end adds its grid line to the session's
+lines (kept while the session holds that many ids), a chunk that ends on one of those lines takes a
+checkpoint (again after a rollback), and the `checkpoints` highest are kept. Behind = kept - read
+after that; fresh = behind < grid. A session's first turn holds nothing before it and is fresh by
+definition; the report gives both all turn starts and follow-up turns only, and the cause of every
+miss (`MISS_CAUSES`).
 
 Policy switches (the seed's policy is the default, all off): `ration_from="turn_start"` (the seed's
 first build, to show its decode loss), `prefill_share` (read during the served prefill, this share of
 its time: the first token comes later, the decode is untouched), `wake_on_end` (the idle window looks
-the moment a turn ends instead of at its next poll).
+the moment a turn ends instead of at its next poll). Checkpoint switches, none of them in the runtime's
+reader yet (qse/shadow/reader.py would need the same change): `checkpoint_at_line` (take the prompt
+end's checkpoint at once when the reader already stands on that line; the reader only takes one when
+a chunk ends there), `recent_checkpoints` (also keep the state at the newest N grid lines read, a ring
+beside the prompt-end checkpoints), `pin_first_checkpoint` (the lowest prompt-end checkpoint is kept
+when the cap would drop it), `divergence_checkpoints` (the grid line at or below each of the newest N
+places where a prompt re-rendered becomes a checkpoint line too, in N slots of its own: the re-read
+after the rollback takes it, and the next re-render at the same place finds it). Each checkpoint costs
+one recurrent state (19,537,920 bytes on the 0.8B) and a device copy of it.
 """
 
 from __future__ import annotations
@@ -39,6 +50,26 @@ from qse.replay.read_model import ReadModel
 from qse.replay.usage import UsageRecord, sessions_of
 
 RATION_FROM = ("first_token", "turn_start")
+SHORT_PROMPT_KEPT = ("prompt", "previous_prompt")
+CHECKPOINT_BYTES_0_8B = 19_537_920  # one recurrent + conv state of the 0.8B (TARGETS.md)
+GOAL_FRESH_SHARE = 0.95  # TARGETS.md: fresh at >= 95 % of turn starts, p90 <= 512 tokens behind
+GOAL_BEHIND_P90 = 512
+
+# Why a follow-up turn start was not fresh (one cause each; decided in `_SessionReplay._turn_start`)
+MISS_CAUSES = {
+    "rollback_below_oldest_checkpoint": ("the new prompt re-renders below every checkpoint (or there is "
+                                         "none): the reader goes back to row 0; it had read far enough"),
+    "rollback_below_newest_checkpoint": ("the new prompt re-renders below the newest checkpoint: the reader goes "
+                                         "back to an older one more than a chunk below; it had read far enough"),
+    "rollback_above_newest_checkpoint": ("the new prompt re-renders above the newest checkpoint (the reader had "
+                                         "read past it, mostly into the previous output), which is more than a "
+                                         "chunk below the re-render; it had read far enough"),
+    "rollback_and_backlog": "a rollback, but the reader was a chunk or more behind even without it",
+    "backlog_exceeds_idle_gap": ("no rollback; the unread chunks at the previous turn's end cost more GPU time "
+                                 "(read model) than the idle gap until this turn arrived"),
+    "backlog_idle_gap_unused": ("no rollback; the idle gap would have been long enough for the unread chunks, "
+                                "the windows did not use all of it (poll latency, burst ends, estimates)"),
+}
 
 
 @dataclass(frozen=True)
@@ -52,18 +83,38 @@ class SimOptions:
     chunk_prior_ms: float | None = None  # None: the read model's cost at context 0
     estimator_bucket_tokens: int = 4096
     output_kept: bool = True  # modelling: a fully shared previous prompt keeps its output too
+    # modelling, when a fully shared prompt is shorter than the previous prompt + output (the output was not
+    # kept whole; where it was re-rendered the traces do not say): "prompt" keeps the whole new prompt (the
+    # latest place it can be), "previous_prompt" keeps only the previous prompt (the earliest)
+    short_prompt_kept: str = "prompt"
     # policy switches (all off: the seed's policy)
     ration_from: str = "first_token"
     prefill_share: float = 0.0
     wake_on_end: bool = False
+    # checkpoint switches (all off: the runtime's reader)
+    checkpoint_at_line: bool = False
+    recent_checkpoints: int = 0
+    pin_first_checkpoint: bool = False
+    divergence_checkpoints: int = 0
 
     def __post_init__(self) -> None:
+        if self.short_prompt_kept not in SHORT_PROMPT_KEPT:
+            raise ValueError(f"short_prompt_kept must be one of {SHORT_PROMPT_KEPT}, got {self.short_prompt_kept!r}")
         if self.ration_from not in RATION_FROM:
             raise ValueError(f"ration_from must be one of {RATION_FROM}, got {self.ration_from!r}")
         if self.grid <= 0:
             raise ValueError(f"grid must be a positive number of rows, got {self.grid}")
         if self.checkpoints < 0:
             raise ValueError(f"checkpoints must be >= 0, got {self.checkpoints}")
+        if self.recent_checkpoints < 0:
+            raise ValueError(f"recent_checkpoints must be >= 0, got {self.recent_checkpoints}")
+        if self.divergence_checkpoints < 0:
+            raise ValueError(f"divergence_checkpoints must be >= 0, got {self.divergence_checkpoints}")
+
+    @property
+    def max_checkpoints_per_session(self) -> int:
+        return (self.checkpoints + self.recent_checkpoints + (1 if self.pin_first_checkpoint else 0)
+                + self.divergence_checkpoints)
 
     @classmethod
     def from_settings(cls, settings=None, **overrides) -> "SimOptions":
@@ -87,6 +138,11 @@ class TurnStart(NamedTuple):
     rolled_back_tokens: int  # read rows the reader lost going back to a checkpoint
     fresh: bool
     prompt_ready_s: float | None  # from arrival until the prompt's whole chunks were read (None: not before the next turn)
+    cause: str = "fresh"  # "first_turn", "fresh" or one of MISS_CAUSES
+    behind_without_rollback: int = 0  # kept - what the reader had read, before going back
+    idle_gap_s: float = 0.0  # from the previous turn's end to this arrival
+    backlog_ms_at_prev_end: float = 0.0  # read-model cost of the chunks up to kept's line, unread at the previous end
+    prev_prompt_read: bool = True  # at the previous turn's end every whole chunk of its prompt was read
 
 
 class Decision(NamedTuple):
@@ -113,6 +169,8 @@ class SimResult:
     request_waits_ms: list[float] = field(default_factory=list)
     num_sessions: int = 0
     num_overlapping_turns: int = 0
+    num_checkpoints_taken: int = 0
+    max_checkpoints_held: int = 0
 
     def report(self) -> dict:
         return build_report(self)
@@ -136,6 +194,63 @@ def _share(flags: list[bool]) -> float | None:
     return sum(flags) / len(flags) if flags else None
 
 
+def miss_breakdown(starts: list[TurnStart], grid: int) -> dict:
+    """Follow-up turn starts by cause: how many missed for each, and the fresh share were they all fresh."""
+    follow = [s for s in starts if s.turn > 0]
+    missed = [s for s in follow if not s.fresh]
+    by_cause: dict[str, dict] = {}
+    for cause, why in MISS_CAUSES.items():
+        these = [s for s in missed if s.cause == cause]
+        by_cause[cause] = {
+            "n": len(these),
+            "share_of_misses": len(these) / len(missed) if missed else None,
+            "share_of_followups": len(these) / len(follow) if follow else None,
+            "fresh_share_if_fresh": ((len(starts) - len(missed) + len(these)) / len(starts)) if starts else None,
+            "fresh_share_followups_if_fresh": ((len(follow) - len(missed) + len(these)) / len(follow)) if follow else None,
+            "behind_tokens": _dist([s.behind_tokens for s in these]),
+            "why": why,
+        }
+    rollback = [s for s in missed if s.cause.startswith("rollback_") and s.cause != "rollback_and_backlog"]
+    backlog = [s for s in missed if s.cause.startswith("backlog_")]
+    return {
+        "num_turn_starts": len(starts), "num_followups": len(follow), "num_missed": len(missed),
+        "by_cause": by_cause,
+        "rollback_only": {"n": len(rollback), "share_of_misses": len(rollback) / len(missed) if missed else None},
+        "backlog": {"n": len(backlog) + by_cause["rollback_and_backlog"]["n"],
+                    "share_of_misses": ((len(backlog) + by_cause["rollback_and_backlog"]["n"]) / len(missed))
+                    if missed else None},
+        "backlog_by_what_was_unread": {
+            "previous_output_only": sum(1 for s in missed if s.cause.startswith("backlog_") and s.prev_prompt_read),
+            "previous_prompt_too": sum(1 for s in missed if s.cause.startswith("backlog_") and not s.prev_prompt_read),
+        },
+        "definition": (f"a follow-up turn start misses when behind >= grid ({grid}); 'rollback' causes: the "
+                       "reader had read to within a chunk of what the new prompt keeps and only the rollback "
+                       "left it behind; 'backlog' causes: it had not read that far (idle gap from the previous "
+                       "turn's end to this arrival against the read-model cost of the chunks still unread then)"),
+    }
+
+
+def freshness_goal(report: dict) -> dict:
+    """TARGETS.md's freshness goal against this replay, and what stands in its way."""
+    fresh, p90 = report["fresh_share"], report["behind_tokens"]["p90"]
+    misses = report["misses"]
+    met_fresh = fresh is not None and fresh >= GOAL_FRESH_SHARE
+    met_p90 = p90 is not None and p90 <= GOAL_BEHIND_P90
+    ranked = sorted(((c, v["n"]) for c, v in misses["by_cause"].items() if v["n"]), key=lambda cv: -cv[1])
+    rollback = sum(v["n"] for c, v in misses["by_cause"].items() if c.startswith("rollback_"))
+    n = misses["num_turn_starts"]
+    return {
+        "fresh_share_min": GOAL_FRESH_SHARE, "behind_p90_max": GOAL_BEHIND_P90,
+        "fresh_share": fresh, "behind_p90": p90, "met_fresh_share": met_fresh, "met_behind_p90": met_p90,
+        "met": met_fresh and met_p90,
+        "misses_by_cause_largest_first": [{"cause": c, "n": k, "share_of_misses": k / misses["num_missed"]}
+                                          for c, k in ranked],
+        "fresh_share_if_no_rollback_missed": ((n - misses["num_missed"] + rollback) / n) if n else None,
+        "measured_on": "all turn starts (a session's first is fresh by definition); the follow-ups alone are in "
+                       "fresh_share_followups and behind_tokens_followups",
+    }
+
+
 def build_report(result: SimResult) -> dict:
     starts = result.turn_starts
     follow = [s for s in starts if s.turn > 0]
@@ -147,7 +262,7 @@ def build_report(result: SimResult) -> dict:
     prefill_served_ms = result.served_prefill_s * 1000
     reader_ms = idle_ms + ration_ms + prefill_ms
     ready = [s.prompt_ready_s for s in starts if s.prompt_ready_s is not None]
-    return {
+    report = {
         "num_sessions": result.num_sessions,
         "num_turns": len(starts),
         "num_followup_turns": len(follow),
@@ -172,8 +287,16 @@ def build_report(result: SimResult) -> dict:
         "request_wait_ms": _dist(result.request_waits_ms),
         "prompt_ready_s": {**_dist(ready), "num_not_ready_by_next_turn": len(starts) - len(ready)},
         "num_overlapping_turns": result.num_overlapping_turns,
+        "misses": miss_breakdown(starts, result.options.grid),
+        "checkpoints": {"max_per_session": result.options.max_checkpoints_per_session,
+                        "max_held_by_a_session": result.max_checkpoints_held,
+                        "bytes_each_0_8b": CHECKPOINT_BYTES_0_8B,
+                        "max_bytes_per_session_0_8b": result.max_checkpoints_held * CHECKPOINT_BYTES_0_8B,
+                        "num_taken": result.num_checkpoints_taken},
         "options": asdict(result.options),
     }
+    report["goal"] = freshness_goal(report)
+    return report
 
 
 class Simulator:
@@ -218,8 +341,12 @@ class _SessionReplay:
         self.committed = 0  # rows read, a multiple of grid
         self.known = 0  # ids the session holds
         self.prompt = 0  # the current turn's prompt length
-        self.checkpoints: list[int] = []  # rows with a recurrent-state checkpoint, oldest first
-        self.prompt_lines: set[int] = set()  # prompt-end grid lines not yet checkpointed
+        self.checkpoints: list[int] = []  # prompt-end rows with a recurrent-state checkpoint, lowest first
+        self.lines: set[int] = set()  # prompt-end grid lines: a chunk ending on one takes a checkpoint
+        self.recent: list[int] = []  # recent_checkpoints: the newest grid lines read, oldest first
+        self.pinned: int | None = None  # pin_first_checkpoint: the lowest prompt-end checkpoint, kept
+        self.div_lines: list[int] = []  # divergence_checkpoints: lines of the newest re-renders, oldest first
+        self.div_cps: set[int] = set()  # ... and those of them with a checkpoint
         self.now = 0.0
         self.turn = 0
         self.ready_target = 0
@@ -227,15 +354,42 @@ class _SessionReplay:
         self.arrival = 0.0
 
     # -- reading ---------------------------------------------------------------------------------
+    def _checkpoint(self, row: int) -> None:
+        """A prompt-end checkpoint at `row` (as the reader's _take_checkpoint: the highest `checkpoints` kept)."""
+        cps = sorted({c for c in self.checkpoints if c != row} | {row})
+        while len(cps) > self.opt.checkpoints:
+            low = cps.pop(0)
+            if self.opt.pin_first_checkpoint and self.pinned is None:
+                self.pinned = low
+        self.checkpoints = cps
+        self.sim.result.num_checkpoints_taken += 1
+        self._note_held()
+
+    def _note_held(self) -> None:
+        held = len(self._all_checkpoints())
+        if held > self.sim.result.max_checkpoints_held:
+            self.sim.result.max_checkpoints_held = held
+
+    def _all_checkpoints(self) -> set[int]:
+        held = set(self.checkpoints) | set(self.recent) | self.div_cps
+        if self.pinned is not None:
+            held.add(self.pinned)
+        return held
+
     def _read_chunk(self, row: int) -> float:
         ms = self.sim.read_model.ms_per_chunk(row, self.grid)
         self.now += ms / 1000
         end = row + self.grid
-        if end in self.prompt_lines:
-            self.prompt_lines.discard(end)
-            self.checkpoints.append(end)
-            if len(self.checkpoints) > self.opt.checkpoints:
-                self.checkpoints.pop(0)
+        if end in self.lines:
+            self._checkpoint(end)
+        if end in self.div_lines and end not in self.div_cps:
+            self.div_cps.add(end)
+            self.sim.result.num_checkpoints_taken += 1
+            self._note_held()
+        if self.opt.recent_checkpoints:
+            self.recent = (self.recent + [end])[-self.opt.recent_checkpoints:]
+            self.sim.result.num_checkpoints_taken += 1
+            self._note_held()
         if self.ready_at is None and end >= self.ready_target:
             self.ready_at = self.now - self.arrival
         return ms
@@ -334,22 +488,59 @@ class _SessionReplay:
         return reader_s
 
     # -- one session -----------------------------------------------------------------------------
-    def _turn_start(self, rec: UsageRecord, prev: UsageRecord | None) -> TurnStart:
+    def _turn_start(self, rec: UsageRecord, prev: UsageRecord | None, idle_gap_s: float,
+                    committed_at_prev_end: int) -> TurnStart:
         kept = 0
         if prev is not None:
             kept = rec.shared_prefix_tokens
             if self.opt.output_kept and rec.shared_prefix_tokens >= prev.prompt_tokens:
                 kept = min(rec.prompt_tokens, prev.prompt_tokens + prev.output_tokens)
+                if (self.opt.short_prompt_kept == "previous_prompt"
+                        and rec.prompt_tokens < prev.prompt_tokens + prev.output_tokens):
+                    kept = prev.prompt_tokens
             kept = min(kept, self.known)
+        behind_without = max(0, kept - self.committed)
+        held = self._all_checkpoints()
         rolled_back = 0
         if self.committed > kept:
-            back_to = max((c for c in self.checkpoints if c <= kept), default=0)
+            back_to = max((c for c in held if c <= kept), default=0)
             rolled_back = self.committed - back_to
             self.committed = back_to
             self.checkpoints = [c for c in self.checkpoints if c <= back_to]
-        self.prompt_lines = {line for line in self.prompt_lines if line <= kept}
+            self.recent = [c for c in self.recent if c <= back_to]
+            if self.pinned is not None and self.pinned > back_to:
+                self.pinned = None
+            self.div_cps = {c for c in self.div_cps if c <= back_to}
+            div_line = (kept // self.grid) * self.grid
+            if self.opt.divergence_checkpoints and div_line > 0:
+                self.div_lines = ([c for c in self.div_lines if c != div_line]
+                                  + [div_line])[-self.opt.divergence_checkpoints:]
+                self.div_cps &= set(self.div_lines)
         behind = max(0, kept - self.committed)
-        return TurnStart(self.session_id, self.turn, self.arrival, kept, behind, rolled_back, behind < self.grid, None)
+        fresh = behind < self.grid
+        backlog_ms = 0.0
+        prev_prompt_read = prev is None or committed_at_prev_end >= (prev.prompt_tokens // self.grid) * self.grid
+        if prev is not None and rolled_back == 0:
+            line = (kept // self.grid) * self.grid
+            model = self.sim.read_model
+            backlog_ms = sum(model.ms_per_chunk(r, self.grid) for r in range(committed_at_prev_end, line, self.grid))
+        if prev is None:
+            cause = "first_turn"
+        elif fresh:
+            cause = "fresh"
+        elif rolled_back:
+            if behind_without >= self.grid:
+                cause = "rollback_and_backlog"
+            elif not held or kept < min(held):
+                cause = "rollback_below_oldest_checkpoint"
+            elif kept < max(held):
+                cause = "rollback_below_newest_checkpoint"
+            else:
+                cause = "rollback_above_newest_checkpoint"
+        else:
+            cause = "backlog_exceeds_idle_gap" if backlog_ms > idle_gap_s * 1000 else "backlog_idle_gap_unused"
+        return TurnStart(self.session_id, self.turn, self.arrival, kept, behind, rolled_back, fresh, None,
+                         cause, behind_without, idle_gap_s, backlog_ms, prev_prompt_read)
 
     def run(self, recs: list[UsageRecord]) -> None:
         result = self.sim.result
@@ -359,6 +550,7 @@ class _SessionReplay:
         next_poll_s = recs[0].arrival_s if recs else 0.0
         prev: UsageRecord | None = None
         pending: TurnStart | None = None
+        committed_at_end = 0
         for k, rec in enumerate(recs):
             self.turn = k
             arrival = rec.arrival_s + shift_s
@@ -366,6 +558,7 @@ class _SessionReplay:
                 result.num_overlapping_turns += 1
                 shift_s += free_s - arrival
                 arrival = free_s
+            idle_gap_s = 0.0 if free_s is None else arrival - free_s
             if free_s is not None:
                 start, next_poll_s = self._idle(free_s, arrival, next_poll_s)
                 if start > arrival:
@@ -375,19 +568,19 @@ class _SessionReplay:
             if pending is not None:
                 result.turn_starts.append(pending._replace(prompt_ready_s=self.ready_at))
             self.arrival = arrival
-            start_rec = self._turn_start(rec, prev)
+            start_rec = self._turn_start(rec, prev, idle_gap_s, committed_at_end)
 
             turn_id = f"{self.session_id}#{k}"
             ledger.open_turn(turn_id)
             self.prompt = rec.prompt_tokens
             self.known = rec.prompt_tokens
+            # the reader's feed(prompt, prompt_end): the prompt end's line joins the lines, kept while held
             line = (rec.prompt_tokens // self.grid) * self.grid
             if line > 0:
-                if line == self.committed and line not in self.checkpoints:
-                    self.checkpoints.append(line)
-                    self.checkpoints = self.checkpoints[-self.opt.checkpoints:] if self.opt.checkpoints else []
-                elif line > self.committed:
-                    self.prompt_lines.add(line)
+                self.lines.add(line)
+            self.lines = {p for p in self.lines if p <= rec.prompt_tokens}
+            if self.opt.checkpoint_at_line and line > 0 and line == self.committed and line not in self.checkpoints:
+                self._checkpoint(line)
             self.ready_target = line
             self.ready_at = 0.0 if self.committed >= line else None
             pending = start_rec
@@ -405,6 +598,7 @@ class _SessionReplay:
             shift_s += reader_prefill_s + reader_decode_s
             free_s = first_token + decode_s + reader_decode_s
             self.known = rec.prompt_tokens + rec.output_tokens
+            committed_at_end = self.committed
             result.served_prefill_s += prefill_s
             result.served_decode_s += decode_s
             prev = rec

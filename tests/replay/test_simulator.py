@@ -34,6 +34,7 @@ def test_always_fresh():
     report = res.report()
     assert report["fresh_share"] == 1.0 and report["fresh_share_followups"] == 1.0
     assert report["decode_loss"] == 0.0
+    assert report["goal"]["met"] and report["goal"]["misses_by_cause_largest_first"] == []
 
 
 def test_never_catches_up():
@@ -49,6 +50,15 @@ def test_never_catches_up():
     assert all(b > a for a, b in zip(behind, behind[1:]))
     assert not any(s.fresh for s in res.turn_starts[1:])
     assert res.report()["fresh_share_followups"] == 0.0
+    assert {s.cause for s in res.turn_starts[1:]} == {"backlog_exceeds_idle_gap"}
+    misses = res.report()["misses"]
+    assert misses["num_missed"] == 5 and misses["by_cause"]["backlog_exceeds_idle_gap"]["n"] == 5
+    assert misses["by_cause"]["backlog_exceeds_idle_gap"]["fresh_share_followups_if_fresh"] == 1.0
+    assert misses["backlog_by_what_was_unread"] == {"previous_output_only": 0, "previous_prompt_too": 5}
+    goal = res.report()["goal"]
+    assert not goal["met_fresh_share"] and not goal["met_behind_p90"]
+    assert goal["misses_by_cause_largest_first"] == [{"cause": "backlog_exceeds_idle_gap", "n": 5, "share_of_misses": 1.0}]
+    assert goal["fresh_share_if_no_rollback_missed"] == pytest.approx(1 / 6)
 
 
 @pytest.mark.parametrize("chunks,next_arrival,fresh,behind,num_bursts", [
@@ -63,6 +73,10 @@ def test_exactly_one_idle_window(chunks, next_arrival, fresh, behind, num_bursts
     res = simulate(recs, SEED, record_decisions=True)
     start = res.turn_starts[1]
     assert (start.fresh, start.behind_tokens) == (fresh, behind)
+    # 45 chunks (2,004.48 ms) would fit the 2.1 s gap, but a burst stops at 2 s and the next poll is too late
+    assert start.cause == ("fresh" if fresh else "backlog_idle_gap_unused")
+    assert start.idle_gap_s == pytest.approx(next_arrival - 1.0)
+    assert start.backlog_ms_at_prev_end == pytest.approx(chunks * CHUNK_MS)
     before = [d for d in res.decisions if d.turn == 1]
     assert len(before) == num_bursts
     assert (before[0].opened_s, before[0].num_chunks) == (1.0, 44)
@@ -116,6 +130,9 @@ def test_rollback_to_checkpoint():
     res = simulate(recs, SEED)
     assert (res.turn_starts[2].rolled_back_tokens, res.turn_starts[2].behind_tokens) == (2048, 952)
     assert not res.turn_starts[2].fresh
+    # it had read to 4096 (fresh without the rollback) and 3000 lies between its checkpoints 2048 and 4096
+    assert res.turn_starts[2].cause == "rollback_below_newest_checkpoint"
+    assert res.turn_starts[2].behind_without_rollback == 0
 
 
 def test_ration_never_exceeds_its_share_on_a_trace_slice(traces_dir):
@@ -169,3 +186,115 @@ def test_whole_trace_replays_within_the_rules(traces_dir, name):
     assert 0.5 < report["fresh_share_followups"] <= 1.0
     assert report["decode_loss"] <= 0.02 / 0.98
     assert report["request_wait_ms"]["max"] <= CHUNK_MS + 1e-6  # a waiting request waits at most one chunk
+
+
+# ---- why a turn start missed, and the checkpoint switches --------------------------------------------
+
+def _into_the_output():
+    """Turn 0: prompt 2048, 1100 ids out; the idle window reads 6 chunks (to 3072, into the output). Turn 1
+    keeps the whole previous prompt and re-renders the output from id 3000 on: the reader goes back."""
+    return [rec("s", 0.0, 0.1, 0.2, 2048, 0, 1100), rec("s", 10.0, 10.1, 10.2, 3000, 2048, 1)]
+
+
+def test_rollback_into_the_output_and_recent_checkpoints():
+    res = simulate(_into_the_output(), SEED)
+    start = res.turn_starts[1]
+    assert (start.kept_tokens, start.rolled_back_tokens, start.behind_tokens) == (3000, 1024, 952)
+    assert start.cause == "rollback_above_newest_checkpoint"  # the one checkpoint is the prompt end's, 2048
+    report = res.report()
+    assert report["misses"]["by_cause"]["rollback_above_newest_checkpoint"]["n"] == 1
+    assert report["misses"]["rollback_only"] == {"n": 1, "share_of_misses": 1.0}
+    assert report["checkpoints"]["max_held_by_a_session"] == 2  # 2048, then 2560 (turn 1's prompt end) read again
+
+    # the newest two grid lines read are checkpoints too: back to 2560, less than a chunk behind
+    res = simulate(_into_the_output(), SEED, SimOptions(recent_checkpoints=2))
+    start = res.turn_starts[1]
+    assert (start.rolled_back_tokens, start.behind_tokens, start.fresh) == (512, 440, True)
+    assert res.report()["checkpoints"]["max_held_by_a_session"] == 3
+    assert res.report()["checkpoints"]["max_per_session"] == 8
+
+
+def test_checkpoint_at_the_line_the_reader_stands_on():
+    # turn 0 (1000 + 100 out) is read to 1024; turn 1's prompt (1100) ends on the line 1024 where the reader
+    # stands: the runtime's reader takes no checkpoint there (only a chunk ending on a line does)
+    recs = [rec("s", 0.0, 0.1, 0.2, 1000, 0, 100), rec("s", 10.0, 10.1, 10.2, 1100, 1000, 500),
+            rec("s", 20.0, 20.1, 20.2, 1500, 1100, 1)]
+    res = simulate(recs, SEED)
+    start = res.turn_starts[2]
+    assert (start.kept_tokens, start.rolled_back_tokens, start.behind_tokens) == (1500, 1024, 988)  # back to 512
+    assert start.cause == "rollback_above_newest_checkpoint"
+    res = simulate(recs, SEED, SimOptions(checkpoint_at_line=True))
+    start = res.turn_starts[2]
+    assert (start.rolled_back_tokens, start.behind_tokens, start.fresh) == (512, 476, True)  # back to 1024
+
+
+def test_lines_are_checkpointed_again_after_a_rollback():
+    # as the reader: a prompt end's line stays a line while the session holds that many ids, so the read
+    # after going back to 0 takes the checkpoint at 2048 again and the next re-render at 2100 finds it
+    recs = [rec("s", 0.0, 0.1, 0.2, 2048, 0, 1), rec("s", 10.0, 10.1, 10.2, 4096, 2048, 1),
+            rec("s", 20.0, 20.1, 20.2, 5000, 1000, 1), rec("s", 30.0, 30.1, 30.2, 5200, 2100, 1)]
+    res = simulate(recs, SEED)
+    assert [(s.rolled_back_tokens, s.behind_tokens) for s in res.turn_starts[2:]] == [(4096, 1000), (4608 - 2048, 52)]
+    assert res.turn_starts[2].cause == "rollback_below_oldest_checkpoint"
+    assert res.turn_starts[3].fresh
+
+
+def test_divergence_checkpoints_catch_the_second_re_render_at_the_same_place():
+    recs = [rec("s", 0.0, 0.1, 0.2, 4096, 0, 1), rec("s", 10.0, 10.1, 10.2, 6000, 1500, 1),
+            rec("s", 20.0, 20.1, 20.2, 7000, 1500, 1)]
+    res = simulate(recs, SEED)
+    assert [(s.behind_tokens, s.cause) for s in res.turn_starts[1:]] == [
+        (1500, "rollback_below_oldest_checkpoint"), (1500, "rollback_below_oldest_checkpoint")]
+    res = simulate(recs, SEED, SimOptions(divergence_checkpoints=1))
+    assert [(s.behind_tokens, s.fresh) for s in res.turn_starts[1:]] == [(1500, False), (476, True)]
+
+
+def test_pin_first_checkpoint_keeps_the_lowest():
+    # 4 turns, each prompt 1024 longer; with one checkpoint the first (1024) is dropped for the next ones,
+    # pinned it stays, and a re-render at 1100 goes back to it
+    recs = [rec("s", 10.0 * k, 10.0 * k + 0.1, 10.0 * k + 0.2, 1024 * (k + 1), 1024 * k, 1) for k in range(4)]
+    recs.append(rec("s", 40.0, 40.1, 40.2, 5000, 1100, 1))
+    assert simulate(recs, SEED, SimOptions(checkpoints=1)).turn_starts[4].behind_tokens == 1100
+    assert simulate(recs, SEED, SimOptions(checkpoints=1, pin_first_checkpoint=True)).turn_starts[4].behind_tokens == 76
+
+
+def test_miss_causes_add_up_on_a_trace_slice(traces_dir):
+    from qse.replay.simulator import MISS_CAUSES
+    from qse.replay.traces import from_weka
+
+    recs = from_weka(traces_dir / "weka_cc_sessions_dev.csv", max_sessions=12).records
+    res = simulate(recs, SEED)
+    misses = res.report()["misses"]
+    assert sum(v["n"] for v in misses["by_cause"].values()) == misses["num_missed"] > 0
+    assert set(misses["by_cause"]) == set(MISS_CAUSES)
+    assert all(s.cause in MISS_CAUSES for s in res.turn_starts if s.turn > 0 and not s.fresh)
+    assert all(s.cause == "first_turn" for s in res.turn_starts if s.turn == 0)
+    # the checkpoint switches never make a turn start less fresh here, nor change what the windows spend
+    more = simulate(recs, SEED, SimOptions(checkpoint_at_line=True, recent_checkpoints=4, divergence_checkpoints=4))
+    assert more.report()["fresh_share"] >= res.report()["fresh_share"]
+
+
+def test_cli_reads_a_shadow_measure_result(tmp_path, capsys):
+    ledger = tmp_path / "u.jsonl"
+    write_usage(ledger, [rec("a", 0.0, 1.0, 20.0, 8192, 0, 684), rec("a", 30.0, 30.5, 40.0, 9000, 8192, 300)])
+    measured = tmp_path / "shadow_measure.json"
+    measured.write_text(json.dumps({"device": "NVIDIA H200", "command": "shadow_measure.py", "qse": [
+        {"preset": "qwen3.5-0.8b", "ops": "triton", "grid": 512, "ms_per_chunk_by_context": {"0": 28.0, "8192": 27.0}},
+        {"preset": "qwen3.5-2b", "ops": "triton", "grid": 512, "ms_per_chunk_by_context": {"0": 21.0}}]}))
+    out = tmp_path / "res" / "replay-x.json"
+    chart = tmp_path / "res" / "replay-x.png"
+    rc = main([str(ledger), "--read-model", str(measured), "--json-out", str(out), "--chart", str(chart),
+               "--recent-checkpoints", "2", "--checkpoint-at-line", "--no-progress"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["read_model"]["points"] == [[0, 28.0], [8192, 27.0]]
+    assert "preset=qwen3.5-0.8b" in report["read_model"]["source"]
+    assert report["command"].startswith("qse replay ") and "--read-model" in report["command"]
+    assert report["options"]["recent_checkpoints"] == 2 and report["options"]["checkpoint_at_line"] is True
+    assert json.loads(out.read_text())["misses"] == report["misses"]
+    assert chart.stat().st_size > 0 and report["chart"] == str(chart)
+
+    assert main([str(ledger), "--read-model", str(measured), "--read-model-preset", "qwen3.5-2b", "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out)["read_model"]["points"] == [[0, 21.0]]
+    assert main([str(ledger), "--read-model-preset", "qwen3.5-2b"]) == 2
+    assert "need --read-model" in capsys.readouterr().err

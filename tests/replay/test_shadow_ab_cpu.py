@@ -1,0 +1,44 @@
+"""benchmarks/shadow_ab.py runs end to end on the CPU at a tiny scale and writes its JSON (before a GPU run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _shadow_ab():
+    spec = importlib.util.spec_from_file_location("shadow_ab", REPO / "benchmarks" / "shadow_ab.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_shadow_ab_tiny_on_cpu(cache_dir, tmp_path, capsys):
+    out = tmp_path / "ab" / "shadow_ab.json"
+    rc = _shadow_ab().main(["--served", "embedded", "--reader", "embedded", "--prompt-tokens", "200",
+                            "--out-tokens", "24", "--pairs", "1", "--grid", "32", "--gap-s", "0.3",
+                            "--ration", "0.5", "--json-out", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["served"] == result["reader"] == "embedded" and result["shared_engine"] is True
+    assert result["conductor"]["ration"] == 0.5
+    assert [len(result["runs"][a]) for a in ("off", "on")] == [1, 1]
+    assert len(result["paired_deltas_pct"]) == 1 and isinstance(result["decode_loss_pct"], float)
+    on, off = result["runs"]["on"][0], result["runs"]["off"][0]
+    assert on["output_tokens"] == off["output_tokens"] == 24
+    assert off["reader_chunks"] == 0 and on["reader_chunks"] > 0  # the reader read in the on arm only
+    assert on["ledger_ms"]["reader_ration"] > 0  # a half share earns slices between the rounds
+    assert "--json-out" in result["command"]
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"written": str(out)}
+
+
+def test_shadow_ab_refuses_a_run_without_a_decode_rate(capsys):
+    with pytest.raises(SystemExit):
+        _shadow_ab().main(["--out-tokens", "1"])
+    assert "--out-tokens must be at least 2" in capsys.readouterr().err
