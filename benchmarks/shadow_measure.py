@@ -52,8 +52,8 @@ def kernel_table(engine: Engine, reader: ShadowReader, ids: list[int], grid: int
 
     sid = f"prof{at}"
     reader.feed(sid, ids[: at + grid])
-    while reader.get(sid).committed < at:
-        reader.read_step(sid)
+    while reader.get(sid).committed < at and reader.read_step(sid) is not None:
+        pass
     cache = reader.get(sid).cache
     chunk = engine.ids_tensor(ids[at : at + grid])
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -156,7 +156,8 @@ def measure_preset(name: str, tokens: int, long_tokens: int, grid: int, ops: str
     row["mode"] = reader.mode
     if kernels == "triton" and device.type == "cuda":
         reader.close("s")
-        row["kernel_table_ms"] = {str(at): kernel_table(engine, reader, ids, grid, at) for at in (0, 32768)}
+        contexts = sorted({0, min(32768, (total // grid - 1) * grid)})
+        row["kernel_table_ms"] = {str(at): kernel_table(engine, reader, ids, grid, at) for at in contexts}
         if graphs:
             row["graph_equals_eager"] = graph_equals_eager(engine, ids, grid, 8192)
     del reader, engine
