@@ -64,14 +64,13 @@ async def main_async(args) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cache = Path(os.environ.get("QSE_CACHE_DIR", "/tmp/qse-bench-cache"))
-    served = Engine(resolve(model_spec(args.served), device, dtype, cache))
+    served = Engine(resolve(model_spec(args.served), device, dtype, cache), kernels=args.ops)
     reader_engine = (served if model_spec(args.reader) == model_spec(args.served)
-                     else Engine(resolve(model_spec(args.reader), device, dtype, cache)))
-    if args.ops == "triton":
-        import qse_kernels
-
-        reader_engine.model.ops = qse_kernels.triton_ops()
+                     else Engine(resolve(model_spec(args.reader), device, dtype, cache), kernels=args.ops))
     per_token = reader_engine.state_bytes_per_token()
+    # one reader for every run (its graphs are captured once); each run is a new session
+    reader = ShadowReader(reader_engine, grid=args.grid, pool_bytes=per_token * (2 * args.prompt_tokens + 8192))
+    reader.warm()
     gen = torch.Generator().manual_seed(0)
     config = ConductorConfig(journal_dir=None)
     if args.ration is not None:
@@ -79,14 +78,14 @@ async def main_async(args) -> dict:
     arms = {"off": [], "on": []}
     for i in range(2 * args.pairs + 1):  # run 0 warms up (discarded)
         arm = "on" if i % 2 == 0 else "off"
-        reader = ShadowReader(reader_engine, grid=args.grid, pool_bytes=per_token * (2 * args.prompt_tokens + 8192))
+        chunks_before = reader.stats.chunks
         conductor = Conductor(served, reader, ShadowOptions(mode=arm), config)
         await conductor.start()
         prompt = torch.randint(0, 248000, (args.prompt_tokens,), generator=gen).tolist()
         result = await one_run(conductor, prompt, args.out_tokens)
         await asyncio.sleep(args.gap_s)  # the idle window between requests
         await conductor.stop()  # after the idle burst in flight, so its chunks are counted
-        result["reader_chunks"] = reader.stats.chunks if arm == "on" else 0
+        result["reader_chunks"] = reader.stats.chunks - chunks_before
         result["ledger_ms"] = dict(conductor.status()["ledger_ms"])
         print(json.dumps({"run": i, "arm": arm, **result}), flush=True)
         if i > 0:
@@ -95,7 +94,7 @@ async def main_async(args) -> dict:
     med = {a: statistics.median(r["decode_tok_s"] for r in runs) for a, runs in arms.items()}
     return {
         "served": args.served, "reader": args.reader, "served_model": served.name, "reader_model": reader_engine.name,
-        "shared_engine": reader_engine is served, "ops": args.ops, "grid": args.grid,
+        "shared_engine": reader_engine is served, "ops": args.ops, "reader_mode": reader.mode, "grid": args.grid,
         "conductor": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(config).items()},
         "prompt_tokens": args.prompt_tokens, "out_tokens": args.out_tokens, "pairs": args.pairs, "gap_s": args.gap_s,
         "decode_tok_s_median": med, "decode_loss_pct": round((med["off"] - med["on"]) / med["off"] * 100, 3),
@@ -114,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Decode-loss A/B: the served model with the reader off and on, paired.")
     p.add_argument("--served", default="qwen3.5-9b", help="preset, checkpoint dir, or embedded (the tiny model)")
     p.add_argument("--reader", default="qwen3.5-0.8b", help="preset, checkpoint dir, or embedded; same as --served: one engine")
-    p.add_argument("--ops", default="naive")
+    p.add_argument("--ops", default="auto", help="kernels of both engines: naive, triton, auto (triton on cuda)")
     p.add_argument("--grid", type=int, default=512)
     p.add_argument("--prompt-tokens", type=int, default=16350)
     p.add_argument("--out-tokens", type=int, default=346)

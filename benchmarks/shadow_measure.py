@@ -46,8 +46,9 @@ def versions() -> dict:
 OPS = {"naive": ("naive", False), "triton": ("triton", False), "graph": ("triton", True)}
 
 
-def kernel_table(engine: Engine, reader: ShadowReader, ids: list[int], grid: int, at: int) -> list[list]:
-    """Device time per kernel family of one eager grid chunk read at context `at` (torch.profiler)."""
+def kernel_table(engine: Engine, reader: ShadowReader, ids: list[int], grid: int, at: int, rows: int = 0) -> list[list]:
+    """Device time per kernel family of one eager forward of `rows` rows (default: a grid chunk) at
+    context `at` (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
     sid = f"prof{at}"
@@ -55,7 +56,7 @@ def kernel_table(engine: Engine, reader: ShadowReader, ids: list[int], grid: int
     while reader.get(sid).committed < at and reader.read_step(sid) is not None:
         pass
     cache = reader.get(sid).cache
-    chunk = engine.ids_tensor(ids[at : at + grid])
+    chunk = engine.ids_tensor(ids[at : at + (rows or grid)])
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         engine.model.forward(chunk, cache, "none")
         torch.cuda.synchronize()
@@ -97,7 +98,7 @@ def measure_preset(name: str, tokens: int, long_tokens: int, grid: int, ops: str
     engine = Engine(resolve(name, device, torch.bfloat16, cache_dir), kernels=kernels)
     total = max(tokens, long_tokens)
     per_token = engine.state_bytes_per_token()
-    reader = ShadowReader(engine, grid=grid, pool_bytes=per_token * (total + 8 * grid) + (64 << 20), graphs=graphs)
+    reader = ShadowReader(engine, grid=grid, pool_bytes=per_token * (total + 32768 + 8 * grid) + (64 << 20), graphs=graphs)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 248000, (total + 1024,), generator=gen).tolist()
     # warm-up: a few chunks on a throw-away session (allocator, cuBLAS handles, Triton compile)
@@ -137,18 +138,18 @@ def measure_preset(name: str, tokens: int, long_tokens: int, grid: int, ops: str
     }
     letters = [chr(65 + i) for i in range(9)]
     question = torch.randint(0, 248000, (300,), generator=gen).tolist()
-    for at in sorted({min(32768, total), 102400}):
+    # the longest first, on the session just read; then a second session committed exactly to 32k
+    # (the pool holds both: a session evicted for room would be re-read inside the question)
+    for at in sorted({min(32768, total), 102400}, reverse=True):
         if at > total:
             continue
-        # a session committed exactly to `at`, no tail: the question is the whole fork
         sid = "s" if at == total else f"q{at}"
         if sid != "s":
             reader.feed(sid, ids[:at])
             reader.read_all(sid)
-        times = []
-        for _ in range(5):
-            times.append(reader.ask(sid, question, letters).gpu_ms)
-        row[f"question_300_at_{at}_ms"] = round(statistics.median(times[1:]), 3)
+        results = [reader.ask(sid, question, letters) for _ in range(5)]
+        assert all(r.tokens_forwarded == len(question) for r in results), "the question re-read the session"
+        row[f"question_300_at_{at}_ms"] = round(statistics.median(r.gpu_ms for r in results[1:]), 3)
         summary = reader.summarize(sid, question[:20], max_tokens=33)
         row[f"fork_decode_at_{at}_ms_per_token"] = round(summary.ms_per_token, 3)
         if sid != "s":
@@ -158,6 +159,8 @@ def measure_preset(name: str, tokens: int, long_tokens: int, grid: int, ops: str
         reader.close("s")
         contexts = sorted({0, min(32768, (total // grid - 1) * grid)})
         row["kernel_table_ms"] = {str(at): kernel_table(engine, reader, ids, grid, at) for at in contexts}
+        row["kernel_table_question_320_ms"] = {str(at): kernel_table(engine, reader, ids, grid, at, 320) for at in contexts}
+        row["kernel_table_decode_ms"] = {str(at): kernel_table(engine, reader, ids, grid, at, 1) for at in contexts}
         if graphs:
             row["graph_equals_eager"] = graph_equals_eager(engine, ids, grid, 8192)
     del reader, engine

@@ -136,7 +136,8 @@ class ForwardGraphs:
                 forward()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._graph_pool):
+        # thread_local: the served model's thread may launch work while the reader's thread captures
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
             out = forward()
         return _Entry(graph.replay, out)
 

@@ -161,6 +161,12 @@ class ShadowReader:
             raise ShadowError(f"CUDA graphs asked for, but the reader runs on {self.engine.device}")
         return ForwardGraphs(self.engine.model, self.pool, capture=True, max_tokens=max(1024, self.grid))
 
+    def warm(self) -> None:
+        """Capture the grid chunk's graph now rather than on the first read (a capture takes a few
+        hundred ms; a server does it before it takes requests)."""
+        if self.graphs is not None:
+            self.graphs.prepare(self.grid, "none")
+
     # ---- sessions ----------------------------------------------------------------------------
     def get(self, session_id: str) -> ShadowSession:
         session = self.sessions.get(session_id)
