@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from qse.engine.engine import Engine  # noqa: E402
+from qse.engine.serving import ServedPath  # noqa: E402
 from qse.engine.sampling import SamplingParams  # noqa: E402
 from qse.models import resolve  # noqa: E402
 from qse.runtime.conductor import Conductor, ConductorConfig, GenerateRequest, ShadowOptions  # noqa: E402
@@ -71,6 +72,8 @@ async def main_async(args) -> dict:
     # one reader for every run (its graphs are captured once); each run is a new session
     reader = ShadowReader(reader_engine, grid=args.grid, pool_bytes=per_token * (2 * args.prompt_tokens + 8192))
     reader.warm()
+    serving = ServedPath(served, graphs=None if args.served_graphs else False)
+    serving.warm()
     gen = torch.Generator().manual_seed(0)
     config = ConductorConfig(journal_dir=None)
     if args.ration is not None:
@@ -79,7 +82,7 @@ async def main_async(args) -> dict:
     for i in range(2 * args.pairs + 1):  # run 0 warms up (discarded)
         arm = "on" if i % 2 == 0 else "off"
         chunks_before = reader.stats.chunks
-        conductor = Conductor(served, reader, ShadowOptions(mode=arm), config)
+        conductor = Conductor(served, reader, ShadowOptions(mode=arm), config, serving=serving)
         await conductor.start()
         prompt = torch.randint(0, 248000, (args.prompt_tokens,), generator=gen).tolist()
         result = await one_run(conductor, prompt, args.out_tokens)
@@ -94,7 +97,7 @@ async def main_async(args) -> dict:
     med = {a: statistics.median(r["decode_tok_s"] for r in runs) for a, runs in arms.items()}
     return {
         "served": args.served, "reader": args.reader, "served_model": served.name, "reader_model": reader_engine.name,
-        "shared_engine": reader_engine is served, "ops": args.ops, "reader_mode": reader.mode, "grid": args.grid,
+        "shared_engine": reader_engine is served, "ops": args.ops, "reader_mode": reader.mode, "served_mode": serving.mode, "grid": args.grid,
         "conductor": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(config).items()},
         "prompt_tokens": args.prompt_tokens, "out_tokens": args.out_tokens, "pairs": args.pairs, "gap_s": args.gap_s,
         "decode_tok_s_median": med, "decode_loss_pct": round((med["off"] - med["on"]) / med["off"] * 100, 3),
@@ -113,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Decode-loss A/B: the served model with the reader off and on, paired.")
     p.add_argument("--served", default="qwen3.5-9b", help="preset, checkpoint dir, or embedded (the tiny model)")
     p.add_argument("--reader", default="qwen3.5-0.8b", help="preset, checkpoint dir, or embedded; same as --served: one engine")
+    p.add_argument("--served-graphs", type=int, default=1, help="1: decode the served model under a CUDA graph where it can")
     p.add_argument("--ops", default="auto", help="kernels of both engines: naive, triton, auto (triton on cuda)")
     p.add_argument("--grid", type=int, default=512)
     p.add_argument("--prompt-tokens", type=int, default=16350)

@@ -82,7 +82,8 @@ def cmd_shadow_check(args: argparse.Namespace) -> int:
 
     engine = _load(args.model, args.device, args.dtype)
     grid = args.grid or SETTINGS.get("QSE_SHADOW_GRID")
-    _emit(run_shadow_check(engine, Path(args.session), grid, args.probes, pool_gb=args.pool_gb))
+    _emit(run_shadow_check(engine, Path(args.session), grid, args.probes, pool_gb=args.pool_gb,
+                           noise_floor=args.noise_floor))
     return 0
 
 
@@ -132,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grid", type=int, default=0)
     s.add_argument("--probes", type=int, default=8)
     s.add_argument("--pool-gb", type=float, default=0.0, help="KV pool size; default fits the session")
+    s.add_argument("--noise-floor", action="store_true",
+                   help="also read the session with the same weights in fp32 (torch ops) and report each probe's "
+                        "KL between the two dtypes: the rounding noise the grid's KL compares with")
     s.set_defaults(fn=cmd_shadow_check)
     return p
 

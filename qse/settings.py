@@ -75,6 +75,8 @@ _DECLARED: list[Setting] = [
     Setting("QSE_SHADOW_DISK_TTL_S", float, 48 * 3600.0, "time-to-live of a parked session file, seconds"),
     Setting("QSE_KERNELS", str, "naive", "op set of the engines: naive (torch twins), triton (qse_kernels), auto (triton on cuda)"),
     Setting("QSE_SHADOW_GRAPHS", bool, True, "capture grid chunks as CUDA graphs on cuda devices"),
+    Setting("QSE_SERVED_GRAPHS", bool, True, "decode the served model under a CUDA graph on cuda devices with triton kernels"),
+    Setting("QSE_SERVED_KV_GB", float, 8.0, "the served model's paged KV pool (graph decode), GiB"),
     # the conductor
     Setting("QSE_SHADOW_RATION", float, 0.02, "reader share of the served model's time since its first token"),
     Setting("QSE_SHADOW_SLICE_MS", float, 150.0, "longest reader slice between two decode rounds, ms"),

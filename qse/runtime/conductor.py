@@ -38,6 +38,7 @@ from ..core.plan import ROLE_OF_WINDOW, Window, whole_chunks
 from ..core.ration import RationSlice, TurnRation
 from ..engine.engine import Engine
 from ..engine.sampling import Sampler, SamplingParams
+from ..engine.serving import ServedPath, ServedSequence
 from ..settings import SETTINGS, EngineSettings
 from ..shadow.reader import AskResult, ShadowError, ShadowReader
 from .executor import EngineExecutor
@@ -78,6 +79,8 @@ class ConductorConfig:
     narrator_share: float = 0.03
     journal_dir: Path | None = None
     chunk_prior_ms: float = 50.0  # a chunk's cost before the reader measured one
+    served_graphs: bool = True  # decode under a CUDA graph where the served engine can (cuda, triton kernels)
+    served_kv_gb: float = 8.0
 
     @classmethod
     def from_settings(cls, settings: EngineSettings = SETTINGS) -> "ConductorConfig":
@@ -85,6 +88,8 @@ class ConductorConfig:
             ration=settings.get("QSE_SHADOW_RATION"),
             slice_ms=settings.get("QSE_SHADOW_SLICE_MS"),
             idle_poll_s=settings.get("QSE_SHADOW_IDLE_POLL_S"),
+            served_graphs=settings.get("QSE_SERVED_GRAPHS"),
+            served_kv_gb=settings.get("QSE_SERVED_KV_GB"),
             idle_burst_s=settings.get("QSE_SHADOW_IDLE_BURST_S"),
             narrator_share=settings.get("QSE_NARRATOR_SHARE"),
             journal_dir=settings.get("QSE_SHADOW_DIR") or settings.cache_dir() / "shadow",
@@ -149,7 +154,9 @@ class _Turn:
 class Conductor:
     def __init__(self, served: Engine, reader: ShadowReader | None, options: ShadowOptions | None = None,
                  config: ConductorConfig | None = None, on_turn: Callable[[TurnRecord], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, serving: ServedPath | None = None):
+        """serving: the served model's prefill/decode path (one is made from the config when None; a
+        benchmark that makes many conductors passes one, so its pool and graphs are made once)."""
         self.served = served
         self.options = options or ShadowOptions()
         self.reader = reader if self.options.mode == "on" else None
@@ -163,6 +170,8 @@ class Conductor:
         self.idle = IdleWindow(cfg.idle_poll_s, cfg.idle_burst_s)
         self.ration = TurnRation(cfg.ration, cfg.slice_ms, Window.RATION)
         self.narrator_ration = TurnRation(cfg.narrator_share, cfg.slice_ms, Window.NARRATOR)
+        self.serving = serving or ServedPath(served, graphs=None if cfg.served_graphs else False,
+                                             pool_bytes=int(cfg.served_kv_gb * (1 << 30)))
         self.served_exec = EngineExecutor("served")
         self.reader_exec = self.served_exec if (reader is None or reader.engine is served) else EngineExecutor("reader")
         self.runner = ChunkRunner(self.reader, self.estimator, self.ledger, clock) if self.reader is not None else None
@@ -265,10 +274,11 @@ class Conductor:
             turn.start_s = self.clock()
             self.ledger.open_turn(turn.turn_id)
             self._turn = turn
+            seq: ServedSequence | None = None
             try:
                 await self._turn_start(turn)
                 # plan, run, account, emit: one decode round at a time, the reader's slices between rounds
-                cache, sampler, token, ms = await self.served_exec.run(self._prefill_on_thread, req)
+                seq, sampler, token, ms = await self.served_exec.run(self._prefill_on_thread, req)
                 self.ledger.record(Role.SERVED_PREFILL, ms, turn_id=turn.turn_id)
                 turn.first_token_s = self.clock()
                 while True:
@@ -279,10 +289,13 @@ class Conductor:
                     yield token
                     if len(turn.out_ids) >= req.max_tokens:
                         break
-                    token, ms = await self.served_exec.run(self._decode_on_thread, cache, sampler, token)
+                    token, ms = await self.served_exec.run(self._decode_on_thread, seq, sampler, token)
                     self.ledger.record(Role.SERVED_DECODE, ms, turn_id=turn.turn_id)
                     await self._between_rounds(turn)
             finally:
+                if seq is not None:
+                    # after the turn's last step on the served executor (one thread, first in first out)
+                    await self.served_exec.run(self.serving.finish, seq)
                 self._turn = None
                 await self._turn_end(turn)
 
@@ -304,14 +317,12 @@ class Conductor:
         return n
 
     def _prefill_on_thread(self, req: GenerateRequest):
-        served = self.served
-        sampler = Sampler(req.sampling, vocab_limit=served.chat.tokenizer.vocab_size)
-        cache = served.new_cache()
-        logits, ms = served.forward(cache, served.ids_tensor(req.prompt_ids), "last")
-        return cache, sampler, sampler(logits[-1]), ms
+        sampler = Sampler(req.sampling, vocab_limit=self.served.chat.tokenizer.vocab_size)
+        seq, logits, ms = self.serving.prefill(req.prompt_ids)
+        return seq, sampler, sampler(logits[-1]), ms
 
-    def _decode_on_thread(self, cache, sampler: Sampler, token: int) -> tuple[int, float]:
-        logits, ms = self.served.forward(cache, self.served.ids_tensor([token]), "last")
+    def _decode_on_thread(self, seq: ServedSequence, sampler: Sampler, token: int) -> tuple[int, float]:
+        logits, ms = self.serving.decode(seq, token)
         return sampler(logits[-1]), ms
 
     async def _turn_start(self, turn: _Turn) -> None:

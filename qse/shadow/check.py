@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..engine.engine import Engine
+from ..models import ResolvedModel
 from .reader import ShadowError, ShadowReader
 
 PROBES = [
@@ -60,8 +61,44 @@ def _probe_logits(reader: ShadowReader, session_id: str, question_ids: list[int]
     return logits
 
 
+def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    """KL(p || q) of the two softmaxes."""
+    lp, lq = torch.log_softmax(p_logits, -1), torch.log_softmax(q_logits, -1)
+    return float((lp.exp() * (lp - lq)).sum())
+
+
+def _margin(logits: torch.Tensor) -> float:
+    """The gap between the top two logits: a top token flips only where noise is as large as this."""
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])
+
+
+def cast_twin(engine: Engine, dtype: torch.dtype) -> Engine:
+    """The same weights cast to `dtype` (an upcast is exact), on the torch ops."""
+    from ..models.linear import DenseLinear
+    from ..models.qwen3_5.layout import LoadedWeights
+    from ..models.qwen3_5.model import Qwen35Model
+
+    model = engine.model
+    linears = {}
+    for name, lin in model.lin.items():
+        if not isinstance(lin, DenseLinear):
+            raise ShadowError(f"--noise-floor handles dense weights only; {name} is {type(lin).__name__}")
+        linears[name] = DenseLinear(lin.weight.to(dtype))
+    weights = LoadedWeights({k: t.to(dtype) for k, t in model.w.items()}, linears)
+    twin = Qwen35Model(model.cfg, weights, model.device, dtype)
+    r = engine.resolved
+    tag = str(dtype).replace("torch.", "")
+    return Engine(ResolvedModel(twin, r.chat, r.name, r.source, r.family, f"{r.weights_id}:{tag}"), kernels="naive")
+
+
+def fp32_twin(engine: Engine) -> Engine:
+    """The dtype's noise floor: the same weights, upcast exactly, in fp32."""
+    return cast_twin(engine, torch.float32)
+
+
 def run_shadow_check(engine: Engine, session_file: Path, grid: int, num_probes: int = 8,
-                     pool_gb: float = 0.0) -> dict[str, Any]:
+                     pool_gb: float = 0.0, noise_floor: bool = False) -> dict[str, Any]:
     turns = load_turns(session_file, engine)
     final_len = max(len(t["prompt_ids"]) + len(t["output_ids"]) for t in turns)
     per_token = engine.state_bytes_per_token()
@@ -90,15 +127,25 @@ def run_shadow_check(engine: Engine, session_file: Path, grid: int, num_probes: 
     # probes: the live session (grid) against a fresh prefill on a 4x grid
     coarse_reader = ShadowReader(engine, grid=4 * grid, pool_bytes=per_token * (final_len + 16 * grid + 8192))
     coarse = coarse_reader.fresh_prefill(ids_fed, "coarse")
+    twin_reader = None
+    if noise_floor:
+        twin = fp32_twin(engine)
+        twin_reader = ShadowReader(twin, grid=grid, pool_bytes=twin.state_bytes_per_token() * (final_len + 16 * grid + 8192),
+                                   graphs=False)
+        twin_reader.fresh_prefill(ids_fed, "fp32")
     probes = []
     tok = engine.chat.tokenizer
     for question in PROBES[:num_probes]:
         q_ids = tok.encode(f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
         a = _probe_logits(reader, sid, q_ids)
         b = _probe_logits(coarse_reader, coarse.session_id, q_ids)
-        pa, pb = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
-        kl = float((pb.exp() * (pb - pa)).sum())
-        probes.append({"question": question, "same_top": int(a.argmax()) == int(b.argmax()), "kl": kl})
+        probe = {"question": question, "same_top": int(a.argmax()) == int(b.argmax()), "kl": _kl(b, a),
+                 "top_margin": round(_margin(a), 5), "top_margin_4x": round(_margin(b), 5)}
+        if twin_reader is not None:
+            c = _probe_logits(twin_reader, "fp32", q_ids)
+            probe["kl_vs_fp32"] = _kl(c, a)
+            probe["same_top_as_fp32"] = int(a.argmax()) == int(c.argmax())
+        probes.append(probe)
     return {
         "model": engine.name, "device": str(engine.device), "dtype": str(engine.dtype).replace("torch.", ""),
         "grid": grid, "turns": len(turns), "final_ids": len(ids_fed), "committed": live.committed,
@@ -107,5 +154,6 @@ def run_shadow_check(engine: Engine, session_file: Path, grid: int, num_probes: 
         "bit_equal": all(equal.values()), "equal": equal, "mode": live.mode,
         "probes": probes, "probes_same_top": sum(p["same_top"] for p in probes),
         "probes_max_kl": max((p["kl"] for p in probes), default=None),
+        "probes_max_kl_vs_fp32": max((p["kl_vs_fp32"] for p in probes), default=None) if noise_floor else None,
         "live_read_s": round(live_s, 3), "fresh_read_s": round(fresh_s, 3),
     }

@@ -298,3 +298,19 @@ def test_shadow_check_command(tiny_engine, tmp_path, capsys):
     assert report["bit_equal"] is True and report["turns"] == 5
     assert report["rollbacks"] >= 1 and report["ids_reread"] > 0
     assert report["probes_same_top"] == 2 and report["probes_max_kl"] < 1e-2
+
+
+def test_shadow_check_noise_floor(tiny_engine, tmp_path):
+    """The fp32 twin of an fp32 engine is the same model: exactly zero KL. A bf16 engine against its
+    fp32 twin shows the dtype's rounding, which the grid's KL is read against."""
+    from qse.shadow.check import cast_twin, run_shadow_check
+
+    session_file = tmp_path / "session.jsonl"
+    session_file.write_text("\n".join(json.dumps({"prompt_ids": list(range(1000, 1000 + n))}) for n in (40, 75)))
+    report = run_shadow_check(tiny_engine, session_file, GRID, num_probes=2, noise_floor=True)
+    assert report["probes_max_kl_vs_fp32"] == 0.0
+    assert all(p["same_top_as_fp32"] and p["top_margin"] >= 0 for p in report["probes"])
+    engine16 = cast_twin(tiny_engine, torch.bfloat16)
+    report16 = run_shadow_check(engine16, session_file, GRID, num_probes=1, noise_floor=True)
+    assert report16["bit_equal"] is True
+    assert 0.0 < report16["probes_max_kl_vs_fp32"] < 1.0
