@@ -75,10 +75,14 @@ class ChunkRunner:
         reader = self.reader
         session = reader.get(session_id)
         if known_ids is not None and len(known_ids) > len(session.ids):
-            reader.feed(session_id, list(known_ids))
-        # a parked session comes back (perhaps at another row) before its rows are planned; the reader has
-        # no public verb for this, and read_step would otherwise do it after the plan was made
-        reader._ensure_resident(session)
+            held = len(session.ids)
+            if known_ids[:held] == session.ids:  # the usual case: the output grew; check only what is new
+                reader.append(session_id, known_ids[held:])
+            else:
+                reader.feed(session_id, list(known_ids))
+        # a parked session comes back (perhaps at another row) before its rows are planned, not inside
+        # read_step after the plan was made
+        reader.ensure_resident(session)
         known = len(session.ids)
         est_ms = self.estimator.estimate_ms(session.committed)
         plan = plan_read(window, session_id=session_id, turn_id=turn_id, committed_rows=session.committed,

@@ -199,7 +199,9 @@ class ShadowReader:
         session.checkpoints.clear()
         self.stats.drops += 1
 
-    def _ensure_resident(self, session: ShadowSession) -> None:
+    def ensure_resident(self, session: ShadowSession) -> None:
+        """The session's state in memory: as it was (parked state brought back), or empty, to be read
+        again from row 0."""
         if session.cache is not None:
             return
         if self.residency.bring_back(self, session):
@@ -212,12 +214,7 @@ class ShadowReader:
     # ---- feeding -----------------------------------------------------------------------------
     def feed(self, session_id: str, ids: list[int], prompt_end: int | None = None, now: float | None = None) -> FeedReport:
         """The session now holds `ids` (the whole session so far). Reads nothing."""
-        if not isinstance(ids, (list, tuple)):
-            raise ShadowError(f"ids must be a list of token ids, got {type(ids).__name__}")
-        vocab = self.engine.cfg.vocab_size
-        for i in ids:
-            if not isinstance(i, int) or not 0 <= i < vocab:
-                raise ShadowError(f"token id {i!r} is outside the vocabulary [0, {vocab})")
+        self._check_ids(ids)
         session = self.open(session_id)
         session.last_fed_s = self.clock() if now is None else now
         rolled_back, first_diff = None, None
@@ -240,8 +237,27 @@ class ShadowReader:
 
     def extend(self, session_id: str, new_ids: list[int], now: float | None = None) -> FeedReport:
         """Append ids (the served model's output so far) to what the session holds."""
+        return self.append(session_id, new_ids, now)
+
+    def append(self, session_id: str, new_ids: list[int], now: float | None = None) -> FeedReport:
+        """`feed` of what the session holds plus new_ids, checking only the new ids (nothing read can
+        differ, so there is nothing to roll back): what a decode round costs the reader's host time."""
         session = self.get(session_id)
-        return self.feed(session_id, session.ids + list(new_ids), now=now)
+        self._check_ids(new_ids)
+        session.ids.extend(new_ids)
+        session.last_fed_s = self.clock() if now is None else now
+        session.checkpoint_lines = {p for p in session.checkpoint_lines if p <= len(session.ids)}
+        session.behind_at_turn_start = session.behind
+        self.residency.after_feed(self, session)
+        return FeedReport(session_id, session.committed, session.backlog, len(session.ids) - session.readable_end, None, None)
+
+    def _check_ids(self, ids: list[int]) -> None:
+        if not isinstance(ids, (list, tuple)):
+            raise ShadowError(f"ids must be a list of token ids, got {type(ids).__name__}")
+        vocab = self.engine.cfg.vocab_size
+        for i in ids:
+            if not isinstance(i, int) or not 0 <= i < vocab:
+                raise ShadowError(f"token id {i!r} is outside the vocabulary [0, {vocab})")
 
     def _rollback(self, session: ShadowSession, first_diff: int) -> int:
         usable = [c for c in session.checkpoints if c.position <= first_diff]
@@ -273,7 +289,7 @@ class ShadowReader:
     def read_step(self, session_id: str) -> ChunkReport | None:
         """Read one whole grid chunk of the session; None if it has no whole chunk waiting."""
         session = self.get(session_id)
-        self._ensure_resident(session)
+        self.ensure_resident(session)
         if session.backlog < self.grid:
             return None
         start = session.committed
@@ -335,7 +351,7 @@ class ShadowReader:
         back. The fork is padded to a multiple of FORK_ALIGN rows (the padding sits after the last real
         row, so causality keeps it out of the answer). Returns (logits [vocab] fp32, device ms, the
         absolute position answered at, ids forwarded)."""
-        self._ensure_resident(session)
+        self.ensure_resident(session)
         cache = session.cache
         assert cache is not None
         upto = len(session.ids) if upto is None else upto
@@ -438,7 +454,7 @@ class ShadowReader:
         session = self.get(session_id)
         if max_tokens < 1:
             raise ShadowError(f"max_tokens must be >= 1, got {max_tokens}")
-        self._ensure_resident(session)
+        self.ensure_resident(session)
         cache = session.cache
         assert cache is not None
         ids = session.ids[session.committed :] + list(prompt_ids)

@@ -314,3 +314,22 @@ def test_shadow_check_noise_floor(tiny_engine, tmp_path):
     report16 = run_shadow_check(engine16, session_file, GRID, num_probes=1, noise_floor=True)
     assert report16["bit_equal"] is True
     assert 0.0 < report16["probes_max_kl_vs_fp32"] < 1.0
+
+
+def test_append_is_feed_of_the_longer_list(tiny_engine):
+    a, b = _reader(tiny_engine), _reader(tiny_engine)
+    ids = list(range(600, 600 + GRID + 9))
+    for reader in (a, b):
+        reader.feed("s", ids, prompt_end=len(ids))
+        reader.read_all("s")
+    more = list(range(50, 50 + GRID))
+    ra = a.append("s", more)
+    rb = b.feed("s", ids + more)
+    assert (ra.position, ra.backlog, ra.tail) == (rb.position, rb.backlog, rb.tail)
+    assert a.get("s").ids == b.get("s").ids
+    a.read_all("s")
+    b.read_all("s")
+    assert all(a.state_equal(a.get("s"), b.get("s")).values())
+    with pytest.raises(ShadowError, match="outside the vocabulary"):
+        a.append("s", [5, -1])
+    assert a.get("s").ids == b.get("s").ids  # nothing appended
