@@ -77,6 +77,7 @@ _DECLARED: list[Setting] = [
     Setting("QSE_SHADOW_GRAPHS", bool, True, "capture grid chunks as CUDA graphs on cuda devices"),
     Setting("QSE_SERVED_GRAPHS", bool, True, "decode the served model under a CUDA graph on cuda devices with triton kernels"),
     Setting("QSE_SERVED_KV_GB", float, 8.0, "the served model's paged KV pool (graph decode), GiB"),
+    Setting("QSE_GC_FREEZE", bool, True, "move what exists at start out of Python's collector (no 80 ms full collections mid-turn)"),
     # the conductor
     Setting("QSE_SHADOW_RATION", float, 0.02, "reader share of the served model's time since its first token"),
     Setting("QSE_SHADOW_SLICE_MS", float, 150.0, "longest reader slice between two decode rounds, ms"),

@@ -19,6 +19,7 @@ ledger (core's GpuLedger), per turn and in total.
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import json
 import time
@@ -81,6 +82,7 @@ class ConductorConfig:
     chunk_prior_ms: float = 50.0  # a chunk's cost before the reader measured one
     served_graphs: bool = True  # decode under a CUDA graph where the served engine can (cuda, triton kernels)
     served_kv_gb: float = 8.0
+    gc_freeze: bool = True  # freeze the Python objects that exist at start (see start())
 
     @classmethod
     def from_settings(cls, settings: EngineSettings = SETTINGS) -> "ConductorConfig":
@@ -90,6 +92,7 @@ class ConductorConfig:
             idle_poll_s=settings.get("QSE_SHADOW_IDLE_POLL_S"),
             served_graphs=settings.get("QSE_SERVED_GRAPHS"),
             served_kv_gb=settings.get("QSE_SERVED_KV_GB"),
+            gc_freeze=settings.get("QSE_GC_FREEZE"),
             idle_burst_s=settings.get("QSE_SHADOW_IDLE_BURST_S"),
             narrator_share=settings.get("QSE_NARRATOR_SHARE"),
             journal_dir=settings.get("QSE_SHADOW_DIR") or settings.cache_dir() / "shadow",
@@ -201,6 +204,12 @@ class Conductor:
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
+        if self.config.gc_freeze:
+            # what exists now (weights' wrappers, tokenizer tables, graphs) lives as long as the process: out
+            # of the collector's sight, a full collection during a turn scans only what turns allocate (it
+            # scanned ~170k objects, 80 ms, between two decode rounds)
+            gc.collect()
+            gc.freeze()
         if self.reader is not None and self._idle_task is None and not self._stopping:
             self._wake = asyncio.Event()
             self._idle_task = asyncio.create_task(self._idle_loop(), name="qse-idle-reader")
