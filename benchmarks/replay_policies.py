@@ -36,7 +36,9 @@ CKPT_PLUS = dict(checkpoint_at_line=True, recent_checkpoints=4, divergence_check
 # (name, what it changes, SimOptions overrides, in the runtime today?)
 POLICIES: list[tuple[str, str, dict, bool]] = [
     ("runtime", "the runtime's policy: 2 % ration from the first token, idle window, 6 prompt-end checkpoints "
-                "taken when a chunk ends on the line", {}, True),
+                "(taken when a chunk ends on the line, or at once when the reader stands on it)", {}, True),
+    ("runtime_before_checkpoint_at_line", "the runtime until 2026-11-29: a prompt-end checkpoint only when a "
+                                          "chunk ends on the line", dict(checkpoint_at_line=False), False),
     ("idle_only", "no ration (reference: what the idle window alone does)", dict(ration=0.0), True),
     ("ration_1pct", "ration 1 %", dict(ration=0.01), True),
     ("ration_3pct", "ration 3 %", dict(ration=0.03), True),
@@ -44,7 +46,7 @@ POLICIES: list[tuple[str, str, dict, bool]] = [
      dict(ration_from="turn_start"), True),
     ("checkpoints_12", "12 prompt-end checkpoints instead of 6", dict(checkpoints=12), True),
     ("checkpoint_at_line", "take the prompt end's checkpoint at once when the reader already stands on it",
-     dict(checkpoint_at_line=True), False),
+     dict(checkpoint_at_line=True), True),
     ("recent_2", "checkpoint_at_line + the newest 2 grid lines read kept as checkpoints",
      dict(checkpoint_at_line=True, recent_checkpoints=2), False),
     ("recent_4", "checkpoint_at_line + the newest 4 grid lines read", dict(checkpoint_at_line=True, recent_checkpoints=4),

@@ -6,7 +6,7 @@
                       [--ration 0.02] [--slice-ms 150] [--idle-poll-s 0.2] [--idle-burst-s 2]
                       [--grid 512] [--decode-tok-s 36] [--prefill-tok-s 936] [--max-sessions N]
                       [--prefill-share 0] [--wake-on-end] [--ration-from first_token|turn_start]
-                      [--checkpoint-at-line] [--recent-checkpoints N] [--pin-first-checkpoint]
+                      [--no-checkpoint-at-line] [--recent-checkpoints N] [--pin-first-checkpoint]
                       [--divergence-checkpoints N]
     qse replay convert TRACE [--format ...] -o LEDGER.jsonl     (writes LEDGER.jsonl and LEDGER.jsonl.meta.json)
 
@@ -65,8 +65,9 @@ def replay_parser() -> argparse.ArgumentParser:
     p.add_argument("--wake-on-end", action="store_true", help="exploratory: the idle window looks as soon as a turn ends")
     p.add_argument("--ration-from", choices=RATION_FROM, default="first_token",
                    help="count the ration from the first token (the rule) or the turn start (the seed's first build)")
-    p.add_argument("--checkpoint-at-line", action="store_true",
-                   help="exploratory: take the prompt end's checkpoint at once when the reader already stands on it")
+    p.add_argument("--no-checkpoint-at-line", dest="checkpoint_at_line", action="store_false",
+                   help="the old reader: no prompt-end checkpoint where the reader already stands (only a chunk "
+                        "ending on the line takes one)")
     p.add_argument("--recent-checkpoints", type=int, default=0,
                    help="exploratory: also keep the state at the newest N grid lines read")
     p.add_argument("--pin-first-checkpoint", action="store_true",

@@ -26,10 +26,10 @@ miss (`MISS_CAUSES`).
 Policy switches (the seed's policy is the default, all off): `ration_from="turn_start"` (the seed's
 first build, to show its decode loss), `prefill_share` (read during the served prefill, this share of
 its time: the first token comes later, the decode is untouched), `wake_on_end` (the idle window looks
-the moment a turn ends instead of at its next poll). Checkpoint switches, none of them in the runtime's
-reader yet (qse/shadow/reader.py would need the same change): `checkpoint_at_line` (take the prompt
-end's checkpoint at once when the reader already stands on that line; the reader only takes one when
-a chunk ends there), `recent_checkpoints` (also keep the state at the newest N grid lines read, a ring
+the moment a turn ends instead of at its next poll). Checkpoint switches: `checkpoint_at_line` (take the prompt
+end's checkpoint at once when the reader already stands on that line, not only when a chunk ends
+there; on by default, as the runtime's reader does). The others are not in the runtime's reader
+(qse/shadow/reader.py would need the same change): `recent_checkpoints` (also keep the state at the newest N grid lines read, a ring
 beside the prompt-end checkpoints), `pin_first_checkpoint` (the lowest prompt-end checkpoint is kept
 when the cap would drop it), `divergence_checkpoints` (the grid line at or below each of the newest N
 places where a prompt re-rendered becomes a checkpoint line too, in N slots of its own: the re-read
@@ -92,7 +92,7 @@ class SimOptions:
     prefill_share: float = 0.0
     wake_on_end: bool = False
     # checkpoint switches (all off: the runtime's reader)
-    checkpoint_at_line: bool = False
+    checkpoint_at_line: bool = True  # the runtime's reader does this since 2026-11-29
     recent_checkpoints: int = 0
     pin_first_checkpoint: bool = False
     divergence_checkpoints: int = 0

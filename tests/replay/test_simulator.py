@@ -216,14 +216,15 @@ def test_rollback_into_the_output_and_recent_checkpoints():
 
 def test_checkpoint_at_the_line_the_reader_stands_on():
     # turn 0 (1000 + 100 out) is read to 1024; turn 1's prompt (1100) ends on the line 1024 where the reader
-    # stands: the runtime's reader takes no checkpoint there (only a chunk ending on a line does)
+    # stands: the reader takes the checkpoint there at once (the default); without it, only a chunk ending
+    # on a line would
     recs = [rec("s", 0.0, 0.1, 0.2, 1000, 0, 100), rec("s", 10.0, 10.1, 10.2, 1100, 1000, 500),
             rec("s", 20.0, 20.1, 20.2, 1500, 1100, 1)]
-    res = simulate(recs, SEED)
+    res = simulate(recs, SEED, SimOptions(checkpoint_at_line=False))
     start = res.turn_starts[2]
     assert (start.kept_tokens, start.rolled_back_tokens, start.behind_tokens) == (1500, 1024, 988)  # back to 512
     assert start.cause == "rollback_above_newest_checkpoint"
-    res = simulate(recs, SEED, SimOptions(checkpoint_at_line=True))
+    res = simulate(recs, SEED)
     start = res.turn_starts[2]
     assert (start.rolled_back_tokens, start.behind_tokens, start.fresh) == (512, 476, True)  # back to 1024
 
@@ -284,7 +285,7 @@ def test_cli_reads_a_shadow_measure_result(tmp_path, capsys):
     out = tmp_path / "res" / "replay-x.json"
     chart = tmp_path / "res" / "replay-x.png"
     rc = main([str(ledger), "--read-model", str(measured), "--json-out", str(out), "--chart", str(chart),
-               "--recent-checkpoints", "2", "--checkpoint-at-line", "--no-progress"])
+               "--recent-checkpoints", "2", "--no-progress"])
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
     assert report["read_model"]["points"] == [[0, 28.0], [8192, 27.0]]
