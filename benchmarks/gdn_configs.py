@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import qse_kernels.gdn_chunk as gdn  # noqa: E402
+from benchmarks.results_io import write_result  # noqa: E402
 
 VARIANTS = {
     "default": {},
@@ -93,11 +94,7 @@ def main(argv=None) -> int:
               "device": torch.cuda.get_device_name(), "versions": {"torch": torch.__version__, "python": platform.python_version(),
                                                                    "triton": __import__("triton").__version__},
               "shape": {"T": 512, "Hk": 16, "Hv": 16, "Dk": 128, "Dv": 128}, "variants": rows}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"gdn_configs-{dt.date.today().isoformat()}-h200.json"
-    path.write_text(json.dumps(result, indent=1))
-    print(json.dumps({"written": str(path)}))
+    write_result(result, args.out, "gdn_configs")
     return 0
 
 

@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 from qse.engine.engine import Engine  # noqa: E402
 from qse.models import resolve  # noqa: E402
 from qse.shadow.reader import ShadowReader  # noqa: E402
+from benchmarks.results_io import write_result  # noqa: E402
 
 
 def versions() -> dict:
@@ -214,12 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             if vals:
                 best[shape] = min(vals)
         result["peer_best_ms_per_1000_tokens"] = best
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tag = "h200" if "H200" in result["device"] else device.type
-    path = out_dir / f"shadow_measure-{dt.date.today().isoformat()}-{tag}.json"
-    path.write_text(json.dumps(result, indent=1))
-    print(json.dumps({"written": str(path)}))
+    write_result(result, args.out, "shadow_measure")
     return 0
 
 
