@@ -237,6 +237,8 @@ class Conductor:
             self.served_exec.shutdown()
             if self.reader_exec is not self.served_exec:
                 self.reader_exec.shutdown()
+            if self.config.gc_freeze:
+                gc.unfreeze()  # what start froze may be collected again (and is, at exit)
 
     def _refuse_if_stopped(self) -> None:
         if self._stopped:
