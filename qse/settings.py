@@ -73,7 +73,7 @@ _DECLARED: list[Setting] = [
     Setting("QSE_SHADOW_DISK", str, "auto", "disk tier dir; auto: <cache>/shadow-disk; off: no disk tier"),
     Setting("QSE_SHADOW_DISK_GB", float, 64.0, "cap on the disk tier, GiB"),
     Setting("QSE_SHADOW_DISK_TTL_S", float, 48 * 3600.0, "time-to-live of a parked session file, seconds"),
-    Setting("QSE_KERNELS", str, "naive", "op set of the engines: naive (torch twins), triton (qse_kernels), auto (triton on cuda)"),
+    Setting("QSE_KERNELS", str, "auto", "op set of the engines: naive (torch twins), triton (qse_kernels), auto (triton on cuda)"),
     Setting("QSE_SHADOW_GRAPHS", bool, True, "capture grid chunks as CUDA graphs on cuda devices"),
     Setting("QSE_SERVED_GRAPHS", bool, True, "decode the served model under a CUDA graph on cuda devices with triton kernels"),
     Setting("QSE_SERVED_KV_GB", float, 8.0, "the served model's paged KV pool (graph decode), GiB"),

@@ -615,6 +615,7 @@ class Conductor:
         turn = self._turn
         out: dict[str, Any] = {
             "served_model": self.served.name,
+            "served_mode": self.serving.mode,
             "shadow": self.options.mode,
             "turns": self.turns,
             "ledger_ms": {k: round(v, 3) for k, v in self.ledger.total_ms.items()},
@@ -627,6 +628,7 @@ class Conductor:
         r = self.reader
         out.update({
             "slot": {"model": r.engine.name, "grid": r.grid, "device": str(r.engine.device), "dtype": str(r.engine.dtype).replace("torch.", ""),
+                     "kernels": r.engine.kernels, "mode": r.mode,
                      "pool_pages": r.pool.num_pages, "pool_free_pages": r.pool.num_free},
             "sessions": [
                 {"session": s.session_id, "position": s.committed, "known": len(s.ids), "backlog": s.backlog,

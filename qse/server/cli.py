@@ -71,6 +71,10 @@ def build_service(model: str = "", shadow_model: str = "", profile: str = "defau
     s = prof.shadow
     options = ShadowOptions(mode=s.mode, narrator=s.narrator, router=s.router, router_min_tokens=s.router_min_tokens)
     conductor = Conductor(served, reader, options, ConductorConfig.from_settings(settings))
+    # capture the graphs (the reader's chunk, the served decode step) before the first request, not in it
+    if reader is not None:
+        reader.warm()
+    conductor.serving.warm()
     return Service(conductor, served.chat, served.name, prof, settings, store=store,
                    max_context_tokens=served.cfg.max_position_embeddings)
 

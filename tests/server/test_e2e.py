@@ -154,6 +154,8 @@ def test_shadow_ask_summarize_and_status(server, http):
     assert r.status_code == 200 and 1 <= r.json()["tokens"] <= 4
     status = http.get("/v1/conductor/shadow/status").json()
     assert status["profile"] == "coding" and status["slot"]["grid"] == server.grid
+    # a CPU server: the torch twins, eager reads and an eager served decode
+    assert (status["slot"]["kernels"], status["slot"]["mode"], status["served_mode"]) == ("naive", "eager", "eager")
     assert {"served_prefill", "served_decode", "reader_idle", "reader_ask", "narrator"} <= set(status["ledger_ms"])
     assert status["ledger_ms"]["reader_ask"] > 0 and "store" in status and "parked" in status
     assert any(a["session"] == "ask-me" for a in status["last_answers"])
