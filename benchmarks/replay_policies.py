@@ -33,7 +33,7 @@ TRACES = {"weka": "weka_cc_sessions_dev.csv", "mooncake": "mooncake_conversation
 
 CKPT_PLUS = dict(checkpoint_at_line=True, recent_checkpoints=4, divergence_checkpoints=4)
 
-# (name, what it changes, SimOptions overrides, in the runtime today?)
+# (name, what it changes, SimOptions overrides, can the runtime do it (by default or with a QSE_* setting)?)
 POLICIES: list[tuple[str, str, dict, bool]] = [
     ("runtime", "the runtime's policy: 2 % ration from the first token, idle window, 6 prompt-end checkpoints "
                 "(taken when a chunk ends on the line, or at once when the reader stands on it)", {}, True),
@@ -48,22 +48,22 @@ POLICIES: list[tuple[str, str, dict, bool]] = [
     ("checkpoint_at_line", "take the prompt end's checkpoint at once when the reader already stands on it",
      dict(checkpoint_at_line=True), True),
     ("recent_2", "checkpoint_at_line + the newest 2 grid lines read kept as checkpoints",
-     dict(checkpoint_at_line=True, recent_checkpoints=2), False),
+     dict(checkpoint_at_line=True, recent_checkpoints=2), True),
     ("recent_4", "checkpoint_at_line + the newest 4 grid lines read", dict(checkpoint_at_line=True, recent_checkpoints=4),
-     False),
+     True),
     ("recent_8", "checkpoint_at_line + the newest 8 grid lines read", dict(checkpoint_at_line=True, recent_checkpoints=8),
-     False),
+     True),
     ("divergence_4", "checkpoint_at_line + the lines of the newest 4 re-render points",
-     dict(checkpoint_at_line=True, divergence_checkpoints=4), False),
+     dict(checkpoint_at_line=True, divergence_checkpoints=4), True),
     ("pin_first", "checkpoint_at_line + the lowest prompt-end checkpoint kept",
      dict(checkpoint_at_line=True, pin_first_checkpoint=True), False),
-    ("ckpt_plus", "checkpoint_at_line + recent 4 + divergence 4 (14 checkpoints a session at most)", CKPT_PLUS, False),
+    ("ckpt_plus", "checkpoint_at_line + recent 4 + divergence 4 (14 checkpoints a session at most)", CKPT_PLUS, True),
     ("wake_on_end", "the idle window looks the moment a turn ends", dict(wake_on_end=True), False),
     ("prefill_2pct", "read during the served prefill, 2 % of it (delays the first token)", dict(prefill_share=0.02),
      False),
     ("prefill_5pct", "read during the served prefill, 5 % of it (delays the first token)", dict(prefill_share=0.05),
      False),
-    ("ckpt_plus_ration_1pct", "ckpt_plus with a 1 % ration", dict(CKPT_PLUS, ration=0.01), False),
+    ("ckpt_plus_ration_1pct", "ckpt_plus with a 1 % ration", dict(CKPT_PLUS, ration=0.01), True),
     ("ckpt_plus_wake_prefill_2pct", "ckpt_plus + wake_on_end + prefill 2 %",
      dict(CKPT_PLUS, wake_on_end=True, prefill_share=0.02), False),
 ]

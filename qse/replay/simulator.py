@@ -28,8 +28,9 @@ first build, to show its decode loss), `prefill_share` (read during the served p
 its time: the first token comes later, the decode is untouched), `wake_on_end` (the idle window looks
 the moment a turn ends instead of at its next poll). Checkpoint switches: `checkpoint_at_line` (take the prompt
 end's checkpoint at once when the reader already stands on that line, not only when a chunk ends
-there; on by default, as the runtime's reader does). The others are not in the runtime's reader
-(qse/shadow/reader.py would need the same change): `recent_checkpoints` (also keep the state at the newest N grid lines read, a ring
+there; on by default, as the runtime's reader does). `recent_checkpoints` and `divergence_checkpoints`
+are the reader's options too (off by default in both); `pin_first_checkpoint` is the simulator's only:
+`recent_checkpoints` (also keep the state at the newest N grid lines read, a ring
 beside the prompt-end checkpoints), `pin_first_checkpoint` (the lowest prompt-end checkpoint is kept
 when the cap would drop it), `divergence_checkpoints` (the grid line at or below each of the newest N
 places where a prompt re-rendered becomes a checkpoint line too, in N slots of its own: the re-read

@@ -66,7 +66,9 @@ def build_service(model: str = "", shadow_model: str = "", profile: str = "defau
         store = ShadowStore.from_settings(settings)
         reader = ShadowReader(engine, grid=grid or settings.get("QSE_SHADOW_GRID"),
                               pool_bytes=int(settings.get("QSE_SHADOW_GB") * GIB),
-                              max_checkpoints=settings.get("QSE_SHADOW_CHECKPOINTS"), residency=store)
+                              max_checkpoints=settings.get("QSE_SHADOW_CHECKPOINTS"), residency=store,
+                              recent_checkpoints=settings.get("QSE_SHADOW_RECENT_CHECKPOINTS"),
+                              divergence_checkpoints=settings.get("QSE_SHADOW_DIVERGENCE_CHECKPOINTS"))
         store.attach(reader)
     s = prof.shadow
     options = ShadowOptions(mode=s.mode, narrator=s.narrator, router=s.router, router_min_tokens=s.router_min_tokens)

@@ -23,11 +23,22 @@ from ..engine.kv import PagedKV
 from ..models.cache import SequenceCache
 
 
+PROMPT, RECENT, DIVERGENCE = "prompt", "recent", "divergence"
+KINDS = frozenset((PROMPT, RECENT, DIVERGENCE))
+
+
 @dataclass
 class Checkpoint:
+    """The GDN state at a grid line, held for one or more reasons (its kinds):
+    prompt      the last grid line at or below a turn's prompt end (up to max_checkpoints)
+    recent      one of the newest grid lines read (up to recent_checkpoints; off by default)
+    divergence  the line at or below a place where a prompt re-rendered (up to divergence_checkpoints)
+    """
+
     position: int  # a grid line
     recurrent: list[torch.Tensor]
     conv: list[torch.Tensor]
+    kinds: set[str] = field(default_factory=lambda: {PROMPT})
 
     @property
     def nbytes(self) -> int:
@@ -55,6 +66,7 @@ class ShadowSession:
     committed: int = 0
     checkpoints: list[Checkpoint] = field(default_factory=list)
     checkpoint_lines: set[int] = field(default_factory=set)  # grid lines to snapshot when reached
+    divergence_lines: list[int] = field(default_factory=list)  # the newest re-render lines, oldest first
     stats: SessionStats = field(default_factory=SessionStats)
     mode: str = "eager"  # which execution mode wrote the state ('eager' or 'graph')
     last_fed_s: float = 0.0
@@ -95,5 +107,6 @@ class ShadowSession:
         sections = sum(t.numel() * t.element_size() for t in (*self.cache.recurrent, *self.cache.conv))
         return self.kv.nbytes + sections + sum(c.nbytes for c in self.checkpoints)
 
-    def checkpoint_positions(self) -> list[int]:
-        return [c.position for c in self.checkpoints]
+    def checkpoint_positions(self, kind: str | None = PROMPT) -> list[int]:
+        """Rows of the checkpoints of one kind (None: of every kind), lowest first."""
+        return [c.position for c in self.checkpoints if kind is None or kind in c.kinds]

@@ -36,7 +36,7 @@ from ..engine.kv import PagedKV
 from ..models.state import ModelState, StateMismatch
 from ..settings import SETTINGS, EngineSettings
 from ..shadow.reader import ShadowReader, _common_prefix
-from ..shadow.session import Checkpoint, SessionStats, ShadowSession
+from ..shadow.session import KINDS, PROMPT, Checkpoint, SessionStats, ShadowSession
 from . import disk
 from .disk import FileHeader, FileMiss, Fingerprint
 from .policy import ParkedFile, Resident, plan_room, plan_sweep
@@ -117,7 +117,7 @@ class ShadowStore:
     def make_room(self, reader: ShadowReader, pages: int, keep: ShadowSession) -> bool:
         """Free `pages` pool pages and keep the cap with them (and the checkpoint the chunk may take)."""
         need_nbytes = pages * reader.pool.page_nbytes
-        if keep.is_resident and keep.committed + reader.grid in keep.checkpoint_lines:
+        if keep.is_resident and reader.chunk_may_checkpoint(keep):
             need_nbytes += reader.engine.recurrent_nbytes()
         return self._fit(reader, keep, pages, need_nbytes)
 
@@ -160,8 +160,9 @@ class ShadowStore:
         device = reader.engine.device
         session.cache = cache
         session.committed = state.length
-        session.checkpoints = [Checkpoint(c.position, [t.to(device) for t in c.recurrent], [t.to(device) for t in c.conv])
-                               for c in record.checkpoints]
+        session.checkpoints = [Checkpoint(c.position, [t.to(device) for t in c.recurrent], [t.to(device) for t in c.conv],
+                                          set(c.kinds)) for c in record.checkpoints]
+        session.divergence_lines = record.divergence_lines
         session.mode = record.mode
         self._unlink(entry.path)
         # the session may have been fed other ids while parked: go back as a resident one would
@@ -451,6 +452,7 @@ class _Record:
     state: ModelState
     checkpoints: list[Checkpoint]
     mode: str
+    divergence_lines: list[int]
 
 
 def _session_tensors(session: ShadowSession, state: ModelState) -> dict[str, torch.Tensor]:
@@ -474,6 +476,8 @@ def _session_meta(session: ShadowSession, state: ModelState) -> dict[str, str]:
         "num_ids": str(len(session.ids)),
         "checkpoints": json.dumps([c.position for c in session.checkpoints]),
         "checkpoint_counts": json.dumps([[len(c.recurrent), len(c.conv)] for c in session.checkpoints]),
+        "checkpoint_kinds": json.dumps([sorted(c.kinds) for c in session.checkpoints]),
+        "divergence_lines": json.dumps(session.divergence_lines),
         "checkpoint_lines": json.dumps(sorted(session.checkpoint_lines)),
         "mode": session.mode,
         "stats": json.dumps(dataclasses.asdict(session.stats)),
@@ -535,6 +539,11 @@ def _decode(header: FileHeader, tensors: dict[str, torch.Tensor], reader: Shadow
     committed = _meta_int(meta, "committed")
     positions = [int(p) for p in _meta_json(meta, "checkpoints")]
     counts = _meta_json(meta, "checkpoint_counts")
+    # files written before checkpoints had kinds hold prompt-end checkpoints only
+    kinds = _meta_json(meta, "checkpoint_kinds") if "checkpoint_kinds" in meta else [[PROMPT]] * len(positions)
+    div_lines = [int(p) for p in _meta_json(meta, "divergence_lines")] if "divergence_lines" in meta else []
+    if len(kinds) != len(positions) or not all(isinstance(k, list) and k and set(k) <= KINDS for k in kinds):
+        raise FileMiss("corrupt", f"checkpoint kinds {kinds!r} do not fit the positions")
     if "ids" not in tensors:
         raise FileMiss("corrupt", "no ids tensor")
     ids = _check_ids(tensors["ids"], reader.engine.cfg.vocab_size)
@@ -554,8 +563,9 @@ def _decode(header: FileHeader, tensors: dict[str, torch.Tensor], reader: Shadow
         if not 0 < position <= committed or position % reader.grid or not (
                 _same_layout(rec, sections, "recurrent") and _same_layout(cnv, sections, "conv")):
             raise FileMiss("corrupt", f"checkpoint {i} at {position} does not match the state")
-        checkpoints.append(Checkpoint(position, rec, cnv))
-    return _Record(ids, ModelState(sections=sections, views=views, length=committed), checkpoints, meta.get("mode", "eager"))
+        checkpoints.append(Checkpoint(position, rec, cnv, set(kinds[i])))
+    return _Record(ids, ModelState(sections=sections, views=views, length=committed), checkpoints, meta.get("mode", "eager"),
+                   div_lines)
 
 
 __all__ = ["GIB", "Parked", "ShadowStore", "StoreCounts"]

@@ -4,7 +4,7 @@ The simulator's decisions (which chunks each window read) are carried out on a r
 the tiny embedded model, fed as the conductor feeds it: the prompt with its end at a turn start, then
 the turn's output. At every turn start the reader must stand where the simulator says (the same
 rollback, the same row), and at the end it must hold the same checkpoints. The simulator's checkpoint
-switches are off here: the reader has none of them.
+switches are the reader's too (recent and divergence checkpoints, off by default in both).
 """
 
 from __future__ import annotations
@@ -56,11 +56,12 @@ def _build(turns, seed: int):
     return prompts, outputs, recs
 
 
-def _mirror(tiny_engine, turns, seed: int, checkpoints: int):
+def _mirror(tiny_engine, turns, seed: int, checkpoints: int, recent: int = 0, divergence: int = 0):
     from qse.shadow.reader import ShadowReader
 
     prompts, outputs, recs = _build(turns, seed)
-    opt = SimOptions(grid=GRID, checkpoints=checkpoints, estimator_bucket_tokens=64)
+    opt = SimOptions(grid=GRID, checkpoints=checkpoints, estimator_bucket_tokens=64, recent_checkpoints=recent,
+                     divergence_checkpoints=divergence)
     sim = Simulator(MODEL, opt, record_decisions=True)
     replay = _SessionReplay(sim, "s")
     replay.run(recs)
@@ -68,8 +69,8 @@ def _mirror(tiny_engine, turns, seed: int, checkpoints: int):
     decisions = sim.result.decisions
 
     longest = max(len(p) + len(o) for p, o in zip(prompts, outputs))
-    reader = ShadowReader(tiny_engine, grid=GRID, max_checkpoints=checkpoints,
-                          pool_bytes=tiny_engine.state_bytes_per_token() * (longest + 4 * GRID) + (1 << 20))
+    reader = ShadowReader(tiny_engine, grid=GRID, max_checkpoints=checkpoints, recent_checkpoints=recent,
+                          divergence_checkpoints=divergence, pool_bytes=tiny_engine.state_bytes_per_token() * (longest + 4 * GRID) + (1 << 20))
 
     def carry_out(turn: int, windows: set[Window]) -> None:
         for d in decisions:
@@ -91,22 +92,33 @@ def _mirror(tiny_engine, turns, seed: int, checkpoints: int):
     carry_out(len(prompts), {Window.IDLE})
     assert reader.get("s").committed == replay.committed
     assert reader.get("s").checkpoint_positions() == sorted(replay.checkpoints)
+    assert reader.get("s").checkpoint_positions(None) == sorted(replay._all_checkpoints())
     reader.close("s")
     return starts
 
 
+TURNS = [("extend", 40, 0, 30), ("short", 10, 0, 20), ("extend", 50, 0, 25), ("cut", 20, 30, 10),
+         ("cut", 45, 12, 40), ("extend", 33, 0, 5)]
+
+
 def test_rollbacks_and_checkpoints_as_the_reader(tiny_engine):
     # read into the output, a re-render below it, a cut below every checkpoint, then the same place again
-    turns = [("extend", 40, 0, 30), ("short", 10, 0, 20), ("extend", 50, 0, 25), ("cut", 20, 30, 10),
-             ("cut", 45, 12, 40), ("extend", 33, 0, 5)]
-    starts = _mirror(tiny_engine, turns, seed=1, checkpoints=2)
+    starts = _mirror(tiny_engine, TURNS, seed=1, checkpoints=2)
     assert any(s.rolled_back_tokens for s in starts)
+
+
+def test_recent_and_divergence_checkpoints_as_the_reader(tiny_engine):
+    """With the reader's optional checkpoints on (the newest lines read, the re-render places) it still
+    stands where the simulator says at every turn start and holds the same checkpoints."""
+    _mirror(tiny_engine, TURNS, seed=1, checkpoints=2, recent=2, divergence=2)
 
 
 @pytest.mark.slow
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(turns=st.lists(st.tuples(st.sampled_from(["extend", "extend", "cut", "short"]), st.integers(1, 70),
                                 st.integers(0, 40), st.integers(1, 50)), min_size=2, max_size=5),
-       seed=st.integers(0, 1000), checkpoints=st.sampled_from([1, 2, 6]))
-def test_rollbacks_and_checkpoints_as_the_reader_on_random_sessions(tiny_engine, turns, seed, checkpoints):
-    _mirror(tiny_engine, turns, seed, checkpoints)
+       seed=st.integers(0, 1000), checkpoints=st.sampled_from([1, 2, 6]), recent=st.sampled_from([0, 2]),
+       divergence=st.sampled_from([0, 1, 3]))
+def test_rollbacks_and_checkpoints_as_the_reader_on_random_sessions(tiny_engine, turns, seed, checkpoints, recent,
+                                                                   divergence):
+    _mirror(tiny_engine, turns, seed, checkpoints, recent, divergence)

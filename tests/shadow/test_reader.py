@@ -333,3 +333,35 @@ def test_append_is_feed_of_the_longer_list(tiny_engine):
     with pytest.raises(ShadowError, match="outside the vocabulary"):
         a.append("s", [5, -1])
     assert a.get("s").ids == b.get("s").ids  # nothing appended
+
+
+def test_recent_and_divergence_checkpoints(tiny_engine):
+    """Optional checkpoints: the newest lines read (a ring) and the line of each re-render place. A rollback
+    goes to the newest of any kind at or below the change, and the state still equals a fresh prefill."""
+    ids = list(range(2000, 2000 + 5 * GRID))
+    recent = ShadowReader(tiny_engine, grid=GRID, pool_bytes=16 << 20, recent_checkpoints=2)
+    recent.feed("s", ids, prompt_end=GRID + 3)
+    recent.read_all("s")
+    s = recent.get("s")
+    assert s.checkpoint_positions() == [GRID]  # the prompt end's line
+    assert s.checkpoint_positions("recent") == [4 * GRID, 5 * GRID]
+    assert recent.feed("s", ids[: 4 * GRID + 7] + [5, 6] + ids[4 * GRID + 9 :]).rolled_back_to == 4 * GRID
+    recent.read_all("s")
+    _assert_fresh_equal(recent, "s")
+
+    div = ShadowReader(tiny_engine, grid=GRID, pool_bytes=16 << 20, divergence_checkpoints=1)
+    div.feed("s", ids, prompt_end=GRID + 3)
+    div.read_all("s")
+    edited = ids[: 3 * GRID + 7] + [5, 6] + ids[3 * GRID + 9 :]
+    assert div.feed("s", edited).rolled_back_to == GRID  # nothing nearer yet: the prompt end's line
+    s = div.get("s")
+    assert s.divergence_lines == [3 * GRID]
+    div.read_all("s")
+    assert s.checkpoint_positions("divergence") == [3 * GRID]  # the re-read took it
+    _assert_fresh_equal(div, "s")
+    again = edited[: 3 * GRID + 7] + [9, 9] + edited[3 * GRID + 9 :]
+    assert div.feed("s", again).rolled_back_to == 3 * GRID  # the same place again: back to its line only
+    div.read_all("s")
+    _assert_fresh_equal(div, "s")
+    with pytest.raises(ShadowError, match="recent_checkpoints"):
+        ShadowReader(tiny_engine, grid=GRID, pool_bytes=1 << 20, recent_checkpoints=-1)

@@ -23,9 +23,9 @@ def session_nbytes(engine: Engine, reader: ShadowReader, rows: int, checkpoints:
 
 
 def make_reader(engine: Engine, disk_dir: Path | None, cap_nbytes: int = 1 << 30, pool_bytes: int = 4 << 20,
-                grid: int = GRID, **store_kwargs) -> tuple[ShadowReader, ShadowStore]:
+                grid: int = GRID, reader_kwargs: dict | None = None, **store_kwargs) -> tuple[ShadowReader, ShadowStore]:
     store = ShadowStore(cap_nbytes, disk_dir, **store_kwargs)
-    reader = ShadowReader(engine, grid=grid, pool_bytes=pool_bytes, residency=store)
+    reader = ShadowReader(engine, grid=grid, pool_bytes=pool_bytes, residency=store, **(reader_kwargs or {}))
     return reader, store
 
 

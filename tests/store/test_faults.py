@@ -279,7 +279,8 @@ def test_a_writer_killed_mid_file_leaves_no_file_that_loads(engine, store_cache_
 
 
 @pytest.mark.parametrize("field,value", [("checkpoint_lines", '["x"]'), ("written_s", "soon"), ("committed", "-32"),
-                                         ("checkpoint_counts", '[["a", 1]]'), ("checkpoints", "{}")])
+                                         ("checkpoint_counts", '[["a", 1]]'), ("checkpoints", "{}"),
+                                         ("checkpoint_kinds", '[["tomorrow"]]'), ("divergence_lines", '["x"]')])
 def test_nonsense_in_a_checksummed_header_is_a_miss(engine, ref, tmp_path, field, value):
     reader, store, snap_b, sha_b = two_parked(engine, tmp_path)
     rewrite_meta(tmp_path / disk.file_name("a"), **{field: value})  # a valid checksum over the nonsense

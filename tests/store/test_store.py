@@ -40,6 +40,49 @@ def test_park_and_restore_are_bit_exact_and_reading_goes_on(engine, ref, tmp_pat
     assert store.stats()["parks"] == 1 and store.stats()["restores"] == 1
 
 
+def test_checkpoint_kinds_and_re_render_lines_survive_parking(engine, ref, tmp_path):
+    reader, store = make_reader(engine, tmp_path, reader_kwargs=dict(recent_checkpoints=2, divergence_checkpoints=2))
+    ids = random_ids(3, 300)
+    reader.feed("s", ids, prompt_end=70)
+    reader.read_all("s")
+    edited = ids[:150] + [1, 2] + ids[152:]
+    reader.feed("s", edited)  # the recent lines (256, 288) lie above the change: back to 64; 128 becomes a re-render line
+    reader.read_all("s")
+    session = reader.get("s")
+    held = {c.position: sorted(c.kinds) for c in session.checkpoints}
+    assert held == {64: ["prompt"], 128: ["divergence"], 256: ["recent"], 288: ["recent"]}
+    assert session.divergence_lines == [128]
+    snap = snapshot(reader, session)
+    assert store.park(reader, session)
+    reader.feed("s", edited)
+    assert reader.read_step("s") is None  # brought back
+    assert {c.position: sorted(c.kinds) for c in session.checkpoints} == held
+    assert session.divergence_lines == [128]
+    assert_same(reader, session, snap)
+    # the next re-render at the same place goes back to its line
+    assert reader.feed("s", edited[:150] + [3, 4] + edited[152:]).rolled_back_to == 128
+    reader.read_all("s")
+    assert_fresh(reader, "s", ref)
+
+
+def test_a_file_from_before_checkpoint_kinds_holds_prompt_checkpoints(engine, ref, tmp_path):
+    reader, store = make_reader(engine, tmp_path)
+    ids = random_ids(4, 200)
+    reader.feed("s", ids, prompt_end=70)
+    reader.read_all("s")
+    snap = snapshot(reader, reader.get("s"))
+    assert store.park(reader, reader.get("s"))
+    path = tmp_path / disk.file_name("s")
+    header = disk.read_header(path)
+    meta = {k: v for k, v in header.meta.items() if k not in ("checkpoint_kinds", "divergence_lines")}
+    disk.write_file(path, disk.read_tensors(header), meta)  # as the previous format wrote it
+    reader.feed("s", ids)
+    assert reader.read_step("s") is None  # brought back, not read again
+    session = reader.get("s")
+    assert [(c.position, c.kinds) for c in session.checkpoints] == [(64, {"prompt"})]
+    assert_same(reader, session, snap)
+
+
 def test_lru_order_under_a_scripted_sequence_of_feeds(engine, tmp_path):
     reader, store = make_reader(engine, tmp_path, cap_nbytes=0)
     one = session_nbytes(engine, reader, 2 * GRID)
