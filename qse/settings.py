@@ -73,7 +73,7 @@ _DECLARED: list[Setting] = [
     Setting("QSE_SHADOW_DISK", str, "auto", "disk tier dir; auto: <cache>/shadow-disk; off: no disk tier"),
     Setting("QSE_SHADOW_DISK_GB", float, 64.0, "cap on the disk tier, GiB"),
     Setting("QSE_SHADOW_DISK_TTL_S", float, 48 * 3600.0, "time-to-live of a parked session file, seconds"),
-    Setting("QSE_KERNELS", str, "auto", "op set of the engines: naive (torch twins), triton (qse_kernels), auto (triton on cuda)"),
+    Setting("QSE_KERNELS", str, "auto", "op set of the engines: naive (torch twins), triton (qse_kernels), invariant (qse_kernels and GEMM: states equal across grids), auto (triton on cuda)"),
     Setting("QSE_SHADOW_RECENT_CHECKPOINTS", int, 0, "also keep the state at the newest N grid lines read (19.5 MB each on the 0.8B)"),
     Setting("QSE_SHADOW_DIVERGENCE_CHECKPOINTS", int, 0, "also keep the state at the lines of the newest N places a prompt re-rendered"),
     Setting("QSE_SHADOW_GRAPHS", bool, True, "capture grid chunks as CUDA graphs on cuda devices"),

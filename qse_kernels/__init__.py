@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 # The Triton modules, one a kernel family; imported only by triton_ops(), so that importing this package
 # needs no Triton and no GPU.
-KERNEL_MODULES = ("norms", "conv1d", "gdn_chunk", "gdn_recurrent", "attention")
+KERNEL_MODULES = ("norms", "conv1d", "gdn_chunk", "gdn_recurrent", "attention", "gemm")
 
 
 def triton_version() -> str | None:
@@ -36,7 +36,10 @@ def available() -> bool:
 def triton_ops() -> SimpleNamespace:
     """The Triton kernels under the names of the model's ops (qse.models.qwen3_5.model.default_ops)."""
     mods = {name: importlib.import_module(f"{__name__}.{name}") for name in KERNEL_MODULES}
+    from . import naive
+
     return SimpleNamespace(
+        dense_matmul=naive.dense_matmul,  # cuBLAS: faster than ours, but its rounding follows the shape
         rms_norm=mods["norms"].rms_norm,
         gated_rms_norm=mods["norms"].gated_rms_norm,
         causal_conv1d=mods["conv1d"].causal_conv1d,
@@ -46,6 +49,19 @@ def triton_ops() -> SimpleNamespace:
         attention=mods["attention"].attention,
         paged_attention=mods["attention"].paged_attention,
     )
+
+
+def invariant_ops() -> SimpleNamespace:
+    """triton_ops with every op grid-invariant: a row's result never depends on how many rows a call holds
+    (qse's GEMM instead of cuBLAS, attention with one tile shape and constant splits). A session read on
+    one grid then equals, bit for bit, the same session read on any other grid, and so do the answers."""
+    ops = triton_ops()
+    gemm = importlib.import_module(f"{__name__}.gemm")
+    attention = importlib.import_module(f"{__name__}.attention")
+    ops.dense_matmul = gemm.dense_matmul
+    ops.attention = attention.attention_invariant
+    ops.paged_attention = attention.paged_attention_invariant
+    return ops
 
 
 def kernel_fingerprint() -> str:
@@ -60,4 +76,4 @@ def kernel_fingerprint() -> str:
     return digest.hexdigest()
 
 
-__all__ = ["KERNEL_MODULES", "available", "kernel_fingerprint", "triton_ops", "triton_version"]
+__all__ = ["KERNEL_MODULES", "available", "invariant_ops", "kernel_fingerprint", "triton_ops", "triton_version"]

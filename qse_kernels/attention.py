@@ -35,6 +35,10 @@ DECODE_MIN_SPLIT_ROWS = 256
 COMBINE_BLOCK_SPLITS = 16
 LOG2_E = 1.4426950408889634
 CONTIGUOUS_PAGE_ROWS = 1 << 30  # a contiguous KV is one page this long
+# grid-invariant launches (QSE_KERNELS=invariant): one tile shape for every query count, and splits of a
+# constant size, so a query row's result depends on its position and the rows it sees, never on how many
+# queries came with it or how long the call's context was
+INVARIANT_SPLIT_ROWS = 2048
 
 
 def _interpreting() -> bool:
@@ -42,9 +46,10 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _config(num_q: int, group: int, head_dim: int) -> dict:
-    """Tile sizes pinned by the shape: (BM, BN, num_warps, num_stages)."""
-    if num_q * group <= 16:  # decode: the group's heads of one token
+def _config(num_q: int, group: int, head_dim: int, fixed_tiles: bool = False) -> dict:
+    """Tile sizes pinned by the shape: (BM, BN, num_warps, num_stages); fixed_tiles: the same for every
+    query count (a decode row then rides in a mostly empty tile)."""
+    if num_q * group <= 16 and not fixed_tiles:  # decode: the group's heads of one token
         return dict(BM=16, BN=64, num_warps=4, num_stages=3, MIN_ROWS=DECODE_MIN_SPLIT_ROWS)
     if head_dim > 128:
         return dict(BM=128, BN=64, num_warps=8, num_stages=2, MIN_ROWS=PREFILL_MIN_SPLIT_ROWS)
@@ -209,14 +214,15 @@ def _attn_combine_kernel(
 
 def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
                     start: torch.Tensor, max_rows: int | None = None, scale: float | None = None,
-                    rows_per_split: int = 0) -> torch.Tensor:
+                    rows_per_split: int = 0, fixed_tiles: bool = False) -> torch.Tensor:
     """q [T, H, D] at positions start.. (start: an int32 tensor [1] on q's device) over the rows
     [0, start + T) of a paged KV: k_pages, v_pages [P, page_rows, Hkv, D] (any page stride), page_table
     int32 [>= pages used]. Returns [T, H, D] in q's dtype.
 
     max_rows: a bound on start + T (exact when eager; the pool's capacity under a graph): the launch
     takes min(max_splits, ceil(max_rows / MIN_ROWS)) splits, enough for any context up to the bound;
-    None takes max_splits. The bits never depend on it. rows_per_split > 0 forces R (tests)."""
+    None takes max_splits. The bits never depend on it. rows_per_split > 0 forces R; with fixed_tiles
+    (and a forced R) the result is grid-invariant (see INVARIANT_SPLIT_ROWS)."""
     if q.dim() != 3 or k_pages.dim() != 4 or v_pages.shape != k_pages.shape or k_pages.shape[3] != q.shape[2]:
         raise ValueError(f"q must be [T, H, D] and k, v pages [P, rows, Hkv, D]; got {tuple(q.shape)}, "
                          f"{tuple(k_pages.shape)}, {tuple(v_pages.shape)}")
@@ -231,10 +237,11 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     if max_rows is not None:
         num_splits = splits_for(q.shape[0], q.shape[1], k_pages.shape[2], q.shape[2], max_rows, rows_per_split)
     return _launch(q, k_pages, v_pages, page_rows, k_pages.stride()[:3], v_pages.stride()[:3], page_table, start,
-                   num_splits, scale, rows_per_split)
+                   num_splits, scale, rows_per_split, fixed_tiles)
 
 
-def _launch(q, k, v, page_rows, k_strides, v_strides, page_table, start, num_splits, scale, rows_per_split):
+def _launch(q, k, v, page_rows, k_strides, v_strides, page_table, start, num_splits, scale, rows_per_split,
+            fixed_tiles=False):
     """k_strides, v_strides: (page, row, head) element strides; the last dimension is contiguous."""
     num_q, num_heads, head_dim = q.shape
     num_kv = k.shape[-2]
@@ -243,7 +250,7 @@ def _launch(q, k, v, page_rows, k_strides, v_strides, page_table, start, num_spl
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("k and v must have a contiguous last dimension")
     group = num_heads // num_kv
-    cfg = _config(num_q, group, head_dim)
+    cfg = _config(num_q, group, head_dim, fixed_tiles)
     if rows_per_split < 0 or rows_per_split % cfg["BN"]:
         raise ValueError(f"rows_per_split must be a multiple of {cfg['BN']}; got {rows_per_split}")
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -252,6 +259,8 @@ def _launch(q, k, v, page_rows, k_strides, v_strides, page_table, start, num_spl
         return out
     scale = head_dim ** -0.5 if scale is None else scale
     want = max_splits(num_q, num_heads, num_kv, head_dim)
+    if num_splits is None and rows_per_split:
+        raise ValueError("a forced split size needs the launch's split count (max_rows): it cannot be bounded")
     splits = want if num_splits is None else num_splits
     is_split = splits > 1
     if is_split:
@@ -284,8 +293,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, s
     return attention_split(q, k, v, q_start, scale, 0)
 
 
+def attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int,
+                        scale: float | None = None) -> torch.Tensor:
+    """attention, grid-invariant: one tile shape, splits of INVARIANT_SPLIT_ROWS rows."""
+    return attention_split(q, k, v, q_start, scale, INVARIANT_SPLIT_ROWS, fixed_tiles=True)
+
+
+def paged_attention_invariant(q, k_pages, v_pages, page_table, start, max_rows=None, scale=None):
+    """paged_attention, grid-invariant: one tile shape, splits of INVARIANT_SPLIT_ROWS rows."""
+    return paged_attention(q, k_pages, v_pages, page_table, start, max_rows, scale, INVARIANT_SPLIT_ROWS, True)
+
+
 def attention_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float | None,
-                    rows_per_split: int, num_splits: int | None = None) -> torch.Tensor:
+                    rows_per_split: int, num_splits: int | None = None, fixed_tiles: bool = False) -> torch.Tensor:
     """attention with R forced (rows_per_split > 0, a multiple of the kernel's BN; tests use it to force
     splits) and the launched split count given (None: what the context needs)."""
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or k.shape[2] != q.shape[2]:
@@ -304,7 +324,8 @@ def attention_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: 
     table = torch.zeros(1, dtype=torch.int32, device=q.device)
     # one endless page: every row is on page 0, the page stride is never used
     return _launch(q, k, v, CONTIGUOUS_PAGE_ROWS, (0, k.stride(0), k.stride(1)), (0, v.stride(0), v.stride(1)),
-                   table, start, num_splits, scale, rows_per_split)
+                   table, start, num_splits, scale, rows_per_split, fixed_tiles)
 
 
-__all__ = ["attention", "attention_split", "max_splits", "paged_attention", "split_rows", "splits_for"]
+__all__ = ["INVARIANT_SPLIT_ROWS", "attention", "attention_invariant", "attention_split", "max_splits",
+           "paged_attention", "paged_attention_invariant", "split_rows", "splits_for"]

@@ -192,6 +192,11 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: i
     return out[0].transpose(0, 1)
 
 
+def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T through torch (cuBLAS on a GPU: its algorithm depends on the shape)."""
+    return F.linear(x, w)
+
+
 def gather_pages(pages: torch.Tensor, page_table: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Rows [0, num_rows) of a paged store [P, page_rows, ...] as one contiguous tensor."""
     page_rows = pages.shape[1]
@@ -212,6 +217,6 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
 
 
 __all__ = [
-    "gather_pages", "paged_attention", "rms_norm", "gated_rms_norm", "rotary_cos_sin", "apply_rotary", "causal_conv1d", "gdn_gating",
+    "dense_matmul", "gather_pages", "paged_attention", "rms_norm", "gated_rms_norm", "rotary_cos_sin", "apply_rotary", "causal_conv1d", "gdn_gating",
     "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "attention", "sdpa_attention", "l2norm",
 ]

@@ -56,16 +56,23 @@ class Engine:
         self.kernels = self._pick_kernels(kernels or SETTINGS.get("QSE_KERNELS"))
 
     def _pick_kernels(self, requested: str) -> str:
-        """Swap the model's ops for qse_kernels' Triton kernels where asked (and where they can run)."""
+        """Swap the model's ops for qse_kernels' Triton kernels where asked (and where they can run).
+
+        naive: the torch twins; triton: qse's kernels with cuBLAS GEMMs; invariant: qse's kernels and
+        GEMM, every row's result independent of how many rows a call holds (states equal across grids);
+        auto: triton on CUDA, naive elsewhere."""
         import qse_kernels
 
-        if requested not in ("naive", "triton", "auto"):
-            raise ValueError(f"QSE_KERNELS={requested!r}: expected naive, triton or auto")
-        use = requested == "triton" or (requested == "auto" and self.device.type == "cuda")
-        if not use:
+        if requested not in ("naive", "triton", "invariant", "auto"):
+            raise ValueError(f"QSE_KERNELS={requested!r}: expected naive, triton, invariant or auto")
+        if requested == "naive" or (requested == "auto" and self.device.type != "cuda"):
             return "naive"
         if not qse_kernels.available():
-            raise RuntimeError("QSE_KERNELS=triton asked for, but Triton cannot run here (no CUDA device, no TRITON_INTERPRET=1)")
+            raise RuntimeError(f"QSE_KERNELS={requested} asked for, but Triton cannot run here (no CUDA device, "
+                               "no TRITON_INTERPRET=1)")
+        if requested == "invariant":
+            self.model.ops = qse_kernels.invariant_ops()
+            return "invariant"
         self.model.ops = qse_kernels.triton_ops()
         return "triton"
 

@@ -36,7 +36,7 @@ class ServedPath:
         self.pool: KVPool | None = None
         cuda = engine.device.type == "cuda"
         if graphs is None:
-            graphs = cuda and engine.kernels == "triton"
+            graphs = cuda and engine.kernels != "naive"
         if graphs is True and not cuda:
             raise ValueError(f"CUDA graphs asked for the served model, but it runs on {engine.device}")
         if graphs:

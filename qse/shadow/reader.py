@@ -164,7 +164,7 @@ class ShadowReader:
         if graphs == "static":
             return ForwardGraphs(self.engine.model, self.pool, capture=False, max_tokens=max(1024, self.grid))
         if graphs is None:
-            graphs = SETTINGS.get("QSE_SHADOW_GRAPHS") and self.engine.device.type == "cuda" and self.engine.kernels == "triton"
+            graphs = SETTINGS.get("QSE_SHADOW_GRAPHS") and self.engine.device.type == "cuda" and self.engine.kernels != "naive"
         if not graphs:
             return None
         if self.engine.device.type != "cuda":

@@ -151,3 +151,35 @@ def test_paged_rejects_bad_tables(device):
         attention.paged_attention(q, k[None], v[None], torch.zeros(1, dtype=torch.long, device=device), start)
     with pytest.raises(ValueError, match="multiple of 64"):
         attention.paged_attention(q, k[:3][None], v[:3][None], torch.zeros(1, dtype=torch.int32, device=device), start)
+
+
+def test_invariant_attention_rows_do_not_depend_on_the_call(device, monkeypatch):
+    """One tile shape and constant splits: a query row's bits are the same in a call of 2, 6 or 130 queries,
+    contiguous or paged, several splits deep, for calls that start on a tile line (BM / G = 64 queries
+    here; grid chunks and forks start on grid lines). (Under the interpreter a tile's products go through
+    numpy, which also rounds by a row's place inside the tile: hence the aligned starts.)"""
+    monkeypatch.setattr(attention, "INVARIANT_SPLIT_ROWS", 64)
+    q_start, num_q = 150, 130
+    q, k, v = _inputs(num_q, 4, 2, 16, q_start, torch.float32, device, seed=8)
+    whole = attention.attention_invariant(q, k, v, q_start)
+    for lo, hi in ((0, 6), (64, 70), (64, 130), (128, 130)):
+        part = attention.attention_invariant(q[lo:hi], k[: q_start + hi], v[: q_start + hi], q_start + lo)
+        assert torch.equal(part, whole[lo:hi]), (lo, hi)
+    k_pool, v_pool, table = _paged_copy(k, v, 64, 7)
+    start = torch.tensor([q_start], dtype=torch.int32, device=device)
+    paged = attention.paged_attention_invariant(q, k_pool, v_pool, table, start, max_rows=7 * 64)
+    assert torch.equal(paged, whole)
+    assert rel_err(whole, naive.attention(q, k, v, q_start)) < 3e-3
+
+
+def rel_err(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_a_forced_split_size_needs_a_bound(device):
+    q, _, _ = _inputs(4, 2, 1, 16, 0, torch.float32, device)
+    page = torch.zeros(1, 64, 1, 16, device=device)
+    start = torch.zeros(1, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="max_rows"):
+        attention.paged_attention(q, page, page, torch.zeros(1, dtype=torch.int32, device=device), start,
+                                  rows_per_split=64)

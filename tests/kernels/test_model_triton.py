@@ -85,3 +85,27 @@ def test_served_decode_under_a_cuda_graph_equals_eager(triton_engine):
         out[name] = (tokens, rows)
     assert out["eager"][0] == out["graph"][0]
     assert all(torch.equal(x, y) for x, y in zip(out["eager"][1], out["graph"][1]))
+
+
+def test_invariant_kernels_read_the_same_state_on_any_grid(cache_dir):
+    """QSE_KERNELS=invariant: a session read on grid 64 and on grid 128 holds the same bits, and a question
+    asked over a different committed length (and so a different fork) gets the same answer."""
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    engine = Engine(resolve("", torch.device(device), dtype, cache_dir), kernels="invariant")
+    assert engine.kernels == "invariant"
+    fine = ShadowReader(engine, grid=64, pool_bytes=8 << 20, graphs=False)
+    coarse = ShadowReader(engine, grid=128, pool_bytes=8 << 20, graphs=False)
+    ids = list(range(6000, 6000 + 256))
+    for reader in (fine, coarse):
+        reader.feed("a", ids)
+        reader.read_all("a")
+    assert fine.get("a").stats.chunks_read == 4 and coarse.get("a").stats.chunks_read == 2
+    assert all(fine.state_equal(fine.get("a"), coarse.get("a")).values())
+    for reader in (fine, coarse):
+        reader.feed("b", ids[:200])
+        reader.read_all("b")
+    assert (fine.get("b").committed, coarse.get("b").committed) == (192, 128)
+    question = list(range(70, 90))
+    assert fine.ask("b", question, ["A", "B"]).distribution == coarse.ask("b", question, ["A", "B"]).distribution

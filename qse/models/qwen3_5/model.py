@@ -57,6 +57,7 @@ def default_ops() -> SimpleNamespace:
         recurrent_gated_delta_rule=naive_ops.recurrent_gated_delta_rule,
         attention=naive_ops.attention,
         paged_attention=naive_ops.paged_attention,
+        dense_matmul=naive_ops.dense_matmul,
     )
 
 
@@ -174,19 +175,27 @@ class Qwen35Model:
             return self.lm_head.matmul(x)
         return torch.nn.functional.linear(x.float(), weight.float())
 
+    def _mm(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """A linear layer: dense weights through the op set's matmul (cuBLAS, or qse's grid-invariant
+        GEMM), other formats through their own."""
+        lin = self.lin[name]
+        if isinstance(lin, DenseLinear):
+            return self.ops.dense_matmul(x, lin.weight)
+        return lin.matmul(x)
+
     def _mlp(self, p: str, h: torch.Tensor) -> torch.Tensor:
-        gate = self.lin[p + "mlp.gate_proj.weight"].matmul(h)
-        up = self.lin[p + "mlp.up_proj.weight"].matmul(h)
-        return self.lin[p + "mlp.down_proj.weight"].matmul(F.silu(gate) * up)
+        gate = self._mm(p + "mlp.gate_proj.weight", h)
+        up = self._mm(p + "mlp.up_proj.weight", h)
+        return self._mm(p + "mlp.down_proj.weight", F.silu(gate) * up)
 
     def _attention(self, layer: int, h: torch.Tensor, cache: SequenceCache, step: Step, rows: "_PagedRows | None",
                    cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         cfg, a = self.cfg, f"layers.{layer}.self_attn."
         num_tokens, num_heads, num_kv, head_dim = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qg = self.lin[a + "q_proj.weight"].matmul(h).view(num_tokens, num_heads, 2 * head_dim)
+        qg = self._mm(a + "q_proj.weight", h).view(num_tokens, num_heads, 2 * head_dim)
         q, gate = qg[..., :head_dim], qg[..., head_dim:].reshape(num_tokens, num_heads * head_dim)
-        k = self.lin[a + "k_proj.weight"].matmul(h).view(num_tokens, num_kv, head_dim)
-        v = self.lin[a + "v_proj.weight"].matmul(h).view(num_tokens, num_kv, head_dim)
+        k = self._mm(a + "k_proj.weight", h).view(num_tokens, num_kv, head_dim)
+        v = self._mm(a + "v_proj.weight", h).view(num_tokens, num_kv, head_dim)
         q = self.ops.rms_norm(q, self.w[a + "q_norm.weight"], cfg.rms_norm_eps)
         k = self.ops.rms_norm(k, self.w[a + "k_norm.weight"], cfg.rms_norm_eps)
         q = naive_ops.apply_rotary(q, cos, sin)
@@ -204,17 +213,17 @@ class Qwen35Model:
             keys, values = cache.kv.read(slot, pos + num_tokens)  # [L, Hkv, D]
             out = self.ops.attention(q, keys, values, pos)  # [T, H, D]
         out = out.reshape(num_tokens, num_heads * head_dim) * torch.sigmoid(gate)
-        return self.lin[a + "o_proj.weight"].matmul(out)
+        return self._mm(a + "o_proj.weight", out)
 
     def _gdn(self, layer: int, h: torch.Tensor, cache: SequenceCache) -> torch.Tensor:
         cfg, g_ = self.cfg, f"layers.{layer}.linear_attn."
         num_tokens = h.shape[0]
         slot = self.gdn_slot[layer]
         hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        qkv = self.lin[g_ + "in_proj_qkv.weight"].matmul(h)  # [T, C]
-        z = self.lin[g_ + "in_proj_z.weight"].matmul(h).view(num_tokens, hv, dv)
-        b = self.lin[g_ + "in_proj_b.weight"].matmul(h)  # [T, Hv]
-        a = self.lin[g_ + "in_proj_a.weight"].matmul(h)  # [T, Hv]
+        qkv = self._mm(g_ + "in_proj_qkv.weight", h)  # [T, C]
+        z = self._mm(g_ + "in_proj_z.weight", h).view(num_tokens, hv, dv)
+        b = self._mm(g_ + "in_proj_b.weight", h)  # [T, Hv]
+        a = self._mm(g_ + "in_proj_a.weight", h)  # [T, Hv]
         conv_w = self.w[g_ + "conv1d.weight"][:, 0, :]  # [C, K]
         qkv, new_conv = self.ops.causal_conv1d(qkv, conv_w, cache.conv[slot])
         cache.conv[slot].copy_(new_conv)
@@ -230,7 +239,7 @@ class Qwen35Model:
             o, new_state = self.ops.chunk_gated_delta_rule(q, k, v, g, beta, state, GDN_CHUNK)
         state.copy_(new_state)  # fp32 hand-over, same address
         o = self.ops.gated_rms_norm(o, z, self.w[g_ + "norm.weight"], cfg.rms_norm_eps)
-        return self.lin[g_ + "out_proj.weight"].matmul(o.reshape(num_tokens, hv * dv))
+        return self._mm(g_ + "out_proj.weight", o.reshape(num_tokens, hv * dv))
 
     # ---- cold verbs --------------------------------------------------------------------------
     def weights_nbytes(self) -> int:
