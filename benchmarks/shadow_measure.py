@@ -43,8 +43,9 @@ def versions() -> dict:
     return out
 
 
-# ops: naive (torch twins, eager), triton (qse_kernels, eager), graph (qse_kernels under CUDA graphs)
-OPS = {"naive": ("naive", False), "triton": ("triton", False), "graph": ("triton", True)}
+# ops: naive (torch twins, eager), triton (qse_kernels, eager), graph (qse_kernels under CUDA graphs),
+# invariant (the grid-invariant kernels, QSE_KERNELS=invariant, under CUDA graphs)
+OPS = {"naive": ("naive", False), "triton": ("triton", False), "graph": ("triton", True), "invariant": ("invariant", True)}
 
 
 def kernel_table(engine: Engine, reader: ShadowReader, ids: list[int], grid: int, at: int, rows: int = 0) -> list[list]:
@@ -156,7 +157,7 @@ def measure_preset(name: str, tokens: int, long_tokens: int, grid: int, ops: str
         if sid != "s":
             reader.close(sid)
     row["mode"] = reader.mode
-    if kernels == "triton" and device.type == "cuda":
+    if kernels != "naive" and device.type == "cuda":
         reader.close("s")
         contexts = sorted({0, min(32768, (total // grid - 1) * grid)})
         row["kernel_table_ms"] = {str(at): kernel_table(engine, reader, ids, grid, at) for at in contexts}
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=65536)
     p.add_argument("--long-tokens", type=int, default=102400, help="0.8B only: read on to this length")
     p.add_argument("--grid", type=int, default=512)
-    p.add_argument("--ops", default="graph", help="comma list of naive,triton,graph")
+    p.add_argument("--ops", default="graph", help="comma list of naive,triton,graph,invariant")
     p.add_argument("--peer", default="", help="path to hf_reader_baseline.py; run twice in this invocation")
     p.add_argument("--peer-tokens", type=int, default=32768)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))

