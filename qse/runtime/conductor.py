@@ -36,6 +36,7 @@ from ..core.idle import IdleBurst, IdleWindow, SessionBacklog, pick_idle_session
 from ..core.ledger import Role
 from ..core.locks import HeldLocks, LockRank, Priority
 from ..core.plan import ROLE_OF_WINDOW, Window, whole_chunks
+from ..core.prefix import common_prefix
 from ..core.ration import RationSlice, TurnRation
 from ..engine.engine import Engine
 from ..engine.sampling import Sampler, SamplingParams
@@ -254,10 +255,7 @@ class Conductor:
             return explicit
         best, best_len = None, 0
         for sid, session in self.reader.sessions.items():
-            n = 0
-            limit = min(len(session.ids), len(prompt_ids))
-            while n < limit and session.ids[n] == prompt_ids[n]:
-                n += 1
+            n = common_prefix(session.ids, prompt_ids)
             if n > best_len:
                 best, best_len = sid, n
         if best is not None and best_len >= self.reader.grid:
@@ -320,12 +318,7 @@ class Conductor:
 
     def _shared_prefix(self, session_id: str | None, ids: list[int]) -> int:
         prev = self._session_prompts.get(session_id or "")
-        n = 0
-        if prev:
-            limit = min(len(prev), len(ids))
-            while n < limit and prev[n] == ids[n]:
-                n += 1
-        return n
+        return common_prefix(prev, ids) if prev else 0
 
     def _prefill_on_thread(self, req: GenerateRequest):
         sampler = Sampler(req.sampling, vocab_limit=self.served.chat.tokenizer.vocab_size)

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from ..core.prefix import common_prefix
 from ..engine.engine import Engine, Stopwatch
 from ..engine.graphs import ForwardGraphs
 from ..engine.kv import KVPool, PagedKV
@@ -229,7 +230,7 @@ class ShadowReader:
         session.last_fed_s = self.clock() if now is None else now
         rolled_back, first_diff = None, None
         if session.cache is not None and session.committed:
-            first_diff = _common_prefix(session.ids, ids, session.committed)
+            first_diff = common_prefix(session.ids, ids, session.committed)
             if first_diff < session.committed:
                 rolled_back = self._rollback(session, first_diff)
         session.ids = list(ids)
@@ -578,18 +579,6 @@ class ShadowReader:
 
     def resident_nbytes(self) -> int:
         return sum(s.nbytes for s in self.sessions.values())
-
-
-def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    n = min(len(a), len(b), limit)
-    # compare in blocks first: sessions are long and usually share almost everything
-    i = 0
-    block = 4096
-    while i + block <= n and a[i : i + block] == b[i : i + block]:
-        i += block
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 __all__ = ["AskResult", "ChunkReport", "DropLRU", "FeedReport", "Residency", "ShadowError", "ShadowReader",

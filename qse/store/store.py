@@ -35,7 +35,8 @@ import torch
 from ..engine.kv import PagedKV
 from ..models.state import ModelState, StateMismatch
 from ..settings import SETTINGS, EngineSettings
-from ..shadow.reader import ShadowReader, _common_prefix
+from ..core.prefix import common_prefix
+from ..shadow.reader import ShadowReader
 from ..shadow.session import KINDS, PROMPT, Checkpoint, SessionStats, ShadowSession
 from . import disk
 from .disk import FileHeader, FileMiss, Fingerprint
@@ -166,7 +167,7 @@ class ShadowStore:
         session.mode = record.mode
         self._unlink(entry.path)
         # the session may have been fed other ids while parked: go back as a resident one would
-        first_diff = _common_prefix(record.ids, session.ids, session.committed)
+        first_diff = common_prefix(record.ids, session.ids, session.committed)
         if first_diff < session.committed:
             reader._rollback(session, first_diff)
         reader.engine.synchronize()
