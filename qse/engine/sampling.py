@@ -31,11 +31,14 @@ class Sampler:
             self.generator.seed()
 
     def __call__(self, logits: torch.Tensor) -> int:
-        logits = logits.reshape(-1).float().cpu()
+        logits = logits.reshape(-1)
         if self.vocab_limit is not None:
             logits = logits[: self.vocab_limit]
         if self.params.temperature == 0.0:
+            # on the logits' device: 4 bytes come back, not the vocabulary's 1 MB (first maximum on ties,
+            # on CPU and CUDA alike)
             return int(torch.argmax(logits))
+        logits = logits.float().cpu()  # the seeded generator lives on the CPU: the same draws on any device
         probs = torch.softmax(logits / self.params.temperature, dim=-1)
         if self.params.top_p < 1.0:
             sorted_p, order = probs.sort(descending=True)
