@@ -108,8 +108,12 @@ class Service:
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         await self.conductor.start()
+        status = self.conductor.status()
+        slot = status.get("slot") or {}
         log.info("server_ready", model=self.model_name, profile=self.profile.name, shadow=self.profile.shadow.mode,
-                 ledger=str(self.ledger_path))
+                 ledger=str(self.ledger_path), served_mode=status.get("served_mode"), reader_model=slot.get("model"),
+                 reader_device=slot.get("device"), reader_kernels=slot.get("kernels"), reader_mode=slot.get("mode"),
+                 reader_pool_pages=slot.get("pool_pages"))
 
     async def stop(self) -> None:
         for task in list(self._background):
