@@ -68,8 +68,8 @@ class Engine:
         if requested == "naive" or (requested == "auto" and self.device.type != "cuda"):
             return "naive"
         if not qse_kernels.available():
-            raise RuntimeError(f"QSE_KERNELS={requested} asked for, but Triton cannot run here (no CUDA device, "
-                               "no TRITON_INTERPRET=1)")
+            raise ValueError(f"QSE_KERNELS={requested} asked for, but Triton cannot run here (no CUDA device, "
+                             "no TRITON_INTERPRET=1): use naive or auto")
         if requested == "invariant":
             self.model.ops = qse_kernels.invariant_ops()
             return "invariant"

@@ -90,3 +90,15 @@ def test_window_is_enforced(tiny_engine):
     cache.length = model.cfg.max_position_embeddings
     with pytest.raises(InputError, match="exceeds the model window"):
         model.forward(torch.tensor([1]), cache)
+
+
+def test_kernel_choice_errors_name_the_value(tiny_engine, monkeypatch):
+    import qse_kernels
+    from qse.engine.engine import Engine
+
+    with pytest.raises(ValueError, match="QSE_KERNELS='fast'.*expected naive, triton, invariant or auto"):
+        Engine(tiny_engine.resolved, kernels="fast")
+    monkeypatch.setattr(qse_kernels, "available", lambda: False)
+    with pytest.raises(ValueError, match="QSE_KERNELS=triton asked for, but Triton cannot run here"):
+        Engine(tiny_engine.resolved, kernels="triton")
+    assert Engine(tiny_engine.resolved, kernels="auto").kernels == "naive"  # a CPU engine
