@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import dataclasses
 import datetime as dt
+import gc
 import json
 import os
 import platform
@@ -48,8 +49,12 @@ async def one_run(conductor: Conductor, prompt: list[int], out_tokens: int) -> d
     conductor.on_turn = records.append
     t0 = time.perf_counter()
     n = 0
+    stamps = []
+    collections = [g["collections"] for g in gc.get_stats()]
     async for _ in conductor.generate(GenerateRequest(prompt, out_tokens, SamplingParams(), stop_ids=())):
         n += 1
+        stamps.append(time.perf_counter())
+    collections = [g["collections"] - c for g, c in zip(gc.get_stats(), collections)]
     rec = records[-1]
     ttft_s = rec.first_token_s - rec.arrival_s
     decode_s = rec.end_s - rec.first_token_s
@@ -58,7 +63,19 @@ async def one_run(conductor: Conductor, prompt: list[int], out_tokens: int) -> d
                            "(a stop token came early; --out-tokens must be at least 2)")
     return {"output_tokens": n, "ttft_s": round(ttft_s, 4), "decode_tok_s": round((n - 1) / decode_s, 3),
             "decode_device_tok_s": round(rec.decode_tokens_per_s, 3), "reader_ration_ms": round(rec.reader_ration_ms, 3),
-            "wall_s": round(time.perf_counter() - t0, 3)}
+            "wall_s": round(time.perf_counter() - t0, 3), **gap_stats(stamps),
+            # Python's collections by generation during the turn: a full one stalls the decode loop
+            "gc_collections": collections}
+
+
+def gap_stats(stamps: list[float]) -> dict:
+    """Wall ms between two streamed tokens: where a slice or a host stall lands, the tail shows it."""
+    gaps = sorted((b - a) * 1e3 for a, b in zip(stamps, stamps[1:]))
+    if not gaps:
+        return {}
+    pick = lambda q: round(gaps[min(len(gaps) - 1, int(q * len(gaps)))], 3)  # noqa: E731
+    return {"token_gap_ms": {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "max": round(gaps[-1], 3),
+                             "sum_over_p50": round(sum(g - pick(0.5) for g in gaps if g > pick(0.5)), 3)}}
 
 
 async def main_async(args) -> dict:

@@ -34,6 +34,9 @@ def test_shadow_ab_tiny_on_cpu(cache_dir, tmp_path, capsys):
     assert on["output_tokens"] == off["output_tokens"] == 24
     assert off["reader_chunks"] == 0 and on["reader_chunks"] > 0  # the reader read in the on arm only
     assert on["ledger_ms"]["reader_ration"] > 0  # a half share earns slices between the rounds
+    gaps = on["token_gap_ms"]
+    assert 0 < gaps["p50"] <= gaps["p90"] <= gaps["p99"] <= gaps["max"] and gaps["sum_over_p50"] >= 0
+    assert len(on["gc_collections"]) == 3 and all(c >= 0 for c in on["gc_collections"])
     assert "--json-out" in result["command"]
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"written": str(out)}
 
