@@ -29,6 +29,22 @@ from ..models.qwen3_5.model import Step
 from .kv import KVPool, PagedKV
 
 
+def capture_mode(engine, graphs: bool | str | None, who: str, error: type[Exception] = ValueError) -> bool | None:
+    """What a user of graphs asked for, made concrete: True (CUDA graphs), False (the static CPU rehearsal,
+    graphs="static") or None (eager). graphs=None: CUDA graphs where the device is CUDA and the kernels are
+    qse's; True on another device is an error."""
+    if graphs == "static":
+        return False
+    cuda = engine.device.type == "cuda"
+    if graphs is None:
+        graphs = cuda and engine.kernels != "naive"
+    if not graphs:
+        return None
+    if not cuda:
+        raise error(f"CUDA graphs asked for {who}, but it runs on {engine.device}")
+    return True
+
+
 class StaticPagedKV:
     """The page table in one fixed buffer (as long as the pool): what a captured forward reads."""
 
@@ -125,7 +141,6 @@ class ForwardGraphs:
         return entry
 
     def _capture(self, forward: Callable[[], Any]) -> _Entry:
-        self.kv.table.fill_(self._scratch[0])
         self.kv.table[: len(self._scratch)].copy_(torch.tensor(self._scratch, dtype=torch.int32))
         self.start.zero_()
         self.logit_row.zero_()
@@ -158,4 +173,4 @@ class ForwardGraphs:
             return self.model.forward_step(torch.as_tensor(ids, dtype=torch.long).to(self.device), self.cache, step, logits)
 
 
-__all__ = ["ForwardGraphs", "StaticPagedKV"]
+__all__ = ["ForwardGraphs", "StaticPagedKV", "capture_mode"]

@@ -15,7 +15,7 @@ import torch
 
 from ..models.cache import SequenceCache
 from .engine import Engine, Stopwatch
-from .graphs import ForwardGraphs
+from .graphs import ForwardGraphs, capture_mode
 from .kv import KVPool, PagedKV
 
 PAGE_ROWS = 512
@@ -34,17 +34,13 @@ class ServedPath:
         self.engine = engine
         self.graphs: ForwardGraphs | None = None
         self.pool: KVPool | None = None
-        cuda = engine.device.type == "cuda"
-        if graphs is None:
-            graphs = cuda and engine.kernels != "naive"
-        if graphs is True and not cuda:
-            raise ValueError(f"CUDA graphs asked for the served model, but it runs on {engine.device}")
-        if graphs:
+        capture = capture_mode(engine, graphs, "the served model")
+        if capture is not None:
             cfg = engine.cfg
             window_bytes = engine.state_bytes_per_token() * (cfg.max_position_embeddings + PAGE_ROWS)
             self.pool = KVPool.for_budget(min(pool_bytes, window_bytes), PAGE_ROWS, len(cfg.attention_layers),
                                           cfg.num_key_value_heads, cfg.head_dim, engine.dtype, engine.device)
-            self.graphs = ForwardGraphs(engine.model, self.pool, capture=graphs != "static", max_tokens=1)
+            self.graphs = ForwardGraphs(engine.model, self.pool, capture=capture, max_tokens=1)
 
     @property
     def mode(self) -> str:

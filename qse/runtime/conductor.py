@@ -21,8 +21,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import itertools
-import math
 import json
+import math
 import time
 import uuid
 from dataclasses import asdict, dataclass, field

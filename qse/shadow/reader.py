@@ -16,7 +16,7 @@ import torch
 
 from ..core.prefix import common_prefix
 from ..engine.engine import Engine, Stopwatch
-from ..engine.graphs import ForwardGraphs
+from ..engine.graphs import ForwardGraphs, capture_mode
 from ..engine.kv import KVPool, PagedKV
 from ..settings import SETTINGS
 from .session import DIVERGENCE, PROMPT, RECENT, Checkpoint, ShadowSession
@@ -162,15 +162,12 @@ class ShadowReader:
         self.mode = "graph" if self.graphs is not None else "eager"
 
     def _make_graphs(self, graphs: bool | str | None) -> ForwardGraphs | None:
-        if graphs == "static":
-            return ForwardGraphs(self.engine.model, self.pool, capture=False, max_tokens=max(1024, self.grid))
-        if graphs is None:
-            graphs = SETTINGS.get("QSE_SHADOW_GRAPHS") and self.engine.device.type == "cuda" and self.engine.kernels != "naive"
-        if not graphs:
+        if graphs is None and not SETTINGS.get("QSE_SHADOW_GRAPHS"):
+            graphs = False
+        capture = capture_mode(self.engine, graphs, "the reader", ShadowError)
+        if capture is None:
             return None
-        if self.engine.device.type != "cuda":
-            raise ShadowError(f"CUDA graphs asked for, but the reader runs on {self.engine.device}")
-        return ForwardGraphs(self.engine.model, self.pool, capture=True, max_tokens=max(1024, self.grid))
+        return ForwardGraphs(self.engine.model, self.pool, capture=capture, max_tokens=max(1024, self.grid))
 
     def warm(self) -> None:
         """Capture the grid chunk's graph now rather than on the first read (a capture takes a few
@@ -263,7 +260,6 @@ class ShadowReader:
         self._check_ids(new_ids)
         session.ids.extend(new_ids)
         session.last_fed_s = self.clock() if now is None else now
-        session.checkpoint_lines = {p for p in session.checkpoint_lines if p <= len(session.ids)}
         session.behind_at_turn_start = session.behind
         self.residency.after_feed(self, session)
         return FeedReport(session_id, session.committed, session.backlog, len(session.ids) - session.readable_end, None, None)
@@ -373,7 +369,7 @@ class ShadowReader:
         row = session.committed
         held = next((c for c in session.checkpoints if c.position == row), None)
         if held is None:
-            held = Checkpoint(row, [t.clone() for t in cache.recurrent], [t.clone() for t in cache.conv], set())
+            held = Checkpoint(row, *_copy_state(cache), set())
             session.checkpoints.append(held)
             session.checkpoints.sort(key=lambda c: c.position)
         held.kinds.add(kind)
@@ -422,13 +418,12 @@ class ShadowReader:
                     logits = graphs.run(entry, ids_padded, session.committed, len(ids) - 1)[0].clone()
                 gpu_ms = watch.gpu_ms
             else:
-                saved_rec = [t.clone() for t in cache.recurrent]
-                saved_conv = [t.clone() for t in cache.conv]
+                saved = _copy_state(cache)
                 try:
                     out, gpu_ms = self.engine.forward(cache, self.engine.ids_tensor(ids_padded), logits="row",
                                                       logit_row=len(ids) - 1)
                 finally:
-                    self._restore_state(session, saved_rec, saved_conv)
+                    self._restore_state(session, *saved)
                 logits = out[0]
         finally:
             self._end_fork(session)
@@ -524,7 +519,7 @@ class ShadowReader:
                     logits = graphs.forward_eager(ids, session.committed, "last")
                     token = int(torch.argmax(logits[-1, :vocab]))
             else:
-                saved = ([t.clone() for t in cache.recurrent], [t.clone() for t in cache.conv])
+                saved = _copy_state(cache)
                 with watch.measure():
                     logits, _ = self.engine.forward(cache, self.engine.ids_tensor(ids), "last")
                     token = int(torch.argmax(logits[-1, :vocab]))
@@ -579,6 +574,11 @@ class ShadowReader:
 
     def resident_nbytes(self) -> int:
         return sum(s.nbytes for s in self.sessions.values())
+
+
+def _copy_state(cache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A copy of the GDN state (recurrent, conv): a checkpoint's, or what an eager fork puts back."""
+    return [t.clone() for t in cache.recurrent], [t.clone() for t in cache.conv]
 
 
 __all__ = ["AskResult", "ChunkReport", "DropLRU", "FeedReport", "Residency", "ShadowError", "ShadowReader",
