@@ -1,11 +1,12 @@
 """The ration inside a turn: the reader's (and the narrator's) slices between two decode rounds.
 
 Between two decode rounds the reader may spend `share` (2 %) of the time since the served model's
-first token, minus what it already spent this turn, in slices of at most `slice_ms` (150), whole
-chunks only. The next chunk's cost is estimated from the last measured chunk at that context; a
+first token plus `after_s`, minus what it already spent this turn, in slices of at most `slice_ms`
+(150), whole chunks only. The delay `after_s` keeps a short turn's decode whole: its backlog is read
+by the idle window after it anyway, while a long decode still gets its share once `after_s` passed. The next chunk's cost is estimated from the last measured chunk at that context; a
 chunk whose estimate exceeds what is left is not started. The slice's budget is fixed when it opens;
 inside it, measured time counts, so a chunk that ran over its estimate shrinks what follows.
-The narrator's share (3 %) is the same rule with its own share and its own ledger role.
+The narrator's share (3 %) is the same rule with its own share and its own ledger role, undelayed.
 """
 
 from __future__ import annotations
@@ -45,23 +46,32 @@ class RationSlice:
 
 
 class TurnRation:
-    """A role's share of a turn, spent in slices between decode rounds."""
+    """A role's share of a turn, spent in slices between decode rounds.
 
-    def __init__(self, share: float = 0.02, slice_ms: float = 150.0, window: Window = Window.RATION):
+    The share counts from `first_token_s + after_s`: nothing is earned before that moment.
+    """
+
+    def __init__(self, share: float = 0.02, slice_ms: float = 150.0, window: Window = Window.RATION,
+                 after_s: float = 0.0):
         if not (math.isfinite(slice_ms) and slice_ms > 0):
             raise ValueError(f"slice must be a positive number of ms, got {slice_ms!r}")
+        if not (isinstance(after_s, (int, float)) and math.isfinite(after_s) and after_s >= 0):
+            raise ValueError(f"the ration's delay after the first token must be a finite number of seconds >= 0, "
+                             f"got {after_s!r}")
         self.budget = ShareBudget(share)
         self.share = self.budget.share
         self.slice_ms = float(slice_ms)
         self.slice_us = ms_to_us(slice_ms) or 0
         self.window = window
+        self.after_s = float(after_s)
 
     @classmethod
     def reader(cls, settings=None) -> "TurnRation":
         from qse.settings import SETTINGS
 
         settings = SETTINGS if settings is None else settings
-        return cls(settings.get("QSE_SHADOW_RATION"), settings.get("QSE_SHADOW_SLICE_MS"), Window.RATION)
+        return cls(settings.get("QSE_SHADOW_RATION"), settings.get("QSE_SHADOW_SLICE_MS"), Window.RATION,
+                   settings.get("QSE_SHADOW_RATION_AFTER_S"))
 
     @classmethod
     def narrator(cls, settings=None) -> "TurnRation":
@@ -70,9 +80,13 @@ class TurnRation:
         settings = SETTINGS if settings is None else settings
         return cls(settings.get("QSE_NARRATOR_SHARE"), settings.get("QSE_SHADOW_SLICE_MS"), Window.NARRATOR)
 
+    def since_s(self, first_token_s: float) -> float:
+        """The moment the share starts counting (`first_token_s` itself when there is no delay)."""
+        return first_token_s + self.after_s
+
     def allowance_us(self, now: float, first_token_s: float, spent_us: int) -> int:
         """What the role may still spend this turn at `now`."""
-        return self.budget.allowance_us(now, first_token_s, spent_us)
+        return self.budget.allowance_us(now, self.since_s(first_token_s), spent_us)
 
     def open_slice(self, now: float, first_token_s: float, spent_us: int,
                    next_chunk_est_ms: float) -> RationSlice | None:
@@ -91,4 +105,4 @@ class TurnRation:
         est_us = ms_to_us(next_chunk_est_ms)
         if est_us is None or est_us > self.slice_us:
             return None
-        return self.budget.earliest_s(first_token_s, spent_us, est_us)
+        return self.budget.earliest_s(self.since_s(first_token_s), spent_us, est_us)

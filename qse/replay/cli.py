@@ -3,7 +3,7 @@
     qse replay LEDGER [--format auto|weka|mooncake|azure|tracelab|ledger] [--read-model RESULTS.json]
                       [--read-model-preset qwen3.5-0.8b] [--read-model-ops triton]
                       [--out DIR] [--json-out REPORT.json] [--chart REPLAY.png]
-                      [--ration 0.02] [--slice-ms 150] [--idle-poll-s 0.2] [--idle-burst-s 2]
+                      [--ration 0.02] [--ration-after-s 0] [--slice-ms 150] [--idle-poll-s 0.2] [--idle-burst-s 2]
                       [--grid 512] [--decode-tok-s 36] [--prefill-tok-s 936] [--max-sessions N]
                       [--prefill-share 0] [--wake-on-end] [--ration-from first_token|turn_start]
                       [--no-checkpoint-at-line] [--recent-checkpoints N] [--pin-first-checkpoint]
@@ -56,6 +56,8 @@ def replay_parser() -> argparse.ArgumentParser:
     p.add_argument("--json-out", type=Path, default=None, help="write the report (indented JSON) to this file")
     p.add_argument("--chart", type=Path, default=None, help="write the chart (PNG) to this file")
     p.add_argument("--ration", type=float, default=None, help="reader share of the time since first token (QSE_SHADOW_RATION)")
+    p.add_argument("--ration-after-s", type=float, default=None,
+                   help="the ration counts from this many seconds after the first token (QSE_SHADOW_RATION_AFTER_S)")
     p.add_argument("--slice-ms", type=float, default=None, help="longest slice between decode rounds (QSE_SHADOW_SLICE_MS)")
     p.add_argument("--idle-poll-s", type=float, default=None, help="idle window poll (QSE_SHADOW_IDLE_POLL_S)")
     p.add_argument("--idle-burst-s", type=float, default=None, help="longest idle burst (QSE_SHADOW_IDLE_BURST_S)")
@@ -68,12 +70,12 @@ def replay_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-checkpoint-at-line", dest="checkpoint_at_line", action="store_false",
                    help="the old reader: no prompt-end checkpoint where the reader already stands (only a chunk "
                         "ending on the line takes one)")
-    p.add_argument("--recent-checkpoints", type=int, default=0,
-                   help="exploratory: also keep the state at the newest N grid lines read")
+    p.add_argument("--recent-checkpoints", type=int, default=None,
+                   help="also keep the state at the newest N grid lines read (QSE_SHADOW_RECENT_CHECKPOINTS)")
     p.add_argument("--pin-first-checkpoint", action="store_true",
                    help="exploratory: keep the lowest prompt-end checkpoint when the cap would drop it")
-    p.add_argument("--divergence-checkpoints", type=int, default=0,
-                   help="exploratory: checkpoint the grid lines of the newest N re-render points")
+    p.add_argument("--divergence-checkpoints", type=int, default=None,
+                   help="checkpoint the grid lines of the newest N re-render points (QSE_SHADOW_DIVERGENCE_CHECKPOINTS)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
@@ -114,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--read-model-preset and --read-model-ops need --read-model")
         else:
             read_model = ReadModel.flat(args.ms_per_1000)
-        options = SimOptions.from_settings(ration=args.ration, slice_ms=args.slice_ms, idle_poll_s=args.idle_poll_s,
+        options = SimOptions.from_settings(ration=args.ration, ration_after_s=args.ration_after_s,
+                                           slice_ms=args.slice_ms, idle_poll_s=args.idle_poll_s,
                                            idle_burst_s=args.idle_burst_s, grid=args.grid,
                                            checkpoints=args.checkpoints, prefill_share=args.prefill_share,
                                            wake_on_end=args.wake_on_end, ration_from=args.ration_from,

@@ -23,7 +23,9 @@ after that; fresh = behind < grid. A session's first turn holds nothing before i
 definition; the report gives both all turn starts and follow-up turns only, and the cause of every
 miss (`MISS_CAUSES`).
 
-Policy switches (the seed's policy is the default, all off): `ration_from="turn_start"` (the seed's
+Policy switches (the seed's policy is the default, all off): `ration_after_s` (the ration counts from
+that many seconds after the first token, as the runtime's QSE_SHADOW_RATION_AFTER_S: a short turn's
+decode loses nothing and its backlog waits for the idle window), `ration_from="turn_start"` (the seed's
 first build, to show its decode loss), `prefill_share` (read during the served prefill, this share of
 its time: the first token comes later, the decode is untouched), `wake_on_end` (the idle window looks
 the moment a turn ends instead of at its next poll). Checkpoint switches: `checkpoint_at_line` (take the prompt
@@ -76,6 +78,7 @@ MISS_CAUSES = {
 @dataclass(frozen=True)
 class SimOptions:
     ration: float = 0.02
+    ration_after_s: float = 0.0  # the ration counts from `ration_from`'s moment + this (QSE_SHADOW_RATION_AFTER_S)
     slice_ms: float = 150.0
     idle_poll_s: float = 0.2
     idle_burst_s: float = 2.0
@@ -111,6 +114,7 @@ class SimOptions:
             raise ValueError(f"recent_checkpoints must be >= 0, got {self.recent_checkpoints}")
         if self.divergence_checkpoints < 0:
             raise ValueError(f"divergence_checkpoints must be >= 0, got {self.divergence_checkpoints}")
+        TurnRation(self.ration, self.slice_ms, Window.RATION, self.ration_after_s)  # the core's own checks
 
     @property
     def max_checkpoints_per_session(self) -> int:
@@ -122,10 +126,13 @@ class SimOptions:
         from qse.settings import SETTINGS
 
         settings = SETTINGS if settings is None else settings
-        base = dict(ration=settings.get("QSE_SHADOW_RATION"), slice_ms=settings.get("QSE_SHADOW_SLICE_MS"),
+        base = dict(ration=settings.get("QSE_SHADOW_RATION"), ration_after_s=settings.get("QSE_SHADOW_RATION_AFTER_S"),
+                    slice_ms=settings.get("QSE_SHADOW_SLICE_MS"),
                     idle_poll_s=settings.get("QSE_SHADOW_IDLE_POLL_S"),
                     idle_burst_s=settings.get("QSE_SHADOW_IDLE_BURST_S"), grid=settings.get("QSE_SHADOW_GRID"),
-                    checkpoints=settings.get("QSE_SHADOW_CHECKPOINTS"))
+                    checkpoints=settings.get("QSE_SHADOW_CHECKPOINTS"),
+                    recent_checkpoints=settings.get("QSE_SHADOW_RECENT_CHECKPOINTS"),
+                    divergence_checkpoints=settings.get("QSE_SHADOW_DIVERGENCE_CHECKPOINTS"))
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
 
@@ -312,7 +319,7 @@ class Simulator:
             prior = read_model.ms_per_chunk(0, options.grid)
         self.estimator = ChunkCostEstimator(prior, options.estimator_bucket_tokens)
         self.idle = IdleWindow(options.idle_poll_s, options.idle_burst_s)
-        self.ration = TurnRation(options.ration, options.slice_ms, Window.RATION)
+        self.ration = TurnRation(options.ration, options.slice_ms, Window.RATION, options.ration_after_s)
         self.prefill = (TurnRation(options.prefill_share, options.slice_ms, Window.PREFILL)
                         if options.prefill_share > 0 else None)
         self.result = SimResult(options)

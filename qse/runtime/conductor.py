@@ -3,13 +3,13 @@
     idle loop (every poll_s)               turn (one request at a time on the engine lock, FIFO)
     ------------------------               ----------------------------------------------------
     quiet? -> engine lock, never           feed the prompt to the reader (rollback if it diverged)
-      queueing; box lock, never waiting    prefill -> first token: the ration counts from here
+      queueing; box lock, never waiting    prefill -> first token: the ration counts from after_s past it
     IdleBurst: chunks while <= burst_s,    decode round | reader's slice (2 %) | narrator's slice (3 %) | ...
       none once a request waits            end: feed the output, close the turn's ledger, emit the record
 
 Who decides: qse/core. `IdleWindow`/`IdleBurst` (may the idle reader read, and the next chunk?),
 `TurnRation` (the reader's and the narrator's share of the time since the served model's first token,
-in slices of whole chunks), `ChunkCostEstimator` (the next chunk's cost at its context, learnt from
+the reader's from `ration_after_s` past it, in slices of whole chunks), `ChunkCostEstimator` (the next chunk's cost at its context, learnt from
 measured chunks), `pick_idle_session`, the lock priorities. Who carries it out: this module on the event
 loop (when a window opens), `ChunkRunner` on the reader's executor thread (plan_read + drive_plan), and
 the engines' executors for every piece of device work. Every measured piece goes into the GPU-time
@@ -77,6 +77,7 @@ class ShadowOptions:
 class ConductorConfig:
     ration: float = 0.02  # the reader's share of the served model's time since its first token
     slice_ms: float = 150.0  # longest slice between two decode rounds
+    ration_after_s: float = 0.0  # the reader's ration counts from first token + this (not the narrator's share)
     idle_poll_s: float = 0.2
     idle_burst_s: float = 2.0
     narrator_share: float = 0.03
@@ -91,6 +92,7 @@ class ConductorConfig:
         return cls(
             ration=settings.get("QSE_SHADOW_RATION"),
             slice_ms=settings.get("QSE_SHADOW_SLICE_MS"),
+            ration_after_s=settings.get("QSE_SHADOW_RATION_AFTER_S"),
             idle_poll_s=settings.get("QSE_SHADOW_IDLE_POLL_S"),
             served_graphs=settings.get("QSE_SERVED_GRAPHS"),
             served_kv_gb=settings.get("QSE_SERVED_KV_GB"),
@@ -176,7 +178,7 @@ class Conductor:
         cfg = self.config
         self.estimator = ChunkCostEstimator(cfg.chunk_prior_ms)
         self.idle = IdleWindow(cfg.idle_poll_s, cfg.idle_burst_s)
-        self.ration = TurnRation(cfg.ration, cfg.slice_ms, Window.RATION)
+        self.ration = TurnRation(cfg.ration, cfg.slice_ms, Window.RATION, cfg.ration_after_s)
         self.narrator_ration = TurnRation(cfg.narrator_share, cfg.slice_ms, Window.NARRATOR)
         self.serving = serving or ServedPath(served, graphs=None if cfg.served_graphs else False,
                                              pool_bytes=int(cfg.served_kv_gb * (1 << 30)))
