@@ -5,9 +5,13 @@
 
 Every policy runs on the weka coding-agent sessions and the mooncake chat chains, with two read
 models: the measured one (a shadow_measure result, its 0.8B row) and a flat target rate. The first
-row is the runtime's policy as it is (the simulator's defaults); a policy "wins" when, on every trace
-and read model, it is at least as fresh at turn starts (all of them, and follow-ups only) and loses
-no more decode time than that row. CPU only; no timing of this machine enters the figures.
+row is the runtime's policy as it is (the simulator's defaults, which mirror the runtime's); the
+second is the runtime's policy of 2026-11-29 before the ration delay (2 % from the first token, 6
+prompt-end checkpoints, nothing else), and every other row spells its options out from that one, so
+a row means the same whatever the defaults are. A policy "wins" when, on every trace and read model,
+it is at least as fresh at turn starts (all of them, and follow-ups only) and loses no more decode
+time than the row it is compared with, and is fresher on one; both comparisons are in the table.
+CPU only; no timing of this machine enters the figures.
 """
 
 from __future__ import annotations
@@ -31,44 +35,64 @@ from qse.replay.traces import convert  # noqa: E402
 
 TRACES = {"weka": "weka_cc_sessions_dev.csv", "mooncake": "mooncake_conversation_inferred_chains.csv"}
 
-CKPT_PLUS = dict(checkpoint_at_line=True, recent_checkpoints=4, divergence_checkpoints=4)
+# the runtime's policy of 2026-11-29, before the ration delay: every row below but "runtime" starts from it
+RUNTIME_2026_11_29 = dict(ration=0.02, ration_after_s=0.0, ration_from="first_token", checkpoints=6,
+                          checkpoint_at_line=True, recent_checkpoints=0, divergence_checkpoints=0)
+CKPT_PLUS = dict(RUNTIME_2026_11_29, recent_checkpoints=4, divergence_checkpoints=4)
+RECENT_2_DIV_2 = dict(RUNTIME_2026_11_29, recent_checkpoints=2, divergence_checkpoints=2)
+RECENT_4 = dict(RUNTIME_2026_11_29, recent_checkpoints=4)
+
+
+def _old(**changes) -> dict:
+    return dict(RUNTIME_2026_11_29, **changes)
+
 
 # (name, what it changes, SimOptions overrides, can the runtime do it (by default or with a QSE_* setting)?)
 POLICIES: list[tuple[str, str, dict, bool]] = [
-    ("runtime", "the runtime's policy: 2 % ration from the first token, idle window, 6 prompt-end checkpoints "
-                "(taken when a chunk ends on the line, or at once when the reader stands on it)", {}, True),
+    ("runtime", "the runtime's policy as it is now (the simulator's defaults, which mirror qse/settings.py)", {},
+     True),
+    ("runtime_2026_11_29", "the runtime until the ration delay: 2 % ration from the first token, idle window, "
+                           "6 prompt-end checkpoints (taken when a chunk ends on the line, or at once when the "
+                           "reader stands on it)", RUNTIME_2026_11_29, True),
     ("runtime_before_checkpoint_at_line", "the runtime until 2026-11-29: a prompt-end checkpoint only when a "
-                                          "chunk ends on the line", dict(checkpoint_at_line=False), False),
-    ("idle_only", "no ration (reference: what the idle window alone does)", dict(ration=0.0), True),
-    ("ration_1pct", "ration 1 %", dict(ration=0.01), True),
-    ("ration_3pct", "ration 3 %", dict(ration=0.03), True),
+                                          "chunk ends on the line", _old(checkpoint_at_line=False), False),
+    ("idle_only", "no ration (reference: what the idle window alone does)", _old(ration=0.0), True),
+    ("ration_1pct", "ration 1 %", _old(ration=0.01), True),
+    ("ration_3pct", "ration 3 %", _old(ration=0.03), True),
     ("ration_from_turn_start", "the seed's first build: the ration counts from the turn start",
-     dict(ration_from="turn_start"), True),
-    ("checkpoints_12", "12 prompt-end checkpoints instead of 6", dict(checkpoints=12), True),
-    ("checkpoint_at_line", "take the prompt end's checkpoint at once when the reader already stands on it",
-     dict(checkpoint_at_line=True), True),
+     _old(ration_from="turn_start"), True),
+    ("ration_after_5s", "the ration counts from 5 s after the first token (checkpoints as the 2026-11-29 runtime)",
+     _old(ration_after_s=5.0), True),
+    ("checkpoints_12", "12 prompt-end checkpoints instead of 6", _old(checkpoints=12), True),
     ("recent_2", "checkpoint_at_line + the newest 2 grid lines read kept as checkpoints",
-     dict(checkpoint_at_line=True, recent_checkpoints=2), True),
-    ("recent_4", "checkpoint_at_line + the newest 4 grid lines read", dict(checkpoint_at_line=True, recent_checkpoints=4),
-     True),
-    ("recent_8", "checkpoint_at_line + the newest 8 grid lines read", dict(checkpoint_at_line=True, recent_checkpoints=8),
-     True),
+     _old(recent_checkpoints=2), True),
+    ("recent_4", "checkpoint_at_line + the newest 4 grid lines read", RECENT_4, True),
+    ("recent_8", "checkpoint_at_line + the newest 8 grid lines read", _old(recent_checkpoints=8), True),
     ("divergence_4", "checkpoint_at_line + the lines of the newest 4 re-render points",
-     dict(checkpoint_at_line=True, divergence_checkpoints=4), True),
-    ("pin_first", "checkpoint_at_line + the lowest prompt-end checkpoint kept",
-     dict(checkpoint_at_line=True, pin_first_checkpoint=True), False),
-    ("ckpt_plus", "checkpoint_at_line + recent 4 + divergence 4 (14 checkpoints a session at most)", CKPT_PLUS, True),
-    ("wake_on_end", "the idle window looks the moment a turn ends", dict(wake_on_end=True), False),
-    ("prefill_2pct", "read during the served prefill, 2 % of it (delays the first token)", dict(prefill_share=0.02),
+     _old(divergence_checkpoints=4), True),
+    ("pin_first", "checkpoint_at_line + the lowest prompt-end checkpoint kept", _old(pin_first_checkpoint=True),
      False),
-    ("prefill_5pct", "read during the served prefill, 5 % of it (delays the first token)", dict(prefill_share=0.05),
+    ("recent_2_div_2", "checkpoint_at_line + recent 2 + divergence 2 (10 checkpoints a session at most)",
+     RECENT_2_DIV_2, True),
+    ("ckpt_plus", "checkpoint_at_line + recent 4 + divergence 4 (14 checkpoints a session at most)", CKPT_PLUS, True),
+    ("wake_on_end", "the idle window looks the moment a turn ends", _old(wake_on_end=True), False),
+    ("prefill_2pct", "read during the served prefill, 2 % of it (delays the first token)", _old(prefill_share=0.02),
+     False),
+    ("prefill_5pct", "read during the served prefill, 5 % of it (delays the first token)", _old(prefill_share=0.05),
      False),
     ("ckpt_plus_ration_1pct", "ckpt_plus with a 1 % ration", dict(CKPT_PLUS, ration=0.01), True),
     ("ckpt_plus_wake_prefill_2pct", "ckpt_plus + wake_on_end + prefill 2 %",
      dict(CKPT_PLUS, wake_on_end=True, prefill_share=0.02), False),
+    ("idle_only_ckpt_plus", "ckpt_plus with no ration: the idle window alone", dict(CKPT_PLUS, ration=0.0), True),
+    *[(f"ckpt_plus_after_{d:g}s", f"ckpt_plus; the ration counts from {d:g} s after the first token",
+       dict(CKPT_PLUS, ration_after_s=float(d)), True) for d in (1, 2, 5, 10)],
+    *[(f"recent_2_div_2_after_{d:g}s", f"recent_2_div_2; the ration counts from {d:g} s after the first token",
+       dict(RECENT_2_DIV_2, ration_after_s=float(d)), True) for d in (2, 5)],
+    ("recent_4_after_5s", "recent_4; the ration counts from 5 s after the first token",
+     dict(RECENT_4, ration_after_s=5.0), True),
 ]
-# the traces do not say where a re-rendered output diverges: the other end of the range, for two rows
-SENSITIVITY = [("runtime", {}), ("checkpoint_at_line", dict(checkpoint_at_line=True)), ("ckpt_plus", CKPT_PLUS)]
+# the traces do not say where a re-rendered output diverges: the other end of the range, for a few rows
+SENSITIVITY = [("runtime", {}), ("runtime_2026_11_29", RUNTIME_2026_11_29), ("ckpt_plus", CKPT_PLUS)]
 
 
 def _row(report: dict) -> dict:
@@ -105,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--traces", type=Path, default=ROOT.parent / "shared" / "data" / "traces")
     p.add_argument("--read-model", type=Path,
-                   default=ROOT / "benchmarks" / "results" / "shadow_measure-triton-2026-11-29-h200.json")
+                   default=ROOT / "benchmarks" / "results" / "shadow_measure-graph-2026-11-29-h200.json")
     p.add_argument("--read-model-preset", default=None)
     p.add_argument("--read-model-ops", default=None)
     p.add_argument("--target-ms-per-1000", type=float, default=8.0)
@@ -136,19 +160,23 @@ def main(argv: list[str] | None = None) -> int:
     def get(tkey, mkey, overrides):
         return results[(tkey, mkey, json.dumps(overrides, sort_keys=True))]
 
+    def wins(overrides: dict, base: dict) -> dict:
+        """Against the row of `base`: at least as fresh and no more decode loss everywhere, fresher on one
+        (`wins`); at least as fresh and strictly less decode loss everywhere (`fresher_or_equal_and_cheaper`)."""
+        pairs = [(get(t, m, overrides), get(t, m, base)) for t in TRACES for m in models]
+        fresh = all(r["fresh_share"] >= b["fresh_share"] and r["fresh_share_followups"] >= b["fresh_share_followups"]
+                    for r, b in pairs)
+        return {"wins": (fresh and all(r["decode_loss"] <= b["decode_loss"] for r, b in pairs)
+                         and any(r["fresh_share"] > b["fresh_share"] for r, b in pairs)),
+                "fresher_or_equal_and_cheaper": fresh and all(r["decode_loss"] < b["decode_loss"] for r, b in pairs)}
+
     table = []
-    base = {(t, m): get(t, m, {}) for t in TRACES for m in models}
     for name, what, overrides, in_runtime in POLICIES:
         cells = {f"{t}/{m}": _row(get(t, m, overrides)) for t in TRACES for m in models}
-        wins = all(get(t, m, overrides)["fresh_share"] >= base[(t, m)]["fresh_share"]
-                   and get(t, m, overrides)["fresh_share_followups"] >= base[(t, m)]["fresh_share_followups"]
-                   and get(t, m, overrides)["decode_loss"] <= base[(t, m)]["decode_loss"]
-                   for t in TRACES for m in models)
-        strictly = wins and any(get(t, m, overrides)["fresh_share"] > base[(t, m)]["fresh_share"]
-                                for t in TRACES for m in models)
         delays = any((get(t, m, overrides)["prefill_loss"] or 0) > 0 for t in TRACES for m in models)
         table.append({"policy": name, "what": what, "options": asdict(SimOptions(**overrides)),
-                      "in_runtime": in_runtime, "wins_on_both_vs_runtime": strictly,
+                      "in_runtime": in_runtime, "wins_on_both_vs_runtime": wins(overrides, {})["wins"],
+                      "vs_runtime_2026_11_29": wins(overrides, RUNTIME_2026_11_29),
                       "adds_first_token_delay": delays, "results": cells})
     sensitivity = []
     for name, overrides in SENSITIVITY:
@@ -168,10 +196,12 @@ def main(argv: list[str] | None = None) -> int:
                       "num_turns": get(t, "measured", {})["num_turns"],
                       "num_followup_turns": get(t, "measured", {})["num_followup_turns"]} for t in TRACES},
         "engine_model": "one engine per session: each session replayed alone on its own served model and reader",
-        "wins_rule": ("at least as fresh (all turn starts and follow-ups) and no more decode loss than the runtime row "
-                      "on every trace and read model, and fresher on one; a policy that reads during the served "
-                      "prefill also delays the first token (adds_first_token_delay, prefill_loss), which the two "
-                      "measures do not count"),
+        "wins_rule": ("wins_on_both_vs_runtime: at least as fresh (all turn starts and follow-ups) and no more "
+                      "decode loss than the runtime row on every trace and read model, and fresher on one; "
+                      "vs_runtime_2026_11_29: the same against the runtime before the ration delay (wins), and at "
+                      "least as fresh with strictly less decode loss everywhere (fresher_or_equal_and_cheaper); a "
+                      "policy that reads during the served prefill also delays the first token "
+                      "(adds_first_token_delay, prefill_loss), which the two measures do not count"),
         "miss_causes": MISS_CAUSES,
         "policies": table,
         "sensitivity_short_prompt_kept_previous_prompt": sensitivity,
@@ -179,8 +209,12 @@ def main(argv: list[str] | None = None) -> int:
             "decode_loss is the replay's estimate: reader time between decode rounds / the served model's decode time "
             "(trace timing; the served decode is the seed's GB10 rate, 36 tok/s, where a trace has no timing); the GPU "
             "A/B (benchmarks/shadow_ab.py) must confirm any change before it becomes the default",
-            "checkpoint policies other than the count are not in the runtime's reader (qse/shadow/reader.py); a "
-            "checkpoint is one recurrent state copy (19,537,920 bytes on the 0.8B), its copy time is not modelled",
+            "recent and divergence checkpoints are the runtime reader's (QSE_SHADOW_RECENT_CHECKPOINTS, "
+            "QSE_SHADOW_DIVERGENCE_CHECKPOINTS); pin_first is the simulator's only; a checkpoint is one recurrent "
+            "state copy (19,537,920 bytes on the 0.8B), its copy time is not modelled",
+            "ration_after_s: the ration counts from that many seconds after the first token "
+            "(QSE_SHADOW_RATION_AFTER_S); a turn whose decode is shorter spends no ration, its backlog is left "
+            "to the idle window after it",
             "prefill_loss is reader time during the served prefill / the served prefill time: the first token comes "
             "that much later",
         ],
@@ -191,7 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     for row in table:
         cells = " | ".join(f"{k} {100 * v['fresh_share']:.2f}% p90 {v['behind_followups_p90']} "
                            f"{100 * v['decode_loss']:.3f}%" for k, v in row["results"].items())
-        flag = ("WIN" if row["wins_on_both_vs_runtime"] else "   ") + ("+TTFT" if row["adds_first_token_delay"] else "     ")
+        old = row["vs_runtime_2026_11_29"]
+        flag = (("WIN" if row["wins_on_both_vs_runtime"] else "   ")
+                + (" OLD:" + ("win" if old["wins"] else "   ") + ("<" if old["fresher_or_equal_and_cheaper"] else " "))
+                + ("+TTFT" if row["adds_first_token_delay"] else "     "))
         print(f"{row['policy']:<28} {flag} {cells}")
     return 0
 

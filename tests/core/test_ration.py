@@ -120,3 +120,73 @@ def test_narrator_share_the_same_way_from_settings():
     assert narrator.open_slice(20.0, 10.0, 0, 15.0).budget_us == 150_000
     # a narrator's fork decode token of 15 ms needs 0.5 s of the served model's decode
     assert narrator.earliest_s(10.0, 0, 15.0) == 10.5
+
+
+# ---- the ration's delay: the share counts from first token + after_s ---------------------------------
+
+def test_no_slice_before_first_token_plus_after_s():
+    ration = TurnRation(0.02, 150.0, after_s=2.5)
+    first_token_s = 10.0  # the share counts from 12.5
+    for now in (10.0, 11.0, 12.0, 12.5):
+        assert ration.allowance_us(now, first_token_s, 0) == 0
+        assert ration.open_slice(now, first_token_s, 0, 0.001) is None  # not even a 1 us chunk
+    assert ration.allowance_us(12.5 + 50e-6, first_token_s, 0) == 1  # 2 % of 50 us
+    assert ration.open_slice(1e6, first_token_s, 0, 0.001) is not None  # the delay is once per turn
+
+
+def test_after_the_delay_the_allowance_is_the_share_of_the_time_since_it_less_what_was_spent():
+    ration = TurnRation(0.02, 150.0, after_s=2.5)
+    first_token_s = 10.0
+    assert ration.allowance_us(22.5, first_token_s, 0) == 200_000  # 2 % of the 10 s since 12.5
+    assert ration.allowance_us(22.5, first_token_s, 150_000) == 50_000
+    assert ration.allowance_us(22.5, first_token_s, 250_000) == 0  # overspent: nothing, never negative
+    assert ration.allowance_us(14.6, first_token_s, 0) == 42_000  # 2 % of 2.1 s
+    # the slice is capped as before and holds what is left
+    assert ration.open_slice(22.5, first_token_s, 0, CHUNK_MS).budget_us == 150_000
+    assert ration.open_slice(22.5, first_token_s, 150_000, CHUNK_MS).budget_us == 50_000
+    assert ration.open_slice(22.5, first_token_s, 160_000, CHUNK_MS) is None  # 40 ms left, 44.544 asked
+
+
+def test_earliest_s_shifts_by_after_s():
+    delayed = TurnRation(0.02, 150.0, after_s=2.5)
+    now = TurnRation(0.02, 150.0)
+    assert delayed.earliest_s(10.0, 0, CHUNK_MS) == 12.5 + 2.2272
+    assert delayed.earliest_s(10.0, 0, CHUNK_MS) == now.earliest_s(12.5, 0, CHUNK_MS)
+    assert delayed.earliest_s(10.0, 133_632, CHUNK_MS) == 12.5 + 8.9088  # (133.632 + 44.544) ms / 2 %
+    when = delayed.earliest_s(10.0, 0, CHUNK_MS)
+    assert delayed.open_slice(when, 10.0, 0, CHUNK_MS) is not None
+    assert delayed.open_slice(when - 1e-6, 10.0, 0, CHUNK_MS) is None
+    assert delayed.earliest_s(10.0, 0, 150.001) is None  # dearer than a slice: never, delay or not
+
+
+@pytest.mark.parametrize("first_token_s", [0.0, 0.1, 17.0, 1234.567891, 86_399.999_999])
+def test_after_s_zero_is_the_undelayed_rule_bit_for_bit(first_token_s):
+    zero = TurnRation(0.02, 150.0, Window.RATION, after_s=0.0)
+    plain = TurnRation(0.02, 150.0)
+    share = ShareBudget(0.02)
+    assert plain.after_s == 0.0
+    for dt in (0.0, 1e-6, 0.3, 2.2272, 9.6, 123.456789):
+        now = first_token_s + dt
+        for spent_us in (0, 44_544, 133_632):
+            want = share.allowance_us(now, first_token_s, spent_us)
+            assert zero.allowance_us(now, first_token_s, spent_us) == plain.allowance_us(now, first_token_s, spent_us) == want
+            for est_ms in (1.0, CHUNK_MS, 150.0):
+                a = zero.open_slice(now, first_token_s, spent_us, est_ms)
+                b = plain.open_slice(now, first_token_s, spent_us, est_ms)
+                assert (a is None) == (b is None) and (a is None or a.budget_us == b.budget_us)
+                want_s = share.earliest_s(first_token_s, spent_us, round(est_ms * 1000))
+                assert zero.earliest_s(first_token_s, spent_us, est_ms) == want_s
+                assert plain.earliest_s(first_token_s, spent_us, est_ms) == want_s
+
+
+@pytest.mark.parametrize("after_s", [-1.0, -1e-9, float("nan"), float("inf")], ids=["minus-1", "tiny-negative", "nan", "inf"])
+def test_a_bad_delay_is_a_value_error_naming_it(after_s):
+    with pytest.raises(ValueError, match=r"delay after the first token .* got " + repr(after_s).replace(".", r"\.")):
+        TurnRation(0.02, 150.0, after_s=after_s)
+
+
+def test_the_delay_from_settings_is_the_reader_s_only():
+    settings = EngineSettings({"QSE_SHADOW_RATION_AFTER_S": "2.5"})
+    assert TurnRation.reader(settings).after_s == 2.5
+    assert TurnRation.narrator(settings).after_s == 0.0  # the narrator's share is not delayed
+    assert TurnRation.narrator(settings).allowance_us(20.0, 10.0, 0) == 300_000

@@ -20,7 +20,7 @@ def reference(recs, model: ReadModel, opt: SimOptions):
     grid = opt.grid
     est = ChunkCostEstimator(model.ms_per_chunk(0, grid), opt.estimator_bucket_tokens)
     idle = IdleWindow(opt.idle_poll_s, opt.idle_burst_s)
-    ration = TurnRation(opt.ration, opt.slice_ms)
+    ration = TurnRation(opt.ration, opt.slice_ms, after_s=opt.ration_after_s)
     ledger = GpuLedger()
     trace = []
     st_ = {"committed": 0, "known": 0}
@@ -112,10 +112,15 @@ def _session(turns, prefill_s):
     return recs
 
 
-def test_same_decisions_on_a_long_decoding_turn():
+@pytest.mark.parametrize("after_s", [0.0, 5.0, 30.0], ids=["undelayed", "after-5s", "after-30s"])
+def test_same_decisions_on_a_long_decoding_turn(after_s):
+    # decodes of 83, 22 and 100 s: a 30 s delay leaves the middle turn no ration, the others some
     recs = _session([(30_000, 3000, 36.0, 1.0), (2000, 800, 36.0, 0.3), (700, 5000, 50.0, 0.0)], prefill_s=2.0)
-    got = _compare(recs, ReadModel.flat(87.0), SimOptions())
+    got = _compare(recs, ReadModel.flat(87.0), SimOptions(ration_after_s=after_s))
     assert any(w[1] is Window.RATION for w in got) and any(w[1] is Window.IDLE for w in got)
+    ration_turns = {w[0] for w in got if w[1] is Window.RATION}
+    assert ration_turns == ({0, 2} if after_s == 30.0 else {0, 1, 2})
+    assert all(w[5] >= 2.0 + after_s for w in got if w[1] is Window.RATION and w[0] == 0)
 
 
 @settings(max_examples=60, deadline=None)
@@ -124,14 +129,16 @@ def test_same_decisions_on_a_long_decoding_turn():
                              st.sampled_from([0.0, 0.15, 0.5, 1.7, 4.0])), min_size=1, max_size=4),
     prefill_s=st.sampled_from([0.0, 0.3, 2.0]),
     ration=st.sampled_from([0.02, 0.05, 0.2]),
+    after_s=st.sampled_from([0.0, 0.25, 1.0, 3.0]),
     slice_ms=st.sampled_from([50.0, 150.0]),
     poll_s=st.sampled_from([0.1, 0.2]),
     burst_s=st.sampled_from([0.5, 2.0]),
     grid=st.sampled_from([256, 512]),
     model=st.sampled_from([ReadModel.flat(87.0), ReadModel.flat(8.0), ReadModel(((0, 20.0), (8192, 60.0)))]),
 )
-def test_same_decisions_as_the_core_step_by_step(turns, prefill_s, ration, slice_ms, poll_s, burst_s, grid, model):
+def test_same_decisions_as_the_core_step_by_step(turns, prefill_s, ration, after_s, slice_ms, poll_s, burst_s,
+                                                 grid, model):
     recs = _session(turns, prefill_s)
-    opt = SimOptions(ration=ration, slice_ms=slice_ms, idle_poll_s=poll_s, idle_burst_s=burst_s, grid=grid,
-                     estimator_bucket_tokens=1024)
+    opt = SimOptions(ration=ration, ration_after_s=after_s, slice_ms=slice_ms, idle_poll_s=poll_s,
+                     idle_burst_s=burst_s, grid=grid, estimator_bucket_tokens=1024)
     _compare(recs, model, opt)

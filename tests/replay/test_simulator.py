@@ -108,6 +108,48 @@ def test_ration_counts_from_first_token():
     assert res2.ledger.balance().gpu_us[Role.READER_RATION] == 4 * 44_544
 
 
+def test_a_short_turn_spends_no_ration_with_a_delay_and_the_idle_window_reads_its_backlog():
+    # a 17 s prefill, 162 ids in 4.5 s: undelayed, 2 % of 4.5 s (90 ms) buys two 44.544 ms chunks inside the
+    # decode; counted from 5 s after the first token the decode is over first, and the idle window reads all four
+    recs = [rec("s", 0.0, 17.0, 21.5, 2048, 0, 162), rec("s", 30.0, 30.5, 31.0, 2300, 2048, 1)]
+    undelayed = simulate(recs, SEED, SimOptions(ration_after_s=0.0), record_decisions=True)
+    assert [(d.turn, d.window, d.start_row, d.num_chunks) for d in undelayed.decisions] == [
+        (0, Window.RATION, 0, 1), (0, Window.RATION, 512, 1), (1, Window.IDLE, 1024, 2)]
+    assert undelayed.ledger.balance().gpu_us[Role.READER_RATION] == 2 * 44_544
+
+    res = simulate(recs, SEED, SimOptions(ration_after_s=5.0), record_decisions=True)
+    assert [(d.turn, d.window, d.opened_s, d.start_row, d.num_chunks, d.stop) for d in res.decisions] == [
+        (1, Window.IDLE, 21.6, 0, 4, Stop.BACKLOG)]  # the first poll after the turn's end (polls every 0.2 s)
+    assert res.ledger.balance().gpu_us == {Role.SERVED_PREFILL: 17_500_000, Role.SERVED_DECODE: 5_000_000,
+                                           Role.READER_IDLE: 4 * 44_544}
+    assert res.report()["decode_loss"] == 0.0
+    # the next turn finds the same reader either way: the prompt read, 162 output ids behind
+    for r in (undelayed, res):
+        assert [(s.turn, s.kept_tokens, s.behind_tokens, s.fresh) for s in r.turn_starts] == [
+            (0, 0, 0, True), (1, 2210, 162, True)]
+
+
+@pytest.mark.parametrize("after_s,slices", [
+    (0.0, [(0, 1), (512, 1), (1024, 1), (1536, 1)]),  # 2 % of 9.6 s: 192 ms, four chunks
+    (5.0, [(0, 1), (512, 1)]),  # 2 % of the last 4.6 s: 92 ms, two chunks, none before 22 s
+    (10.0, []),  # the decode ends before the share starts counting
+], ids=["undelayed", "after-5s", "after-10s"])
+def test_a_long_turn_spends_its_ration_only_after_the_delay(after_s, slices):
+    recs = [rec("s", 0.0, 17.0, 26.6, 2048, 0, 346)]
+    res = simulate(recs, SEED, SimOptions(ration_after_s=after_s), record_decisions=True)
+    ration = [d for d in res.decisions if d.window is Window.RATION]
+    assert [(d.start_row, d.num_chunks) for d in ration] == slices
+    if ration:
+        first = 17.0 + after_s + 2.2272  # the first 44.544 ms earned
+        assert first <= ration[0].opened_s < first + 9.6 / 346  # at the first round boundary after it
+    assert res.report()["reader_ms"]["ration"] == pytest.approx(len(slices) * CHUNK_MS)
+    assert res.report()["decode_loss"] == pytest.approx(len(slices) * CHUNK_MS / 9600)
+    # what the ration left is read by the idle window after the turn
+    gpu_us = res.ledger.balance().gpu_us
+    assert gpu_us.get(Role.READER_RATION, 0) == len(slices) * 44_544
+    assert gpu_us.get(Role.READER_IDLE, 0) == (4 - len(slices)) * 44_544
+
+
 def test_a_waiting_request_waits_at_most_one_chunk():
     recs = [rec("s", 0.0, 0.5, 1.0, 100 * 512, 0, 1),
             rec("s", 1.5, 1.6, 1.7, 100 * 512 + 10, 100 * 512, 1)]
@@ -155,11 +197,11 @@ def test_cli_replay_writes_report_and_chart(tmp_path, capsys):
     model.write_text(json.dumps({"read_model": {"points": [[0, 40.0], [8192, 50.0]], "grid": 512}}))
     out = tmp_path / "out"
     rc = main([str(ledger), "--read-model", str(model), "--out", str(out), "--ration", "0.03", "--grid", "512",
-               "--no-progress"])
+               "--ration-after-s", "2.5", "--no-progress"])
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
     assert report["num_sessions"] == 2 and report["num_turns"] == 3
-    assert report["options"]["ration"] == 0.03
+    assert report["options"]["ration"] == 0.03 and report["options"]["ration_after_s"] == 2.5
     assert report["read_model"]["points"] == [[0, 40.0], [8192, 50.0]]
     assert (out / "replay.png").stat().st_size > 0
     assert json.loads((out / "report.json").read_text())["fresh_share"] == report["fresh_share"]
@@ -173,6 +215,9 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert main([str(ledger), "--read-model", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("qse replay: ") and "no points" in err and err.count("\n") == 1
+    assert main([str(ledger), "--ration-after-s", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qse replay: ") and "got -1.0" in err and err.count("\n") == 1
 
 
 @pytest.mark.slow

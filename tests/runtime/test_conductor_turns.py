@@ -6,6 +6,7 @@ import asyncio
 import json
 import math
 
+import pytest
 from runtime_rig import GRID, prompt_ids
 
 from qse.core.ledger import Role, ms_to_us
@@ -54,7 +55,7 @@ SCRIPT = {"prefill": 1000.0, "decode": 100.0, "chunk": 10.0, "fork": 5.0}
 
 
 async def test_the_ration_never_exceeds_what_the_turn_earned_and_reads_whole_chunks(make_rig):
-    rig = make_rig(script_ms=SCRIPT, chunk_prior_ms=20.0)
+    rig = make_rig(script_ms=SCRIPT, chunk_prior_ms=20.0, ration_after_s=0.0)
     c, reader, probe = rig.conductor, rig.reader, rig.probe
     reports = []
     read_step = reader.read_step
@@ -87,8 +88,48 @@ async def test_the_ration_never_exceeds_what_the_turn_earned_and_reads_whole_chu
     assert c.ledger.balance().estimate_error_us(Role.READER_RATION) == -10_000  # the prior said 20, it cost 10
 
 
-async def test_the_narrator_reads_in_its_own_share_and_summarizes_after_the_turn(make_rig):
-    rig = make_rig(script_ms=SCRIPT, chunk_prior_ms=20.0)
+async def test_the_ration_counts_from_ration_after_s_past_the_first_token(make_rig):
+    rig = make_rig(script_ms=SCRIPT, chunk_prior_ms=20.0, ration_after_s=2.0)
+    c, probe = rig.conductor, rig.probe
+    assert (c.ration.after_s, c.narrator_ration.after_s) == (2.0, 0.0)
+    out = await rig.turn(prompt_ids(4 * GRID + 12), 40, session="s")  # 39 rounds of 100 ms: a 3.9 s decode
+    assert len(out) == 40
+    record = rig.records[0]
+    since_s = record.first_token_s + 2.0
+    chunks = probe.of("chunk")
+    spent_us = 0
+    for chunk in chunks:
+        spent_us += ms_to_us(chunk.ms)
+        assert spent_us <= math.floor(0.02 * round((chunk.t0 - since_s) * 1e6)), (chunk, spent_us)
+    # the first slice opens when the prior's 20 ms are earned, 1 s after the delay: two 10 ms chunks in it;
+    # the third when 30 ms are earned (0.5 s later, plus the 20 ms the reader took from the rounds)
+    assert [round(k.t0 - record.first_token_s, 6) for k in chunks] == [3.0, 3.01, 3.52]
+    assert record.reader_ration_ms == 3 * 10.0
+
+
+async def test_a_short_turn_spends_no_ration_inside_the_delay(make_rig):
+    rig = make_rig(script_ms=SCRIPT, chunk_prior_ms=20.0, ration_after_s=5.0)
+    out = await rig.turn(prompt_ids(4 * GRID + 12), 40, session="s")  # a 3.9 s decode, all inside the delay
+    assert len(out) == 40
+    assert rig.probe.of("chunk") == []
+    assert rig.records[0].reader_ration_ms == 0.0 and rig.records[0].reader_share == 0.0
+    assert await rig.conductor.idle_once() == 5  # the idle window after it reads the backlog
+
+
+def test_the_config_s_defaults_are_the_settings_defaults():
+    from qse.runtime.conductor import ConductorConfig
+    from qse.settings import EngineSettings
+
+    ours = ConductorConfig.from_settings(EngineSettings({}))
+    plain = ConductorConfig()
+    assert (plain.ration, plain.ration_after_s, plain.slice_ms) == (ours.ration, ours.ration_after_s, ours.slice_ms)
+    assert ConductorConfig.from_settings(EngineSettings({"QSE_SHADOW_RATION_AFTER_S": "2.5"})).ration_after_s == 2.5
+
+
+@pytest.mark.parametrize("ration_after_s", [0.0, 5.0], ids=["reader-undelayed", "reader-after-5s"])
+async def test_the_narrator_reads_in_its_own_share_and_summarizes_after_the_turn(make_rig, ration_after_s):
+    # the reader's delay does not move the narrator's share
+    rig = make_rig(script_ms=SCRIPT, chunk_prior_ms=20.0, ration_after_s=ration_after_s)
     c, reader, probe = rig.conductor, rig.reader, rig.probe
     reader.feed("b", prompt_ids(6 * GRID, start=20_000))
     first_decode = probe.hold("decode", 1)
