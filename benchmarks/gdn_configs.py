@@ -34,9 +34,9 @@ VARIANTS = {
     "scan_stages1": {"SCAN_NUM_STAGES": 1},
     "output_bv64": {"OUTPUT_BLOCK_V": 64},
     "output_warps8": {"OUTPUT_NUM_WARPS": 8},
-    "tf32_one_product": {"DOT_PRECISION": "tf32", "OUTPUT_DOT_PRECISION": "tf32"},  # scale only: state error ~1e-3
-    # one tf32 product only where the state is not carried: the state must keep its bits
-    "output_products_tf32": {"OUTPUT_DOT_PRECISION": "tf32"},
+    "tf32_one_product": {"DOT_PRECISION": "tf32", "OUTPUT_DOT_PRECISION_16BIT": "tf32"},  # scale only: state error ~1e-3
+    # the bf16 output's products through three tf32 products, as pinned before 2026-11-29 (the state keeps its bits)
+    "output_products_tf32x3": {"OUTPUT_DOT_PRECISION_16BIT": "tf32x3"},
 }
 
 

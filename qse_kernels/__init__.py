@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 # The Triton modules, one a kernel family; imported only by triton_ops(), so that importing this package
 # needs no Triton and no GPU.
-KERNEL_MODULES = ("norms", "conv1d", "gdn_chunk", "gdn_recurrent", "attention", "gemm")
+KERNEL_MODULES = ("norms", "fused", "conv1d", "gdn_chunk", "gdn_recurrent", "attention", "gemm")
 
 
 def triton_version() -> str | None:
@@ -41,6 +41,9 @@ def triton_ops() -> SimpleNamespace:
     return SimpleNamespace(
         dense_matmul=naive.dense_matmul,  # cuBLAS: faster than ours, but its rounding follows the shape
         rms_norm=mods["norms"].rms_norm,
+        add_rms_norm=mods["fused"].add_rms_norm,
+        qk_norm_rotary=mods["fused"].qk_norm_rotary,
+        silu_mul=mods["fused"].silu_mul,
         gated_rms_norm=mods["norms"].gated_rms_norm,
         causal_conv1d=mods["conv1d"].causal_conv1d,
         gdn_gating=mods["norms"].gdn_gating,

@@ -31,10 +31,12 @@ import triton.language as tl
 # fp32 operands through three tf32 products: close to fp32, still on the tensor cores. (One tf32
 # product leaves ~1e-3 in the carried state, which then compounds from chunk to chunk.)
 DOT_PRECISION = "tf32x3"
-# the products that only reach the output (P = q k^T, and the output kernel's), never the carried state:
-# the output is rounded to bf16 anyway, so one tf32 product may do there (benchmarks/gdn_configs.py
-# measures it and checks that the state keeps its bits); pinned to the state's precision until measured
+# the products that only reach the output (P = q k^T, and the output kernel's), never the carried state.
+# A 16-bit output is rounded to ~3e-3 anyway, so one tf32 product does there: on the H200 it took the
+# GDN rule from 114 to 99 us a 512-token chunk (0.8B shapes) and the state kept its bits
+# (benchmarks/gdn_configs.py, output_products_tf32). A float32 output keeps the state's precision.
 OUTPUT_DOT_PRECISION = "tf32x3"
+OUTPUT_DOT_PRECISION_16BIT = "tf32"
 INVERSE_BLOCK = 16
 PREPARE_NUM_WARPS = 8
 SCAN_BLOCK_V = 16
@@ -215,22 +217,35 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _new_state_buffer(state: torch.Tensor, out_state: torch.Tensor | None) -> torch.Tensor:
+    """Where a kernel writes the new state: `out_state` (it may be the state itself: each program reads its
+    tile of the state before it writes the same tile, and no program reads another's), or a fresh one."""
+    if out_state is None:
+        return torch.empty_like(state)
+    if out_state.shape != state.shape or out_state.dtype != torch.float32 or not out_state.is_contiguous():
+        raise ValueError(f"out_state must be a contiguous float32 {tuple(state.shape)}; got "
+                         f"{out_state.dtype} {tuple(out_state.shape)}")
+    return out_state
+
+
 def chunk_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor, chunk: int = 64,
+    state: torch.Tensor, chunk: int = 64, out_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of naive.chunk_gated_delta_rule: o [T, Hv, Dv] (v's dtype), new state [Hv, Dk, Dv] fp32."""
+    """Triton twin of naive.chunk_gated_delta_rule: o [T, Hv, Dv] (v's dtype), new state [Hv, Dk, Dv] fp32
+    (in `out_state` when given; it may be `state`)."""
     num_tokens, num_k_heads, num_v_heads, dk, dv = _check_gdn_shapes(q, k, v, g, beta, state)
     if chunk < INVERSE_BLOCK or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two >= {INVERSE_BLOCK}; got {chunk}")
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     state = state.float().contiguous()
     out = torch.empty(num_tokens, num_v_heads, dv, dtype=v.dtype, device=v.device)
-    new_state = torch.empty_like(state)
+    new_state = _new_state_buffer(state, out_state)
     if num_tokens == 0:
         new_state.copy_(state)
         return out, new_state
     num_chunks = triton.cdiv(num_tokens, chunk)
+    out_precision = OUTPUT_DOT_PRECISION if out.element_size() >= 4 else OUTPUT_DOT_PRECISION_16BIT
     block_k, block_v = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
     ws = dict(dtype=torch.float32, device=v.device)
     w = torch.empty(num_chunks, num_v_heads, chunk, dk, **ws)
@@ -246,7 +261,7 @@ def chunk_gated_delta_rule(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         DK=dk, DV=dv, BT=chunk, BK=block_k, BV=block_v, SB=INVERSE_BLOCK, PRECISION=DOT_PRECISION,
-        OUT_PRECISION=OUTPUT_DOT_PRECISION,
+        OUT_PRECISION=out_precision,
         num_warps=PREPARE_NUM_WARPS, num_stages=1,
     )
     scan_block_v = min(SCAN_BLOCK_V, block_v)
@@ -258,7 +273,7 @@ def chunk_gated_delta_rule(
     output_block_v = min(OUTPUT_BLOCK_V, block_v)
     _chunk_output_kernel[(num_chunks, num_v_heads, triton.cdiv(dv, output_block_v))](
         w, u, qe, p, states, out, num_tokens, num_v_heads, out.stride(0), out.stride(1),
-        DK=dk, DV=dv, BT=chunk, BK=block_k, BV=output_block_v, OUT_PRECISION=OUTPUT_DOT_PRECISION,
+        DK=dk, DV=dv, BT=chunk, BK=block_k, BV=output_block_v, OUT_PRECISION=out_precision,
         num_warps=OUTPUT_NUM_WARPS, num_stages=1,
     )
     return out, new_state

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gdn_chunk import _check_gdn_shapes, _last_dim_contiguous
+from .gdn_chunk import _check_gdn_shapes, _last_dim_contiguous, _new_state_buffer
 
 RECURRENT_NUM_WARPS = 4
 RECURRENT_BLOCK_V = 32
@@ -55,13 +55,15 @@ def _recurrent_kernel(
 
 def recurrent_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    out_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of naive.recurrent_gated_delta_rule: o [T, Hv, Dv] (v's dtype), new state [Hv, Dk, Dv] fp32."""
+    """Triton twin of naive.recurrent_gated_delta_rule: o [T, Hv, Dv] (v's dtype), new state [Hv, Dk, Dv] fp32
+    (in `out_state` when given; it may be `state`)."""
     num_tokens, num_k_heads, num_v_heads, dk, dv = _check_gdn_shapes(q, k, v, g, beta, state)
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     state = state.float().contiguous()
     out = torch.empty(num_tokens, num_v_heads, dv, dtype=v.dtype, device=v.device)
-    new_state = torch.empty_like(state)
+    new_state = _new_state_buffer(state, out_state)
     block_k = triton.next_power_of_2(dk)
     block_v = min(RECURRENT_BLOCK_V, triton.next_power_of_2(dv))
     _recurrent_kernel[(num_v_heads, triton.cdiv(dv, block_v))](

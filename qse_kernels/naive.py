@@ -31,6 +31,26 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return ((weight * normed) * F.silu(gate.float())).to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next norm: s = x + h in x's dtype, and rms_norm(s)."""
+    s = x + h
+    return s, rms_norm(s, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """The MLP's activation on one fused projection: gate_up [T, 2I] (gate first) -> silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention layer's q/k norms, then the rotary embedding on both."""
+    q = apply_rotary(rms_norm(q, q_weight, eps), cos, sin)
+    k = apply_rotary(rms_norm(k, k_weight, eps), cos, sin)
+    return q, k
+
+
 def rotary_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):
     """cos, sin [T, rotary_dim] for integer positions [T]; halves repeated (rotate-half convention).
 
@@ -97,12 +117,13 @@ def _prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int):
 
 def chunk_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor, chunk: int = 64,
+    state: torch.Tensor, chunk: int = 64, out_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over T tokens in chunks of `chunk`, from state S0.
 
     q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv] fp32; state [Hv, Dk, Dv] fp32.
-    Returns o [T, Hv, Dv] (v's dtype) and the new state [Hv, Dk, Dv] fp32.
+    Returns o [T, Hv, Dv] (v's dtype) and the new state [Hv, Dk, Dv] fp32 (written into `out_state`,
+    which may be `state` itself, when one is given).
 
     Per token: S <- e^g S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q.
     In a chunk with cumulative log decay c_i, the u's solve one unit-lower-triangular system
@@ -138,13 +159,21 @@ def chunk_gated_delta_rule(
         out[:, start:end] = (qc * c.exp()[:, :, None]) @ s + intra @ u
         tail = (c[:, -1:] - c).exp()  # e^(c_n - c_j)
         s = s * c[:, -1].exp()[:, None, None] + (kc * tail[:, :, None]).transpose(-1, -2) @ u
-    return out.transpose(0, 1).to(out_dtype), s
+    return out.transpose(0, 1).to(out_dtype), _hand_over(s, out_state)
+
+
+def _hand_over(s: torch.Tensor, out_state: torch.Tensor | None) -> torch.Tensor:
+    if out_state is None:
+        return s
+    out_state.copy_(s)
+    return out_state
 
 
 def recurrent_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    out_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same rule one token at a time (decode). Shapes as chunk_gated_delta_rule."""
+    """The same rule one token at a time (decode). Shapes and `out_state` as chunk_gated_delta_rule."""
     out_dtype = v.dtype
     num_v_heads = v.shape[1]
     q, k = _prepare_qk(q, k, num_v_heads)
@@ -157,7 +186,7 @@ def recurrent_gated_delta_rule(
         u = (v[t] - kv) * beta[t][:, None]
         s = s + k[t][:, :, None] * u[:, None, :]
         out[t] = torch.einsum("hkv,hk->hv", s, q[t])
-    return out.to(out_dtype), s
+    return out.to(out_dtype), _hand_over(s, out_state)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float | None = None) -> torch.Tensor:

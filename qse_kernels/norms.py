@@ -42,9 +42,11 @@ def _rms_norm_kernel(
 
 @triton.jit
 def _gated_rms_norm_kernel(
-    x_ptr, gate_ptr, w_ptr, y_ptr, num_rows, stride_x, stride_gate, stride_y, eps,
+    x_ptr, gate_ptr, w_ptr, y_ptr, num_rows, stride_x, gate_heads, stride_gate_t, stride_gate_h, stride_y, eps,
     D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, PRODUCT_DTYPE: tl.constexpr,
 ):
+    """Row r of the gate is head r % gate_heads of token r // gate_heads: a gate sliced out of a fused
+    projection [T, ...] is read where it lies."""
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
     m = (o_r < num_rows)[:, None] & (o_d < D)[None, :]
@@ -54,7 +56,8 @@ def _gated_rms_norm_kernel(
     b_normed = (b_x * b_rstd[:, None]).to(x_ptr.dtype.element_ty)
     b_w = tl.load(w_ptr + o_d, mask=o_d < D, other=0.0)
     b_wn = (b_w.to(tl.float32)[None, :] * b_normed.to(tl.float32)).to(PRODUCT_DTYPE).to(tl.float32)
-    b_gate = tl.load(gate_ptr + o_r[:, None] * stride_gate + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    o_gate = (o_r // gate_heads) * stride_gate_t + (o_r % gate_heads) * stride_gate_h
+    b_gate = tl.load(gate_ptr + o_gate[:, None] + o_d[None, :], mask=m, other=0.0).to(tl.float32)
     b_y = b_wn * (b_gate * tl.sigmoid(b_gate))
     tl.store(y_ptr + o_r[:, None] * stride_y + o_d[None, :], b_y.to(y_ptr.dtype.element_ty), mask=m)
 
@@ -126,14 +129,19 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     _tl_dtype(x.dtype)
     product_dtype = _tl_dtype(torch.promote_types(weight.dtype, x.dtype))
     weight = weight.contiguous()
-    x2, gate2 = _rows(x), _rows(gate)
+    x2 = _rows(x)
+    if gate.dim() == 3 and gate.stride(2) == 1:  # [T, H, D], e.g. a slice of a fused projection: as it lies
+        gate2, gate_heads, gate_strides = gate, gate.shape[1], (gate.stride(0), gate.stride(1))
+    else:
+        gate2 = _rows(gate)
+        gate_heads, gate_strides = 1, (gate2.stride(0), 0)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     y2 = y.view(-1, dim)
     block_d, block_r = _row_blocks(dim)
     num_rows = x2.shape[0]
     if num_rows:
         _gated_rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
-            x2, gate2, weight, y2, num_rows, x2.stride(0), gate2.stride(0), y2.stride(0), eps,
+            x2, gate2, weight, y2, num_rows, x2.stride(0), gate_heads, *gate_strides, y2.stride(0), eps,
             D=dim, BD=block_d, BR=block_r, PRODUCT_DTYPE=product_dtype, num_warps=NORM_NUM_WARPS,
         )
     return y

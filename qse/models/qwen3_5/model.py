@@ -28,6 +28,15 @@ from .layout import LoadedWeights
 
 GDN_CHUNK = 64
 
+# Projections that read the same input, fused into one GEMM each: one launch instead of two to four (a
+# one-token forward is ~500 launches of a few microseconds each), and the tiny b/a projections stop being
+# GEMMs of their own. The members become views of the fused weight, so no memory is added.
+FUSED_PROJECTIONS = {
+    "linear_attn.in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+    "self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "mlp.gate_up_proj": ("gate_proj", "up_proj"),
+}
+
 Logits = Literal["last", "all", "none", "row"]
 
 
@@ -50,6 +59,9 @@ class InputError(ValueError):
 def default_ops() -> SimpleNamespace:
     return SimpleNamespace(
         rms_norm=naive_ops.rms_norm,
+        add_rms_norm=naive_ops.add_rms_norm,
+        qk_norm_rotary=naive_ops.qk_norm_rotary,
+        silu_mul=naive_ops.silu_mul,
         gated_rms_norm=naive_ops.gated_rms_norm,
         causal_conv1d=naive_ops.causal_conv1d,
         gdn_gating=naive_ops.gdn_gating,
@@ -85,6 +97,35 @@ class Qwen35Model:
         self._mm_out_fp32: bool | None = None  # whether torch.mm(out_dtype=float32) works here (tried once)
         self.skipped_tensors = len(weights.skipped)
         self.mtp_tensors = len(weights.mtp)
+        self.fused: dict[str, tuple[DenseLinear, tuple[int, ...]]] = {}
+        self._fuse_projections()
+
+    def _fuse_projections(self) -> None:
+        """Concatenate each FUSED_PROJECTIONS group whose members are all dense, of one dtype and device."""
+        for layer in range(self.cfg.num_hidden_layers):
+            for group, members in FUSED_PROJECTIONS.items():
+                parent = group.rsplit(".", 1)[0]
+                names = [f"layers.{layer}.{parent}.{m}.weight" for m in members]
+                lins = [self.lin.get(n) for n in names]
+                if not all(isinstance(l, DenseLinear) for l in lins):
+                    continue
+                weights = [l.weight for l in lins]
+                if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1:
+                    continue
+                fused = torch.cat(weights, dim=0)
+                widths = tuple(int(w.shape[0]) for w in weights)
+                for name, part in zip(names, fused.split(widths, dim=0)):
+                    self.lin[name] = DenseLinear(part)
+                self.fused[f"layers.{layer}.{group}"] = (DenseLinear(fused), widths)
+
+    def _projections(self, group: str, members: tuple[str, ...], h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The members' outputs (views of one fused GEMM's output where the group is fused)."""
+        fused = self.fused.get(group)
+        if fused is not None:
+            lin, widths = fused
+            return self.ops.dense_matmul(h, lin.weight).split(widths, dim=-1)
+        parent = group.rsplit(".", 1)[0]
+        return tuple(self._mm(f"{parent}.{m}.weight", h) for m in members)
 
     # ---- state -------------------------------------------------------------------------------
     def new_cache(self, kv=None, capacity: int = 1024) -> SequenceCache:
@@ -141,24 +182,27 @@ class Qwen35Model:
         emb = torch.cat((emb, emb), dim=-1)
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)  # [T, rotary_dim]
         rows = _PagedRows.of(cache.kv, positions)
+        eps, num_layers = self.cfg.rms_norm_eps, len(self.cfg.layer_types)
+        # each residual add runs with the norm after it (the next layer's input norm, or the final norm)
+        h = self.ops.rms_norm(x, self.w["layers.0.input_layernorm.weight"], eps)
         for layer, kind in enumerate(self.cfg.layer_types):
             p = f"layers.{layer}."
-            h = self.ops.rms_norm(x, self.w[p + "input_layernorm.weight"], self.cfg.rms_norm_eps)
             if kind == "full_attention":
                 h = self._attention(layer, h, cache, step, rows, cos, sin)
             else:
                 h = self._gdn(layer, h, cache)
-            x = x + h
-            h = self.ops.rms_norm(x, self.w[p + "post_attention_layernorm.weight"], self.cfg.rms_norm_eps)
-            x = x + self._mlp(p, h)
-        if logits == "none":
-            return None
+            x, h = self.ops.add_rms_norm(x, h, self.w[p + "post_attention_layernorm.weight"], eps)
+            m = self._mlp(p, h)
+            if layer + 1 == num_layers and logits == "none":
+                return None  # the last residual add feeds nothing
+            next_norm = f"layers.{layer + 1}.input_layernorm.weight" if layer + 1 < num_layers else "norm.weight"
+            x, h = self.ops.add_rms_norm(x, m, self.w[next_norm], eps)
+        # h: the final norm of every row (a row's norm does not depend on the others)
         if logits == "last":
-            x = x[-1:]
+            h = h[-1:]
         elif logits == "row":
-            x = x.index_select(0, step.logit_row)
-        x = self.ops.rms_norm(x, self.w["norm.weight"], self.cfg.rms_norm_eps)
-        return self._logits(x)  # [T or 1, vocab]
+            h = h.index_select(0, step.logit_row)
+        return self._logits(h)  # [T or 1, vocab]
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """The head in fp32 output: bf16 logits would round to ~0.03 at the usual magnitudes, and
@@ -184,22 +228,24 @@ class Qwen35Model:
         return lin.matmul(x)
 
     def _mlp(self, p: str, h: torch.Tensor) -> torch.Tensor:
-        gate = self._mm(p + "mlp.gate_proj.weight", h)
-        up = self._mm(p + "mlp.up_proj.weight", h)
-        return self._mm(p + "mlp.down_proj.weight", F.silu(gate) * up)
+        fused = self.fused.get(p + "mlp.gate_up_proj")
+        if fused is not None:
+            act = self.ops.silu_mul(self.ops.dense_matmul(h, fused[0].weight))
+        else:
+            act = F.silu(self._mm(p + "mlp.gate_proj.weight", h)) * self._mm(p + "mlp.up_proj.weight", h)
+        return self._mm(p + "mlp.down_proj.weight", act)
 
     def _attention(self, layer: int, h: torch.Tensor, cache: SequenceCache, step: Step, rows: "_PagedRows | None",
                    cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         cfg, a = self.cfg, f"layers.{layer}.self_attn."
         num_tokens, num_heads, num_kv, head_dim = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qg = self._mm(a + "q_proj.weight", h).view(num_tokens, num_heads, 2 * head_dim)
+        qg, k, v = self._projections(a + "qkv_proj", FUSED_PROJECTIONS["self_attn.qkv_proj"], h)
+        qg = qg.view(num_tokens, num_heads, 2 * head_dim)
         q, gate = qg[..., :head_dim], qg[..., head_dim:].reshape(num_tokens, num_heads * head_dim)
-        k = self._mm(a + "k_proj.weight", h).view(num_tokens, num_kv, head_dim)
-        v = self._mm(a + "v_proj.weight", h).view(num_tokens, num_kv, head_dim)
-        q = self.ops.rms_norm(q, self.w[a + "q_norm.weight"], cfg.rms_norm_eps)
-        k = self.ops.rms_norm(k, self.w[a + "k_norm.weight"], cfg.rms_norm_eps)
-        q = naive_ops.apply_rotary(q, cos, sin)
-        k = naive_ops.apply_rotary(k, cos, sin)
+        k = k.view(num_tokens, num_kv, head_dim)
+        v = v.view(num_tokens, num_kv, head_dim)
+        q, k = self.ops.qk_norm_rotary(q, k, self.w[a + "q_norm.weight"], self.w[a + "k_norm.weight"], cos, sin,
+                                       cfg.rms_norm_eps)
         slot = self.attn_slot[layer]
         if rows is not None:  # paged: rows written and read through the page table on the device
             k_pages, v_pages = rows.pool.k[:, slot], rows.pool.v[:, slot]  # [P, page_rows, Hkv, D]
@@ -220,10 +266,9 @@ class Qwen35Model:
         num_tokens = h.shape[0]
         slot = self.gdn_slot[layer]
         hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        qkv = self._mm(g_ + "in_proj_qkv.weight", h)  # [T, C]
-        z = self._mm(g_ + "in_proj_z.weight", h).view(num_tokens, hv, dv)
-        b = self._mm(g_ + "in_proj_b.weight", h)  # [T, Hv]
-        a = self._mm(g_ + "in_proj_a.weight", h)  # [T, Hv]
+        # qkv [T, C], z [T, Hv * Dv], b and a [T, Hv]: views of one GEMM's output where it is fused
+        qkv, z, b, a = self._projections(g_ + "in_proj", FUSED_PROJECTIONS["linear_attn.in_proj"], h)
+        z = z.view(num_tokens, hv, dv)
         conv_w = self.w[g_ + "conv1d.weight"][:, 0, :]  # [C, K]
         qkv, new_conv = self.ops.causal_conv1d(qkv, conv_w, cache.conv[slot])
         cache.conv[slot].copy_(new_conv)
@@ -233,11 +278,11 @@ class Qwen35Model:
         v = qkv[:, 2 * kd :].reshape(num_tokens, hv, dv)
         g, beta = self.ops.gdn_gating(a, b, self.w[g_ + "A_log"], self.w[g_ + "dt_bias"])
         state = cache.recurrent[slot]
+        # the new state is written over the old one, in place (the cache and a CUDA graph hold its address)
         if num_tokens == 1:
-            o, new_state = self.ops.recurrent_gated_delta_rule(q, k, v, g, beta, state)
+            o, _ = self.ops.recurrent_gated_delta_rule(q, k, v, g, beta, state, out_state=state)
         else:
-            o, new_state = self.ops.chunk_gated_delta_rule(q, k, v, g, beta, state, GDN_CHUNK)
-        state.copy_(new_state)  # fp32 hand-over, same address
+            o, _ = self.ops.chunk_gated_delta_rule(q, k, v, g, beta, state, GDN_CHUNK, out_state=state)
         o = self.ops.gated_rms_norm(o, z, self.w[g_ + "norm.weight"], cfg.rms_norm_eps)
         return self._mm(g_ + "out_proj.weight", o.reshape(num_tokens, hv * dv))
 

@@ -1,0 +1,192 @@
+"""Small fusions in Triton: the residual add with the next norm, SiLU(gate) * up, and the attention
+layer's q/k norm with the rotary embedding; the naive twins are naive.add_rms_norm, naive.silu_mul and
+naive.qk_norm_rotary.
+
+Each replaces a handful of torch launches by one. That matters most where a forward is one token (fork
+decode, the served model's decode under a CUDA graph: ~500 launches of a few microseconds each), and the
+bytes saved matter in the 512-row chunk. Every kernel rounds where its twin rounds (to the activation
+dtype after the add, after the norm, after each rotary product), so the two agree to the dtype's ulp.
+A program holds whole rows, sized by the row length alone: a row's result never depends on how many
+rows came with it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .norms import NORM_NUM_WARPS, _row_blocks, _rows, _tl_dtype
+
+SILU_BLOCK_T = 8
+SILU_BLOCK_N = 512
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, h_ptr, w_ptr, s_ptr, y_ptr, num_rows, stride_x, stride_h, stride_s, stride_y, eps,
+    D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
+):
+    o_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    o_d = tl.arange(0, BD)
+    m = (o_r < num_rows)[:, None] & (o_d < D)[None, :]
+    b_x = tl.load(x_ptr + o_r[:, None] * stride_x + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    b_h = tl.load(h_ptr + o_r[:, None] * stride_h + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    # the residual stream is kept in its dtype: round the sum first, then normalise what was stored
+    b_s = (b_x + b_h).to(s_ptr.dtype.element_ty)
+    tl.store(s_ptr + o_r[:, None] * stride_s + o_d[None, :], b_s, mask=m)
+    b_sf = b_s.to(tl.float32)
+    b_rstd = tl.rsqrt(tl.sum(b_sf * b_sf, 1) / D + eps)
+    b_w = tl.load(w_ptr + o_d, mask=o_d < D, other=0.0).to(tl.float32)
+    b_y = (b_sf * b_rstd[:, None]) * (1.0 + b_w)[None, :]
+    tl.store(y_ptr + o_r[:, None] * stride_y + o_d[None, :], b_y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _silu_mul_kernel(
+    gu_ptr, y_ptr, num_rows, width, stride_gu, stride_y,
+    BT: tl.constexpr, BN: tl.constexpr,
+):
+    o_t = tl.program_id(0) * BT + tl.arange(0, BT)
+    o_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    m = (o_t < num_rows)[:, None] & (o_n < width)[None, :]
+    p_g = gu_ptr + o_t[:, None] * stride_gu + o_n[None, :]
+    b_g = tl.load(p_g, mask=m, other=0.0).to(tl.float32)
+    b_u = tl.load(p_g + width, mask=m, other=0.0)
+    # the twin: silu in fp32 rounded to the dtype, then the product rounded again
+    b_act = (b_g * tl.sigmoid(b_g)).to(b_u.dtype)
+    b_y = b_act.to(tl.float32) * b_u.to(tl.float32)
+    tl.store(y_ptr + o_t[:, None] * stride_y + o_n[None, :], b_y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _norm_rotary_rows(
+    x_ptr, w_ptr, y_ptr, cos_ptr, sin_ptr, o_r, num_rows, num_heads, stride_t, stride_h, stride_c, eps,
+    D: tl.constexpr, BD: tl.constexpr, RD: tl.constexpr,
+):
+    """BR rows (token, head) of x [T, H, D]: y = rotary(rms_norm(x) * (1 + w)) into y [T, H, D] (contiguous)."""
+    o_d = tl.arange(0, BD)
+    m_r = o_r < num_rows
+    m_d = o_d < D
+    m = m_r[:, None] & m_d[None, :]
+    o_t = o_r // num_heads
+    base = x_ptr + o_t[:, None] * stride_t + (o_r % num_heads)[:, None] * stride_h
+    b_x = tl.load(base + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    b_rstd = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)
+    b_w = tl.load(w_ptr + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_n = ((b_x * b_rstd[:, None]) * (1.0 + b_w)[None, :]).to(y_ptr.dtype.element_ty)
+    # rotate-half on the first RD dims: the partner of d is d + RD/2 (first half, taken negated) or d - RD/2;
+    # it is loaded again and normalised by the same arithmetic, so it has the same bits as its own entry
+    HALF: tl.constexpr = RD // 2
+    is_rot = o_d < RD
+    o_p = tl.where(o_d < HALF, o_d + HALF, o_d - HALF)
+    m_p = m & is_rot[None, :]
+    b_xp = tl.load(base + o_p[None, :], mask=m_p, other=0.0).to(tl.float32)
+    b_wp = tl.load(w_ptr + o_p, mask=is_rot, other=0.0).to(tl.float32)
+    # (negated in fp32: exact as well, and Triton's interpreter negates 16-bit floats as integers)
+    b_np = ((b_xp * b_rstd[:, None]) * (1.0 + b_wp)[None, :]).to(y_ptr.dtype.element_ty).to(tl.float32)
+    b_np = tl.where((o_d < HALF)[None, :], -b_np, b_np)
+    p_cs = o_t[:, None] * stride_c + o_d[None, :]
+    b_cos = tl.load(cos_ptr + p_cs, mask=m_p, other=0.0)
+    b_sin = tl.load(sin_ptr + p_cs, mask=m_p, other=0.0)
+    # the twin computes x*cos and rot*sin in the dtype, then their sum: three roundings
+    b_a = (b_n.to(tl.float32) * b_cos.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    b_b = (b_np * b_sin.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    b_rot = (b_a.to(tl.float32) + b_b.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    b_y = tl.where(is_rot[None, :], b_rot, b_n)
+    tl.store(y_ptr + o_r[:, None] * D + o_d[None, :], b_y, mask=m)
+
+
+@triton.jit
+def _qk_norm_rotary_kernel(
+    q_ptr, k_ptr, wq_ptr, wk_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,
+    num_q_rows, num_k_rows, num_q_heads, num_k_heads,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_c, eps,
+    D: tl.constexpr, BD: tl.constexpr, RD: tl.constexpr, BR: tl.constexpr,
+):
+    """The first programs take q's rows, the rest k's: one launch for both."""
+    pid = tl.program_id(0)
+    q_programs = tl.cdiv(num_q_rows, BR)
+    if pid < q_programs:
+        o_r = pid * BR + tl.arange(0, BR)
+        _norm_rotary_rows(q_ptr, wq_ptr, qo_ptr, cos_ptr, sin_ptr, o_r, num_q_rows, num_q_heads,
+                          stride_qt, stride_qh, stride_c, eps, D, BD, RD)
+    else:
+        o_r = (pid - q_programs) * BR + tl.arange(0, BR)
+        _norm_rotary_rows(k_ptr, wk_ptr, ko_ptr, cos_ptr, sin_ptr, o_r, num_k_rows, num_k_heads,
+                          stride_kt, stride_kh, stride_c, eps, D, BD, RD)
+
+
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of naive.add_rms_norm: s = x + h (x's dtype), y = rms_norm(s, weight, eps)."""
+    dim = x.shape[-1]
+    if h.shape != x.shape or weight.shape != (dim,):
+        raise ValueError(f"h must match x {tuple(x.shape)} and weight be [{dim}]; got {tuple(h.shape)}, {tuple(weight.shape)}")
+    _tl_dtype(x.dtype)
+    weight = weight.contiguous()
+    x2, h2 = _rows(x), _rows(h)
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    s2, y2 = s.view(-1, dim), y.view(-1, dim)
+    block_d, block_r = _row_blocks(dim)
+    num_rows = x2.shape[0]
+    if num_rows:
+        _add_rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
+            x2, h2, weight, s2, y2, num_rows, x2.stride(0), h2.stride(0), s2.stride(0), y2.stride(0), eps,
+            D=dim, BD=block_d, BR=block_r, num_warps=NORM_NUM_WARPS,
+        )
+    return s, y
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Triton twin of naive.silu_mul: gate_up [T, 2I] (gate first) -> silu(gate) * up [T, I]."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [T, 2I]; got {tuple(gate_up.shape)}")
+    _tl_dtype(gate_up.dtype)
+    gate_up = gate_up if gate_up.stride(1) == 1 else gate_up.contiguous()
+    num_rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    y = torch.empty(num_rows, width, dtype=gate_up.dtype, device=gate_up.device)
+    if num_rows:
+        grid = (triton.cdiv(num_rows, SILU_BLOCK_T), triton.cdiv(width, SILU_BLOCK_N))
+        _silu_mul_kernel[grid](gate_up, y, num_rows, width, gate_up.stride(0), y.stride(0),
+                               BT=SILU_BLOCK_T, BN=SILU_BLOCK_N, num_warps=NORM_NUM_WARPS)
+    return y
+
+
+def _heads_view(x: torch.Tensor, name: str) -> torch.Tensor:
+    if x.dim() != 3:
+        raise ValueError(f"{name} must be [T, H, D]; got {tuple(x.shape)}")
+    return x if x.stride(2) == 1 else x.contiguous()
+
+
+def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of naive.qk_norm_rotary: q [T, H, D], k [T, Hkv, D] (strided views welcome) -> both
+    rms-normed with (1 + w) and rotated on their first cos.shape[-1] dims, contiguous, in q's dtype."""
+    q, k = _heads_view(q, "q"), _heads_view(k, "k")
+    num_tokens, num_q_heads, dim = q.shape
+    rotary_dim = cos.shape[-1]
+    if k.shape[0] != num_tokens or k.shape[2] != dim or k.dtype != q.dtype:
+        raise ValueError(f"k must be [T, Hkv, D] = [{num_tokens}, *, {dim}] in {q.dtype}; got {tuple(k.shape)} {k.dtype}")
+    if q_weight.shape != (dim,) or k_weight.shape != (dim,):
+        raise ValueError(f"norm weights must be [{dim}]; got {tuple(q_weight.shape)}, {tuple(k_weight.shape)}")
+    if cos.shape != sin.shape or cos.shape[0] != num_tokens or rotary_dim % 2 or rotary_dim > dim:
+        raise ValueError(f"cos, sin must be [T, RD] with RD even and <= {dim}; got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    _tl_dtype(q.dtype)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    block_d, block_r = _row_blocks(dim)
+    num_q_rows, num_k_rows = num_tokens * num_q_heads, num_tokens * k.shape[1]
+    if num_tokens:
+        grid = (triton.cdiv(num_q_rows, block_r) + triton.cdiv(num_k_rows, block_r),)
+        _qk_norm_rotary_kernel[grid](
+            q, k, q_weight.contiguous(), k_weight.contiguous(), q_out, k_out, cos, sin,
+            num_q_rows, num_k_rows, num_q_heads, k.shape[1],
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), eps,
+            D=dim, BD=block_d, RD=rotary_dim, BR=block_r, num_warps=NORM_NUM_WARPS,
+        )
+    return q_out, k_out
+
+
+__all__ = ["add_rms_norm", "qk_norm_rotary", "silu_mul"]

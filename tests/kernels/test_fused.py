@@ -1,0 +1,138 @@
+"""The small fusions (residual add + norm, SiLU gate, q/k norm + rotary), the gated norm on a strided gate,
+and the GDN rules writing their state in place: each against its naive twin."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qse_kernels import fused, gdn_chunk, gdn_recurrent, naive, norms
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+EPS = 1e-6
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _randn(*shape, gen, scale=1.0):
+    return torch.randn(*shape, generator=gen) * scale
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_add_rms_norm_matches_twin(device, rel, dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = _randn(19, 96, gen=gen, scale=3).to(device, dtype)
+    h = _randn(19, 96, gen=gen).to(device, dtype)
+    w = _randn(96, gen=gen, scale=0.2).to(device, dtype)
+    s, y = fused.add_rms_norm(x, h, w, EPS)
+    ref_s, ref_y = naive.add_rms_norm(x, h, w, EPS)
+    assert s.dtype == y.dtype == dtype and s.shape == y.shape == x.shape
+    assert rel(s, ref_s) < TOL[dtype] and rel(y, ref_y) < TOL[dtype]
+    # the norm is the one of the stored (rounded) sum: the same as the plain norm kernel on it
+    assert torch.equal(y, norms.rms_norm(s, w, EPS))
+
+
+def test_add_rms_norm_row_independent_of_batch(device):
+    gen = torch.Generator().manual_seed(1)
+    x, h, w = _randn(23, 64, gen=gen).to(device), _randn(23, 64, gen=gen).to(device), _randn(64, gen=gen).to(device)
+    s, y = fused.add_rms_norm(x, h, w, EPS)
+    s1, y1 = fused.add_rms_norm(x[7:8], h[7:8], w, EPS)
+    assert torch.equal(s1, s[7:8]) and torch.equal(y1, y[7:8])
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_silu_mul_matches_twin(device, rel, dtype):
+    gen = torch.Generator().manual_seed(2)
+    gate_up = _randn(11, 2 * 600, gen=gen, scale=3).to(device, dtype)  # width 600: a partial column block
+    out = fused.silu_mul(gate_up)
+    assert out.shape == (11, 600) and out.dtype == dtype
+    assert rel(out, naive.silu_mul(gate_up)) < TOL[dtype]
+
+
+def test_silu_mul_rejects_odd_width(device):
+    with pytest.raises(ValueError, match=r"\[T, 2I\]"):
+        fused.silu_mul(torch.zeros(2, 7, device=device))
+
+
+QK_CASES = {
+    # T, H, Hkv, D, rotary dims, dtype
+    "partial-rotary-fp32": (5, 4, 2, 32, 8, torch.float32),
+    "full-rotary-bf16": (3, 2, 1, 16, 16, torch.bfloat16),
+    "odd-dim-fp32": (4, 2, 2, 24, 8, torch.float32),
+}
+
+
+@pytest.mark.parametrize("num_tokens,num_heads,num_kv,dim,rotary_dim,dtype", QK_CASES.values(), ids=QK_CASES.keys())
+def test_qk_norm_rotary_matches_twin(device, rel, num_tokens, num_heads, num_kv, dim, rotary_dim, dtype):
+    gen = torch.Generator().manual_seed(3)
+    # q sliced out of a fused [T, H, 2D] projection and k out of a wider row, as the attention layer does
+    qg = _randn(num_tokens, num_heads, 2 * dim, gen=gen, scale=2).to(device, dtype)
+    kv = _randn(num_tokens, 3 * num_kv * dim, gen=gen, scale=2).to(device, dtype)
+    q = qg[..., :dim]
+    k = kv[:, num_kv * dim : 2 * num_kv * dim].view(num_tokens, num_kv, dim)
+    wq = _randn(dim, gen=gen, scale=0.2).to(device, dtype)
+    wk = _randn(dim, gen=gen, scale=0.2).to(device, dtype)
+    cos, sin = naive.rotary_cos_sin(torch.arange(7, 7 + num_tokens), rotary_dim, 10000.0, dtype)
+    cos, sin = cos.to(device), sin.to(device)
+    out_q, out_k = fused.qk_norm_rotary(q, k, wq, wk, cos, sin, EPS)
+    ref_q, ref_k = naive.qk_norm_rotary(q, k, wq, wk, cos, sin, EPS)
+    assert out_q.shape == q.shape and out_k.shape == k.shape and out_q.is_contiguous()
+    assert rel(out_q, ref_q) < TOL[dtype] and rel(out_k, ref_k) < TOL[dtype]
+
+
+def test_qk_norm_rotary_rejects_bad_cos(device):
+    q, k = torch.zeros(2, 2, 8, device=device), torch.zeros(2, 1, 8, device=device)
+    w = torch.zeros(8, device=device)
+    with pytest.raises(ValueError, match="cos, sin"):
+        fused.qk_norm_rotary(q, k, w, w, torch.zeros(2, 3, device=device), torch.zeros(2, 3, device=device), EPS)
+
+
+def test_gated_rms_norm_strided_gate(device, rel):
+    """z sliced out of the fused GDN projection [T, C + H*D + ...] is read where it lies."""
+    gen = torch.Generator().manual_seed(4)
+    num_tokens, num_heads, dim = 6, 3, 16
+    x = _randn(num_tokens, num_heads, dim, gen=gen).to(device)
+    row = _randn(num_tokens, 40 + num_heads * dim + 5, gen=gen, scale=2).to(device)
+    gate = row[:, 40 : 40 + num_heads * dim].view(num_tokens, num_heads, dim)
+    assert not gate.is_contiguous()
+    w = (1 + 0.1 * _randn(dim, gen=gen)).to(device)
+    out = norms.gated_rms_norm(x, gate, w, EPS)
+    assert torch.equal(out, norms.gated_rms_norm(x, gate.contiguous(), w, EPS))
+    assert rel(out, naive.gated_rms_norm(x, gate, w, EPS)) < TOL[torch.float32]
+
+
+def _gdn_inputs(num_tokens, device, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    q = _randn(num_tokens, 2, 16, gen=gen).to(device)
+    k = _randn(num_tokens, 2, 16, gen=gen).to(device)
+    v = _randn(num_tokens, 4, 16, gen=gen).to(device)
+    g = torch.nn.functional.logsigmoid(_randn(num_tokens, 4, gen=gen) + 2).to(device)
+    beta = torch.rand(num_tokens, 4, generator=gen).to(device)
+    state = _randn(4, 16, 16, gen=gen).to(device)
+    return q, k, v, g, beta, state
+
+
+RULES = {
+    "chunk-triton": (gdn_chunk.chunk_gated_delta_rule, 70),
+    "chunk-naive": (naive.chunk_gated_delta_rule, 70),
+    "recurrent-triton": (gdn_recurrent.recurrent_gated_delta_rule, 1),
+    "recurrent-naive": (naive.recurrent_gated_delta_rule, 1),
+}
+
+
+@pytest.mark.parametrize("rule,num_tokens", RULES.values(), ids=RULES.keys())
+def test_gdn_state_in_place_same_bits(device, rule, num_tokens):
+    """out_state=state writes the new state over the old one: the same bits as a fresh buffer, at the
+    state's own address (what the cache and a CUDA graph hold)."""
+    q, k, v, g, beta, state = _gdn_inputs(num_tokens, device)
+    o_ref, s_ref = rule(q, k, v, g, beta, state.clone())
+    target = state.clone()
+    address = target.data_ptr()
+    o, s = rule(q, k, v, g, beta, target, out_state=target)
+    assert s is target and target.data_ptr() == address
+    assert torch.equal(o, o_ref) and torch.equal(target, s_ref)
+
+
+def test_gdn_out_state_must_be_fp32_contiguous(device):
+    q, k, v, g, beta, state = _gdn_inputs(3, device)
+    with pytest.raises(ValueError, match="out_state must be a contiguous float32"):
+        gdn_chunk.chunk_gated_delta_rule(q, k, v, g, beta, state, out_state=torch.zeros(4, 16, 16, device=device).half())
