@@ -7,6 +7,7 @@
 # options. Results land in $OUT; copy them to benchmarks/results/ and commit.
 #
 #   bash benchmarks/run_h200.sh [tests|configs|check|measure|ab|invariant ...]   (default: all, ~10 minutes)
+#   PRESETS=qwen3.5-0.8b bash benchmarks/run_h200.sh measure                       (measure fewer presets)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -34,7 +35,7 @@ for step in $steps; do
       timeout 150 python3 benchmarks/shadow_measure.py --presets qwen3.5-0.8b --ops invariant --out "$OUT/inv" \
         2>&1 | grep '^{' | cut -c1-600 ;;
     measure)  # read rate, question, fork decode, kernel table, with the peer in the same run
-      timeout 330 python3 benchmarks/shadow_measure.py --presets qwen3.5-0.8b,qwen3.5-2b,qwen3.5-4b --ops graph \
+      timeout 330 python3 benchmarks/shadow_measure.py --presets "${PRESETS:-qwen3.5-0.8b,qwen3.5-2b,qwen3.5-4b}" --ops graph \
         --peer .devcarry/hf_reader_baseline.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-400 ;;
     ab)  # decode loss of a 9B served model with the 0.8B reader on and off
       timeout 200 python3 benchmarks/shadow_ab.py --served qwen3.5-9b --reader qwen3.5-0.8b --prompt-tokens 16350 \

@@ -48,9 +48,10 @@ def versions() -> dict:
 OPS = {"naive": ("naive", False), "triton": ("triton", False), "graph": ("triton", True), "invariant": ("invariant", True)}
 
 
-def kernel_table(engine: Engine, reader: ShadowReader, ids: list[int], grid: int, at: int, rows: int = 0) -> list[list]:
+def kernel_table(engine: Engine, reader: ShadowReader, ids: list[int], grid: int, at: int, rows: int = 0,
+                 launches: dict | None = None) -> list[list]:
     """Device time per kernel family of one eager forward of `rows` rows (default: a grid chunk) at
-    context `at` (torch.profiler)."""
+    context `at` (torch.profiler); the number of kernels launched goes to launches[f"{rows}@{at}"]."""
     from torch.profiler import ProfilerActivity, profile
 
     sid = f"prof{at}"
@@ -64,10 +65,12 @@ def kernel_table(engine: Engine, reader: ShadowReader, ids: list[int], grid: int
         torch.cuda.synchronize()
     reader.close(sid)
     families: dict[str, float] = {}
+    count = 0
     for ev in prof.key_averages():
         total_us = getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0)
         if total_us <= 0:
             continue
+        count += ev.count
         name = ev.key
         low = name.lower()
         if any(t in low for t in ("gemm", "nvjet", "cutlass", "xmma", "sm90", "sm80", "cublas")):
@@ -75,6 +78,8 @@ def kernel_table(engine: Engine, reader: ShadowReader, ids: list[int], grid: int
         elif "elementwise" in low or "vectorized" in low or "reduce" in low or "index" in low or "cat" in low:
             name = "torch elementwise/index/reduce"
         families[name] = families.get(name, 0.0) + total_us / 1000
+    if launches is not None:
+        launches[f"{rows or grid}@{at}"] = count
     return sorted(([k, round(v, 4)] for k, v in families.items()), key=lambda kv: -kv[1])
 
 
@@ -160,9 +165,12 @@ def measure_preset(name: str, tokens: int, long_tokens: int, grid: int, ops: str
     if kernels != "naive" and device.type == "cuda":
         reader.close("s")
         contexts = sorted({0, min(32768, (total // grid - 1) * grid)})
-        row["kernel_table_ms"] = {str(at): kernel_table(engine, reader, ids, grid, at) for at in contexts}
-        row["kernel_table_question_320_ms"] = {str(at): kernel_table(engine, reader, ids, grid, at, 320) for at in contexts}
-        row["kernel_table_decode_ms"] = {str(at): kernel_table(engine, reader, ids, grid, at, 1) for at in contexts}
+        launches: dict[str, int] = {}
+        row["kernel_table_ms"] = {str(at): kernel_table(engine, reader, ids, grid, at, 0, launches) for at in contexts}
+        row["kernel_table_question_320_ms"] = {str(at): kernel_table(engine, reader, ids, grid, at, 320, launches)
+                                               for at in contexts}
+        row["kernel_table_decode_ms"] = {str(at): kernel_table(engine, reader, ids, grid, at, 1, launches) for at in contexts}
+        row["kernel_launches"] = launches  # kernels one forward launches (rows@context)
         if graphs:
             row["graph_equals_eager"] = graph_equals_eager(engine, ids, grid, 8192)
     del reader, engine

@@ -44,6 +44,7 @@ def triton_ops() -> SimpleNamespace:
         add_rms_norm=mods["fused"].add_rms_norm,
         qk_norm_rotary=mods["fused"].qk_norm_rotary,
         silu_mul=mods["fused"].silu_mul,
+        sigmoid_gate=mods["fused"].sigmoid_gate,
         gated_rms_norm=mods["norms"].gated_rms_norm,
         causal_conv1d=mods["conv1d"].causal_conv1d,
         gdn_gating=mods["norms"].gdn_gating,

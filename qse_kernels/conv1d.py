@@ -52,12 +52,17 @@ def _conv_kernel(
         o_m = tl.arange(0, BS)
         m_m = o_m < WIDTH - 1
         b_new = _seq_rows(x_ptr, state_ptr, num_tokens + o_m - (WIDTH - 1), o_c, m_m, m_c, stride_xt, stride_st, WIDTH)
+        # the new state may be the old one (written in place): every read of the old state in this program
+        # (only the first row block reads it) is done before any warp writes
+        tl.debug_barrier()
         p_new = new_state_ptr + o_m[:, None] * stride_nt + o_c[None, :]
         tl.store(p_new, b_new.to(new_state_ptr.dtype.element_ty), mask=m_m[:, None] & m_c[None, :])
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of naive.causal_conv1d: x [T, C], weight [C, K], state [K-1, C] -> y [T, C], new state [K-1, C]."""
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
+                  out_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of naive.causal_conv1d: x [T, C], weight [C, K], state [K-1, C] -> y [T, C], new state [K-1, C]
+    (written into `out_state` when given; it may be `state` itself)."""
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
         raise ValueError(f"x must be [T, C] and weight [C, K]; got {tuple(x.shape)}, {tuple(weight.shape)}")
     num_tokens, num_channels = x.shape
@@ -67,7 +72,13 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) ->
     x = x if x.stride(1) == 1 else x.contiguous()
     state = state if state.stride(1) == 1 else state.contiguous()
     y = torch.empty(num_tokens, num_channels, dtype=x.dtype, device=x.device)
-    new_state = torch.empty(width - 1, num_channels, dtype=state.dtype, device=state.device)
+    if out_state is None:
+        new_state = torch.empty(width - 1, num_channels, dtype=state.dtype, device=state.device)
+    elif out_state.shape != state.shape or out_state.dtype != state.dtype or out_state.stride(1) != 1:
+        raise ValueError(f"out_state must be a {state.dtype} {tuple(state.shape)} with unit column stride; got "
+                         f"{out_state.dtype} {tuple(out_state.shape)}")
+    else:
+        new_state = out_state
     grid = (max(1, triton.cdiv(num_tokens, CONV_BLOCK_T)), triton.cdiv(num_channels, CONV_BLOCK_C))
     _conv_kernel[grid](
         x, weight, state, y, new_state,

@@ -1,6 +1,6 @@
-"""Small fusions in Triton: the residual add with the next norm, SiLU(gate) * up, and the attention
-layer's q/k norm with the rotary embedding; the naive twins are naive.add_rms_norm, naive.silu_mul and
-naive.qk_norm_rotary.
+"""Small fusions in Triton: the residual add with the next norm, SiLU(gate) * up, the attention layer's
+q/k norm with the rotary embedding, and its output gate; the naive twins are naive.add_rms_norm,
+naive.silu_mul, naive.qk_norm_rotary and naive.sigmoid_gate.
 
 Each replaces a handful of torch launches by one. That matters most where a forward is one token (fork
 decode, the served model's decode under a CUDA graph: ~500 launches of a few microseconds each), and the
@@ -57,6 +57,23 @@ def _silu_mul_kernel(
     b_act = (b_g * tl.sigmoid(b_g)).to(b_u.dtype)
     b_y = b_act.to(tl.float32) * b_u.to(tl.float32)
     tl.store(y_ptr + o_t[:, None] * stride_y + o_n[None, :], b_y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _sigmoid_gate_kernel(
+    x_ptr, gate_ptr, y_ptr, num_rows, num_heads, stride_xt, stride_xh, stride_gt, stride_gh,
+    D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
+):
+    o_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    o_d = tl.arange(0, BD)
+    m = (o_r < num_rows)[:, None] & (o_d < D)[None, :]
+    o_t, o_h = o_r // num_heads, o_r % num_heads
+    b_x = tl.load(x_ptr + (o_t * stride_xt + o_h * stride_xh)[:, None] + o_d[None, :], mask=m, other=0.0)
+    b_g = tl.load(gate_ptr + (o_t * stride_gt + o_h * stride_gh)[:, None] + o_d[None, :], mask=m, other=0.0)
+    # the twin: sigmoid rounded to the dtype, then the product rounded again
+    b_s = tl.sigmoid(b_g.to(tl.float32)).to(b_x.dtype)
+    b_y = b_x.to(tl.float32) * b_s.to(tl.float32)
+    tl.store(y_ptr + o_r[:, None] * D + o_d[None, :], b_y.to(y_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -153,6 +170,25 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Triton twin of naive.sigmoid_gate: x * sigmoid(gate), x and gate [T, H, D] (strided views welcome),
+    contiguous out in x's dtype."""
+    x, gate = _heads_view(x, "x"), _heads_view(gate, "gate")
+    if gate.shape != x.shape or gate.dtype != x.dtype:
+        raise ValueError(f"gate must match x {tuple(x.shape)} {x.dtype}; got {tuple(gate.shape)} {gate.dtype}")
+    _tl_dtype(x.dtype)
+    num_tokens, num_heads, dim = x.shape
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block_d, block_r = _row_blocks(dim)
+    num_rows = num_tokens * num_heads
+    if num_rows:
+        _sigmoid_gate_kernel[(triton.cdiv(num_rows, block_r),)](
+            x, gate, y, num_rows, num_heads, x.stride(0), x.stride(1), gate.stride(0), gate.stride(1),
+            D=dim, BD=block_d, BR=block_r, num_warps=NORM_NUM_WARPS,
+        )
+    return y
+
+
 def _heads_view(x: torch.Tensor, name: str) -> torch.Tensor:
     if x.dim() != 3:
         raise ValueError(f"{name} must be [T, H, D]; got {tuple(x.shape)}")
@@ -189,4 +225,4 @@ def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_w
     return q_out, k_out
 
 
-__all__ = ["add_rms_norm", "qk_norm_rotary", "silu_mul"]
+__all__ = ["add_rms_norm", "qk_norm_rotary", "sigmoid_gate", "silu_mul"]

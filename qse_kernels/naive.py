@@ -43,6 +43,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The attention output's gate: x * sigmoid(gate), both [T, H, D] (gate may be a strided view)."""
+    return x * torch.sigmoid(gate)
+
+
 def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention layer's q/k norms, then the rotary embedding on both."""
@@ -73,7 +78,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((out, rest), dim=-1)
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
+                  out_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv with carried state, then SiLU.
 
     x [T, C] new inputs; weight [C, K]; state [K-1, C] the previous K-1 inputs (zeros at the start).
@@ -89,7 +95,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) ->
         acc = acc + seq[j : j + t].float() * wf[:, j]
     y = F.silu(acc).to(x.dtype)
     new_state = seq[-(width - 1):].to(state.dtype)
-    return y, new_state
+    return y, _hand_over(new_state, out_state)
 
 
 def gdn_gating(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):

@@ -136,3 +136,33 @@ def test_gdn_out_state_must_be_fp32_contiguous(device):
     q, k, v, g, beta, state = _gdn_inputs(3, device)
     with pytest.raises(ValueError, match="out_state must be a contiguous float32"):
         gdn_chunk.chunk_gated_delta_rule(q, k, v, g, beta, state, out_state=torch.zeros(4, 16, 16, device=device).half())
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_sigmoid_gate_matches_twin(device, rel, dtype):
+    gen = torch.Generator().manual_seed(6)
+    x = _randn(5, 3, 24, gen=gen).to(device, dtype)
+    qg = _randn(5, 3, 48, gen=gen, scale=3).to(device, dtype)
+    gate = qg[..., 24:]  # the gate half of the fused q projection, as the attention layer slices it
+    out = fused.sigmoid_gate(x, gate)
+    assert out.shape == x.shape and out.is_contiguous() and out.dtype == dtype
+    assert rel(out, naive.sigmoid_gate(x, gate)) < TOL[dtype]
+
+
+CONVS = {"triton": "conv1d", "naive": "naive"}
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 40], ids=["decode", "shorter-than-state", "prefill"])
+@pytest.mark.parametrize("impl", CONVS.values(), ids=CONVS.keys())
+def test_conv_state_in_place_same_bits(device, impl, num_tokens):
+    from qse_kernels import conv1d
+
+    conv = conv1d.causal_conv1d if impl == "conv1d" else naive.causal_conv1d
+    gen = torch.Generator().manual_seed(7)
+    x = _randn(num_tokens, 200, gen=gen).to(device)  # 200 channels: two channel blocks
+    w = _randn(200, 4, gen=gen).to(device)
+    state = _randn(3, 200, gen=gen).to(device)
+    y_ref, s_ref = conv(x, w, state.clone())
+    target = state.clone()
+    y, s = conv(x, w, target, out_state=target)
+    assert s is target and torch.equal(y, y_ref) and torch.equal(target, s_ref)

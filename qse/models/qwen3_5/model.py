@@ -62,6 +62,7 @@ def default_ops() -> SimpleNamespace:
         add_rms_norm=naive_ops.add_rms_norm,
         qk_norm_rotary=naive_ops.qk_norm_rotary,
         silu_mul=naive_ops.silu_mul,
+        sigmoid_gate=naive_ops.sigmoid_gate,
         gated_rms_norm=naive_ops.gated_rms_norm,
         causal_conv1d=naive_ops.causal_conv1d,
         gdn_gating=naive_ops.gdn_gating,
@@ -241,7 +242,7 @@ class Qwen35Model:
         num_tokens, num_heads, num_kv, head_dim = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         qg, k, v = self._projections(a + "qkv_proj", FUSED_PROJECTIONS["self_attn.qkv_proj"], h)
         qg = qg.view(num_tokens, num_heads, 2 * head_dim)
-        q, gate = qg[..., :head_dim], qg[..., head_dim:].reshape(num_tokens, num_heads * head_dim)
+        q, gate = qg[..., :head_dim], qg[..., head_dim:]
         k = k.view(num_tokens, num_kv, head_dim)
         v = v.view(num_tokens, num_kv, head_dim)
         q, k = self.ops.qk_norm_rotary(q, k, self.w[a + "q_norm.weight"], self.w[a + "k_norm.weight"], cos, sin,
@@ -258,7 +259,7 @@ class Qwen35Model:
             cache.kv.write(slot, pos, k, v)
             keys, values = cache.kv.read(slot, pos + num_tokens)  # [L, Hkv, D]
             out = self.ops.attention(q, keys, values, pos)  # [T, H, D]
-        out = out.reshape(num_tokens, num_heads * head_dim) * torch.sigmoid(gate)
+        out = self.ops.sigmoid_gate(out, gate).view(num_tokens, num_heads * head_dim)
         return self._mm(a + "o_proj.weight", out)
 
     def _gdn(self, layer: int, h: torch.Tensor, cache: SequenceCache) -> torch.Tensor:
@@ -270,8 +271,7 @@ class Qwen35Model:
         qkv, z, b, a = self._projections(g_ + "in_proj", FUSED_PROJECTIONS["linear_attn.in_proj"], h)
         z = z.view(num_tokens, hv, dv)
         conv_w = self.w[g_ + "conv1d.weight"][:, 0, :]  # [C, K]
-        qkv, new_conv = self.ops.causal_conv1d(qkv, conv_w, cache.conv[slot])
-        cache.conv[slot].copy_(new_conv)
+        qkv, _ = self.ops.causal_conv1d(qkv, conv_w, cache.conv[slot], out_state=cache.conv[slot])
         kd = cfg.gdn_key_dim
         q = qkv[:, :kd].reshape(num_tokens, hk, dk)
         k = qkv[:, kd : 2 * kd].reshape(num_tokens, hk, dk)
