@@ -74,7 +74,7 @@ _DECLARED: list[Setting] = [
     Setting("QSE_SHADOW_DISK_GB", float, 64.0, "cap on the disk tier, GiB"),
     Setting("QSE_SHADOW_DISK_TTL_S", float, 48 * 3600.0, "time-to-live of a parked session file, seconds"),
     Setting("QSE_KERNELS", str, "auto", "op set of the engines: naive (torch twins), triton (qse_kernels), invariant (qse_kernels and GEMM: states equal across grids), auto (triton on cuda)"),
-    Setting("QSE_SHADOW_RECENT_CHECKPOINTS", int, 0, "also keep the state at the newest N grid lines read (19.5 MB each on the 0.8B)"),
+    Setting("QSE_SHADOW_RECENT_CHECKPOINTS", int, 4, "also keep the state at the newest N grid lines read (19.5 MB each on the 0.8B)"),
     Setting("QSE_SHADOW_DIVERGENCE_CHECKPOINTS", int, 0, "also keep the state at the lines of the newest N places a prompt re-rendered"),
     Setting("QSE_SHADOW_GRAPHS", bool, True, "capture grid chunks as CUDA graphs on cuda devices"),
     Setting("QSE_SERVED_GRAPHS", bool, True, "decode the served model under a CUDA graph on cuda devices with triton kernels"),
@@ -82,7 +82,7 @@ _DECLARED: list[Setting] = [
     Setting("QSE_GC_FREEZE", bool, True, "move what exists at start out of Python's collector (no 80 ms full collections mid-turn)"),
     # the conductor
     Setting("QSE_SHADOW_RATION", float, 0.02, "reader share of the served model's time since its first token"),
-    Setting("QSE_SHADOW_RATION_AFTER_S", float, 0.0, "the reader's share counts from this many seconds after the first token (a short turn's decode loses nothing; the narrator's is not delayed)"),
+    Setting("QSE_SHADOW_RATION_AFTER_S", float, 5.0, "the reader's share counts from this many seconds after the first token (a short turn's decode loses nothing; the narrator's is not delayed)"),
     Setting("QSE_SHADOW_SLICE_MS", float, 150.0, "longest reader slice between two decode rounds, ms"),
     Setting("QSE_SHADOW_IDLE_POLL_S", float, 0.2, "how often the idle window looks for work, seconds"),
     Setting("QSE_SHADOW_IDLE_BURST_S", float, 2.0, "longest idle-window read burst, seconds"),

@@ -2,7 +2,7 @@
 
 The reader's ration and the narrator's share are both this rule: between two decode rounds a role
 may spend `share` x (now - since) minus what it already spent this turn. `since` is the served
-model's FIRST TOKEN, not the turn's start: counted from the start, a 17 s prefill earns about 340 ms
+model's FIRST TOKEN (the reader's ration: plus its delay, see qse/core/ration.py), not the turn's start: counted from the start, a 17 s prefill earns about 340 ms
 that is then spent inside the decode, and the decode loses 5.3 % (the seed's first build).
 
 Arithmetic is exact: the share is held as the fraction its decimal spelling names (0.02 is 1/50),

@@ -23,21 +23,26 @@ after that; fresh = behind < grid. A session's first turn holds nothing before i
 definition; the report gives both all turn starts and follow-up turns only, and the cause of every
 miss (`MISS_CAUSES`).
 
-Policy switches (the seed's policy is the default, all off): `ration_after_s` (the ration counts from
-that many seconds after the first token, as the runtime's QSE_SHADOW_RATION_AFTER_S: a short turn's
-decode loses nothing and its backlog waits for the idle window), `ration_from="turn_start"` (the seed's
-first build, to show its decode loss), `prefill_share` (read during the served prefill, this share of
-its time: the first token comes later, the decode is untouched), `wake_on_end` (the idle window looks
-the moment a turn ends instead of at its next poll). Checkpoint switches: `checkpoint_at_line` (take the prompt
-end's checkpoint at once when the reader already stands on that line, not only when a chunk ends
-there; on by default, as the runtime's reader does). `recent_checkpoints` and `divergence_checkpoints`
-are the reader's options too (off by default in both); `pin_first_checkpoint` is the simulator's only:
-`recent_checkpoints` (also keep the state at the newest N grid lines read, a ring
-beside the prompt-end checkpoints), `pin_first_checkpoint` (the lowest prompt-end checkpoint is kept
-when the cap would drop it), `divergence_checkpoints` (the grid line at or below each of the newest N
-places where a prompt re-rendered becomes a checkpoint line too, in N slots of its own: the re-read
-after the rollback takes it, and the next re-render at the same place finds it). Each checkpoint costs
-one recurrent state (19,537,920 bytes on the 0.8B) and a device copy of it.
+The defaults are the runtime's (qse/settings.py): a 2 % ration from 5 s after the first token, 6
+prompt-end checkpoints taken at the line, 4 recent checkpoints.
+
+Policy switches: `ration_after_s` (the ration counts from that many seconds after the first token,
+as the runtime's QSE_SHADOW_RATION_AFTER_S: a shorter turn's decode loses nothing and its backlog
+waits for the idle window; 0 counts from the first token), `ration_from="turn_start"` (the seed's
+first build, to show its decode loss), `prefill_share` (read during the served prefill, this share
+of its time: the first token comes later, the decode is untouched), `wake_on_end` (the idle window
+looks the moment a turn ends instead of at its next poll); the last three are off by default.
+
+Checkpoint switches: `checkpoint_at_line` (take the prompt end's checkpoint at once when the reader
+already stands on that line, not only when a chunk ends there; on, as the runtime's reader does),
+`recent_checkpoints` (also keep the state at the newest N grid lines read, a ring beside the
+prompt-end checkpoints; 4, QSE_SHADOW_RECENT_CHECKPOINTS), `divergence_checkpoints` (the grid line
+at or below each of the newest N places where a prompt re-rendered becomes a checkpoint line too, in
+N slots of its own: the re-read after the rollback takes it, and the next re-render at the same
+place finds it; 0, QSE_SHADOW_DIVERGENCE_CHECKPOINTS), both the runtime reader's options too, and
+`pin_first_checkpoint` (the simulator's only: the lowest prompt-end checkpoint is kept when the cap
+would drop it). Each checkpoint costs one recurrent state (19,537,920 bytes on the 0.8B) and a
+device copy of it.
 """
 
 from __future__ import annotations
@@ -78,7 +83,7 @@ MISS_CAUSES = {
 @dataclass(frozen=True)
 class SimOptions:
     ration: float = 0.02
-    ration_after_s: float = 0.0  # the ration counts from `ration_from`'s moment + this (QSE_SHADOW_RATION_AFTER_S)
+    ration_after_s: float = 5.0  # the ration counts from `ration_from`'s moment + this (QSE_SHADOW_RATION_AFTER_S)
     slice_ms: float = 150.0
     idle_poll_s: float = 0.2
     idle_burst_s: float = 2.0
@@ -91,13 +96,13 @@ class SimOptions:
     # kept whole; where it was re-rendered the traces do not say): "prompt" keeps the whole new prompt (the
     # latest place it can be), "previous_prompt" keeps only the previous prompt (the earliest)
     short_prompt_kept: str = "prompt"
-    # policy switches (all off: the seed's policy)
+    # policy switches (off by default)
     ration_from: str = "first_token"
     prefill_share: float = 0.0
     wake_on_end: bool = False
-    # checkpoint switches (all off: the runtime's reader)
+    # checkpoint switches (as the runtime's reader by default)
     checkpoint_at_line: bool = True  # the runtime's reader does this since 2026-11-29
-    recent_checkpoints: int = 0
+    recent_checkpoints: int = 4  # QSE_SHADOW_RECENT_CHECKPOINTS
     pin_first_checkpoint: bool = False
     divergence_checkpoints: int = 0
 

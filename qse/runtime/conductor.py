@@ -77,7 +77,7 @@ class ShadowOptions:
 class ConductorConfig:
     ration: float = 0.02  # the reader's share of the served model's time since its first token
     slice_ms: float = 150.0  # longest slice between two decode rounds
-    ration_after_s: float = 0.0  # the reader's ration counts from first token + this (not the narrator's share)
+    ration_after_s: float = 5.0  # the reader's ration counts from first token + this (not the narrator's share)
     idle_poll_s: float = 0.2
     idle_burst_s: float = 2.0
     narrator_share: float = 0.03

@@ -116,6 +116,7 @@ def test_narrator_share_the_same_way_from_settings():
     reader = TurnRation.reader(settings)
     assert (narrator.share, narrator.window) == (0.03, Window.NARRATOR)
     assert (reader.share, reader.slice_ms, reader.window) == (0.02, 150.0, Window.RATION)
+    assert (reader.after_s, narrator.after_s) == (5.0, 0.0)  # the reader's ration waits 5 s, the narrator's not
     assert narrator.allowance_us(20.0, 10.0, 0) == 300_000
     assert narrator.open_slice(20.0, 10.0, 0, 15.0).budget_us == 150_000
     # a narrator's fork decode token of 15 ms needs 0.5 s of the served model's decode

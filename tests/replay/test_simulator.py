@@ -12,6 +12,9 @@ from qse.replay.usage import UsageRecord, write_usage
 
 CHUNK_MS = 44.544
 SEED = ReadModel.flat(87.0)
+# the rules one at a time: the ration from the first token, only the prompt ends' checkpoints
+UNDELAYED = SimOptions(ration_after_s=0.0)
+PROMPT_ENDS = SimOptions(recent_checkpoints=0)
 
 
 def rec(session, arrival, first, end, prompt, shared, output):
@@ -91,7 +94,7 @@ def test_exactly_one_idle_window(chunks, next_arrival, fresh, behind, num_bursts
 def test_ration_counts_from_first_token():
     # a 17 s prefill, then 346 ids in 9.6 s: 2 % of 9.6 s is 192 ms, four 44.544 ms chunks
     recs = [rec("s", 0.0, 17.0, 26.6, 2048, 0, 346)]
-    res = simulate(recs, SEED, record_decisions=True)
+    res = simulate(recs, SEED, UNDELAYED, record_decisions=True)
     ration = [d for d in res.decisions if d.window is Window.RATION]
     assert [(d.start_row, d.num_chunks) for d in ration] == [(0, 1), (512, 1), (1024, 1), (1536, 1)]
     assert ration[0].opened_s >= 17.0 + 2.2272  # not one chunk before it is earned
@@ -101,7 +104,7 @@ def test_ration_counts_from_first_token():
     assert report["decode_loss"] == pytest.approx(4 * CHUNK_MS / 9600)
 
     # counted from the turn start (the seed's first build) the prefill's 340 ms is spent at once
-    res2 = simulate(recs, SEED, SimOptions(ration_from="turn_start"), record_decisions=True)
+    res2 = simulate(recs, SEED, SimOptions(ration_from="turn_start", ration_after_s=0.0), record_decisions=True)
     ration2 = [d for d in res2.decisions if d.window is Window.RATION]
     assert [(d.start_row, d.num_chunks, d.stop) for d in ration2] == [(0, 3, Stop.BUDGET), (1536, 1, Stop.BACKLOG)]
     assert ration2[0].opened_s == pytest.approx(17.0 + 9.6 / 346)
@@ -165,11 +168,11 @@ def test_rollback_to_checkpoint():
     # turn 0 prompt 4096 (checkpoint at 4096 once read), turn 1 keeps only 3000 ids of it: back to 0
     # (no checkpoint at or below 3000 except the start); with the prompt end at 2048 it goes back there
     recs = [rec("s", 0.0, 0.1, 0.2, 4096, 0, 1), rec("s", 5.0, 5.1, 5.2, 6000, 3000, 1)]
-    res = simulate(recs, SEED)
+    res = simulate(recs, SEED, PROMPT_ENDS)
     assert (res.turn_starts[1].rolled_back_tokens, res.turn_starts[1].behind_tokens) == (4096, 3000)
     recs = [rec("s", 0.0, 0.1, 0.2, 2048, 0, 1), rec("s", 5.0, 5.1, 5.2, 4096, 2048, 1),
             rec("s", 10.0, 10.1, 10.2, 6000, 3000, 1)]
-    res = simulate(recs, SEED)
+    res = simulate(recs, SEED, PROMPT_ENDS)
     assert (res.turn_starts[2].rolled_back_tokens, res.turn_starts[2].behind_tokens) == (2048, 952)
     assert not res.turn_starts[2].fresh
     # it had read to 4096 (fresh without the rollback) and 3000 lies between its checkpoints 2048 and 4096
@@ -242,7 +245,7 @@ def _into_the_output():
 
 
 def test_rollback_into_the_output_and_recent_checkpoints():
-    res = simulate(_into_the_output(), SEED)
+    res = simulate(_into_the_output(), SEED, PROMPT_ENDS)
     start = res.turn_starts[1]
     assert (start.kept_tokens, start.rolled_back_tokens, start.behind_tokens) == (3000, 1024, 952)
     assert start.cause == "rollback_above_newest_checkpoint"  # the one checkpoint is the prompt end's, 2048
@@ -257,6 +260,10 @@ def test_rollback_into_the_output_and_recent_checkpoints():
     assert (start.rolled_back_tokens, start.behind_tokens, start.fresh) == (512, 440, True)
     assert res.report()["checkpoints"]["max_held_by_a_session"] == 3
     assert res.report()["checkpoints"]["max_per_session"] == 8
+    # the runtime's default, four: the same here
+    res = simulate(_into_the_output(), SEED)
+    assert (res.turn_starts[1].rolled_back_tokens, res.turn_starts[1].behind_tokens) == (512, 440)
+    assert res.report()["checkpoints"]["max_per_session"] == 10
 
 
 def test_checkpoint_at_the_line_the_reader_stands_on():
@@ -265,11 +272,11 @@ def test_checkpoint_at_the_line_the_reader_stands_on():
     # on a line would
     recs = [rec("s", 0.0, 0.1, 0.2, 1000, 0, 100), rec("s", 10.0, 10.1, 10.2, 1100, 1000, 500),
             rec("s", 20.0, 20.1, 20.2, 1500, 1100, 1)]
-    res = simulate(recs, SEED, SimOptions(checkpoint_at_line=False))
+    res = simulate(recs, SEED, SimOptions(checkpoint_at_line=False, recent_checkpoints=0))
     start = res.turn_starts[2]
     assert (start.kept_tokens, start.rolled_back_tokens, start.behind_tokens) == (1500, 1024, 988)  # back to 512
     assert start.cause == "rollback_above_newest_checkpoint"
-    res = simulate(recs, SEED)
+    res = simulate(recs, SEED, PROMPT_ENDS)
     start = res.turn_starts[2]
     assert (start.rolled_back_tokens, start.behind_tokens, start.fresh) == (512, 476, True)  # back to 1024
 
