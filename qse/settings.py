@@ -81,7 +81,7 @@ _DECLARED: list[Setting] = [
     Setting("QSE_SERVED_KV_GB", float, 8.0, "the served model's paged KV pool (graph decode), GiB"),
     Setting("QSE_GC_FREEZE", bool, True, "move what exists at start out of Python's collector (no 80 ms full collections mid-turn)"),
     # the conductor
-    Setting("QSE_SHADOW_RATION", float, 0.02, "reader share of the served model's time since its first token"),
+    Setting("QSE_SHADOW_RATION", float, 0.02, "reader share of the served model's time from QSE_SHADOW_RATION_AFTER_S past its first token"),
     Setting("QSE_SHADOW_RATION_AFTER_S", float, 5.0, "the reader's share counts from this many seconds after the first token (a short turn's decode loses nothing; the narrator's is not delayed)"),
     Setting("QSE_SHADOW_SLICE_MS", float, 150.0, "longest reader slice between two decode rounds, ms"),
     Setting("QSE_SHADOW_IDLE_POLL_S", float, 0.2, "how often the idle window looks for work, seconds"),

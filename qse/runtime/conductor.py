@@ -75,7 +75,7 @@ class ShadowOptions:
 
 @dataclass
 class ConductorConfig:
-    ration: float = 0.02  # the reader's share of the served model's time since its first token
+    ration: float = 0.02  # the reader's share of the served model's time from ration_after_s past its first token
     slice_ms: float = 150.0  # longest slice between two decode rounds
     ration_after_s: float = 5.0  # the reader's ration counts from first token + this (not the narrator's share)
     idle_poll_s: float = 0.2
