@@ -11,7 +11,12 @@ from types import SimpleNamespace
 
 # The Triton modules, one a kernel family; imported only by triton_ops(), so that importing this package
 # needs no Triton and no GPU.
-KERNEL_MODULES = ("norms", "fused", "conv1d", "gdn_chunk", "gdn_recurrent", "attention", "gemm")
+KERNEL_MODULES = ("norms", "fused", "conv1d", "gdn_chunk", "gdn_recurrent", "attention", "gemm", "gemv")
+
+# one-row projections (decode steps) through qse's GEMV instead of cuBLAS, and the logits head of one row;
+# pinned from benchmarks/gemv_bench.py on the H200 (see benchmarks/NOTES.md)
+GEMV_PROJECTIONS = True
+GEMV_HEAD = True
 
 
 def triton_version() -> str | None:
@@ -38,8 +43,22 @@ def triton_ops() -> SimpleNamespace:
     mods = {name: importlib.import_module(f"{__name__}.{name}") for name in KERNEL_MODULES}
     from . import naive
 
-    return SimpleNamespace(
-        dense_matmul=naive.dense_matmul,  # cuBLAS: faster than ours, but its rounding follows the shape
+    import torch
+
+    gemv = mods["gemv"].gemv
+
+    def dense_matmul(x, w):
+        """cuBLAS (faster than our GEMM, but its rounding follows the shape); one row through our GEMV."""
+        if GEMV_PROJECTIONS and x.numel() == x.shape[-1]:
+            return gemv(x, w)
+        return naive.dense_matmul(x, w)
+
+    def head_row(x, w):
+        """The fp32 logits of one row [1, K]."""
+        return gemv(x, w, torch.float32)
+
+    ops = SimpleNamespace(
+        dense_matmul=dense_matmul,
         rms_norm=mods["norms"].rms_norm,
         add_rms_norm=mods["fused"].add_rms_norm,
         qk_norm_rotary=mods["fused"].qk_norm_rotary,
@@ -53,6 +72,9 @@ def triton_ops() -> SimpleNamespace:
         attention=mods["attention"].attention,
         paged_attention=mods["attention"].paged_attention,
     )
+    if GEMV_HEAD:
+        ops.head_row = head_row
+    return ops
 
 
 def invariant_ops() -> SimpleNamespace:
@@ -60,6 +82,8 @@ def invariant_ops() -> SimpleNamespace:
     (qse's GEMM instead of cuBLAS, attention with one tile shape and constant splits). A session read on
     one grid then equals, bit for bit, the same session read on any other grid, and so do the answers."""
     ops = triton_ops()
+    if hasattr(ops, "head_row"):
+        del ops.head_row  # the model's own head: one row or many, the same GEMM
     gemm = importlib.import_module(f"{__name__}.gemm")
     attention = importlib.import_module(f"{__name__}.attention")
     ops.dense_matmul = gemm.dense_matmul

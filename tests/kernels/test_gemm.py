@@ -40,3 +40,31 @@ def test_leading_dims_and_bad_shapes(device):
         gemm.dense_matmul(x, w[:, :16])
     with pytest.raises(ValueError, match="dtype"):
         gemm.dense_matmul(x, w.double())
+
+
+GEMV_CASES = {
+    # N, K, dtype, out dtype
+    "narrow-bf16": (70, 300, torch.bfloat16, None),
+    "wide-fp32-out": (8200, 64, torch.bfloat16, torch.float32),
+    "fp32": (33, 129, torch.float32, None),
+}
+
+
+@pytest.mark.parametrize("num_cols,depth,dtype,out_dtype", GEMV_CASES.values(), ids=GEMV_CASES.keys())
+def test_gemv_matches_twin(device, rel, num_cols, depth, dtype, out_dtype):
+    from qse_kernels import gemv
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(1, depth, generator=gen).to(device, dtype)
+    w = torch.randn(num_cols, depth, generator=gen).to(device, dtype)
+    out = gemv.gemv(x, w, out_dtype)
+    assert out.shape == (1, num_cols) and out.dtype == (out_dtype or dtype)
+    ref = naive.dense_matmul(x.float(), w.float())
+    assert rel(out, ref) < (1e-5 if out.dtype == torch.float32 else 2e-2)
+
+
+def test_gemv_rejects_more_than_one_row(device):
+    from qse_kernels import gemv
+
+    with pytest.raises(ValueError, match="one row"):
+        gemv.gemv(torch.zeros(2, 8, device=device), torch.zeros(4, 8, device=device))

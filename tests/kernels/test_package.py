@@ -13,8 +13,10 @@ def test_triton_ops_cover_the_model_ops():
     from qse.models.qwen3_5.model import default_ops
 
     ops = qse_kernels.triton_ops()
-    assert set(vars(ops)) == set(vars(default_ops()))
+    # head_row (one row's fp32 logits) is optional: the model uses it when the op set has one
+    assert set(vars(ops)) - {"head_row"} == set(vars(default_ops()))
     assert all(callable(fn) for fn in vars(ops).values())
+    assert not hasattr(qse_kernels.invariant_ops(), "head_row")  # the invariant head is the same for any rows
 
 
 def test_available_under_the_interpreter_or_cuda():

@@ -209,6 +209,9 @@ class Qwen35Model:
         """The head in fp32 output: bf16 logits would round to ~0.03 at the usual magnitudes, and
         that rounding, not the state, would decide near-ties and distances between distributions."""
         weight = self.lm_head.weight
+        head_row = getattr(self.ops, "head_row", None)  # one row (decode, a question's answer): the ops' own GEMV
+        if head_row is not None and x.shape[0] == 1 and isinstance(self.lm_head, DenseLinear):
+            return head_row(x, weight)
         if x.is_cuda and x.dtype != torch.float32 and self._mm_out_fp32 is not False:
             try:
                 out = torch.mm(x, weight.t(), out_dtype=torch.float32)
@@ -259,7 +262,7 @@ class Qwen35Model:
             cache.kv.write(slot, pos, k, v)
             keys, values = cache.kv.read(slot, pos + num_tokens)  # [L, Hkv, D]
             out = self.ops.attention(q, keys, values, pos)  # [T, H, D]
-        out = self.ops.sigmoid_gate(out, gate).view(num_tokens, num_heads * head_dim)
+        out = self.ops.sigmoid_gate(out, gate).reshape(num_tokens, num_heads * head_dim)
         return self._mm(a + "o_proj.weight", out)
 
     def _gdn(self, layer: int, h: torch.Tensor, cache: SequenceCache) -> torch.Tensor:
