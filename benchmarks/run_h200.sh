@@ -6,13 +6,13 @@
 # (weka_cc_sessions_dev.csv, hf_reader_baseline.py) and a pytest.ini without the asyncio plugin's
 # options. Results land in $OUT; copy them to benchmarks/results/ and commit.
 #
-#   bash benchmarks/run_h200.sh [tests|configs|check|measure|ab|invariant ...]   (default: all, ~10 minutes)
+#   bash benchmarks/run_h200.sh [tests|gemv|configs|check|measure|ab|invariant ...]   (default: all, ~12 minutes)
 #   PRESETS=qwen3.5-0.8b bash benchmarks/run_h200.sh measure                       (measure fewer presets)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export QSE_CACHE_DIR=/tmp/qsecache PYTHONUNBUFFERED=1
-steps=${*:-tests configs check measure ab invariant}
+steps=${*:-tests gemv configs check measure ab invariant}
 session() {  # a 57k-token agent session shaped from the weka trace (10 turns, 5 re-renders)
   [ -f /tmp/s12.jsonl ] || python3 scripts/make_session.py --trace .devcarry/weka_cc_sessions_dev.csv \
     --session trace_0012 --out /tmp/s12.jsonl --max-tokens 60000 >/dev/null
@@ -22,6 +22,8 @@ for step in $steps; do
     tests)  # every kernel and model-path test on the GPU (the CPU suite runs them interpreted, small)
       timeout 200 python3 -m pytest -c .devcarry/pytest.ini -p no:asyncio -p no:cacheprovider tests/kernels -q \
         2>&1 | tail -8 | tee "$OUT/gpu-tests.txt" ;;
+    gemv)  # one-row projections and head: cuBLAS against qse's GEMV, 0.8B and 9B shapes
+      timeout 120 python3 benchmarks/gemv_bench.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-300 ;;
     configs)  # the GDN kernel's launch shapes and precisions, per kernel, and which keep the state's bits
       timeout 100 python3 benchmarks/gdn_configs.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-300 ;;
     check)  # exactness on a session shaped from the weka trace, with the dtype's noise floor
