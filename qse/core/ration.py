@@ -1,10 +1,11 @@
 """The ration inside a turn: the reader's (and the narrator's) slices between two decode rounds.
 
 Between two decode rounds the reader may spend `share` (2 %) of the time since the served model's
-first token plus `after_s`, minus what it already spent this turn, in slices of at most `slice_ms`
-(150), whole chunks only. The delay `after_s` keeps a short turn's decode whole: its backlog is read
-by the idle window after it anyway, while a long decode still gets its share once `after_s` passed. The next chunk's cost is estimated from the last measured chunk at that context; a
-chunk whose estimate exceeds what is left is not started. The slice's budget is fixed when it opens;
+first token plus `after_s` (5 s, QSE_SHADOW_RATION_AFTER_S), minus what it already spent this turn,
+in slices of at most `slice_ms` (150), whole chunks only. The delay keeps a short turn's decode
+whole: its backlog is read by the idle window after it anyway, while a long decode still gets its
+share once `after_s` has passed. The next chunk's cost is estimated from the last measured chunk at
+that context; a chunk whose estimate exceeds what is left is not started. The slice's budget is fixed when it opens;
 inside it, measured time counts, so a chunk that ran over its estimate shrinks what follows.
 The narrator's share (3 %) is the same rule with its own share and its own ledger role, undelayed.
 """
