@@ -6,13 +6,13 @@
 # (weka_cc_sessions_dev.csv, hf_reader_baseline.py) and a pytest.ini without the asyncio plugin's
 # options. Results land in $OUT; copy them to benchmarks/results/ and commit.
 #
-#   bash benchmarks/run_h200.sh [tests|gemv|configs|check|measure|ab|invariant ...]   (default: all, ~12 minutes)
+#   bash benchmarks/run_h200.sh [tests|gemv|attention|configs|check|measure|ab|abl|invariant ...]   (default: all, ~12 minutes)
 #   PRESETS=qwen3.5-0.8b bash benchmarks/run_h200.sh measure                       (measure fewer presets)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export QSE_CACHE_DIR=/tmp/qsecache PYTHONUNBUFFERED=1
-steps=${*:-tests gemv configs check measure ab invariant}
+steps=${*:-tests gemv attention configs check measure ab abl invariant}
 session() {  # a 57k-token agent session shaped from the weka trace (10 turns, 5 re-renders)
   [ -f /tmp/s12.jsonl ] || python3 scripts/make_session.py --trace .devcarry/weka_cc_sessions_dev.csv \
     --session trace_0012 --out /tmp/s12.jsonl --max-tokens 60000 >/dev/null
@@ -24,6 +24,8 @@ for step in $steps; do
         2>&1 | tail -8 | tee "$OUT/gpu-tests.txt" ;;
     gemv)  # one-row projections and head: cuBLAS against qse's GEMV, 0.8B and 9B shapes
       timeout 120 python3 benchmarks/gemv_bench.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-300 ;;
+    attention)  # the attention kernel's tile shapes for chunks and questions, at 32k and 64k
+      timeout 150 python3 benchmarks/attention_configs.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-700 ;;
     configs)  # the GDN kernel's launch shapes and precisions, per kernel, and which keep the state's bits
       timeout 100 python3 benchmarks/gdn_configs.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-300 ;;
     check)  # exactness on a session shaped from the weka trace, with the dtype's noise floor
@@ -42,6 +44,9 @@ for step in $steps; do
     ab)  # decode loss of a 9B served model with the 0.8B reader on and off
       timeout 200 python3 benchmarks/shadow_ab.py --served qwen3.5-9b --reader qwen3.5-0.8b --prompt-tokens 16350 \
         --out-tokens 346 --pairs 5 --out "$OUT" 2>&1 | grep '^{' | grep -v '"chunk"\|"run"' | tail -3 ;;
+    abl)  # the same with long turns (1,500 tokens, ~11 s of decode): the ration opens 5 s after the first token
+      timeout 260 python3 benchmarks/shadow_ab.py --served qwen3.5-9b --reader qwen3.5-0.8b --prompt-tokens 16350 \
+        --out-tokens 1500 --pairs 3 --json-out "$OUT/shadow_ab-long.json" 2>&1 | grep '^{' | grep -v '"chunk"\|"run"' | tail -3 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -41,6 +41,7 @@ from qse.engine.serving import ServedPath  # noqa: E402
 from qse.engine.sampling import SamplingParams  # noqa: E402
 from qse.models import resolve  # noqa: E402
 from qse.runtime.conductor import Conductor, ConductorConfig, GenerateRequest, ShadowOptions  # noqa: E402
+from qse.settings import SETTINGS  # noqa: E402
 from qse.shadow.reader import ShadowReader  # noqa: E402
 
 
@@ -87,14 +88,20 @@ async def main_async(args) -> dict:
                      else Engine(resolve(model_spec(args.reader), device, dtype, cache), kernels=args.ops))
     per_token = reader_engine.state_bytes_per_token()
     # one reader for every run (its graphs are captured once); each run is a new session
-    reader = ShadowReader(reader_engine, grid=args.grid, pool_bytes=per_token * (2 * args.prompt_tokens + 8192))
+    # the reader as `qse serve` makes it: checkpoints (and so their copies) from the settings
+    reader = ShadowReader(reader_engine, grid=args.grid, pool_bytes=per_token * (2 * args.prompt_tokens + 8192),
+                          max_checkpoints=SETTINGS.get("QSE_SHADOW_CHECKPOINTS"),
+                          recent_checkpoints=SETTINGS.get("QSE_SHADOW_RECENT_CHECKPOINTS"),
+                          divergence_checkpoints=SETTINGS.get("QSE_SHADOW_DIVERGENCE_CHECKPOINTS"))
     reader.warm()
     serving = ServedPath(served, graphs=None if args.served_graphs else False)
     serving.warm()
     gen = torch.Generator().manual_seed(0)
-    config = ConductorConfig(journal_dir=None)
+    config = dataclasses.replace(ConductorConfig.from_settings(SETTINGS), journal_dir=None)
     if args.ration is not None:
         config.ration = args.ration
+    if args.ration_after_s is not None:
+        config.ration_after_s = args.ration_after_s
     arms = {"off": [], "on": []}
     for i in range(2 * args.pairs + 1):  # run 0 warms up (discarded)
         arm = "on" if i % 2 == 0 else "off"
@@ -140,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-tokens", type=int, default=346)
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--gap-s", type=float, default=1.5)
-    p.add_argument("--ration", type=float, default=None, help="the reader's share (default: ConductorConfig's, 2 %%)")
+    p.add_argument("--ration", type=float, default=None, help="the reader's share (default: the settings', 2 %%)")
+    p.add_argument("--ration-after-s", type=float, default=None,
+                   help="seconds after the first token before the ration counts (default: the settings', 5)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="results dir (a dated file name)")
     p.add_argument("--json-out", type=Path, default=None, help="write the result to this file instead")
     args = p.parse_args(argv)

@@ -33,10 +33,12 @@ TARGET_PROGRAMS = 264
 PREFILL_MIN_SPLIT_ROWS = 1024
 DECODE_MIN_SPLIT_ROWS = 256
 COMBINE_BLOCK_SPLITS = 16
-# the combine's programs split D into blocks of this many columns: each column's sum over the splits is
-# its own (same order, same arithmetic), so the bits do not depend on it; a decode combine of 8 heads
-# then runs 32 programs instead of 8 (17 us a layer at 128 splits on the H200, latency-bound)
+# a combine of few query rows (decode) splits D into blocks of this many columns: each column's sum over
+# the splits is its own (same order, same arithmetic), so the bits do not depend on it; a decode combine
+# of 8 heads then runs 32 programs instead of 8 (17 -> 6 us a layer at 128 splits on the H200). A chunk's
+# combine has programs enough, and there the split (4x the loads of the weights) cost 2x.
 COMBINE_BLOCK_D = 64
+COMBINE_SPLIT_D_BELOW_ROWS = 16
 LOG2_E = 1.4426950408889634
 CONTIGUOUS_PAGE_ROWS = 1 << 30  # a contiguous KV is one page this long
 # grid-invariant launches (QSE_KERNELS=invariant): one tile shape for every query count, and splits of a
@@ -283,7 +285,7 @@ def _launch(q, k, v, page_rows, k_strides, v_strides, page_table, start, num_spl
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if is_split:
-        combine_d = min(block_d, COMBINE_BLOCK_D)
+        combine_d = min(block_d, COMBINE_BLOCK_D) if num_q < COMBINE_SPLIT_D_BELOW_ROWS else block_d
         _attn_combine_kernel[(num_q, num_heads, triton.cdiv(head_dim, combine_d))](
             part, lse, out, splits, num_q, num_heads, out.stride(0), out.stride(1),
             D=head_dim, BD=combine_d, BS=COMBINE_BLOCK_SPLITS, num_warps=4,

@@ -31,7 +31,7 @@ KINDS = frozenset((PROMPT, RECENT, DIVERGENCE))
 class Checkpoint:
     """The GDN state at a grid line, held for one or more reasons (its kinds):
     prompt      the last grid line at or below a turn's prompt end (up to max_checkpoints)
-    recent      one of the newest grid lines read (up to recent_checkpoints; off by default)
+    recent      one of the newest grid lines read (up to recent_checkpoints; 4 under `qse serve`)
     divergence  the line at or below a place where a prompt re-rendered (up to divergence_checkpoints)
     """
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 from pathlib import Path
@@ -23,12 +22,11 @@ def _shadow_ab():
 def test_shadow_ab_tiny_on_cpu(cache_dir, tmp_path, capsys):
     out = tmp_path / "ab" / "shadow_ab.json"
     shadow_ab = _shadow_ab()
-    # the ration counts from ConductorConfig.ration_after_s (5 s) past the first token, and this tiny decode is
-    # over long before: the harness's ration path is checked undelayed (shadow_ab.py has no option for it yet)
-    shadow_ab.ConductorConfig = functools.partial(shadow_ab.ConductorConfig, ration_after_s=0.0)
+    # the ration counts from 5 s past the first token by default, and this tiny decode is over long before:
+    # the harness's ration path is checked undelayed
     rc = shadow_ab.main(["--served", "embedded", "--reader", "embedded", "--prompt-tokens", "200",
                             "--out-tokens", "24", "--pairs", "1", "--grid", "32", "--gap-s", "0.3",
-                            "--ration", "0.5", "--json-out", str(out)])
+                            "--ration", "0.5", "--ration-after-s", "0", "--json-out", str(out)])
     assert rc == 0
     result = json.loads(out.read_text())
     assert result["served"] == result["reader"] == "embedded" and result["shared_engine"] is True

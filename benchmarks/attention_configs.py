@@ -1,0 +1,105 @@
+#!/usr/bin/env python
+"""The attention kernel's pinned tile shape for chunks and questions (T >= 16), against variants: time per
+call at the 0.8B's attention shape (H=8, Hkv=2, D=256) for a 512-row chunk and a 320-row question at 32k
+and 64k of context, TFLOP/s, and the error against torch's fused attention.
+
+    python benchmarks/attention_configs.py [--out DIR]
+
+A variant replaces qse_kernels.attention._config for T >= 16 (BM, BN, warps, stages); a faster one can
+become the pinned default (the bits change with it, the same for eager and graph, so a session's state
+records nothing new). Writes benchmarks/results/attention_configs-<date>-<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import qse_kernels.attention as attn  # noqa: E402
+from benchmarks.results_io import write_result  # noqa: E402
+
+VARIANTS = {
+    "default": None,
+    "bm64_bn64_w4_s2": dict(BM=64, BN=64, num_warps=4, num_stages=2),
+    "bm64_bn64_w4_s3": dict(BM=64, BN=64, num_warps=4, num_stages=3),
+    "bm128_bn32_w8_s3": dict(BM=128, BN=32, num_warps=8, num_stages=3),
+    "bm128_bn64_w4_s2": dict(BM=128, BN=64, num_warps=4, num_stages=2),
+    "bm128_bn128_w8_s1": dict(BM=128, BN=128, num_warps=8, num_stages=1),
+    "bm64_bn128_w4_s1": dict(BM=64, BN=128, num_warps=4, num_stages=1),
+    "bm64_bn32_w4_s4": dict(BM=64, BN=32, num_warps=4, num_stages=4),
+}
+CASES = [(512, 32768), (320, 32768), (512, 65536)]
+
+
+def time_us(fn, reps=20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000 / reps)
+    return best
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = p.parse_args(argv)
+    heads, kv_heads, dim = 8, 2, 256
+    real_config = attn._config
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = {}
+    for name, variant in VARIANTS.items():
+        def config(num_q, group, head_dim, fixed_tiles=False, _v=variant):
+            cfg = real_config(num_q, group, head_dim, fixed_tiles)
+            if _v is not None and num_q * group > 16:
+                cfg = dict(cfg, **_v)
+            return cfg
+
+        attn._config = config
+        row = {}
+        for num_q, context in CASES:
+            total = context + num_q
+            q = torch.randn(num_q, heads, dim, device="cuda", generator=gen).bfloat16()
+            k = torch.randn(total, kv_heads, dim, device="cuda", generator=gen).bfloat16()
+            v = torch.randn(total, kv_heads, dim, device="cuda", generator=gen).bfloat16()
+            key = f"{num_q}@{context}"
+            try:
+                out = attn.attention(q, k, v, context)
+                mask = torch.arange(total, device="cuda")[None, :] <= (context + torch.arange(num_q, device="cuda"))[:, None]
+                ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                                     attn_mask=mask[None, None], enable_gqa=True)[0].transpose(0, 1)
+                us = time_us(lambda: attn.attention(q, k, v, context))
+                flops = 4 * num_q * heads * dim * (context + (num_q + 1) / 2)
+                row[key] = {"us": round(us, 1), "tflop_s": round(flops / us / 1e6, 1),
+                            "max_rel_err": float((out.float() - ref.float()).abs().max() / ref.float().abs().max())}
+            except Exception as exc:  # noqa: BLE001 - a variant that does not fit is reported
+                row[key] = {"error": repr(exc)[:300]}
+        rows[name] = row
+        print(json.dumps({name: row}), flush=True)
+    attn._config = real_config
+    result = {"command": " ".join([sys.executable, *sys.argv]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
+              "device": torch.cuda.get_device_name(), "versions": {"torch": torch.__version__, "python": platform.python_version(),
+                                                                   "triton": __import__("triton").__version__},
+              "shape": {"H": heads, "Hkv": kv_heads, "D": dim}, "variants": rows}
+    write_result(result, args.out, "attention_configs")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
