@@ -64,6 +64,8 @@ async def one_run(conductor: Conductor, prompt: list[int], out_tokens: int) -> d
                            "(a stop token came early; --out-tokens must be at least 2)")
     return {"output_tokens": n, "ttft_s": round(ttft_s, 4), "decode_tok_s": round((n - 1) / decode_s, 3),
             "decode_device_tok_s": round(rec.decode_tokens_per_s, 3), "reader_ration_ms": round(rec.reader_ration_ms, 3),
+            # the slices' wall time: device time plus the host steps around it (thread hops, plan, logs)
+            "reader_ration_wall_ms": round(rec.reader_ration_wall_ms, 3),
             "wall_s": round(time.perf_counter() - t0, 3), **gap_stats(stamps),
             # Python's collections by generation during the turn: a full one stalls the decode loop
             "gc_collections": collections}

@@ -134,6 +134,9 @@ class TurnRecord:
     reader_share: float  # reader ration / served decode time
     narrator_ms: float = 0.0  # the narrator's slices inside this turn
     start_s: float | None = None  # when the turn got the engine lock (arrival + queueing)
+    # wall time the decode waited on the reader's slices: their device time plus every host step around it
+    # (what the served model loses to the ration is this, not reader_ration_ms)
+    reader_ration_wall_ms: float = 0.0
 
 
 @dataclass
@@ -152,6 +155,7 @@ class _Turn:
     # per window: (session, spent us, next chunk's estimate) -> the first moment a slice could open; the ration's
     # exact arithmetic is skipped before it (decode rounds are ~7 ms apart; the arithmetic cost ~30 us)
     slice_not_before: dict[Window, tuple[tuple, float]] = field(default_factory=dict)
+    ration_wall_s: float = 0.0  # wall time of the reader's slices between rounds
 
     @property
     def num_known(self) -> int:
@@ -379,6 +383,8 @@ class Conductor:
             return
         known_ids = turn.known_ids() if is_own else None
         num_chunks, _ = await self._read(ration.window, session_id, turn.turn_id, sl, known_ids=known_ids)
+        if ration.window is Window.RATION:
+            turn.ration_wall_s += self.clock() - now
         log.info("ration_slice", window=ration.window.value, session=session_id, request_id=turn.req.request_id,
                  chunks=num_chunks, gpu_ms=sl.spent_us / 1000, budget_ms=sl.budget_us / 1000,
                  spent_turn_ms=(self.ledger.spent_us(role, turn.turn_id) or 0) / 1000)
@@ -403,6 +409,7 @@ class Conductor:
             decode_tokens_per_s=(n_decode / (decode_ms / 1e3)) if decode_ms > 0 else 0.0,
             reader_share=(ration_ms / decode_ms) if decode_ms > 0 else 0.0,
             narrator_ms=balance.gpu_ms(Role.NARRATOR) if balance else 0.0, start_s=turn.start_s,
+            reader_ration_wall_ms=turn.ration_wall_s * 1e3,
         )
         log.info("turn", **asdict(record))
         if self.on_turn is not None:
