@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 import qse_kernels.attention as attn  # noqa: E402
 from benchmarks.results_io import write_result  # noqa: E402
+from benchmarks.timing import cuda_us  # noqa: E402
 
 VARIANTS = {
     "default": None,
@@ -39,21 +40,6 @@ VARIANTS = {
     "bm64_bn32_w4_s4": dict(BM=64, BN=32, num_warps=4, num_stages=4),
 }
 CASES = [(512, 32768), (320, 32768), (512, 65536)]
-
-
-def time_us(fn, reps=20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / reps)
-    return best
 
 
 def main(argv=None) -> int:
@@ -84,7 +70,7 @@ def main(argv=None) -> int:
                 mask = torch.arange(total, device="cuda")[None, :] <= (context + torch.arange(num_q, device="cuda"))[:, None]
                 ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                                      attn_mask=mask[None, None], enable_gqa=True)[0].transpose(0, 1)
-                us = time_us(lambda: attn.attention(q, k, v, context))
+                us = cuda_us(lambda: attn.attention(q, k, v, context))
                 flops = 4 * num_q * heads * dim * (context + (num_q + 1) / 2)
                 row[key] = {"us": round(us, 1), "tflop_s": round(flops / us / 1e6, 1),
                             "max_rel_err": float((out.float() - ref.float()).abs().max() / ref.float().abs().max())}

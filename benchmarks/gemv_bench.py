@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.results_io import write_result  # noqa: E402
+from benchmarks.timing import cuda_us  # noqa: E402
 from qse_kernels.gemv import gemv  # noqa: E402
 
 # (name, N, K): the fused projections of one layer, and the head
@@ -34,28 +35,6 @@ SHAPES = {
     "9b": [("gdn_in_proj", 20544, 4096), ("gdn_out_proj", 4096, 4096), ("attn_qkv", 10240, 4096), ("attn_o", 4096, 4096),
            ("mlp_gate_up", 24576, 4096), ("mlp_down", 4096, 12288), ("head", 248320, 4096)],
 }
-
-
-def time_us(fn, reps=200) -> float:
-    fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(reps):
-                fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / reps)
-    return best
 
 
 def main(argv=None) -> int:
@@ -71,13 +50,13 @@ def main(argv=None) -> int:
             gbytes = n * k * 2 / 1e9
             row = {"model": model, "name": name, "N": n, "K": k}
             if out_fp32:
-                row["cublas_us"] = time_us(lambda: torch.mm(x, w.t(), out_dtype=torch.float32))
-                row["triton_gemv_us"] = time_us(lambda: gemv(x, w, torch.float32))
+                row["cublas_us"] = cuda_us(lambda: torch.mm(x, w.t(), out_dtype=torch.float32), 200, graphed=True, tries=5)
+                row["triton_gemv_us"] = cuda_us(lambda: gemv(x, w, torch.float32), 200, graphed=True, tries=5)
                 ref = torch.mm(x, w.t(), out_dtype=torch.float32)
                 got = gemv(x, w, torch.float32)
             else:
-                row["cublas_us"] = time_us(lambda: F.linear(x, w))
-                row["triton_gemv_us"] = time_us(lambda: gemv(x, w))
+                row["cublas_us"] = cuda_us(lambda: F.linear(x, w), 200, graphed=True, tries=5)
+                row["triton_gemv_us"] = cuda_us(lambda: gemv(x, w), 200, graphed=True, tries=5)
                 ref, got = F.linear(x, w).float(), gemv(x, w).float()
             row["max_rel_diff"] = float((got - ref).abs().max() / ref.abs().max())
             for key in ("cublas", "triton_gemv"):

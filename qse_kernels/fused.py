@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .norms import NORM_NUM_WARPS, _row_blocks, _rows, _tl_dtype
+from .norms import NORM_NUM_WARPS, _row_blocks, _rows, _store_rms_norm, _tl_dtype
 
 SILU_BLOCK_T = 8
 SILU_BLOCK_N = 512
@@ -35,11 +35,7 @@ def _add_rms_norm_kernel(
     # the residual stream is kept in its dtype: round the sum first, then normalise what was stored
     b_s = (b_x + b_h).to(s_ptr.dtype.element_ty)
     tl.store(s_ptr + o_r[:, None] * stride_s + o_d[None, :], b_s, mask=m)
-    b_sf = b_s.to(tl.float32)
-    b_rstd = tl.rsqrt(tl.sum(b_sf * b_sf, 1) / D + eps)
-    b_w = tl.load(w_ptr + o_d, mask=o_d < D, other=0.0).to(tl.float32)
-    b_y = (b_sf * b_rstd[:, None]) * (1.0 + b_w)[None, :]
-    tl.store(y_ptr + o_r[:, None] * stride_y + o_d[None, :], b_y.to(y_ptr.dtype.element_ty), mask=m)
+    _store_rms_norm(b_s.to(tl.float32), w_ptr, y_ptr, o_r, o_d, m, stride_y, eps, D)
 
 
 @triton.jit

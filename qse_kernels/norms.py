@@ -26,6 +26,15 @@ def _tl_dtype(dtype: torch.dtype):
 
 
 @triton.jit
+def _store_rms_norm(b_x, w_ptr, y_ptr, o_r, o_d, m, stride_y, eps, D: tl.constexpr):
+    """y = x / rms(x) * (1 + w) of the fp32 rows b_x [BR, BD], stored in y's dtype (every RMSNorm kernel)."""
+    b_rstd = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)
+    b_w = tl.load(w_ptr + o_d, mask=o_d < D, other=0.0).to(tl.float32)
+    b_y = (b_x * b_rstd[:, None]) * (1.0 + b_w)[None, :]
+    tl.store(y_ptr + o_r[:, None] * stride_y + o_d[None, :], b_y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, w_ptr, y_ptr, num_rows, stride_x, stride_y, eps,
     D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
@@ -34,10 +43,7 @@ def _rms_norm_kernel(
     o_d = tl.arange(0, BD)
     m = (o_r < num_rows)[:, None] & (o_d < D)[None, :]
     b_x = tl.load(x_ptr + o_r[:, None] * stride_x + o_d[None, :], mask=m, other=0.0).to(tl.float32)
-    b_rstd = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)
-    b_w = tl.load(w_ptr + o_d, mask=o_d < D, other=0.0).to(tl.float32)
-    b_y = (b_x * b_rstd[:, None]) * (1.0 + b_w)[None, :]
-    tl.store(y_ptr + o_r[:, None] * stride_y + o_d[None, :], b_y.to(y_ptr.dtype.element_ty), mask=m)
+    _store_rms_norm(b_x, w_ptr, y_ptr, o_r, o_d, m, stride_y, eps, D)
 
 
 @triton.jit
