@@ -1,0 +1,19 @@
+"""Every benchmark script imports on a machine without a GPU (its GPU work runs only under main())."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", BENCHMARKS, ids=[p.stem for p in BENCHMARKS])
+def test_benchmark_imports_without_running(path):
+    spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if path.stem not in ("results_io", "timing", "__init__"):
+        assert callable(getattr(module, "main", None)), f"{path.name} has no main()"
