@@ -41,6 +41,22 @@ def test_triton_graph_path_reads_and_answers_the_same_bits(triton_engine):
     assert all(eager.state_equal(eager.get("s"), static.get("s")).values())
 
 
+def test_one_row_logits_on_the_paged_kernels(triton_engine, rel):
+    """One row's logits (the last layer run for that row alone, its query at start + row through the page
+    table) agree with that row of the whole forward; the KV rows written are the same bits."""
+    ids = list(range(9000, 9000 + GRID + 20))
+    reader = ShadowReader(triton_engine, grid=GRID, pool_bytes=8 << 20, page_rows=GRID, graphs=False)
+    for sid in ("one", "all"):
+        reader.feed(sid, ids[:GRID])
+        reader.read_all(sid)
+    model = triton_engine.model
+    tail = triton_engine.ids_tensor(ids[GRID:])
+    one = model.forward(tail, reader.get("one").cache, "row", logit_row=11)
+    every = model.forward(tail, reader.get("all").cache, "all")
+    assert rel(one[0], every[11]) < (1e-4 if one.dtype == torch.float32 and model.dtype == torch.float32 else 2e-2)
+    assert all(reader.state_equal(reader.get("one"), reader.get("all")).values())
+
+
 @pytest.mark.gpu
 def test_cuda_graphs_read_and_answer_the_same_bits_as_eager(triton_engine):
     """Captured once, replayed over two sessions that grow past the pages they had at capture time."""

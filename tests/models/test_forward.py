@@ -102,3 +102,23 @@ def test_kernel_choice_errors_name_the_value(tiny_engine, monkeypatch):
     with pytest.raises(ValueError, match="QSE_KERNELS=triton asked for, but Triton cannot run here"):
         Engine(tiny_engine.resolved, kernels="triton")
     assert Engine(tiny_engine.resolved, kernels="auto").kernels == "naive"  # a CPU engine
+
+
+@pytest.mark.parametrize("logits,row", [("row", 37), ("row", 0), ("last", None)], ids=["row-37", "row-0", "last"])
+def test_one_row_logits_run_the_last_layer_for_that_row_alone(tiny_engine, logits, row):
+    """A forward that wants one row's logits runs the last layer's queries, MLP and norms for that row only:
+    the same logits as the whole forward's row (to rounding), and the same state written, bit for bit."""
+    model = tiny_engine.model
+    ids = torch.randint(0, 248000, (2 * GRID + 20,), generator=torch.Generator().manual_seed(7))
+    prefix, tail = ids[:GRID], ids[GRID:]
+    whole_cache, one_cache, none_cache = model.new_cache(), model.new_cache(), model.new_cache()
+    for cache in (whole_cache, one_cache, none_cache):
+        model.forward(prefix, cache, "none")
+    every_row = model.forward(tail, whole_cache, "all")
+    one = model.forward(tail, one_cache, logits, logit_row=row)
+    model.forward(tail, none_cache, "none")
+    want = every_row[len(tail) - 1 if row is None else row]
+    assert one.shape == (1, model.cfg.vocab_size)
+    assert (one[0] - want).abs().max() <= 1e-4 * want.abs().max()
+    assert _equal(_state(model, one_cache), _state(model, none_cache))
+    assert _equal(_state(model, one_cache), _state(model, whole_cache))

@@ -50,6 +50,7 @@ class Step:
     pos: int | None = None  # the same position on the host (eager); None inside a captured graph
     logit_row: torch.Tensor | None = None  # long [1]: the row whose logits logits="row" returns
     max_rows: int | None = None  # a bound on pos + T (sizes the attention launch; exact when eager)
+    logit_row_host: int | None = None  # logit_row on the host (eager), for a contiguous KV store
 
 
 class InputError(ValueError):
@@ -167,7 +168,8 @@ class Qwen35Model:
         if logits == "row" and not (logit_row is not None and 0 <= logit_row < num_tokens):
             raise InputError(f"logit_row {logit_row!r} must name one of the {num_tokens} rows read")
         step = Step(torch.tensor([pos], dtype=torch.int32, device=self.device), num_tokens, pos,
-                    None if logit_row is None else torch.tensor([logit_row], device=self.device), pos + num_tokens)
+                    None if logit_row is None else torch.tensor([logit_row], device=self.device), pos + num_tokens,
+                    logit_row)
         out = self.forward_step(ids.to(self.device), cache, step, logits)
         cache.length = pos + num_tokens
         return out
@@ -183,25 +185,40 @@ class Qwen35Model:
         emb = torch.cat((emb, emb), dim=-1)
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)  # [T, rotary_dim]
         rows = _PagedRows.of(cache.kv, positions)
-        eps, num_layers = self.cfg.rms_norm_eps, len(self.cfg.layer_types)
+        eps, last = self.cfg.rms_norm_eps, len(self.cfg.layer_types) - 1
+        # One row's logits (a question's answer, a summary's next token): past the last layer's mixing only
+        # that row matters, so the last layer's queries, attention, MLP and norms run for it alone (the
+        # keys and values, and a GDN layer's state, are still written for every row). At 32k of context
+        # that is one query of attention instead of a question's 320.
+        keep, keep_host = None, None
+        if num_tokens > 1 and logits == "row":
+            keep, keep_host = step.logit_row, step.logit_row_host
+        elif num_tokens > 1 and logits == "last":
+            keep, keep_host = torch.full((1,), num_tokens - 1, dtype=torch.long, device=self.device), num_tokens - 1
         # each residual add runs with the norm after it (the next layer's input norm, or the final norm)
         h = self.ops.rms_norm(x, self.w["layers.0.input_layernorm.weight"], eps)
         for layer, kind in enumerate(self.cfg.layer_types):
             p = f"layers.{layer}."
+            only = keep if layer == last else None
             if kind == "full_attention":
-                h = self._attention(layer, h, cache, step, rows, cos, sin)
+                h = self._attention(layer, h, cache, step, rows, cos, sin, only, keep_host)
             else:
                 h = self._gdn(layer, h, cache)
+                if only is not None:
+                    h = h.index_select(0, only)
+            if layer == last:
+                if logits == "none":
+                    return None  # the last layer's KV rows and state are written; nothing reads its output
+                if only is not None:
+                    x = x.index_select(0, only)
             x, h = self.ops.add_rms_norm(x, h, self.w[p + "post_attention_layernorm.weight"], eps)
             m = self._mlp(p, h)
-            if layer + 1 == num_layers and logits == "none":
-                return None  # the last residual add feeds nothing
-            next_norm = f"layers.{layer + 1}.input_layernorm.weight" if layer + 1 < num_layers else "norm.weight"
+            next_norm = f"layers.{layer + 1}.input_layernorm.weight" if layer < last else "norm.weight"
             x, h = self.ops.add_rms_norm(x, m, self.w[next_norm], eps)
-        # h: the final norm of every row (a row's norm does not depend on the others)
-        if logits == "last":
+        # h: the final norm of every row kept (a row's norm does not depend on the others)
+        if keep is None and logits == "last":
             h = h[-1:]
-        elif logits == "row":
+        elif keep is None and logits == "row":
             h = h.index_select(0, step.logit_row)
         return self._logits(h)  # [T or 1, vocab]
 
@@ -240,7 +257,10 @@ class Qwen35Model:
         return self._mm(p + "mlp.down_proj.weight", act)
 
     def _attention(self, layer: int, h: torch.Tensor, cache: SequenceCache, step: Step, rows: "_PagedRows | None",
-                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                   cos: torch.Tensor, sin: torch.Tensor, only: torch.Tensor | None = None,
+                   only_host: int | None = None) -> torch.Tensor:
+        """only: long [1], the one row whose output is wanted (every row's keys and values are written);
+        only_host: the same on the host, needed by a contiguous KV store."""
         cfg, a = self.cfg, f"layers.{layer}.self_attn."
         num_tokens, num_heads, num_kv, head_dim = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         qg, k, v = self._projections(a + "qkv_proj", FUSED_PROJECTIONS["self_attn.qkv_proj"], h)
@@ -251,16 +271,23 @@ class Qwen35Model:
         q, k = self.ops.qk_norm_rotary(q, k, self.w[a + "q_norm.weight"], self.w[a + "k_norm.weight"], cos, sin,
                                        cfg.rms_norm_eps)
         slot = self.attn_slot[layer]
+        start = step.start
+        if only is not None:
+            q, gate, num_tokens = q.index_select(0, only), gate.index_select(0, only), 1
+            start = (step.start + only).to(torch.int32)
         if rows is not None:  # paged: rows written and read through the page table on the device
             k_pages, v_pages = rows.pool.k[:, slot], rows.pool.v[:, slot]  # [P, page_rows, Hkv, D]
             k_pages[rows.page, rows.row] = k
             v_pages[rows.page, rows.row] = v
-            out = self.ops.paged_attention(q, k_pages, v_pages, rows.table, step.start, max_rows=step.max_rows)
+            out = self.ops.paged_attention(q, k_pages, v_pages, rows.table, start, max_rows=step.max_rows)
         else:
             pos = step.pos
             assert pos is not None, "a contiguous KV store needs the host position (it cannot be captured)"
             cache.kv.write(slot, pos, k, v)
-            keys, values = cache.kv.read(slot, pos + num_tokens)  # [L, Hkv, D]
+            keys, values = cache.kv.read(slot, pos + k.shape[0])  # [L, Hkv, D]
+            if only is not None:
+                assert only_host is not None, "a contiguous KV store needs the kept row on the host"
+                pos += only_host
             out = self.ops.attention(q, keys, values, pos)  # [T, H, D]
         out = self.ops.sigmoid_gate(out, gate).reshape(num_tokens, num_heads * head_dim)
         return self._mm(a + "o_proj.weight", out)
