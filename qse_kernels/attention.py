@@ -28,7 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-# split-K sizing: aim at about this many programs, with splits of at least MIN_ROWS rows
+# split-K sizing: at most this many programs (two waves of the H200's 132 SMs), with splits of at least
+# MIN_ROWS rows. A chunk's program holds 192 KB of shared memory, so one runs on an SM at a time: rounding
+# the split count up (9 splits x 32 row blocks = 288 programs) launched a third wave of 24 programs
+# that ran as long as a full one; rounding down (8 splits, 256 programs) ends in two
 TARGET_PROGRAMS = 264
 PREFILL_MIN_SPLIT_ROWS = 1024
 DECODE_MIN_SPLIT_ROWS = 256
@@ -66,7 +69,7 @@ def max_splits(num_q: int, num_heads: int, num_kv: int, head_dim: int) -> int:
     """WANT: the most splits a launch of this shape ever needs, whatever the context."""
     cfg = _config(num_q, num_heads // num_kv, head_dim)
     base_programs = triton.cdiv(num_q * (num_heads // num_kv), cfg["BM"]) * num_kv
-    return triton.cdiv(TARGET_PROGRAMS, base_programs)
+    return max(1, TARGET_PROGRAMS // base_programs)
 
 
 def split_rows(num_q: int, num_heads: int, num_kv: int, head_dim: int, num_rows: int) -> int:
