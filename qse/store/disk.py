@@ -96,13 +96,20 @@ class Fingerprint:
                 raise FileMiss(reason, f"file has {key}={theirs!r}, this reader {mine!r}")
 
 
-def kernel_fingerprint(device: torch.device, ops: str | None = None) -> str:
-    """qse_kernels' fingerprint when it offers one, the op set the engine runs (naive or triton),
-    the torch build and the device model: a state continues exactly only on the same kernels."""
+def kernel_fingerprint(device: torch.device, ops: str | None = None, model: object | None = None) -> str:
+    """qse_kernels' fingerprint when it offers one, the op set the engine runs (naive or triton), the
+    source of the model's forward (which ops it calls on what: a fused projection rounds unlike its parts),
+    the torch build and the device model: a state continues exactly only on the same arithmetic."""
+    import inspect
+
     import qse_kernels
 
     fn = getattr(qse_kernels, "kernel_fingerprint", None)
     base = str(fn()) if callable(fn) else "qse_kernels:unversioned"
+    if model is not None:
+        source = inspect.getsourcefile(type(model))
+        digest = hashlib.sha256(Path(source).read_bytes()).hexdigest()[:16] if source else "unknown"
+        base += f"|forward-{type(model).__name__}-{digest}"
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         where = f"cuda:{torch.cuda.get_device_name(device)}:sm{major}{minor}"

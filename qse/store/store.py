@@ -369,7 +369,8 @@ class ShadowStore:
         if self._fingerprint is None:
             engine = reader.engine
             self._fingerprint = Fingerprint(engine.resolved.weights_id, reader.grid, engine.state_signature(),
-                                            disk.kernel_fingerprint(engine.device, getattr(engine, "kernels", None)))
+                                            disk.kernel_fingerprint(engine.device, getattr(engine, "kernels", None),
+                                                                    getattr(engine, "model", None)))
         return self._fingerprint
 
     def _fit(self, reader: ShadowReader, keep: ShadowSession, pages: int, need_nbytes: int) -> bool:

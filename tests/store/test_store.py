@@ -357,3 +357,18 @@ def test_from_settings_reads_the_switches(tmp_path):
     assert (s.cap_nbytes, s.disk_dir, s.disk_cap_nbytes, s.ttl_s) == (1 << 29, tmp_path / "shadow-disk", 2 << 30, 60.0)
     assert ShadowStore.from_settings(EngineSettings({"QSE_SHADOW_DISK": "off"})).disk_dir is None
     assert ShadowStore.from_settings(EngineSettings({"QSE_SHADOW_DISK": str(tmp_path / "d")})).disk_dir == tmp_path / "d"
+
+
+def test_the_kernel_fingerprint_names_the_forward_source(engine):
+    """A fused projection rounds unlike its parts: a change of the forward's code alone (no kernel source
+    changed) must refuse states written before it."""
+    import hashlib
+    import inspect
+    from pathlib import Path
+
+    model = engine.model
+    source = Path(inspect.getsourcefile(type(model)))
+    with_model = disk.kernel_fingerprint(engine.device, "naive", model)
+    expected = f"forward-{type(model).__name__}-{hashlib.sha256(source.read_bytes()).hexdigest()[:16]}"
+    assert expected in with_model.split("|")
+    assert with_model != disk.kernel_fingerprint(engine.device, "naive")
