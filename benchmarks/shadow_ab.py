@@ -42,7 +42,7 @@ from qse.engine.sampling import SamplingParams  # noqa: E402
 from qse.models import resolve  # noqa: E402
 from qse.runtime.conductor import Conductor, ConductorConfig, GenerateRequest, ShadowOptions  # noqa: E402
 from qse.settings import SETTINGS  # noqa: E402
-from qse.shadow.reader import ShadowReader  # noqa: E402
+from qse.shadow.reader import ShadowReader, checkpoint_options  # noqa: E402
 
 
 async def one_run(conductor: Conductor, prompt: list[int], out_tokens: int) -> dict:
@@ -92,9 +92,7 @@ async def main_async(args) -> dict:
     # one reader for every run (its graphs are captured once); each run is a new session
     # the reader as `qse serve` makes it: checkpoints (and so their copies) from the settings
     reader = ShadowReader(reader_engine, grid=args.grid, pool_bytes=per_token * (2 * args.prompt_tokens + 8192),
-                          max_checkpoints=SETTINGS.get("QSE_SHADOW_CHECKPOINTS"),
-                          recent_checkpoints=SETTINGS.get("QSE_SHADOW_RECENT_CHECKPOINTS"),
-                          divergence_checkpoints=SETTINGS.get("QSE_SHADOW_DIVERGENCE_CHECKPOINTS"))
+                          **checkpoint_options(SETTINGS))
     reader.warm()
     serving = ServedPath(served, graphs=None if args.served_graphs else False)
     serving.warm()

@@ -52,7 +52,7 @@ def build_service(model: str = "", shadow_model: str = "", profile: str = "defau
     from ..engine.engine import Engine
     from ..models import pick_device, pick_dtype, resolve
     from ..runtime.conductor import Conductor, ConductorConfig, ShadowOptions
-    from ..shadow.reader import ShadowReader
+    from ..shadow.reader import ShadowReader, checkpoint_options
     from ..store import GIB, ShadowStore
 
     prof = load_profile(profile)
@@ -65,10 +65,8 @@ def build_service(model: str = "", shadow_model: str = "", profile: str = "defau
         engine = served if shadow_model in ("", model) else Engine(resolve(shadow_model, dev, dt, cache))
         store = ShadowStore.from_settings(settings)
         reader = ShadowReader(engine, grid=grid or settings.get("QSE_SHADOW_GRID"),
-                              pool_bytes=int(settings.get("QSE_SHADOW_GB") * GIB),
-                              max_checkpoints=settings.get("QSE_SHADOW_CHECKPOINTS"), residency=store,
-                              recent_checkpoints=settings.get("QSE_SHADOW_RECENT_CHECKPOINTS"),
-                              divergence_checkpoints=settings.get("QSE_SHADOW_DIVERGENCE_CHECKPOINTS"))
+                              pool_bytes=int(settings.get("QSE_SHADOW_GB") * GIB), residency=store,
+                              **checkpoint_options(settings))
         store.attach(reader)
     s = prof.shadow
     options = ShadowOptions(mode=s.mode, narrator=s.narrator, router=s.router, router_min_tokens=s.router_min_tokens)

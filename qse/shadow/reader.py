@@ -127,6 +127,13 @@ class ReaderStats:
     last_answers: list[dict] = field(default_factory=list)
 
 
+def checkpoint_options(settings=SETTINGS) -> dict[str, int]:
+    """The checkpoint counts a reader takes from the settings (`qse serve`, and the benchmarks that mirror it)."""
+    return dict(max_checkpoints=settings.get("QSE_SHADOW_CHECKPOINTS"),
+                recent_checkpoints=settings.get("QSE_SHADOW_RECENT_CHECKPOINTS"),
+                divergence_checkpoints=settings.get("QSE_SHADOW_DIVERGENCE_CHECKPOINTS"))
+
+
 class ShadowReader:
     def __init__(self, engine: Engine, grid: int = 512, pool_bytes: int = 4 << 30, max_checkpoints: int = 6,
                  page_rows: int | None = None, residency: Residency | None = None, clock=time.monotonic,

@@ -351,3 +351,10 @@ def test_cli_reads_a_shadow_measure_result(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["read_model"]["points"] == [[0, 21.0]]
     assert main([str(ledger), "--read-model-preset", "qwen3.5-2b"]) == 2
     assert "need --read-model" in capsys.readouterr().err
+
+
+def test_the_simulator_s_defaults_are_the_runtime_s_settings():
+    """The "runtime" row of a replay is the runtime's policy only while these agree."""
+    from qse.settings import EngineSettings
+
+    assert SimOptions() == SimOptions.from_settings(EngineSettings({}))
