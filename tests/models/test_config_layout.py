@@ -155,3 +155,26 @@ def test_model_spec_errors(cache_dir, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ModelSpecError, match="model_type 'llama'"):
         resolve(str(tmp_path), torch.device("cpu"), torch.float32, cache_dir)
+
+
+def test_groups_with_an_fp8_member_stay_unfused_and_read_the_same(hf_tiny_dir, tmp_path):
+    """A projection group with an FP8 member is not concatenated: its members run one by one (the GDN
+    input projections, the attention q/k/v and the MLP gate/up alike), and the forward equals that of a
+    dense checkpoint holding the dequantised weights."""
+    names = ["model.layers.0.linear_attn.in_proj_z.weight", "model.layers.3.self_attn.k_proj.weight",
+             "model.layers.0.mlp.up_proj.weight"]
+    fp8_dir, dense_dir = _copy(hf_tiny_dir, tmp_path / "fp8"), _copy(hf_tiny_dir, tmp_path / "dense")
+    fp8, dense = load_file(fp8_dir / "model.safetensors"), load_file(dense_dir / "model.safetensors")
+    for name in names:
+        q, scale = quantize_fp8_block(fp8[name])
+        fp8[name], fp8[name + "_scale_inv"] = q, scale
+        dense[name] = FP8BlockLinear(q, scale, compute_dtype=torch.float32).dequantize()
+    save_file(fp8, str(fp8_dir / "model.safetensors"))
+    save_file(dense, str(dense_dir / "model.safetensors"))
+    quantized, plain = load(fp8_dir, "cpu", torch.float32), load(dense_dir, "cpu", torch.float32)
+    for group in ("layers.0.linear_attn.in_proj", "layers.3.self_attn.qkv_proj", "layers.0.mlp.gate_up_proj"):
+        assert group not in quantized.fused and group in plain.fused
+    assert "layers.1.linear_attn.in_proj" in quantized.fused
+    ids = torch.arange(40)
+    got, want = quantized.forward(ids, quantized.new_cache(), "all"), plain.forward(ids, plain.new_cache(), "all")
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)

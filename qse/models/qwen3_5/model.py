@@ -120,14 +120,14 @@ class Qwen35Model:
                     self.lin[name] = DenseLinear(part)
                 self.fused[f"layers.{layer}.{group}"] = (DenseLinear(fused), widths)
 
-    def _projections(self, group: str, members: tuple[str, ...], h: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The members' outputs (views of one fused GEMM's output where the group is fused)."""
-        fused = self.fused.get(group)
+    def _projections(self, layer: int, group: str, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The outputs of a FUSED_PROJECTIONS group's members (views of one GEMM's output where it is fused)."""
+        fused = self.fused.get(f"layers.{layer}.{group}")
         if fused is not None:
             lin, widths = fused
             return self.ops.dense_matmul(h, lin.weight).split(widths, dim=-1)
         parent = group.rsplit(".", 1)[0]
-        return tuple(self._mm(f"{parent}.{m}.weight", h) for m in members)
+        return tuple(self._mm(f"layers.{layer}.{parent}.{m}.weight", h) for m in FUSED_PROJECTIONS[group])
 
     # ---- state -------------------------------------------------------------------------------
     def new_cache(self, kv=None, capacity: int = 1024) -> SequenceCache:
@@ -263,7 +263,7 @@ class Qwen35Model:
         only_host: the same on the host, needed by a contiguous KV store."""
         cfg, a = self.cfg, f"layers.{layer}.self_attn."
         num_tokens, num_heads, num_kv, head_dim = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qg, k, v = self._projections(a + "qkv_proj", FUSED_PROJECTIONS["self_attn.qkv_proj"], h)
+        qg, k, v = self._projections(layer, "self_attn.qkv_proj", h)
         qg = qg.view(num_tokens, num_heads, 2 * head_dim)
         q, gate = qg[..., :head_dim], qg[..., head_dim:]
         k = k.view(num_tokens, num_kv, head_dim)
@@ -298,7 +298,7 @@ class Qwen35Model:
         slot = self.gdn_slot[layer]
         hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         # qkv [T, C], z [T, Hv * Dv], b and a [T, Hv]: views of one GEMM's output where it is fused
-        qkv, z, b, a = self._projections(g_ + "in_proj", FUSED_PROJECTIONS["linear_attn.in_proj"], h)
+        qkv, z, b, a = self._projections(layer, "linear_attn.in_proj", h)
         z = z.view(num_tokens, hv, dv)
         conv_w = self.w[g_ + "conv1d.weight"][:, 0, :]  # [C, K]
         qkv, _ = self.ops.causal_conv1d(qkv, conv_w, cache.conv[slot], out_state=cache.conv[slot])
