@@ -6,7 +6,7 @@
 # (weka_cc_sessions_dev.csv, hf_reader_baseline.py) and a pytest.ini without the asyncio plugin's
 # options. Results land in $OUT; copy them to benchmarks/results/ and commit.
 #
-#   bash benchmarks/run_h200.sh [tests|gemv|attention|configs|check|measure|ab|abl|invariant ...]   (default: all, ~12 minutes)
+#   bash benchmarks/run_h200.sh [tests|gemv|attention|configs|check|measure|gaps|ab|abl|invariant ...]   (default: all, ~12 minutes)
 #   PRESETS=qwen3.5-0.8b bash benchmarks/run_h200.sh measure                       (measure fewer presets)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -41,6 +41,8 @@ for step in $steps; do
     measure)  # read rate, question, fork decode, kernel table, with the peer in the same run
       timeout 330 python3 benchmarks/shadow_measure.py --presets "${PRESETS:-qwen3.5-0.8b,qwen3.5-2b,qwen3.5-4b}" --ops graph \
         --peer .devcarry/hf_reader_baseline.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-400 ;;
+    gaps)  # a graph chunk's kernels against its span and stopwatch; what PDL saves a boundary
+      timeout 150 python3 benchmarks/graph_gaps.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-3000 ;;
     ab)  # decode loss of a 9B served model with the 0.8B reader on and off
       timeout 200 python3 benchmarks/shadow_ab.py --served qwen3.5-9b --reader qwen3.5-0.8b --prompt-tokens 16350 \
         --out-tokens 346 --pairs 5 --out "$OUT" 2>&1 | grep '^{' | grep -v '"chunk"\|"run"' | tail -3 ;;
