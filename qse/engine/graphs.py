@@ -83,6 +83,8 @@ class ForwardGraphs:
         self.start = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.logit_row = torch.zeros(1, dtype=torch.long, device=self.device)
         self._ids: dict[int, torch.Tensor] = {}
+        self._ids_host: dict[int, torch.Tensor] = {}  # pinned staging for host ids (stage)
+        self._ids_sent: dict[int, Any] = {}  # the event after the last copy out of each staging buffer
         self._entries: dict[tuple[int, str], _Entry] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
         # warm-up and capture run the forward for real: their KV rows go to pages of their own
@@ -115,11 +117,11 @@ class ForwardGraphs:
     # ---- the working state -------------------------------------------------------------------
     def load(self, cache: SequenceCache) -> None:
         """The session's GDN state into the working copy, its pages into the table."""
-        torch._foreach_copy_(self.cache.recurrent + self.cache.conv, cache.recurrent + cache.conv)
+        self.cache.copy_state_from(cache)
         self.kv.load(cache.kv)
 
     def store(self, cache: SequenceCache) -> None:
-        torch._foreach_copy_(cache.recurrent + cache.conv, self.cache.recurrent + self.cache.conv)
+        cache.copy_state_from(self.cache)
 
     # ---- replays -----------------------------------------------------------------------------
     def prepare(self, num_tokens: int, logits: str) -> _Entry:
@@ -156,14 +158,37 @@ class ForwardGraphs:
             out = forward()
         return _Entry(graph.replay, out)
 
-    def run(self, entry: _Entry, ids: list[int] | torch.Tensor, pos: int, logit_row: int = 0) -> Any:
-        """Replay `entry` on the working state with ids at `pos`; returns its output buffer."""
+    def stage(self, ids: list[int] | torch.Tensor, pos: int, logit_row: int = 0) -> None:
+        """The replay's inputs (ids, start, logit row) into the buffers it reads, without waiting on the
+        device: host ids go through a pinned buffer by an asynchronous copy (a pageable copy synchronises
+        the stream, and the GPU then idles while the host goes on to launch the replay)."""
         num_tokens = len(ids)
-        self._ids[num_tokens].copy_(torch.as_tensor(ids, dtype=torch.long))
+        dst = self._ids[num_tokens]
+        if isinstance(ids, torch.Tensor) and ids.device == dst.device:
+            dst.copy_(ids)
+        elif self.device.type == "cuda":
+            host = self._ids_host.get(num_tokens)
+            if host is None:
+                host = self._ids_host[num_tokens] = torch.empty(num_tokens, dtype=torch.long, pin_memory=True)
+                self._ids_sent[num_tokens] = torch.cuda.Event()
+            self._ids_sent[num_tokens].synchronize()  # the last copy out of this buffer is done
+            host.copy_(torch.as_tensor(ids, dtype=torch.long))
+            dst.copy_(host, non_blocking=True)
+            self._ids_sent[num_tokens].record()
+        else:
+            dst.copy_(torch.as_tensor(ids, dtype=torch.long))
         self.start.fill_(pos)
         self.logit_row.fill_(logit_row)
+
+    def replay(self, entry: _Entry) -> Any:
+        """Replay `entry` on the working state and the staged inputs; returns its output buffer."""
         out = entry.replay()
         return entry.out if self.capture else out
+
+    def run(self, entry: _Entry, ids: list[int] | torch.Tensor, pos: int, logit_row: int = 0) -> Any:
+        """Replay `entry` on the working state with ids at `pos`; returns its output buffer."""
+        self.stage(ids, pos, logit_row)
+        return self.replay(entry)
 
     def forward_eager(self, ids: list[int], pos: int, logits: str) -> Any:
         """An eager forward on the working state (a shape no graph serves, e.g. a summary's prompt)."""

@@ -344,8 +344,9 @@ class ShadowReader:
             raise MemoryError(f"the shadow KV pool cannot hold session {session.session_id!r} at {start + len(ids)} rows")
         watch = Stopwatch(self.engine.device)
         with watch.measure():
+            graphs.stage(ids, start)  # first: the host's share goes out before the device's
             graphs.load(cache)
-            graphs.run(entry, ids, start)
+            graphs.replay(entry)
             graphs.store(cache)
         cache.length = start + len(ids)
         return watch.gpu_ms
@@ -422,8 +423,9 @@ class ShadowReader:
                 entry = graphs.prepare(padded, "row")
                 watch = Stopwatch(self.engine.device)
                 with watch.measure():
+                    graphs.stage(ids_padded, session.committed, len(ids) - 1)
                     graphs.load(cache)
-                    logits = graphs.run(entry, ids_padded, session.committed, len(ids) - 1)[0].clone()
+                    logits = graphs.replay(entry)[0].clone()
                 gpu_ms = watch.gpu_ms
             else:
                 saved = _copy_state(cache)

@@ -122,3 +122,29 @@ def test_one_row_logits_run_the_last_layer_for_that_row_alone(tiny_engine, logit
     assert (one[0] - want).abs().max() <= 1e-4 * want.abs().max()
     assert _equal(_state(model, one_cache), _state(model, none_cache))
     assert _equal(_state(model, one_cache), _state(model, whole_cache))
+
+
+def test_state_moves_whole_between_caches_in_one_copy_a_buffer(tiny_engine):
+    """new_cache's layer states are views of one buffer a dtype, so copy_state_from moves a whole state
+    by two copies; a cache without the buffers (built by hand) still gets every layer, one by one."""
+    from qse.models.cache import SequenceCache
+
+    model = tiny_engine.model
+    ids = torch.arange(3, 3 + GRID)
+    source, _ = _read_on_grid(model, ids)
+    rec_buf, conv_buf = source.state_buffers
+    assert all(t.data_ptr() == rec_buf[i].data_ptr() for i, t in enumerate(source.recurrent))
+    assert all(t.data_ptr() == conv_buf[i].data_ptr() for i, t in enumerate(source.conv))
+    assert any(t.abs().sum() > 0 for t in source.recurrent)  # the read wrote through the views
+
+    target = model.new_cache()
+    target.copy_state_from(source)
+    assert all(torch.equal(a, b) for a, b in zip(target.state_tensors(), source.state_tensors()))
+
+    loose = SequenceCache(kv=None, recurrent=[torch.zeros_like(t) for t in source.recurrent],
+                          conv=[torch.zeros_like(t) for t in source.conv])
+    loose.copy_state_from(source)
+    assert all(torch.equal(a, b) for a, b in zip(loose.state_tensors(), source.state_tensors()))
+    back = model.new_cache()
+    back.copy_state_from(loose)
+    assert torch.equal(back.state_buffers[0], rec_buf) and torch.equal(back.state_buffers[1], conv_buf)
