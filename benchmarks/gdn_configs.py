@@ -37,6 +37,8 @@ VARIANTS = {
     "tf32_one_product": {"DOT_PRECISION": "tf32", "OUTPUT_DOT_PRECISION_16BIT": "tf32"},  # scale only: state error ~1e-3
     # the bf16 output's products through three tf32 products, as pinned before 2026-11-29 (the state keeps its bits)
     "output_products_tf32x3": {"OUTPUT_DOT_PRECISION_16BIT": "tf32x3"},
+    # the prepare kernel's products on the normalised rows in fp32 (three tf32 products), as before v8
+    "normalised_rows_tf32x3": {"EXACT_16BIT_PRODUCTS": False},
 }
 
 
@@ -77,6 +79,9 @@ def main(argv=None) -> int:
     data = inputs()
     defaults = {name: getattr(gdn, name) for spec in VARIANTS.values() for name in spec}
     ref_o, ref_s = gdn.chunk_gated_delta_rule(*data)
+    from qse_kernels import naive
+
+    exact_o, exact_s = naive.chunk_gated_delta_rule(*(t.double() for t in data))  # the float64 twin
     rows = {}
     for variant, spec in VARIANTS.items():
         for name, value in defaults.items():
@@ -88,7 +93,9 @@ def main(argv=None) -> int:
             rows[variant] = {"us": per_kernel_us(data), "same_bits": bool(torch.equal(o, ref_o) and torch.equal(s, ref_s)),
                              "same_state_bits": bool(torch.equal(s, ref_s)),
                              "state_max_abs_diff": float((s - ref_s).abs().max()),
-                             "output_max_rel_diff": float(((o.float() - ref_o.float()).norm() / ref_o.float().norm()))}
+                             "output_max_rel_diff": float(((o.float() - ref_o.float()).norm() / ref_o.float().norm())),
+                             "state_rel_err_vs_float64": float((s.double() - exact_s).abs().max() / exact_s.abs().max()),
+                             "output_rel_err_vs_float64": float((o.double() - exact_o).norm() / exact_o.norm())}
         except Exception as exc:  # noqa: BLE001 - a variant that does not compile is reported
             rows[variant] = {"error": repr(exc)[:500]}
         print(json.dumps({variant: rows[variant]}), flush=True)

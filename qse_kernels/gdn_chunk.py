@@ -2,7 +2,8 @@
 
 Three launches, no atomics, configurations pinned by the head dims alone:
 
-  prepare  grid (chunks, Hv), every chunk in parallel. L2-normalises q and k (q also scaled by Dk^-1/2),
+  prepare  grid (chunks, Hv), every chunk in parallel. L2-normalises q and k (q also scaled by Dk^-1/2;
+           row products run on the rows as stored, scaled by the norms after: exact for 16-bit rows),
            takes the chunk's cumulative log decay c, builds the strictly lower A of the chunk's system
            (I + A) U = beta V - beta e^c K S0, inverts the unit-lower (I + A) in fp32, and writes to an
            fp32 workspace:
@@ -28,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention import _interpreting
+
 # fp32 operands through three tf32 products: close to fp32, still on the tensor cores. (One tf32
 # product leaves ~1e-3 in the carried state, which then compounds from chunk to chunk.)
 DOT_PRECISION = "tf32x3"
@@ -37,6 +40,9 @@ DOT_PRECISION = "tf32x3"
 # (benchmarks/gdn_configs.py, output_products_tf32). A float32 output keeps the state's precision.
 OUTPUT_DOT_PRECISION = "tf32x3"
 OUTPUT_DOT_PRECISION_16BIT = "tf32"
+# 16-bit q, k, v: the prepare kernel's row products (k k^T, q k^T) in one exact 16-bit product on the rows
+# as stored, and W, U in two tf32 products against those rows (benchmarks/gdn_configs.py compares both)
+EXACT_16BIT_PRODUCTS = True
 INVERSE_BLOCK = 16
 PREPARE_NUM_WARPS = 8
 SCAN_BLOCK_V = 16
@@ -77,10 +83,34 @@ def _unit_lower_inverse(b_a, b_at, BT: tl.constexpr, SB: tl.constexpr, PRECISION
 
 
 @triton.jit
-def _load_unit_rows(ptr, o_t, m_t, stride_t, o_k, m_k):
-    """[BT, BK] rows scaled to unit L2 norm, in fp32."""
-    b_x = tl.load(ptr + o_t[:, None] * stride_t + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    return b_x * tl.rsqrt(tl.sum(b_x * b_x, 1) + 1e-6)[:, None]
+def _load_rows(ptr, o_t, m_t, stride_t, o_k, m_k):
+    """[BT, BK] rows as stored (the input's dtype) and the inverse of each row's L2 norm (fp32)."""
+    b_x = tl.load(ptr + o_t[:, None] * stride_t + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+    b_f = b_x.to(tl.float32)
+    return b_x, tl.rsqrt(tl.sum(b_f * b_f, 1) + 1e-6)
+
+
+@triton.jit
+def _dot_rows(a, b_t, EXACT16: tl.constexpr, WIDEN: tl.constexpr, PRECISION: tl.constexpr):
+    """a b^T of two blocks of input rows as stored: 16-bit rows in one 16-bit product (each product of two
+    16-bit floats is exact in fp32, and so is all but the fp32 accumulation); fp32 rows by PRECISION."""
+    if EXACT16 and not WIDEN:
+        return tl.dot(a, tl.trans(b_t))
+    if EXACT16:  # the interpreter's 16-bit products are wrong (attention._interpreting): widen, same values
+        return tl.dot(a.to(tl.float32), tl.trans(b_t.to(tl.float32)), input_precision="ieee")
+    return tl.dot(a.to(tl.float32), tl.trans(b_t.to(tl.float32)), input_precision=PRECISION)
+
+
+@triton.jit
+def _dot_exact_right(a, b, EXACT16: tl.constexpr, PRECISION: tl.constexpr):
+    """a @ b for fp32 a and a b of input rows as stored. 16-bit b is exact in tf32, so two tf32 products
+    (a's leading 11 bits, then its remainder) carry what three carry for two fp32 operands; fp32 b takes
+    PRECISION."""
+    b_f = b.to(tl.float32)
+    if EXACT16:
+        a_hi = (a.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        return tl.dot(a_hi, b_f, input_precision="tf32") + tl.dot(a - a_hi, b_f, input_precision="tf32")
+    return tl.dot(a, b_f, input_precision=PRECISION)
 
 
 # The counts stay run-time arguments (Triton would otherwise compile a count of 1 as a constant): one call
@@ -94,6 +124,7 @@ def _chunk_prepare_kernel(
     stride_gt, stride_gh, stride_bt, stride_bh,
     DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     SB: tl.constexpr, PRECISION: tl.constexpr, OUT_PRECISION: tl.constexpr,
+    EXACT16: tl.constexpr, WIDEN: tl.constexpr,
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_kh = i_h // heads_per_key
@@ -116,28 +147,33 @@ def _chunk_prepare_kernel(
     causal = o_r[:, None] >= o_r[None, :]  # [i, j]: j <= i
     b_decay = tl.exp(tl.where(causal, b_c[:, None] - b_c[None, :], float("-inf")))  # e^(c_i - c_j), j <= i
 
-    # first what needs q: P and Qe, so that q is dead before the inverse
-    b_k = _load_unit_rows(k_ptr + i_kh * stride_kh, o_t, m_t, stride_kt, o_k, m_k)
-    tl.store(kt_ptr + o_wk, b_k * tl.exp(b_c_last - b_c)[:, None], mask=m_wk)
-    b_q = _load_unit_rows(q_ptr + i_kh * stride_qh, o_t, m_t, stride_qt, o_k, m_k) * scale
-    b_p = tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=OUT_PRECISION) * b_decay, 0.0)
+    # The products of rows run on the rows as stored and are scaled by the norms after (k_i/|k_i| . k_j/|k_j|
+    # = (k_i . k_j) r_i r_j): for 16-bit inputs one exact 16-bit product instead of three tf32 products of
+    # the normalised rows. First what needs q (P, Qe), so that q is dead before the inverse.
+    b_k, b_rk = _load_rows(k_ptr + i_kh * stride_kh, o_t, m_t, stride_kt, o_k, m_k)
+    tl.store(kt_ptr + o_wk, b_k.to(tl.float32) * (b_rk * tl.exp(b_c_last - b_c))[:, None], mask=m_wk)
+    b_q, b_rq = _load_rows(q_ptr + i_kh * stride_qh, o_t, m_t, stride_qt, o_k, m_k)
+    b_rq = b_rq * scale
+    b_qk = _dot_rows(b_q, b_k, EXACT16, WIDEN, OUT_PRECISION)
+    b_p = tl.where(causal, b_qk * b_rq[:, None] * b_rk[None, :] * b_decay, 0.0)
     tl.store(p_ptr + (i_w * BT + o_r[:, None]) * BT + o_r[None, :], b_p)
-    tl.store(qe_ptr + o_wk, b_q * tl.exp(b_c)[:, None], mask=m_wk)
+    tl.store(qe_ptr + o_wk, b_q.to(tl.float32) * (b_rq * tl.exp(b_c))[:, None], mask=m_wk)
 
     # A[i, j] = beta_i (k_i . k_j) e^(c_i - c_j) for j < i; k k^T is symmetric, so A^T comes from the same tile
-    b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
+    b_kk = _dot_rows(b_k, b_k, EXACT16, WIDEN, PRECISION) * b_rk[:, None] * b_rk[None, :]
     b_a = tl.where(o_r[:, None] > o_r[None, :], b_beta[:, None] * b_kk * b_decay, 0.0)
     b_decay_t = tl.exp(tl.where(o_r[:, None] < o_r[None, :], b_c[None, :] - b_c[:, None], float("-inf")))
     b_at = tl.where(o_r[:, None] < o_r[None, :], b_beta[None, :] * b_kk * b_decay_t, 0.0)
     b_x = _unit_lower_inverse(b_a, b_at, BT, SB, PRECISION)
 
-    # k again rather than kept live through the inverse (registers); the same arithmetic, the same bits
-    b_k = _load_unit_rows(k_ptr + i_kh * stride_kh, o_t, m_t, stride_kt, o_k, m_k)
-    b_w = tl.dot(b_x, b_k * (b_beta * tl.exp(b_c))[:, None], input_precision=PRECISION)
+    # W = X diag(beta e^c r) K and U = X diag(beta) V: the scales go to X's columns, so that the right
+    # operand is the rows as stored. k again rather than kept live through the inverse (registers)
+    b_k, b_rk = _load_rows(k_ptr + i_kh * stride_kh, o_t, m_t, stride_kt, o_k, m_k)
+    b_w = _dot_exact_right(b_x * (b_beta * tl.exp(b_c) * b_rk)[None, :], b_k, EXACT16, PRECISION)
     tl.store(w_ptr + o_wk, b_w, mask=m_wk)
     p_v = v_ptr + o_t[:, None] * stride_vt + i_h * stride_vh + o_v[None, :]
-    b_v = tl.load(p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-    b_u = tl.dot(b_x, b_v * b_beta[:, None], input_precision=PRECISION)
+    b_v = tl.load(p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
+    b_u = _dot_exact_right(b_x * b_beta[None, :], b_v, EXACT16, PRECISION)
     tl.store(u_ptr + (i_w * BT + o_r[:, None]) * DV + o_v[None, :], b_u, mask=m_v[None, :])
 
 
@@ -245,6 +281,8 @@ def chunk_gated_delta_rule(
         new_state.copy_(state)
         return out, new_state
     num_chunks = triton.cdiv(num_tokens, chunk)
+    # 16-bit q, k, v of one dtype: the prepare kernel's row products are exact 16-bit products
+    exact16 = EXACT_16BIT_PRODUCTS and q.dtype == k.dtype == v.dtype and q.dtype in (torch.bfloat16, torch.float16)
     out_precision = OUTPUT_DOT_PRECISION if out.element_size() >= 4 else OUTPUT_DOT_PRECISION_16BIT
     block_k, block_v = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
     ws = dict(dtype=torch.float32, device=v.device)
@@ -261,7 +299,7 @@ def chunk_gated_delta_rule(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         DK=dk, DV=dv, BT=chunk, BK=block_k, BV=block_v, SB=INVERSE_BLOCK, PRECISION=DOT_PRECISION,
-        OUT_PRECISION=out_precision,
+        OUT_PRECISION=out_precision, EXACT16=exact16, WIDEN=exact16 and _interpreting(),
         num_warps=PREPARE_NUM_WARPS, num_stages=1,
     )
     scan_block_v = min(SCAN_BLOCK_V, block_v)

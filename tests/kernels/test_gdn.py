@@ -54,6 +54,21 @@ def test_chunk_strong_correlation(device, rel):
     _check(rel, gdn_chunk.chunk_gated_delta_rule(*args), naive.chunk_gated_delta_rule(*args), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("correlated", [False, True], ids=["random", "correlated"])
+def test_chunk_16bit_rows_carry_an_fp32_state(device, rel, dtype, correlated):
+    """16-bit q, k, v go through exact 16-bit row products and two tf32 products against the rows as
+    stored: the carried state must keep fp32 accuracy against the float64 twin of the same values, also
+    with nearly parallel keys (beta near 1: (I + A) far from I)."""
+    q, k, v, g, beta, state = _inputs(192, 2, 4, 32, 32, dtype, device, seed=11)
+    if correlated:
+        k = (k[:1].float().expand_as(k) + 0.05 * k.float()).to(dtype)
+        beta = 0.9 + 0.1 * beta
+    _, s = gdn_chunk.chunk_gated_delta_rule(q, k, v, g, beta, state)
+    _, ref_s = naive.chunk_gated_delta_rule(*(t.double() for t in (q, k, v, g, beta, state)))
+    assert rel(s.double(), ref_s) < 1e-5
+
+
 def test_chunk_strided_views_like_the_model(device, rel):
     """q, k, v reshaped out of one conv output [T, C]; the state taken from a larger cache."""
     num_tokens, num_k, num_v, dk, dv = 40, 2, 4, 16, 16
