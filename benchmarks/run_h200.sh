@@ -6,13 +6,13 @@
 # (weka_cc_sessions_dev.csv, hf_reader_baseline.py) and a pytest.ini without the asyncio plugin's
 # options. Results land in $OUT; copy them to benchmarks/results/ and commit.
 #
-#   bash benchmarks/run_h200.sh [tests|gemv|attention|configs|check|measure|gaps|ab|abl|invariant ...]   (default: all, ~12 minutes)
+#   bash benchmarks/run_h200.sh [tests|gemv|attention|configs|check|check2b|measure|gaps|ab|abl|invariant ...]   (default: all, ~12 minutes)
 #   PRESETS=qwen3.5-0.8b bash benchmarks/run_h200.sh measure                       (measure fewer presets)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export QSE_CACHE_DIR=/tmp/qsecache PYTHONUNBUFFERED=1
-steps=${*:-tests gemv attention configs check measure ab abl invariant}
+steps=${*:-tests gemv attention configs check check2b measure gaps ab abl invariant}
 session() {  # a 57k-token agent session shaped from the weka trace (10 turns, 5 re-renders)
   [ -f /tmp/s12.jsonl ] || python3 scripts/make_session.py --trace .devcarry/weka_cc_sessions_dev.csv \
     --session trace_0012 --out /tmp/s12.jsonl --max-tokens 60000 >/dev/null
@@ -31,7 +31,13 @@ for step in $steps; do
     check)  # exactness on a session shaped from the weka trace, with the dtype's noise floor
       session
       QSE_KERNELS=triton timeout 170 python3 -m qse.cli shadow-check --model qwen3.5-0.8b --device cuda \
-        --dtype bfloat16 --session /tmp/s12.jsonl --grid 512 --noise-floor > "$OUT/shadow-check-0.8b.json" ;;
+        --dtype bfloat16 --session /tmp/s12.jsonl --grid 512 --noise-floor > "$OUT/shadow-check-0.8b.json"
+      head -c 400 "$OUT/shadow-check-0.8b.json"; echo ;;
+    check2b)  # the same on the 2B preset, a 44k-token session of the same trace
+      python3 scripts/make_session.py --trace .devcarry/weka_cc_sessions_dev.csv --session trace_0022 --out /tmp/s22.jsonl >/dev/null
+      QSE_KERNELS=triton timeout 170 python3 -m qse.cli shadow-check --model qwen3.5-2b --device cuda \
+        --dtype bfloat16 --session /tmp/s22.jsonl --grid 512 > "$OUT/shadow-check-2b.json"
+      head -c 400 "$OUT/shadow-check-2b.json"; echo ;;
     invariant)  # the grid-invariant kernels: probes on the 4x grid should agree bit for bit
       session
       QSE_KERNELS=invariant timeout 170 python3 -m qse.cli shadow-check --model qwen3.5-0.8b --device cuda \

@@ -10,7 +10,7 @@ Three launches, no atomics, configurations pinned by the head dims alone:
              W  = (I + A)^-1 (beta e^c K)        [BT, Dk]
              U0 = (I + A)^-1 (beta V)            [BT, Dv]
              Qe = q e^c                          [BT, Dk]
-             Kt = k e^(c_last - c)               [BT, Dk]
+             Kt = k e^(c_last - c)               [BT, Dk]  (16-bit rows: only the row scale, [BT])
              P  = (q k^T) e^(c_i - c_j), j <= i  [BT, BT]
              e^c_last                            scalar
   scan     grid (Hv, Dv / BV), chunks in order; the state slice S [Dk, BV] stays in fp32 registers and
@@ -50,6 +50,17 @@ SCAN_NUM_WARPS = 4
 SCAN_NUM_STAGES = 1
 OUTPUT_BLOCK_V = 64
 OUTPUT_NUM_WARPS = 4
+
+
+@triton.jit
+def _dot_exact_left(a, b, EXACT16: tl.constexpr, PRECISION: tl.constexpr):
+    """a @ b for a of input rows as stored (16-bit: exact in tf32) and fp32 b: two tf32 products (b's
+    leading 11 bits, then its remainder); fp32 a takes PRECISION."""
+    a_f = a.to(tl.float32)
+    if EXACT16:
+        b_hi = (b.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        return tl.dot(a_f, b_hi, input_precision="tf32") + tl.dot(a_f, b - b_hi, input_precision="tf32")
+    return tl.dot(a_f, b, input_precision=PRECISION)
 
 
 @triton.jit
@@ -151,7 +162,10 @@ def _chunk_prepare_kernel(
     # = (k_i . k_j) r_i r_j): for 16-bit inputs one exact 16-bit product instead of three tf32 products of
     # the normalised rows. First what needs q (P, Qe), so that q is dead before the inverse.
     b_k, b_rk = _load_rows(k_ptr + i_kh * stride_kh, o_t, m_t, stride_kt, o_k, m_k)
-    tl.store(kt_ptr + o_wk, b_k.to(tl.float32) * (b_rk * tl.exp(b_c_last - b_c))[:, None], mask=m_wk)
+    if EXACT16:  # the scan reads the rows as stored and this row scale: Kt = diag(scale) K
+        tl.store(kt_ptr + i_w * BT + o_r, b_rk * tl.exp(b_c_last - b_c))
+    else:
+        tl.store(kt_ptr + o_wk, b_k.to(tl.float32) * (b_rk * tl.exp(b_c_last - b_c))[:, None], mask=m_wk)
     b_q, b_rq = _load_rows(q_ptr + i_kh * stride_qh, o_t, m_t, stride_qt, o_k, m_k)
     b_rq = b_rq * scale
     b_qk = _dot_rows(b_q, b_k, EXACT16, WIDEN, OUT_PRECISION)
@@ -177,12 +191,12 @@ def _chunk_prepare_kernel(
     tl.store(u_ptr + (i_w * BT + o_r[:, None]) * DV + o_v[None, :], b_u, mask=m_v[None, :])
 
 
-@triton.jit(do_not_specialize=["num_chunks"])
+@triton.jit(do_not_specialize=["num_chunks", "num_tokens"])
 def _chunk_scan_kernel(
-    w_ptr, u_ptr, kt_ptr, decay_ptr, state_ptr, states_ptr, new_state_ptr,
-    num_chunks, num_v_heads,
+    w_ptr, u_ptr, kt_ptr, k_ptr, decay_ptr, state_ptr, states_ptr, new_state_ptr,
+    num_chunks, num_tokens, num_v_heads, heads_per_key, stride_kt, stride_kh,
     DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, EXACT16: tl.constexpr,
 ):
     i_h, i_v = tl.program_id(0), tl.program_id(1)
     o_r = tl.arange(0, BT)
@@ -200,9 +214,16 @@ def _chunk_scan_kernel(
         b_w = tl.load(w_ptr + o_wk, mask=m_k[None, :], other=0.0)
         b_u = tl.load(u_ptr + (i_w * BT + o_r[:, None]) * DV + o_v[None, :], mask=m_v[None, :], other=0.0)
         b_u = b_u - tl.dot(b_w, b_s, input_precision=PRECISION)
-        b_kt = tl.load(kt_ptr + o_wk, mask=m_k[None, :], other=0.0)
         b_decay = tl.load(decay_ptr + i_w)
-        b_s = b_s * b_decay + tl.dot(tl.trans(b_kt), b_u, input_precision=PRECISION)
+        if EXACT16:  # Kt^T u = K^T (diag(scale) u), K the 16-bit rows as stored
+            o_t = i_c * BT + o_r
+            p_k = k_ptr + o_t[:, None] * stride_kt + (i_h // heads_per_key) * stride_kh + o_k[None, :]
+            b_k = tl.load(p_k, mask=(o_t < num_tokens)[:, None] & m_k[None, :], other=0.0)
+            b_scale = tl.load(kt_ptr + i_w * BT + o_r)
+            b_s = b_s * b_decay + _dot_exact_left(tl.trans(b_k), b_u * b_scale[:, None], EXACT16, PRECISION)
+        else:
+            b_kt = tl.load(kt_ptr + o_wk, mask=m_k[None, :], other=0.0)
+            b_s = b_s * b_decay + tl.dot(tl.trans(b_kt), b_u, input_precision=PRECISION)
     tl.store(new_state_ptr + i_h * DK * DV + o_s, b_s, mask=m_s)
 
 
@@ -289,7 +310,8 @@ def chunk_gated_delta_rule(
     w = torch.empty(num_chunks, num_v_heads, chunk, dk, **ws)
     u = torch.empty(num_chunks, num_v_heads, chunk, dv, **ws)
     qe = torch.empty(num_chunks, num_v_heads, chunk, dk, **ws)
-    kt = torch.empty(num_chunks, num_v_heads, chunk, dk, **ws)
+    # Kt, or with 16-bit rows only its row scale (the scan reads k itself)
+    kt = torch.empty(num_chunks, num_v_heads, chunk, *(() if exact16 else (dk,)), **ws)
     p = torch.empty(num_chunks, num_v_heads, chunk, chunk, **ws)
     decay = torch.empty(num_chunks, num_v_heads, **ws)
     states = torch.empty(num_chunks, num_v_heads, dk, dv, **ws)  # each chunk's starting state
@@ -304,8 +326,9 @@ def chunk_gated_delta_rule(
     )
     scan_block_v = min(SCAN_BLOCK_V, block_v)
     _chunk_scan_kernel[(num_v_heads, triton.cdiv(dv, scan_block_v))](
-        w, u, kt, decay, state, states, new_state, num_chunks, num_v_heads,
-        DK=dk, DV=dv, BT=chunk, BK=block_k, BV=scan_block_v, PRECISION=DOT_PRECISION,
+        w, u, kt, k, decay, state, states, new_state, num_chunks, num_tokens, num_v_heads,
+        num_v_heads // num_k_heads, k.stride(0), k.stride(1),
+        DK=dk, DV=dv, BT=chunk, BK=block_k, BV=scan_block_v, PRECISION=DOT_PRECISION, EXACT16=exact16,
         num_warps=SCAN_NUM_WARPS, num_stages=SCAN_NUM_STAGES,
     )
     output_block_v = min(OUTPUT_BLOCK_V, block_v)
