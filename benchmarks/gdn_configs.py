@@ -27,7 +27,7 @@ from benchmarks.results_io import write_result  # noqa: E402
 
 VARIANTS = {
     "default": {},
-    "prepare_warps4": {"PREPARE_NUM_WARPS": 4},
+    "prepare_warps8": {"PREPARE_NUM_WARPS": 8},
     "scan_bv8": {"SCAN_BLOCK_V": 8},
     "scan_bv32": {"SCAN_BLOCK_V": 32},
     "scan_bv32_warps8": {"SCAN_BLOCK_V": 32, "SCAN_NUM_WARPS": 8},
