@@ -44,6 +44,34 @@ class Stopwatch:
             self.gpu_ms = (time.perf_counter() - t0) * 1e3
 
 
+class DeviceClock:
+    """Marks on the device's timeline (CUDA events; the wall clock elsewhere), for work launched ahead of
+    reading it back, where a Stopwatch's synchronize at the end of each block would make the device wait
+    for the host's next launch."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def wait(self, mark: Any) -> None:
+        """Until the device has passed `mark`."""
+        if self.cuda:
+            mark.synchronize()
+
+    def ms(self, start: Any, end: Any) -> float:
+        """Device ms from `start` to `end` (waits for `end`)."""
+        if self.cuda:
+            end.synchronize()
+            return start.elapsed_time(end)
+        return (end - start) * 1e3
+
+
 class Engine:
     def __init__(self, resolved: ResolvedModel, kernels: str | None = None):
         self.resolved = resolved

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from ..core.prefix import common_prefix
-from ..engine.engine import Engine, Stopwatch
+from ..engine.engine import DeviceClock, Engine, Stopwatch
 from ..engine.graphs import ForwardGraphs, capture_mode
 from ..engine.kv import KVPool, PagedKV
 from ..settings import SETTINGS
@@ -535,26 +535,64 @@ class ShadowReader:
                     token = int(torch.argmax(logits[-1, :vocab]))
             prefill_ms = watch.gpu_ms
             pos = end
-            while token not in stop_ids:
-                out_ids.append(token)
-                if len(out_ids) == max_tokens:
-                    break
-                with watch.measure():
-                    if graphs is not None:
-                        logits = graphs.run(entry, [token], pos)
-                    else:
+            if graphs is not None:
+                out_ids, decode_ms, steps = self._greedy_on_graph(entry, token, pos, vocab, stop_ids, max_tokens)
+            else:
+                steps = 0
+                while token not in stop_ids:
+                    out_ids.append(token)
+                    if len(out_ids) == max_tokens:
+                        break
+                    with watch.measure():
                         logits, _ = self.engine.forward(cache, self.engine.ids_tensor([token]), "last")
-                    token = int(torch.argmax(logits[-1, :vocab]))
-                decode_ms += watch.gpu_ms
-                pos += 1
+                        token = int(torch.argmax(logits[-1, :vocab]))
+                    decode_ms += watch.gpu_ms
+                    steps += 1
+                    pos += 1
         finally:
             if saved is not None:
                 self._restore_state(session, *saved)
             self._end_fork(session)
         self.stats.summaries += 1
-        steps = max(1, len(out_ids) - 1)
         return SummaryResult(session_id, out_ids, self.engine.chat.tokenizer.decode(out_ids),
-                             end, prefill_ms + decode_ms, decode_ms / steps)
+                             end, prefill_ms + decode_ms, decode_ms / max(1, steps))
+
+    def _greedy_on_graph(self, entry, first: int, pos: int, vocab: int, stop_ids: tuple[int, ...],
+                         max_tokens: int) -> tuple[list[int], float, int]:
+        """Greedy decode steps replayed on the one-row graph, pipelined: a step is launched on the device's
+        argmax of the step before, ahead of the host reading that token back, so the host's launch overlaps
+        the device's work instead of the device waiting for it. The tokens equal those of one step at a
+        time; the one step launched on a stop token before the host saw it only wrote the fork's own rows
+        and working state, which the fork drops. Returns (tokens, device ms of the steps launched, steps)."""
+        if first in stop_ids:
+            return [], 0.0, 0
+        graphs, clock = self.graphs, DeviceClock(self.engine.device)
+        out_ids = [first]
+        pending = torch.tensor([first], dtype=torch.long, device=self.engine.device)  # the next step's input
+        unread = None  # (readback, mark) of a token the device produced and the host has not read
+        start = last = clock.mark()
+        steps = 0
+        while True:
+            step = None
+            if len(out_ids) + (unread is not None) < max_tokens:  # the pending token's step will be wanted
+                graphs.stage(pending, pos)
+                logits = graphs.replay(entry)
+                pending = torch.argmax(logits[-1:, :vocab], dim=-1)
+                readback = pending.to("cpu", non_blocking=True)
+                last = clock.mark()
+                step = (readback, last)
+                steps += 1
+                pos += 1
+            if unread is not None:
+                clock.wait(unread[1])
+                token = int(unread[0][0])
+                if token in stop_ids:
+                    break
+                out_ids.append(token)
+            unread = step
+            if unread is None:
+                break
+        return out_ids, clock.ms(start, last) if steps else 0.0, steps
 
     # ---- exactness ---------------------------------------------------------------------------
     def fresh_prefill(self, ids: list[int], session_id: str = "__fresh__") -> ShadowSession:

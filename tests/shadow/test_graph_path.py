@@ -72,6 +72,32 @@ def test_graph_path_answers_and_summaries_equal_eager(tiny_engine):
     assert _same_state(eager, eager.get("s"), session)
 
 
+def test_pipelined_greedy_decode_gives_the_tokens_of_one_step_at_a_time(tiny_engine):
+    """The graph path launches each decode step on the device's token before the host reads it: the tokens
+    must still be those of the eager loop, for every max_tokens and wherever a stop token falls (the step
+    launched on a stop token is dropped with the fork)."""
+    ids = list(range(2500, 2500 + GRID + 9))
+    eager, static = _readers(tiny_engine)
+    for reader in (eager, static):
+        reader.feed("s", ids)
+        reader.read_all("s")
+    prompt = list(range(100, 108))
+    longest = eager.summarize("s", prompt, max_tokens=7).token_ids
+    assert len(longest) == 7
+    for max_tokens in (1, 2, 3, 7):
+        a = eager.summarize("s", prompt, max_tokens=max_tokens)
+        b = static.summarize("s", prompt, max_tokens=max_tokens)
+        assert a.token_ids == b.token_ids == longest[:max_tokens]
+    for at in (0, 1, 4):  # a stop token at the first token, the second, the fifth
+        stop = (longest[at],)
+        a = eager.summarize("s", prompt, max_tokens=7, stop_ids=stop)
+        b = static.summarize("s", prompt, max_tokens=7, stop_ids=stop)
+        assert b.token_ids == a.token_ids == longest[: longest.index(longest[at])]
+    session = static.get("s")
+    assert all(static.state_equal(session, eager.get("s")).values())
+    assert session.kv.capacity == session.kv.pages_for(session.committed) * static.pool.page_rows
+
+
 def test_a_fork_does_not_touch_the_session_between_replays(tiny_engine):
     """The graph path forks on its working copy: the session's own tensors are never written by a fork."""
     _, static = _readers(tiny_engine)
