@@ -132,7 +132,15 @@ class PagedKV:
     def device_table(self) -> torch.Tensor:
         """The page ids as an int32 tensor on the pool's device (rebuilt only when the pages change)."""
         if self._table is None:
-            self._table = torch.tensor(self.pages or [0], dtype=torch.int32, device=self.pool.k.device)
+            host = torch.tensor(self.pages or [0], dtype=torch.int32)
+            device = self.pool.k.device
+            if device.type == "cuda":
+                # pinned and asynchronous: a pageable copy synchronises the stream, and a graph chunk
+                # (a new page every grid chunk) then idled while the host caught up. The caching host
+                # allocator keeps the pinned block until the copy has run.
+                self._table = host.pin_memory().to(device, non_blocking=True)
+            else:
+                self._table = host.to(device)
         return self._table
 
     def export_rows(self, length: int) -> dict[str, torch.Tensor]:
