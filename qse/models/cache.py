@@ -65,19 +65,29 @@ class SequenceCache:
     recurrent: list[torch.Tensor]  # per GDN layer [Hv, Dk, Dv] fp32
     conv: list[torch.Tensor]  # per GDN layer [K-1, C] in the model dtype
     length: int = 0  # rows of the sequence this cache holds (positions [0, length))
-    # the buffers `recurrent` and `conv` are views of, when they are (new_cache makes them so): a whole
-    # state then moves in two copies instead of one a layer (a graph replay's working state is loaded
-    # and stored every chunk; 36 copies issued one by one from the host left the GPU idle ~0.6 ms)
-    state_buffers: tuple[torch.Tensor, ...] = ()
+    # (recurrent, conv) stacked on a leading layer axis, when the lists are the rows of these two tensors
+    # (new_cache makes them so): a whole state then moves in two copies instead of one a layer (a graph
+    # replay's working state is loaded and stored every chunk, and the reader keeps a checkpoint of it;
+    # 36 copies issued one by one from the host left the GPU idle ~0.6 ms a chunk)
+    stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [*self.recurrent, *self.conv]
 
     def copy_state_from(self, other: "SequenceCache") -> None:
         """This cache's GDN state := other's (the KV rows are not touched)."""
-        mine, theirs = self.state_buffers, other.state_buffers
-        if mine and len(mine) == len(theirs) and all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(mine, theirs)):
+        mine, theirs = self.stacked, other.stacked
+        if mine is not None and theirs is not None and all(
+                a.shape == b.shape and a.dtype == b.dtype for a, b in zip(mine, theirs)):
             for dst, src in zip(mine, theirs):
                 dst.copy_(src)
         else:
             torch._foreach_copy_(self.state_tensors(), other.state_tensors())
+
+    def clone_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A copy of the GDN state as (recurrent, conv) lists (rows of two stacked copies where this cache
+        is stacked: two copies, not one a layer)."""
+        if self.stacked is not None:
+            recurrent, conv = (t.clone() for t in self.stacked)
+            return list(recurrent.unbind(0)), list(conv.unbind(0))
+        return [t.clone() for t in self.recurrent], [t.clone() for t in self.conv]

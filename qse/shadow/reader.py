@@ -626,7 +626,7 @@ class ShadowReader:
 
 def _copy_state(cache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """A copy of the GDN state (recurrent, conv): a checkpoint's, or what an eager fork puts back."""
-    return [t.clone() for t in cache.recurrent], [t.clone() for t in cache.conv]
+    return cache.clone_state()
 
 
 __all__ = ["AskResult", "ChunkReport", "DropLRU", "FeedReport", "Residency", "ShadowError", "ShadowReader",

@@ -125,14 +125,14 @@ def test_one_row_logits_run_the_last_layer_for_that_row_alone(tiny_engine, logit
 
 
 def test_state_moves_whole_between_caches_in_one_copy_a_buffer(tiny_engine):
-    """new_cache's layer states are views of one buffer a dtype, so copy_state_from moves a whole state
-    by two copies; a cache without the buffers (built by hand) still gets every layer, one by one."""
+    """new_cache's layer states are rows of one stack a kind, so copy_state_from and clone_state move a
+    whole state by two copies; a cache without the stacks (built by hand) still gets every layer."""
     from qse.models.cache import SequenceCache
 
     model = tiny_engine.model
     ids = torch.arange(3, 3 + GRID)
     source, _ = _read_on_grid(model, ids)
-    rec_buf, conv_buf = source.state_buffers
+    rec_buf, conv_buf = source.stacked
     assert all(t.data_ptr() == rec_buf[i].data_ptr() for i, t in enumerate(source.recurrent))
     assert all(t.data_ptr() == conv_buf[i].data_ptr() for i, t in enumerate(source.conv))
     assert any(t.abs().sum() > 0 for t in source.recurrent)  # the read wrote through the views
@@ -147,4 +147,11 @@ def test_state_moves_whole_between_caches_in_one_copy_a_buffer(tiny_engine):
     assert all(torch.equal(a, b) for a, b in zip(loose.state_tensors(), source.state_tensors()))
     back = model.new_cache()
     back.copy_state_from(loose)
-    assert torch.equal(back.state_buffers[0], rec_buf) and torch.equal(back.state_buffers[1], conv_buf)
+    assert torch.equal(back.stacked[0], rec_buf) and torch.equal(back.stacked[1], conv_buf)
+
+    # a clone is two stacked copies, its own memory, equal to the state
+    rec, conv = source.clone_state()
+    assert all(torch.equal(a, b) for a, b in zip(rec + conv, source.state_tensors()))
+    assert rec[0].data_ptr() != rec_buf.data_ptr() and rec[1].data_ptr() == rec[0].data_ptr() + rec[0].nbytes
+    rec_loose, _ = loose.clone_state()
+    assert all(torch.equal(a, b) for a, b in zip(rec_loose, source.recurrent))

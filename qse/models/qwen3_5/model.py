@@ -135,12 +135,12 @@ class Qwen35Model:
         if kv is None:
             kv = ContiguousKV(len(cfg.attention_layers), cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device, capacity)
         n = len(cfg.gdn_layers)
-        # one buffer a dtype, the layers' states views of it (SequenceCache.copy_state_from: two copies)
+        # the layers' states are rows of one stack a kind (SequenceCache.stacked: whole-state copies in two)
         recurrent = torch.zeros(n, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
                                 dtype=torch.float32, device=self.device)
         conv = torch.zeros(n, cfg.linear_conv_kernel_dim - 1, cfg.gdn_conv_dim, dtype=self.dtype, device=self.device)
         return SequenceCache(kv=kv, recurrent=list(recurrent.unbind(0)), conv=list(conv.unbind(0)), length=0,
-                             state_buffers=(recurrent, conv))
+                             stacked=(recurrent, conv))
 
     def check_ids(self, ids: torch.Tensor) -> None:
         if ids.dim() != 1:
