@@ -5,8 +5,9 @@ and 64k of context, TFLOP/s, and the error against torch's fused attention.
 
     python benchmarks/attention_configs.py [--out DIR]
 
-A variant replaces qse_kernels.attention._config for T >= 16 (BM, BN, warps, stages); a faster one can
-become the pinned default (the bits change with it, the same for eager and graph, so a session's state
+A variant replaces qse_kernels.attention._config for T >= 16 (BM, BN, warps, stages) or sets a module flag
+(upper-case names other than BM, BN: TMA_LOADS); every call runs on 512-row pages through paged_attention,
+the graph path's kernel. A faster one can become the pinned default (the bits change with it, the same for eager and graph, so a session's state
 records nothing new). Writes benchmarks/results/attention_configs-<date>-<device>.json.
 """
 
@@ -38,7 +39,10 @@ VARIANTS = {
     "bm128_bn128_w8_s1": dict(BM=128, BN=128, num_warps=8, num_stages=1),
     "bm64_bn128_w4_s1": dict(BM=64, BN=128, num_warps=4, num_stages=1),
     "bm64_bn32_w4_s4": dict(BM=64, BN=32, num_warps=4, num_stages=4),
+    # the pinned tiles with the unmasked K/V tiles fetched through TMA descriptors (qse_kernels.attention.TMA_LOADS)
+    "tma": {"TMA_LOADS": True},
 }
+PAGE_ROWS = 512  # the reader's page: every call runs on pages, as the graph path does
 CASES = [(512, 32768), (320, 32768), (512, 65536)]
 
 
@@ -51,13 +55,19 @@ def main(argv=None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = {}
     for name, variant in VARIANTS.items():
-        def config(num_q, group, head_dim, fixed_tiles=False, _v=variant):
+        flags = {k: v for k, v in (variant or {}).items() if k.isupper() and k != "BM" and k != "BN"}
+        tiles = {k: v for k, v in (variant or {}).items() if k not in flags}
+
+        def config(num_q, group, head_dim, fixed_tiles=False, _v=tiles):
             cfg = real_config(num_q, group, head_dim, fixed_tiles)
-            if _v is not None and num_q * group > 16:
+            if _v and num_q * group > 16:
                 cfg = dict(cfg, **_v)
             return cfg
 
         attn._config = config
+        saved_flags = {flag: getattr(attn, flag) for flag in flags}
+        for flag, value in flags.items():
+            setattr(attn, flag, value)
         row = {}
         for num_q, context in CASES:
             total = context + num_q
@@ -65,17 +75,30 @@ def main(argv=None) -> int:
             k = torch.randn(total, kv_heads, dim, device="cuda", generator=gen).bfloat16()
             v = torch.randn(total, kv_heads, dim, device="cuda", generator=gen).bfloat16()
             key = f"{num_q}@{context}"
+            pages = -(-total // PAGE_ROWS)
+            k_pages = torch.zeros(pages * PAGE_ROWS, kv_heads, dim, device="cuda", dtype=k.dtype)
+            v_pages = torch.zeros_like(k_pages)
+            k_pages[:total], v_pages[:total] = k, v
+            k_pages, v_pages = (x.view(pages, PAGE_ROWS, kv_heads, dim) for x in (k_pages, v_pages))
+            table = torch.arange(pages, dtype=torch.int32, device="cuda")
+            start = torch.tensor([context], dtype=torch.int32, device="cuda")
+
+            def call():
+                return attn.paged_attention(q, k_pages, v_pages, table, start, max_rows=total)
+
             try:
-                out = attn.attention(q, k, v, context)
+                out = call()
                 mask = torch.arange(total, device="cuda")[None, :] <= (context + torch.arange(num_q, device="cuda"))[:, None]
                 ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                                      attn_mask=mask[None, None], enable_gqa=True)[0].transpose(0, 1)
-                us = cuda_us(lambda: attn.attention(q, k, v, context))
+                us = cuda_us(call)
                 flops = 4 * num_q * heads * dim * (context + (num_q + 1) / 2)
                 row[key] = {"us": round(us, 1), "tflop_s": round(flops / us / 1e6, 1),
                             "max_rel_err": float((out.float() - ref.float()).abs().max() / ref.float().abs().max())}
             except Exception as exc:  # noqa: BLE001 - a variant that does not fit is reported
                 row[key] = {"error": repr(exc)[:300]}
+        for flag, value in saved_flags.items():
+            setattr(attn, flag, value)
         rows[name] = row
         print(json.dumps({name: row}), flush=True)
     attn._config = real_config

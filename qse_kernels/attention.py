@@ -42,6 +42,10 @@ COMBINE_BLOCK_SPLITS = 16
 # combine has programs enough, and there the split (4x the loads of the weights) cost 2x.
 COMBINE_BLOCK_D = 64
 COMBINE_SPLIT_D_BELOW_ROWS = 16
+# chunk and question launches over pages fetch their unmasked K/V tiles by TMA descriptors instead of
+# per-element addresses (off: not measured on the H200 yet; benchmarks/attention_configs.py `tma` variant).
+# The masked edge blocks keep the masked loads (rows past the sequence may hold anything, NaN included).
+TMA_LOADS = False
 LOG2_E = 1.4426950408889634
 CONTIGUOUS_PAGE_ROWS = 1 << 30  # a contiguous KV is one page this long
 # grid-invariant launches (QSE_KERNELS=invariant): one tile shape for every query count, and splits of a
@@ -101,6 +105,13 @@ def _attn_block(b_q, k_base, v_base, n, o_n, o_d, m_d, pos, num_rows, stride_kl,
     else:
         b_k = tl.load(k_base + o_n[:, None] * stride_kl + o_d[None, :], mask=m_d[None, :], other=0.0)
         b_v = tl.load(v_base + o_n[:, None] * stride_vl + o_d[None, :], mask=m_d[None, :], other=0.0)
+    return _attn_update(b_q, b_k, b_v, o_key, pos, num_rows, b_m, b_l, b_acc, scale_log2, MASKED, DOT_FP32)
+
+
+@triton.jit
+def _attn_update(b_q, b_k, b_v, o_key, pos, num_rows, b_m, b_l, b_acc, scale_log2,
+                 MASKED: tl.constexpr, DOT_FP32: tl.constexpr):
+    """The online softmax state after the keys o_key (tiles b_k, b_v [BN, BD])."""
     if DOT_FP32:
         b_k, b_v = b_k.to(tl.float32), b_v.to(tl.float32)
     b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2
@@ -126,11 +137,12 @@ def _page_base(ptr, table_ptr, n, page_rows, stride_page, stride_row):
 # num_q stays a run-time argument so that every T compiles to the same arithmetic
 @triton.jit(do_not_specialize=["num_q", "page_rows", "forced_rows"])
 def _attn_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, o_ptr, part_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, table_ptr, start_ptr, o_ptr, part_ptr, lse_ptr,
     num_q, num_heads, page_rows, forced_rows, scale_log2,
     stride_qt, stride_qh, stride_kp, stride_kl, stride_kh, stride_vp, stride_vl, stride_vh, stride_ot, stride_oh,
     G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     WANT: tl.constexpr, MIN_ROWS: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     i_m, i_hk, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(start_ptr)
@@ -166,10 +178,17 @@ def _attn_kernel(
     k_head = k_ptr + i_hk * stride_kh
     v_head = v_ptr + i_hk * stride_vh
     for n in range(lo, full_hi, BN):
-        k_base = _page_base(k_head, table_ptr, n, page_rows, stride_kp, stride_kl)
-        v_base = _page_base(v_head, table_ptr, n, page_rows, stride_vp, stride_vl)
-        b_m, b_l, b_acc = _attn_block(b_q, k_base, v_base, n, o_n, o_d, m_d, pos, num_rows, stride_kl, stride_vl,
-                                      b_m, b_l, b_acc, scale_log2, MASKED=False, DOT_FP32=DOT_FP32)
+        if TMA:  # the tensor-memory accelerator fetches the tiles (pages [P, rows, Hkv * D]; D == BD)
+            page = tl.load(table_ptr + n // page_rows)
+            b_k = k_desc.load([page, n % page_rows, i_hk * D]).reshape(BN, BD)
+            b_v = v_desc.load([page, n % page_rows, i_hk * D]).reshape(BN, BD)
+            b_m, b_l, b_acc = _attn_update(b_q, b_k, b_v, n + o_n, pos, num_rows, b_m, b_l, b_acc, scale_log2,
+                                           MASKED=False, DOT_FP32=DOT_FP32)
+        else:
+            k_base = _page_base(k_head, table_ptr, n, page_rows, stride_kp, stride_kl)
+            v_base = _page_base(v_head, table_ptr, n, page_rows, stride_vp, stride_vl)
+            b_m, b_l, b_acc = _attn_block(b_q, k_base, v_base, n, o_n, o_d, m_d, pos, num_rows, stride_kl, stride_vl,
+                                          b_m, b_l, b_acc, scale_log2, MASKED=False, DOT_FP32=DOT_FP32)
     for n in range(full_hi, hi, BN):
         k_base = _page_base(k_head, table_ptr, n, page_rows, stride_kp, stride_kl)
         v_base = _page_base(v_head, table_ptr, n, page_rows, stride_vp, stride_vl)
@@ -246,11 +265,31 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     if max_rows is not None:
         num_splits = splits_for(q.shape[0], q.shape[1], k_pages.shape[2], q.shape[2], max_rows, rows_per_split)
     return _launch(q, k_pages, v_pages, page_rows, k_pages.stride()[:3], v_pages.stride()[:3], page_table, start,
-                   num_splits, scale, rows_per_split, fixed_tiles)
+                   num_splits, scale, rows_per_split, fixed_tiles,
+                   # grid-invariant launches load every row the same way (TMA is for chunks only)
+                   descriptors=None if fixed_tiles else _page_descriptors(k_pages, v_pages, bn))
+
+
+def _page_descriptors(k_pages: torch.Tensor, v_pages: torch.Tensor, bn: int):
+    """TMA descriptors of the pages seen as [P, rows, Hkv * D], one [1, BN, D] tile a load; None where
+    TMA_LOADS is off or the layout does not allow them (a power-of-two D, a contiguous row of heads)."""
+    if not TMA_LOADS:
+        return None
+    num_pages, rows, num_kv, dim = k_pages.shape
+    if dim & (dim - 1) or dim > 256:
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    out = []
+    for pages in (k_pages, v_pages):
+        if pages.stride(3) != 1 or pages.stride(2) != dim or pages.stride(1) != num_kv * dim:
+            return None
+        out.append(TensorDescriptor.from_tensor(pages.view(num_pages, rows, num_kv * dim), [1, bn, dim]))
+    return tuple(out)
 
 
 def _launch(q, k, v, page_rows, k_strides, v_strides, page_table, start, num_splits, scale, rows_per_split,
-            fixed_tiles=False):
+            fixed_tiles=False, descriptors=None):
     """k_strides, v_strides: (page, row, head) element strides; the last dimension is contiguous."""
     num_q, num_heads, head_dim = q.shape
     num_kv = k.shape[-2]
@@ -279,12 +318,13 @@ def _launch(q, k, v, page_rows, k_strides, v_strides, page_table, start, num_spl
         part = lse = out  # unused
     block_d = max(16, triton.next_power_of_2(head_dim))
     grid = (triton.cdiv(num_q * group, cfg["BM"]), num_kv, splits)
+    k_desc, v_desc = descriptors if descriptors is not None and num_q * group > 16 else (None, None)
     _attn_kernel[grid](
-        q, k, v, page_table, start, out, part, lse,
+        q, k, v, k_desc, v_desc, page_table, start, out, part, lse,
         num_q, num_heads, page_rows, rows_per_split, scale * LOG2_E,
         q.stride(0), q.stride(1), *k_strides, *v_strides, out.stride(0), out.stride(1),
         G=group, D=head_dim, BD=block_d, BM=cfg["BM"], BN=cfg["BN"], WANT=want, MIN_ROWS=cfg["MIN_ROWS"],
-        SPLIT=is_split, DOT_FP32=_interpreting() and q.dtype != torch.float32,
+        SPLIT=is_split, DOT_FP32=_interpreting() and q.dtype != torch.float32, TMA=k_desc is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if is_split:

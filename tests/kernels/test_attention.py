@@ -129,6 +129,37 @@ def test_paged_equals_contiguous_bit_for_bit(device, num_q, q_start, page_rows):
     assert torch.equal(out, attention.attention(q, k, v, q_start))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_paged_attention_through_tma_descriptors(device, rel, monkeypatch, dtype):
+    """TMA_LOADS: a chunk's unmasked K/V tiles come through TMA descriptors of the shuffled pages, the
+    masked edge through masked loads; the result matches the twin and repeats bit for bit. A decode
+    launch (no descriptors) is unchanged."""
+    monkeypatch.setattr(attention, "TMA_LOADS", True)
+    num_q, q_start, page_rows = 40, 150, 64
+    q, k, v = _inputs(num_q, 4, 2, 32, q_start, dtype, device, seed=9)
+    k_pool, v_pool, table = _paged_copy(k, v, page_rows, 9)
+    for pool in (k_pool, v_pool):  # rows past the sequence: a tile fetched whole there would give NaN
+        pool[table.long()[-1], (q_start + num_q) % page_rows:] = float("nan")
+    start = torch.tensor([q_start], dtype=torch.int32, device=device)
+    assert attention._page_descriptors(k_pool, v_pool, 64) is not None
+    out = attention.paged_attention(q, k_pool, v_pool, table, start, max_rows=q_start + num_q)
+    assert rel(out, naive.attention(q, k, v, q_start)) < _tol(dtype, device)
+    again = attention.paged_attention(q, k_pool, v_pool, table, start, max_rows=q_start + num_q)
+    assert torch.equal(out, again)
+    step = attention.paged_attention(q[-1:], k_pool, v_pool, table, start + num_q - 1, max_rows=q_start + num_q)
+    monkeypatch.setattr(attention, "TMA_LOADS", False)
+    assert torch.equal(step, attention.paged_attention(q[-1:], k_pool, v_pool, table, start + num_q - 1,
+                                                       max_rows=q_start + num_q))
+    # a layout TMA cannot take (a row's heads apart) has no descriptors and runs on the loads
+    monkeypatch.setattr(attention, "TMA_LOADS", True)
+    k_apart = k_pool.transpose(1, 2).contiguous().transpose(1, 2)
+    v_apart = v_pool.transpose(1, 2).contiguous().transpose(1, 2)
+    assert attention._page_descriptors(k_apart, v_apart, 64) is None
+    apart = attention.paged_attention(q, k_apart, v_apart, table, start, max_rows=q_start + num_q)
+    monkeypatch.setattr(attention, "TMA_LOADS", False)
+    assert torch.equal(apart, attention.paged_attention(q, k_pool, v_pool, table, start, max_rows=q_start + num_q))
+
+
 def test_launching_every_split_gives_the_same_bits(device):
     """A captured graph launches max_splits whatever the context; the splits past the rows add exact zeros."""
     num_q, q_start = 1, 299
