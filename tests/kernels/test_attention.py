@@ -160,6 +160,20 @@ def test_paged_attention_through_tma_descriptors(device, rel, monkeypatch, dtype
     assert torch.equal(apart, attention.paged_attention(q, k_pool, v_pool, table, start, max_rows=q_start + num_q))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_q,q_start", [(512, 4096), (320, 2000)], ids=["chunk-L4608", "question-L2320"])
+def test_tma_attention_model_shapes_gpu(rel, monkeypatch, num_q, q_start):
+    """The TMA path at the 0.8B's attention shape on 512-row pages (what the graph runs when TMA_LOADS is on)."""
+    monkeypatch.setattr(attention, "TMA_LOADS", True)
+    q, k, v = _inputs(num_q, 8, 2, 256, q_start, torch.bfloat16, "cuda", seed=12)
+    k_pool, v_pool, table = _paged_copy(k, v, 512, -(-(q_start + num_q) // 512) + 3)
+    start = torch.tensor([q_start], dtype=torch.int32, device="cuda")
+    assert attention._page_descriptors(k_pool, v_pool, 64) is not None
+    out = attention.paged_attention(q, k_pool, v_pool, table, start, max_rows=q_start + num_q)
+    assert rel(out, naive.attention(q, k, v, q_start)) < 1e-2
+    assert torch.equal(out, attention.paged_attention(q, k_pool, v_pool, table, start, max_rows=q_start + num_q))
+
+
 def test_launching_every_split_gives_the_same_bits(device):
     """A captured graph launches max_splits whatever the context; the splits past the rows add exact zeros."""
     num_q, q_start = 1, 299
