@@ -27,11 +27,17 @@ def triton_version() -> str | None:
         return None
 
 
+def interpreting() -> bool:
+    """True when Triton runs its kernels in the interpreter (TRITON_INTERPRET, read as Triton reads it). The
+    kernels widen 16-bit dot operands there: the interpreter multiplies them as raw integers."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes", "y")
+
+
 def available() -> bool:
     """True when the Triton kernels can run here: Triton installed, and a CUDA device or TRITON_INTERPRET=1."""
     if triton_version() is None:
         return False
-    if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"):
+    if interpreting():
         return True
     import torch
 
@@ -104,4 +110,4 @@ def kernel_fingerprint() -> str:
     return digest.hexdigest()
 
 
-__all__ = ["KERNEL_MODULES", "available", "invariant_ops", "kernel_fingerprint", "triton_ops", "triton_version"]
+__all__ = ["KERNEL_MODULES", "available", "interpreting", "invariant_ops", "kernel_fingerprint", "triton_ops", "triton_version"]

@@ -22,11 +22,11 @@ directly; that equals the combine of one split bit for bit (weight 2^0 = 1, deno
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from . import interpreting
 
 # split-K sizing: at most this many programs (two waves of the H200's 132 SMs), with splits of at least
 # MIN_ROWS rows. A chunk's program holds 192 KB of shared memory, so one runs on an SM at a time: rounding
@@ -52,11 +52,6 @@ CONTIGUOUS_PAGE_ROWS = 1 << 30  # a contiguous KV is one page this long
 # constant size, so a query row's result depends on its position and the rows it sees, never on how many
 # queries came with it or how long the call's context was
 INVARIANT_SPLIT_ROWS = 2048
-
-
-def _interpreting() -> bool:
-    """Triton 3.9's interpreter multiplies 16-bit float dot operands as raw integers: widen them there."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _config(num_q: int, group: int, head_dim: int, fixed_tiles: bool = False) -> dict:
@@ -324,7 +319,7 @@ def _launch(q, k, v, page_rows, k_strides, v_strides, page_table, start, num_spl
         num_q, num_heads, page_rows, rows_per_split, scale * LOG2_E,
         q.stride(0), q.stride(1), *k_strides, *v_strides, out.stride(0), out.stride(1),
         G=group, D=head_dim, BD=block_d, BM=cfg["BM"], BN=cfg["BN"], WANT=want, MIN_ROWS=cfg["MIN_ROWS"],
-        SPLIT=is_split, DOT_FP32=_interpreting() and q.dtype != torch.float32, TMA=k_desc is not None,
+        SPLIT=is_split, DOT_FP32=interpreting() and q.dtype != torch.float32, TMA=k_desc is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if is_split:

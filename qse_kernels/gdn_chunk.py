@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import _interpreting
+from . import interpreting
 
 # fp32 operands through three tf32 products: close to fp32, still on the tensor cores. (One tf32
 # product leaves ~1e-3 in the carried state, which then compounds from chunk to chunk.)
@@ -110,7 +110,7 @@ def _dot_rows(a, b_t, EXACT16: tl.constexpr, WIDEN: tl.constexpr, PRECISION: tl.
     16-bit floats is exact in fp32, and so is all but the fp32 accumulation); fp32 rows by PRECISION."""
     if EXACT16 and not WIDEN:
         return tl.dot(a, tl.trans(b_t))
-    if EXACT16:  # the interpreter's 16-bit products are wrong (attention._interpreting): widen, same values
+    if EXACT16:  # the interpreter's 16-bit products are wrong (qse_kernels.interpreting): widen, same values
         return tl.dot(a.to(tl.float32), tl.trans(b_t.to(tl.float32)), input_precision="ieee")
     return tl.dot(a.to(tl.float32), tl.trans(b_t.to(tl.float32)), input_precision=PRECISION)
 
@@ -324,7 +324,7 @@ def chunk_gated_delta_rule(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         DK=dk, DV=dv, BT=chunk, BK=block_k, BV=block_v, SB=INVERSE_BLOCK, PRECISION=DOT_PRECISION,
-        OUT_PRECISION=out_precision, EXACT16=exact16, WIDEN=exact16 and _interpreting(),
+        OUT_PRECISION=out_precision, EXACT16=exact16, WIDEN=exact16 and interpreting(),
         num_warps=PREPARE_NUM_WARPS, num_stages=1,
     )
     scan_block_v = min(SCAN_BLOCK_V, block_v)

@@ -11,20 +11,15 @@ another, bit for bit.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from . import interpreting
+
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 64
 NUM_WARPS, NUM_STAGES = 4, 3
 GROUP_M = 8  # programs walk the output in groups of rows for L2 reuse (an order, not a reduction)
-
-
-def _interpreting() -> bool:
-    """Triton's interpreter multiplies 16-bit float dot operands as raw integers: widen them there."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -81,7 +76,7 @@ def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         _gemm_kernel[grid](
             x2, w, y, num_rows, num_cols, depth, x2.stride(0), w.stride(0), y.stride(0),
             BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, GROUP=GROUP_M,
-            DOT_FP32=_interpreting() and x.dtype != torch.float32, IEEE=x.dtype == torch.float32,
+            DOT_FP32=interpreting() and x.dtype != torch.float32, IEEE=x.dtype == torch.float32,
             num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         )
     return y.reshape(*lead, num_cols)

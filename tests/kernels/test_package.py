@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import qse_kernels
 
 
@@ -21,6 +23,16 @@ def test_triton_ops_cover_the_model_ops():
 
 def test_available_under_the_interpreter_or_cuda():
     assert qse_kernels.available()
+
+
+@pytest.mark.parametrize("value", ["1", "true", "True", "on", "yes", "y", "0", "false", "no", ""])
+def test_interpreting_reads_the_switch_as_triton_does(monkeypatch, value):
+    """The kernels widen 16-bit dot operands under the interpreter: they must agree with Triton on whether
+    it is on, however the switch is spelt."""
+    from triton import knobs
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert qse_kernels.interpreting() == knobs.runtime.interpret
 
 
 def test_kernel_fingerprint_is_stable_sha256():
