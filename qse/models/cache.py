@@ -82,7 +82,11 @@ class SequenceCache:
             for dst, src in zip(mine, theirs):
                 dst.copy_(src)
         else:
-            torch._foreach_copy_(self.state_tensors(), other.state_tensors())
+            self.set_state(other.recurrent, other.conv)
+
+    def set_state(self, recurrent: list[torch.Tensor], conv: list[torch.Tensor]) -> None:
+        """This cache's GDN state := the given layers' (a checkpoint's, a saved copy's), in place."""
+        torch._foreach_copy_(self.state_tensors(), [*recurrent, *conv])
 
     def clone_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """A copy of the GDN state as (recurrent, conv) lists (rows of two stacked copies where this cache

@@ -257,10 +257,6 @@ class ShadowReader:
         return FeedReport(session_id, session.committed, session.backlog, len(ids) - session.readable_end,
                           rolled_back, first_diff)
 
-    def extend(self, session_id: str, new_ids: list[int], now: float | None = None) -> FeedReport:
-        """Append ids (the served model's output so far) to what the session holds."""
-        return self.append(session_id, new_ids, now)
-
     def append(self, session_id: str, new_ids: list[int], now: float | None = None) -> FeedReport:
         """`feed` of what the session holds plus new_ids, checking only the new ids (nothing read can
         differ, so there is nothing to roll back): what a decode round costs the reader's host time."""
@@ -294,10 +290,7 @@ class ShadowReader:
             session.stats.restarts += 1
             self.stats.restarts += 1
         else:
-            for dst, src in zip(cache.recurrent, target.recurrent):
-                dst.copy_(src)
-            for dst, src in zip(cache.conv, target.conv):
-                dst.copy_(src)
+            cache.set_state(target.recurrent, target.conv)
         session.kv.truncate(position)
         session.stats.ids_reread += session.committed - position
         session.stats.rollbacks += 1
@@ -378,7 +371,7 @@ class ShadowReader:
         row = session.committed
         held = next((c for c in session.checkpoints if c.position == row), None)
         if held is None:
-            held = Checkpoint(row, *_copy_state(cache), set())
+            held = Checkpoint(row, *cache.clone_state(), set())
             session.checkpoints.append(held)
             session.checkpoints.sort(key=lambda c: c.position)
         held.kinds.add(kind)
@@ -428,12 +421,12 @@ class ShadowReader:
                     logits = graphs.replay(entry)[0].clone()
                 gpu_ms = watch.gpu_ms
             else:
-                saved = _copy_state(cache)
+                saved = cache.clone_state()
                 try:
                     out, gpu_ms = self.engine.forward(cache, self.engine.ids_tensor(ids_padded), logits="row",
                                                       logit_row=len(ids) - 1)
                 finally:
-                    self._restore_state(session, *saved)
+                    cache.set_state(*saved)
                 logits = out[0]
         finally:
             self._end_fork(session)
@@ -446,14 +439,6 @@ class ShadowReader:
             raise MemoryError(f"the shadow KV pool cannot hold a fork of {forwarded} ids on session {session.session_id!r}")
         if not session.kv.ensure(rows):
             raise MemoryError(f"the shadow KV pool cannot hold session {session.session_id!r} at {rows} rows")
-
-    @staticmethod
-    def _restore_state(session: ShadowSession, saved_rec: list[torch.Tensor], saved_conv: list[torch.Tensor]) -> None:
-        cache = session.cache
-        for dst, src in zip(cache.recurrent, saved_rec):
-            dst.copy_(src)
-        for dst, src in zip(cache.conv, saved_conv):
-            dst.copy_(src)
 
     @staticmethod
     def _end_fork(session: ShadowSession) -> None:
@@ -529,7 +514,7 @@ class ShadowReader:
                     logits = graphs.forward_eager(ids, session.committed, "last")
                     token = int(torch.argmax(logits[-1, :vocab]))
             else:
-                saved = _copy_state(cache)
+                saved = cache.clone_state()
                 with watch.measure():
                     logits, _ = self.engine.forward(cache, self.engine.ids_tensor(ids), "last")
                     token = int(torch.argmax(logits[-1, :vocab]))
@@ -551,7 +536,7 @@ class ShadowReader:
                     pos += 1
         finally:
             if saved is not None:
-                self._restore_state(session, *saved)
+                cache.set_state(*saved)
             self._end_fork(session)
         self.stats.summaries += 1
         return SummaryResult(session_id, out_ids, self.engine.chat.tokenizer.decode(out_ids),
@@ -622,11 +607,6 @@ class ShadowReader:
 
     def resident_nbytes(self) -> int:
         return sum(s.nbytes for s in self.sessions.values())
-
-
-def _copy_state(cache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """A copy of the GDN state (recurrent, conv): a checkpoint's, or what an eager fork puts back."""
-    return cache.clone_state()
 
 
 __all__ = ["AskResult", "ChunkReport", "DropLRU", "FeedReport", "Residency", "ShadowError", "ShadowReader",
