@@ -6,7 +6,7 @@ and 64k of context, TFLOP/s, and the error against torch's fused attention.
     python benchmarks/attention_configs.py [--out DIR]
 
 A variant replaces qse_kernels.attention._config for T >= 16 (BM, BN, warps, stages) or sets a module flag
-(upper-case names other than BM, BN: TMA_LOADS); every call runs on 512-row pages through paged_attention,
+(MODULE_FLAGS: TMA_LOADS); every call runs on 512-row pages through paged_attention,
 the graph path's kernel. A faster one can become the pinned default (the bits change with it, the same for eager and graph, so a session's state
 records nothing new). Writes benchmarks/results/attention_configs-<date>-<device>.json.
 """
@@ -42,6 +42,7 @@ VARIANTS = {
     # the pinned tiles with the unmasked K/V tiles fetched through TMA descriptors (qse_kernels.attention.TMA_LOADS)
     "tma": {"TMA_LOADS": True},
 }
+MODULE_FLAGS = ("TMA_LOADS",)  # variant keys that set a qse_kernels.attention constant, not a tile size
 PAGE_ROWS = 512  # the reader's page: every call runs on pages, as the graph path does
 CASES = [(512, 32768), (320, 32768), (512, 65536)]
 
@@ -55,8 +56,8 @@ def main(argv=None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = {}
     for name, variant in VARIANTS.items():
-        flags = {k: v for k, v in (variant or {}).items() if k.isupper() and k != "BM" and k != "BN"}
-        tiles = {k: v for k, v in (variant or {}).items() if k not in flags}
+        flags = {k: v for k, v in (variant or {}).items() if k in MODULE_FLAGS}
+        tiles = {k: v for k, v in (variant or {}).items() if k not in MODULE_FLAGS}
 
         def config(num_q, group, head_dim, fixed_tiles=False, _v=tiles):
             cfg = real_config(num_q, group, head_dim, fixed_tiles)

@@ -54,10 +54,15 @@ CONTIGUOUS_PAGE_ROWS = 1 << 30  # a contiguous KV is one page this long
 INVARIANT_SPLIT_ROWS = 2048
 
 
+def _decode_tiles(num_q: int, group: int, fixed_tiles: bool = False) -> bool:
+    """Whether a launch takes the decode tiles: the group's heads of about one token (fixed_tiles: never)."""
+    return num_q * group <= 16 and not fixed_tiles
+
+
 def _config(num_q: int, group: int, head_dim: int, fixed_tiles: bool = False) -> dict:
     """Tile sizes pinned by the shape: (BM, BN, num_warps, num_stages); fixed_tiles: the same for every
     query count (a decode row then rides in a mostly empty tile)."""
-    if num_q * group <= 16 and not fixed_tiles:  # decode: the group's heads of one token
+    if _decode_tiles(num_q, group, fixed_tiles):
         return dict(BM=16, BN=64, num_warps=4, num_stages=3, MIN_ROWS=DECODE_MIN_SPLIT_ROWS)
     if head_dim > 128:
         return dict(BM=128, BN=64, num_warps=8, num_stages=2, MIN_ROWS=PREFILL_MIN_SPLIT_ROWS)
@@ -313,7 +318,7 @@ def _launch(q, k, v, page_rows, k_strides, v_strides, page_table, start, num_spl
         part = lse = out  # unused
     block_d = max(16, triton.next_power_of_2(head_dim))
     grid = (triton.cdiv(num_q * group, cfg["BM"]), num_kv, splits)
-    k_desc, v_desc = descriptors if descriptors is not None and num_q * group > 16 else (None, None)
+    k_desc, v_desc = (None, None) if descriptors is None or _decode_tiles(num_q, group, fixed_tiles) else descriptors
     _attn_kernel[grid](
         q, k, v, k_desc, v_desc, page_table, start, out, part, lse,
         num_q, num_heads, page_rows, rows_per_split, scale * LOG2_E,
