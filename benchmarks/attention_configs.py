@@ -39,8 +39,9 @@ VARIANTS = {
     "bm128_bn128_w8_s1": dict(BM=128, BN=128, num_warps=8, num_stages=1),
     "bm64_bn128_w4_s1": dict(BM=64, BN=128, num_warps=4, num_stages=1),
     "bm64_bn32_w4_s4": dict(BM=64, BN=32, num_warps=4, num_stages=4),
-    # the pinned tiles with the unmasked K/V tiles fetched through TMA descriptors (qse_kernels.attention.TMA_LOADS)
-    "tma": {"TMA_LOADS": True},
+    # the pinned tiles with every K/V tile loaded by per-element addresses (TMA_LOADS off: the default before
+    # attention_configs-paged-tma-2026-11-29-h200.json measured the TMA loads faster)
+    "no_tma": {"TMA_LOADS": False},
 }
 MODULE_FLAGS = ("TMA_LOADS",)  # variant keys that set a qse_kernels.attention constant, not a tile size
 PAGE_ROWS = 512  # the reader's page: every call runs on pages, as the graph path does
