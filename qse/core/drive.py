@@ -1,13 +1,16 @@
 """The executor's loop over one plan: ask, read a chunk, account, learn; the same for runtime and replay.
 
-The runtime runs it on the engine's executor thread with a chunk reader that times the device with
-events; the replay runs it on a virtual clock with a read-rate model. Same loop, same decisions.
+The runtime runs it on the engine's executor thread with a pipe of chunks that times the device with
+events, launching the next chunk while the device still works on the one before (`ReaderPlan.lookahead`);
+the replay runs it on a virtual clock with a read-rate model, one chunk at a time. Same loop, same
+decisions wherever a chunk's measured time equals its estimate.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from enum import Enum
-from typing import Callable, NamedTuple, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 from qse.core.chunk_cost import ChunkCostEstimator
 from qse.core.ledger import GpuLedger
@@ -34,28 +37,103 @@ class DriveResult(NamedTuple):
     stop: Stop
 
 
+class ChunkPipe(Protocol):
+    """Chunks launched ahead of being read back: `launch(start_row)` starts one and returns a handle,
+    `finish(handle)` waits for it and returns its measured ms. Handles are finished in launch order."""
+
+    def launch(self, start_row: int) -> Any: ...
+
+    def finish(self, handle: Any) -> float: ...
+
+
+class _Sequential:
+    """A pipe over `read_chunk`: each chunk is read (and measured) at launch."""
+
+    def __init__(self, read_chunk: Callable[[int], float]):
+        self.read_chunk = read_chunk
+
+    def launch(self, start_row: int) -> float:
+        return self.read_chunk(start_row)
+
+    def finish(self, handle: float) -> float:
+        return handle
+
+
 def drive_plan(plan: ReaderPlan, decision: ChunkDecision, *, estimator: ChunkCostEstimator,
-               ledger: GpuLedger, read_chunk: Callable[[int], float], clock: Callable[[], float],
-               request_waiting: Callable[[], bool]) -> DriveResult:
-    """Read whole chunks of `plan` while `decision` allows; `read_chunk(start_row)` returns measured ms."""
+               ledger: GpuLedger, read_chunk: Callable[[int], float] | None = None, clock: Callable[[], float],
+               request_waiting: Callable[[], bool], pipe: ChunkPipe | None = None,
+               sleep_until: Callable[[float], None] | None = None) -> DriveResult:
+    """Read whole chunks of `plan` while `decision` allows: `read_chunk(start_row)` reads one and returns
+    its measured ms, or `pipe` launches chunks ahead of reading them back.
+
+    With a pipe, up to `plan.lookahead` chunks run beyond the oldest one not read back. The decision on a
+    new chunk then counts those in flight at their estimates (a budget is never overrun by what the
+    decision could not see yet); where they leave no room, they are read back and the decision asked
+    again with what they measured. Each is accounted (ledger, decision, estimator) as it is read back, in
+    order. With `plan.launch_lead_ms` and `sleep_until(t)` (seconds on `clock`'s scale), the decision on
+    the next chunk waits until that long before the chunk in flight is expected to end, so a request
+    arriving meanwhile is seen before the next launch. Chunks launched are always read back and
+    accounted, whatever stops the loop."""
+    if (read_chunk is None) == (pipe is None):
+        raise TypeError("drive_plan takes exactly one of read_chunk and pipe")
+    lookahead = plan.lookahead if pipe is not None else 0
+    pipe = pipe if pipe is not None else _Sequential(read_chunk)  # type: ignore[arg-type]
     row = plan.start_row
     gpu_us = 0
     num_chunks = 0
     stop = Stop.BACKLOG
-    for _ in range(plan.max_chunks):
-        est_ms = estimator.estimate_ms(row)
-        waiting = plan.stop_when_waiting and request_waiting()
-        if not decision.may_read_next(clock(), waiting, est_ms):
-            stop = Stop.WAITING if waiting else Stop.BUDGET
-            break
-        gpu_ms = read_chunk(row)
+    refused = False
+    in_flight: deque[tuple[int, float, Any]] = deque()  # (start row, estimate, handle), oldest first
+    settled_at = clock()  # when the device last came free of our chunks, as far as the host knows
+
+    def settle() -> None:
+        nonlocal gpu_us, refused, settled_at
+        start_row, est_ms, handle = in_flight.popleft()
+        gpu_ms = pipe.finish(handle)
+        settled_at = clock()
         recorded = ledger.record(plan.role, gpu_ms, turn_id=plan.turn_id, est_ms=est_ms)
-        num_chunks += 1  # the state advanced whatever the ledger says
-        row += plan.grid
-        if recorded is None:
-            stop = Stop.REFUSED
-            break
+        if recorded is None:  # the chunk counts (the state advanced); nothing more starts
+            refused = True
+            return
         decision.note_chunk(gpu_ms)
-        estimator.observe(row - plan.grid, gpu_ms)
+        estimator.observe(start_row, gpu_ms)
         gpu_us += recorded
+
+    try:
+        for _ in range(plan.max_chunks):
+            if refused:
+                break
+            est_ms = estimator.estimate_ms(row)
+            while True:
+                ahead_ms = sum(e for _, e, _ in in_flight)
+                if in_flight and plan.launch_lead_ms > 0 and sleep_until is not None:
+                    sleep_until(settled_at + (ahead_ms - plan.launch_lead_ms) / 1000)
+                waiting = plan.stop_when_waiting and request_waiting()
+                if decision.may_read_next(clock(), waiting, ahead_ms + est_ms):
+                    break
+                if waiting or not in_flight:
+                    stop = Stop.WAITING if waiting else Stop.BUDGET
+                    break
+                # the chunks in flight at their estimates leave no room: read them back and ask again
+                # with what they measured (a pessimistic estimate, the prior's, must not shrink a slice)
+                while in_flight and not refused:
+                    settle()
+                if refused:
+                    break
+                est_ms = estimator.estimate_ms(row)
+            if refused or stop is not Stop.BACKLOG:
+                break
+            launched_on_idle = not in_flight
+            in_flight.append((row, est_ms, pipe.launch(row)))
+            if launched_on_idle:
+                settled_at = clock()  # the device starts it now
+            num_chunks += 1
+            row += plan.grid
+            while len(in_flight) > lookahead and not refused:
+                settle()
+    finally:
+        while in_flight:
+            settle()
+    if refused:
+        stop = Stop.REFUSED
     return DriveResult(num_chunks, gpu_us, row, stop)

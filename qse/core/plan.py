@@ -7,6 +7,7 @@ the executor never calls back into the policy to learn what to do, only whether 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 
@@ -65,6 +66,14 @@ class ReaderPlan:
     first_chunk_est_ms: float  # ledger: the estimate that admitted the first chunk
     stop_when_waiting: bool  # executor: ask before every chunk whether a request waits (idle window)
     sync_first: bool  # executor: synchronise the device before the first chunk, so nothing runs beside the served model
+    # executor: chunks it may launch beyond the oldest one not yet read back. 1 hides the host's launch of a
+    # chunk behind the device's work on the one before (the device idled ~0.4 ms a chunk while the host
+    # launched); 0 reads each chunk back before the next is launched (the replay's model of time)
+    lookahead: int = 0
+    # executor, with lookahead in a window that asks whether a request waits: a chunk is launched only this
+    # long before the one in flight is expected to end, after asking, so an arriving request still waits
+    # for at most one chunk (and this lead) rather than two. 0: launch as soon as the decision allows
+    launch_lead_ms: float = 0.0
 
     @property
     def role(self) -> Role:
@@ -77,8 +86,12 @@ class ReaderPlan:
 
 def plan_read(window: Window, *, session_id: str, turn_id: str | None, committed_rows: int,
               prompt_tokens: int, known_tokens: int, grid: int, budget_ms: float,
-              first_chunk_est_ms: float) -> ReaderPlan | None:
+              first_chunk_est_ms: float, lookahead: int = 0, launch_lead_ms: float = 0.0) -> ReaderPlan | None:
     """A plan over the session's whole unread chunks; None when there is no whole chunk to read."""
+    if not (isinstance(lookahead, int) and lookahead >= 0):
+        raise ValueError(f"lookahead must be a whole number of chunks >= 0, got {lookahead!r}")
+    if not (isinstance(launch_lead_ms, (int, float)) and math.isfinite(launch_lead_ms) and launch_lead_ms >= 0):
+        raise ValueError(f"launch lead must be a finite number of ms >= 0, got {launch_lead_ms!r}")
     backlog = next_backlog(committed_rows, prompt_tokens, known_tokens, grid)
     if backlog is None or committed_rows % grid != 0:
         return None
@@ -94,4 +107,6 @@ def plan_read(window: Window, *, session_id: str, turn_id: str | None, committed
         first_chunk_est_ms=first_chunk_est_ms,
         stop_when_waiting=window is Window.IDLE,
         sync_first=window is not Window.IDLE,
+        lookahead=lookahead,
+        launch_lead_ms=float(launch_lead_ms) if window is Window.IDLE else 0.0,
     )

@@ -86,6 +86,8 @@ class ConductorConfig:
     served_graphs: bool = True  # decode under a CUDA graph where the served engine can (cuda, triton kernels)
     served_kv_gb: float = 8.0
     gc_freeze: bool = True  # freeze the Python objects that exist at start (see start())
+    reader_lookahead: int = 1  # chunks launched ahead of the one read back (qse/runtime/reading.py)
+    launch_lead_ms: float = 1.0  # idle window: the next chunk goes this long before the one in flight ends
 
     @classmethod
     def from_settings(cls, settings: EngineSettings = SETTINGS) -> "ConductorConfig":
@@ -101,6 +103,8 @@ class ConductorConfig:
             narrator_share=settings.get("QSE_NARRATOR_SHARE"),
             journal_dir=settings.get("QSE_SHADOW_DIR") or settings.cache_dir() / "shadow",
             chunk_prior_ms=settings.get("QSE_SHADOW_CHUNK_PRIOR_MS"),
+            reader_lookahead=settings.get("QSE_SHADOW_LOOKAHEAD"),
+            launch_lead_ms=settings.get("QSE_SHADOW_LAUNCH_LEAD_MS"),
         )
 
 
@@ -188,7 +192,8 @@ class Conductor:
                                              pool_bytes=int(cfg.served_kv_gb * (1 << 30)))
         self.served_exec = EngineExecutor("served")
         self.reader_exec = self.served_exec if (reader is None or reader.engine is served) else EngineExecutor("reader")
-        self.runner = ChunkRunner(self.reader, self.estimator, self.ledger, clock) if self.reader is not None else None
+        self.runner = (ChunkRunner(self.reader, self.estimator, self.ledger, clock, lookahead=cfg.reader_lookahead,
+                                   launch_lead_ms=cfg.launch_lead_ms) if self.reader is not None else None)
         self._idle_task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._router_pending: dict[str, list[dict[str, Any]]] = {}

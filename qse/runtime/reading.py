@@ -6,7 +6,10 @@ stable, and carries it out with core's `plan_read` and `drive_plan`:
 
     session known ids (prompt, then output so far) --plan_read--> ReaderPlan
     sync the device (ration, narrator) --drive_plan--> whole chunks while the decision allows
-    each chunk: reader.read_step (measured ms) --> GpuLedger (role of the window, the turn) + estimator
+    each chunk: reader.launch_step, then reader.finish_step (measured ms) --> GpuLedger (role of the
+    window, the turn) + estimator; `lookahead` chunks are launched ahead of the one read back, so the
+    device never waits for the host's launch (in the idle window, only `launch_lead_ms` before the chunk
+    in flight is expected to end: an arriving request still waits for at most one chunk)
 
 A pending router question stops the plan before the chunk that would pass its position
 (`QuestionGate`), so the conductor asks it exactly where the turn inserted it and then goes on.
@@ -14,6 +17,8 @@ A pending router question stops the plan before the chunk that would pass its po
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -21,7 +26,7 @@ from ..core.chunk_cost import ChunkCostEstimator
 from ..core.drive import ChunkDecision, DriveResult, drive_plan
 from ..core.ledger import GpuLedger
 from ..core.plan import ReaderPlan, Window, plan_read
-from ..shadow.reader import ChunkReport, ShadowReader
+from ..shadow.reader import ChunkReport, PendingChunk, ShadowReader
 
 
 class QuestionGate:
@@ -35,13 +40,17 @@ class QuestionGate:
         self.is_at_question = False
 
     def may_read_next(self, now: float, request_waiting: bool, next_chunk_est_ms: float) -> bool:
+        """Every True launches a chunk, so the gate's row follows the launches (with lookahead they run
+        ahead of the chunks read back and noted)."""
         if self.row in self.question_rows:
             self.is_at_question = True
             return False
-        return self.decision.may_read_next(now, request_waiting, next_chunk_est_ms)
+        if not self.decision.may_read_next(now, request_waiting, next_chunk_est_ms):
+            return False
+        self.row += self.grid
+        return True
 
     def note_chunk(self, gpu_ms: float) -> None:
-        self.row += self.grid
         self.decision.note_chunk(gpu_ms)
 
 
@@ -57,11 +66,27 @@ class ChunkRunner:
     """Carries out one window's decision over one session. Call `run` on the reader's executor thread only."""
 
     def __init__(self, reader: ShadowReader, estimator: ChunkCostEstimator, ledger: GpuLedger,
-                 clock: Callable[[], float]):
+                 clock: Callable[[], float], lookahead: int = 1, launch_lead_ms: float = 1.0,
+                 sleep_until: Callable[[float], None] | None = None):
+        """sleep_until(t): wait until `clock()` reaches t (default: time.sleep against `clock`)."""
+        if not (isinstance(lookahead, int) and not isinstance(lookahead, bool) and lookahead >= 0):
+            raise ValueError(f"the reader's lookahead (QSE_SHADOW_LOOKAHEAD) must be a whole number of chunks >= 0, "
+                             f"got {lookahead!r}")
+        if not (isinstance(launch_lead_ms, (int, float)) and math.isfinite(launch_lead_ms) and launch_lead_ms >= 0):
+            raise ValueError(f"the launch lead (QSE_SHADOW_LAUNCH_LEAD_MS) must be a finite number of ms >= 0, "
+                             f"got {launch_lead_ms!r}")
         self.reader = reader
         self.estimator = estimator
         self.ledger = ledger
         self.clock = clock
+        self.lookahead = lookahead
+        self.launch_lead_ms = launch_lead_ms
+        self.sleep_until = sleep_until or self._sleep_until
+
+    def _sleep_until(self, t: float) -> None:
+        left = t - self.clock()
+        if left > 0:
+            time.sleep(left)
 
     def run(self, window: Window, session_id: str, turn_id: str | None, decision: ChunkDecision, *,
             budget_ms: float, prompt_tokens: int | None = None, known_ids: list[int] | None = None,
@@ -87,7 +112,8 @@ class ChunkRunner:
         est_ms = self.estimator.estimate_ms(session.committed)
         plan = plan_read(window, session_id=session_id, turn_id=turn_id, committed_rows=session.committed,
                          prompt_tokens=known if prompt_tokens is None else prompt_tokens, known_tokens=known,
-                         grid=reader.grid, budget_ms=budget_ms, first_chunk_est_ms=est_ms)
+                         grid=reader.grid, budget_ms=budget_ms, first_chunk_est_ms=est_ms,
+                         lookahead=self.lookahead, launch_lead_ms=self.launch_lead_ms)
         if plan is None:
             return None
         if plan.sync_first:
@@ -95,14 +121,30 @@ class ChunkRunner:
         gate = QuestionGate(decision, plan.start_row, plan.grid, question_rows)
         reports: list[ChunkReport] = []
 
-        def read_chunk(row: int) -> float:
-            report = reader.read_step(session_id)
-            if report is None or report.context != row:
-                got = None if report is None else report.context
-                raise RuntimeError(f"session {session_id!r}: planned a chunk at row {row}, the reader read {got}")
-            reports.append(report)
-            return report.gpu_ms
-
-        result = drive_plan(plan, gate, estimator=self.estimator, ledger=self.ledger, read_chunk=read_chunk,
-                            clock=self.clock, request_waiting=request_waiting)
+        result = drive_plan(plan, gate, estimator=self.estimator, ledger=self.ledger,
+                            pipe=_SessionPipe(reader, session_id, reports), clock=self.clock,
+                            request_waiting=request_waiting, sleep_until=self.sleep_until)
         return ReadOutcome(plan, result, reports, gate.is_at_question)
+
+
+class _SessionPipe:
+    """drive_plan's chunks of one session: launched by the reader, read back in order into `reports`."""
+
+    def __init__(self, reader: ShadowReader, session_id: str, reports: list[ChunkReport]):
+        self.reader = reader
+        self.session_id = session_id
+        self.reports = reports
+
+    def launch(self, row: int) -> PendingChunk:
+        pending = self.reader.launch_step(self.session_id)
+        if pending is None or pending.start != row:
+            got = None if pending is None else pending.start
+            if pending is not None:
+                self.reader.finish_step(pending)  # launched: it must be read back before anything else
+            raise RuntimeError(f"session {self.session_id!r}: planned a chunk at row {row}, the reader read {got}")
+        return pending
+
+    def finish(self, pending: PendingChunk) -> float:
+        report = self.reader.finish_step(pending)
+        self.reports.append(report)
+        return report.gpu_ms

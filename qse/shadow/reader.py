@@ -9,6 +9,7 @@ question are read above the committed rows, and the state is put back afterwards
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -44,6 +45,16 @@ class ChunkReport:
     backlog: int  # whole-chunk ids still to read
     gpu_ms: float
     context: int  # rows the chunk attended over before it (its start position)
+
+
+@dataclass
+class PendingChunk:
+    """A chunk launched on the device, not yet read back (`ShadowReader.launch_step`)."""
+
+    session: "ShadowSession"
+    start: int  # the chunk's first row
+    marks: tuple | None = None  # (start, end) device marks until finish_step reads them
+    gpu_ms: float = 0.0
 
 
 @dataclass
@@ -167,6 +178,7 @@ class ShadowReader:
         self.clock = clock
         self.stats = ReaderStats()
         self.graphs = self._make_graphs(graphs)
+        self._device_clock = DeviceClock(engine.device)
         self.mode = "graph" if self.graphs is not None else "eager"
 
     def _make_graphs(self, graphs: bool | str | None) -> ForwardGraphs | None:
@@ -307,6 +319,14 @@ class ShadowReader:
     # ---- reading -----------------------------------------------------------------------------
     def read_step(self, session_id: str) -> ChunkReport | None:
         """Read one whole grid chunk of the session; None if it has no whole chunk waiting."""
+        pending = self.launch_step(session_id)
+        return None if pending is None else self.finish_step(pending)
+
+    def launch_step(self, session_id: str) -> "PendingChunk | None":
+        """Launch the session's next whole grid chunk without waiting for the device; None if it has no
+        whole chunk waiting. The session's rows advance at once (the next launch reads the chunk after),
+        and the device runs the launches in order. Every pending chunk must go through `finish_step`, in
+        launch order, before anything else of the reader runs."""
         session = self.get(session_id)
         self.ensure_resident(session)
         if session.backlog < self.grid:
@@ -317,37 +337,57 @@ class ShadowReader:
             raise MemoryError(f"the shadow KV pool ({self.pool.num_pages} pages) cannot hold session {session_id!r} at {start + self.grid} rows")
         ids = session.ids[start : start + self.grid]
         if self.graphs is not None:
-            gpu_ms = self._graph_chunk(session, ids, start)
-        else:
+            pending = PendingChunk(session, start, marks=self._launch_graph_chunk(session, ids, start))
+        else:  # eager: the engine measures (and waits for) the forward itself
             _, gpu_ms = self.engine.forward(session.cache, self.engine.ids_tensor(ids), logits="none")
+            pending = PendingChunk(session, start, gpu_ms=gpu_ms)
         session.committed = start + self.grid
         session.stats.chunks_read += 1
         session.stats.ids_read += self.grid
+        self._checkpoints_after_chunk(session)  # device copies, in order after the chunk
+        return pending
+
+    def finish_step(self, pending: "PendingChunk") -> ChunkReport:
+        """Wait for a launched chunk; its report, with the device time it took."""
+        if pending.marks is not None:
+            self._device_clock.wait(pending.marks[1])
+            pending.gpu_ms = self._device_clock.ms(*pending.marks)
+            pending.marks = None
+        session, gpu_ms, end = pending.session, pending.gpu_ms, pending.start + self.grid
         session.stats.last_chunk_ms = gpu_ms
         session.stats.total_chunk_ms += gpu_ms
         self.stats.chunks += 1
         self.stats.gpu_ms += gpu_ms
-        self._checkpoints_after_chunk(session)
-        return ChunkReport(session_id, session.committed, session.backlog, gpu_ms, start)
+        return ChunkReport(session.session_id, end, max(0, session.readable_end - end), gpu_ms, pending.start)
 
-    def _graph_chunk(self, session: ShadowSession, ids: list[int], start: int) -> float:
+    def _launch_graph_chunk(self, session: ShadowSession, ids: list[int], start: int) -> tuple:
+        """The chunk's replay between two device marks: (start, end)."""
         graphs, cache = self.graphs, session.cache
         entry = graphs.prepare(len(ids), "none")
         if not session.kv.ensure(start + len(ids)):
             raise MemoryError(f"the shadow KV pool cannot hold session {session.session_id!r} at {start + len(ids)} rows")
-        watch = Stopwatch(self.engine.device)
-        with watch.measure():
-            graphs.stage(ids, start)  # first: the host's share goes out before the device's
-            graphs.load(cache)
-            graphs.replay(entry)
-            graphs.store(cache)
+        # the mark goes down first: with a chunk still in flight it stamps when the device comes to this one
+        begin = self._device_clock.mark()
+        graphs.stage(ids, start)  # first: the host's share goes out before the device's
+        graphs.load(cache)
+        graphs.replay(entry)
+        graphs.store(cache)
         cache.length = start + len(ids)
-        return watch.gpu_ms
+        return begin, self._device_clock.mark()
 
-    def read_all(self, session_id: str) -> list[ChunkReport]:
-        reports = []
-        while (report := self.read_step(session_id)) is not None:
-            reports.append(report)
+    def read_all(self, session_id: str, lookahead: int = 1) -> list[ChunkReport]:
+        """Every whole chunk waiting, `lookahead` chunks launched ahead of the one being read back (the
+        host's launch then overlaps the device's work); the bits equal reading them one at a time."""
+        reports: list[ChunkReport] = []
+        in_flight: deque[PendingChunk] = deque()
+        try:
+            while (pending := self.launch_step(session_id)) is not None:
+                in_flight.append(pending)
+                while len(in_flight) > lookahead:
+                    reports.append(self.finish_step(in_flight.popleft()))
+        finally:
+            while in_flight:
+                reports.append(self.finish_step(in_flight.popleft()))
         return reports
 
     def _checkpoints_after_chunk(self, session: ShadowSession) -> None:

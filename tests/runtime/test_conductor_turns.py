@@ -58,8 +58,8 @@ async def test_the_ration_never_exceeds_what_the_turn_earned_and_reads_whole_chu
     rig = make_rig(script_ms=SCRIPT, chunk_prior_ms=20.0, ration_after_s=0.0)
     c, reader, probe = rig.conductor, rig.reader, rig.probe
     reports = []
-    read_step = reader.read_step
-    reader.read_step = lambda sid: reports.append(read_step(sid)) or reports[-1]
+    finish_step = reader.finish_step
+    reader.finish_step = lambda pending: reports.append(finish_step(pending)) or reports[-1]
 
     prompt = prompt_ids(4 * GRID + 12)
     out = await rig.turn(prompt, 40, session="s")

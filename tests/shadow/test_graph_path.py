@@ -109,3 +109,48 @@ def test_a_fork_does_not_touch_the_session_between_replays(tiny_engine):
     static.ask("s", [5, 6, 7], ["A", "B"])
     assert [t.data_ptr() for t in session.cache.recurrent] == ptrs
     assert [t._version for t in session.cache.recurrent] == versions
+
+
+def _read_one_at_a_time(reader, sid):
+    reports = []
+    while (report := reader.read_step(sid)) is not None:
+        reports.append(report)
+    return reports
+
+
+def test_chunks_launched_ahead_read_the_same_bits_as_one_at_a_time(tiny_engine):
+    """read_all launches chunks ahead of reading them back: the same state, reports and checkpoints as
+    read_step one chunk at a time, on the graph path and eagerly."""
+    ids = list(range(3000, 3000 + 5 * GRID + 9))
+    for graphs in (False, "static"):
+        ahead = ShadowReader(tiny_engine, grid=GRID, pool_bytes=16 << 20, graphs=graphs, recent_checkpoints=2)
+        one = ShadowReader(tiny_engine, grid=GRID, pool_bytes=16 << 20, graphs=graphs, recent_checkpoints=2)
+        for reader in (ahead, one):
+            reader.feed("s", ids, prompt_end=3 * GRID + 4)
+        got = ahead.read_all("s", lookahead=2)
+        want = _read_one_at_a_time(one, "s")
+        assert [(r.context, r.position, r.backlog) for r in got] == [(r.context, r.position, r.backlog) for r in want]
+        assert [r.position for r in got] == [GRID * k for k in range(1, 6)] and got[-1].backlog == 0
+        a, b = ahead.get("s"), one.get("s")
+        assert a.committed == b.committed == 5 * GRID
+        assert a.checkpoint_positions(None) == b.checkpoint_positions(None) == [3 * GRID, 4 * GRID, 5 * GRID]
+        for ca, cb in zip(a.checkpoints, b.checkpoints):
+            assert all(torch.equal(x, y) for x, y in zip((*ca.recurrent, *ca.conv), (*cb.recurrent, *cb.conv)))
+        assert _same_state(ahead, a, ahead.fresh_prefill(ids[: 5 * GRID], "f"))
+        assert torch.equal(a.cache.recurrent[0], b.cache.recurrent[0]) and torch.equal(a.cache.conv[0], b.cache.conv[0])
+        assert a.stats.chunks_read == 5 and ahead.stats.chunks == 5 + 5  # and the fresh prefill's five
+
+
+def test_a_launched_chunk_advances_the_session_at_once_and_reports_when_read_back(tiny_engine):
+    _, static = _readers(tiny_engine)
+    static.feed("s", list(range(100, 100 + 3 * GRID + 1)))
+    first = static.launch_step("s")
+    second = static.launch_step("s")
+    assert (first.start, second.start, static.get("s").committed) == (0, GRID, 2 * GRID)
+    r1, r2 = static.finish_step(first), static.finish_step(second)
+    assert (r1.context, r1.position, r1.backlog) == (0, GRID, 2 * GRID)
+    assert (r2.context, r2.position, r2.backlog) == (GRID, 2 * GRID, GRID)
+    assert r1.gpu_ms >= 0 and static.stats.chunks == 2
+    static.read_all("s")
+    assert static.launch_step("s") is None  # no whole chunk left
+
