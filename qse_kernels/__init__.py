@@ -72,9 +72,8 @@ def triton_ops() -> SimpleNamespace:
         sigmoid_gate=mods["fused"].sigmoid_gate,
         gated_rms_norm=mods["norms"].gated_rms_norm,
         causal_conv1d=mods["conv1d"].causal_conv1d,
-        gdn_gating=mods["norms"].gdn_gating,
-        chunk_gated_delta_rule=mods["gdn_chunk"].chunk_gated_delta_rule,
-        recurrent_gated_delta_rule=mods["gdn_recurrent"].recurrent_gated_delta_rule,
+        chunk_gated_delta_rule_from_gates=mods["gdn_chunk"].chunk_gated_delta_rule_from_gates,
+        recurrent_gated_delta_rule_from_gates=mods["gdn_recurrent"].recurrent_gated_delta_rule_from_gates,
         attention=mods["attention"].attention,
         paged_attention=mods["attention"].paged_attention,
     )

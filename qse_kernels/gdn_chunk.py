@@ -21,6 +21,12 @@ The Dv columns of the state never mix, so the scan splits them across programs. 
 same machine code whatever T is (the counts are not specialised), so T tokens in one call and the same
 tokens in calls split on chunk lines give the same bits. Padded rows of a partial last chunk load
 k = v = g = beta = 0 and so write zeros.
+
+chunk_gated_delta_rule_from_gates takes the raw projections a, b instead of g, beta and the prepare
+kernel gates them itself (norms._gdn_gates, the gating kernel's own formula): one launch less a GDN
+layer. Interpreted, the two entries give the same bits; compiled, g may meet the cumulative sum in a
+register instead of through memory, and the compiler may then contract the product into the first add
+(an FMA), so they agree to the rounding of g. The exactness contract needs only one entry on both sides.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .norms import _gdn_gates, _tl_dtype
 
 # fp32 operands through three tf32 products: close to fp32, still on the tensor cores. (One tf32
 # product leaves ~1e-3 in the carried state, which then compounds from chunk to chunk.)
@@ -97,6 +104,23 @@ def _unit_lower_inverse(b_a, b_at, BT: tl.constexpr, SB: tl.constexpr, PRECISION
 
 
 @triton.jit
+def _load_gates(g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, i_h, o_t, m_t, stride_gt, stride_gh, stride_bt, stride_bh,
+                GATES: tl.constexpr):
+    """g and beta (fp32) of tokens o_t of value head i_h, zeros where m_t is false. GATES: g_ptr and beta_ptr
+    hold the raw projections a and b, gated here by gdn_gating's own formula (one launch less a layer);
+    else g and beta themselves."""
+    b_x = tl.load(g_ptr + o_t * stride_gt + i_h * stride_gh, mask=m_t, other=0.0)
+    b_y = tl.load(beta_ptr + o_t * stride_bt + i_h * stride_bh, mask=m_t, other=0.0)
+    if GATES:
+        b_a_log = tl.load(a_log_ptr + i_h).to(tl.float32)
+        b_dt_bias = tl.load(dt_bias_ptr + i_h).to(tl.float32)
+        b_g, b_beta = _gdn_gates(b_x, b_y, b_a_log, b_dt_bias)
+        # a padded token is gated from a = 0 to a nonzero g: zero it, as a padded g loads
+        return tl.where(m_t, b_g, 0.0), tl.where(m_t, b_beta, 0.0)
+    return b_x.to(tl.float32), b_y.to(tl.float32)
+
+
+@triton.jit
 def _load_rows(ptr, o_t, m_t, stride_t, o_k, m_k):
     """[BT, BK] rows as stored (the input's dtype) and the inverse of each row's L2 norm (fp32)."""
     b_x = tl.load(ptr + o_t[:, None] * stride_t + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
@@ -131,14 +155,14 @@ def _dot_exact_right(a, b, EXACT16: tl.constexpr, PRECISION: tl.constexpr):
 # of N chunks and N calls of one chunk must run the same machine code.
 @triton.jit(do_not_specialize=["num_tokens"])
 def _chunk_prepare_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr,
     w_ptr, u_ptr, qe_ptr, kt_ptr, p_ptr, decay_ptr,
     num_tokens, num_v_heads, heads_per_key, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_gt, stride_gh, stride_bt, stride_bh,
     DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     SB: tl.constexpr, PRECISION: tl.constexpr, OUT_PRECISION: tl.constexpr,
-    EXACT16: tl.constexpr, WIDEN: tl.constexpr,
+    EXACT16: tl.constexpr, WIDEN: tl.constexpr, GATES: tl.constexpr,
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_kh = i_h // heads_per_key
@@ -153,8 +177,8 @@ def _chunk_prepare_kernel(
     o_wk = (i_w * BT + o_r[:, None]) * DK + o_k[None, :]
     m_wk = m_k[None, :]
 
-    b_g = tl.load(g_ptr + o_t * stride_gt + i_h * stride_gh, mask=m_t, other=0.0).to(tl.float32)
-    b_beta = tl.load(beta_ptr + o_t * stride_bt + i_h * stride_bh, mask=m_t, other=0.0).to(tl.float32)
+    b_g, b_beta = _load_gates(g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, i_h, o_t, m_t,
+                              stride_gt, stride_gh, stride_bt, stride_bh, GATES)
     b_c = tl.cumsum(b_g, 0)  # [BT]; flat past the last token, so b_c[BT-1] is the last token's
     b_c_last = tl.sum(tl.where(o_r == BT - 1, b_c, 0.0), 0)
     tl.store(decay_ptr + i_w, tl.exp(b_c_last))
@@ -257,7 +281,7 @@ def _chunk_output_kernel(
     tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=(o_t < num_tokens)[:, None] & m_v[None, :])
 
 
-def _check_gdn_shapes(q, k, v, g, beta, state) -> tuple[int, int, int, int, int]:
+def _check_gdn_shapes(q, k, v, g, beta, state, gate_names: str = "g and beta") -> tuple[int, int, int, int, int]:
     """Shared by the chunk and recurrent wrappers: (T, Hk, Hv, Dk, Dv) or a ValueError naming the shape."""
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
         raise ValueError(f"q, k must be [T, Hk, Dk] and v [T, Hv, Dv] with one T; got {tuple(q.shape)}, "
@@ -267,10 +291,19 @@ def _check_gdn_shapes(q, k, v, g, beta, state) -> tuple[int, int, int, int, int]
     if num_v_heads % num_k_heads:
         raise ValueError(f"value heads {num_v_heads} must be a multiple of key heads {num_k_heads}")
     if g.shape != (num_tokens, num_v_heads) or beta.shape != (num_tokens, num_v_heads):
-        raise ValueError(f"g and beta must be [T, Hv] = [{num_tokens}, {num_v_heads}]; got {tuple(g.shape)}, {tuple(beta.shape)}")
+        raise ValueError(f"{gate_names} must be [T, Hv] = [{num_tokens}, {num_v_heads}]; got {tuple(g.shape)}, {tuple(beta.shape)}")
     if state.shape != (num_v_heads, dk, dv):
         raise ValueError(f"state must be [Hv, Dk, Dv] = [{num_v_heads}, {dk}, {dv}]; got {tuple(state.shape)}")
     return num_tokens, num_k_heads, num_v_heads, dk, dv
+
+
+def _check_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                 num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """a_log, dt_bias [Hv] made contiguous, or a ValueError (a and b are checked with q, k, v)."""
+    if a_log.shape != (num_v_heads,) or dt_bias.shape != (num_v_heads,):
+        raise ValueError(f"a_log and dt_bias must be [Hv] = [{num_v_heads}]; got {tuple(a_log.shape)}, {tuple(dt_bias.shape)}")
+    _tl_dtype(b.dtype)  # beta's sigmoid rounds to b's dtype, as in gdn_gating
+    return a_log.contiguous(), dt_bias.contiguous()
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -294,7 +327,24 @@ def chunk_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of naive.chunk_gated_delta_rule: o [T, Hv, Dv] (v's dtype), new state [Hv, Dk, Dv] fp32
     (in `out_state` when given; it may be `state`)."""
-    num_tokens, num_k_heads, num_v_heads, dk, dv = _check_gdn_shapes(q, k, v, g, beta, state)
+    shapes = _check_gdn_shapes(q, k, v, g, beta, state)
+    return _chunk_rule(q, k, v, g, beta, None, state, chunk, out_state, shapes)
+
+
+def chunk_gated_delta_rule_from_gates(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+    dt_bias: torch.Tensor, state: torch.Tensor, chunk: int = 64, out_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of naive.chunk_gated_delta_rule_from_gates: chunk_gated_delta_rule of gdn_gating(a, b,
+    a_log, dt_bias), the gating done by the prepare kernel (a, b [T, Hv], any strides; a_log, dt_bias [Hv])."""
+    shapes = _check_gdn_shapes(q, k, v, a, b, state, "a and b")
+    gates = _check_gates(a, b, a_log, dt_bias, shapes[2])
+    return _chunk_rule(q, k, v, a, b, gates, state, chunk, out_state, shapes)
+
+
+def _chunk_rule(q, k, v, g, beta, gates, state, chunk, out_state, shapes):
+    """The three launches. gates: None (g, beta given), or (a_log, dt_bias) with g, beta the raw a, b."""
+    num_tokens, num_k_heads, num_v_heads, dk, dv = shapes
     if chunk < INVERSE_BLOCK or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two >= {INVERSE_BLOCK}; got {chunk}")
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
@@ -318,13 +368,14 @@ def chunk_gated_delta_rule(
     p = torch.empty(num_chunks, num_v_heads, chunk, chunk, **ws)
     decay = torch.empty(num_chunks, num_v_heads, **ws)
     states = torch.empty(num_chunks, num_v_heads, dk, dv, **ws)  # each chunk's starting state
+    a_log, dt_bias = gates or (g, g)  # unread without GATES
     _chunk_prepare_kernel[(num_chunks, num_v_heads)](
-        q, k, v, g, beta, w, u, qe, kt, p, decay,
+        q, k, v, g, beta, a_log, dt_bias, w, u, qe, kt, p, decay,
         num_tokens, num_v_heads, num_v_heads // num_k_heads, dk ** -0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         DK=dk, DV=dv, BT=chunk, BK=block_k, BV=block_v, SB=INVERSE_BLOCK, PRECISION=DOT_PRECISION,
-        OUT_PRECISION=out_precision, EXACT16=exact16, WIDEN=exact16 and interpreting(),
+        OUT_PRECISION=out_precision, EXACT16=exact16, WIDEN=exact16 and interpreting(), GATES=gates is not None,
         num_warps=PREPARE_NUM_WARPS, num_stages=1,
     )
     scan_block_v = min(SCAN_BLOCK_V, block_v)

@@ -5,6 +5,7 @@ Grid (Hv, Dv / BV): the state's Dv columns never mix, so each program holds a sl
 registers and walks the tokens in order (T is 1 in decode; any T works):
     S <- e^g S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q
 q and k are L2-normalised in fp32 (q also scaled by Dk^-1/2) per token, as the twin does.
+recurrent_gated_delta_rule_from_gates gates the raw projections a, b in the same kernel (see gdn_chunk).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gdn_chunk import _check_gdn_shapes, _last_dim_contiguous, _new_state_buffer
+from .gdn_chunk import _check_gates, _check_gdn_shapes, _last_dim_contiguous, _load_gates, _new_state_buffer
 
 RECURRENT_NUM_WARPS = 4
 RECURRENT_BLOCK_V = 32
@@ -21,11 +22,11 @@ RECURRENT_BLOCK_V = 32
 
 @triton.jit
 def _recurrent_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, new_state_ptr, o_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, state_ptr, new_state_ptr, o_ptr,
     num_tokens, heads_per_key, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, stride_oh,
-    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATES: tl.constexpr,
 ):
     i_h, i_v = tl.program_id(0), tl.program_id(1)
     i_kh = i_h // heads_per_key
@@ -43,8 +44,8 @@ def _recurrent_kernel(
         b_q = b_q * scale
         b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
         b_v = tl.load(v_ptr + t * stride_vt + i_h * stride_vh + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_g = tl.load(g_ptr + t * stride_gt + i_h * stride_gh).to(tl.float32)
-        b_beta = tl.load(beta_ptr + t * stride_bt + i_h * stride_bh).to(tl.float32)
+        b_g, b_beta = _load_gates(g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, i_h, t, t < num_tokens,
+                                  stride_gt, stride_gh, stride_bt, stride_bh, GATES)
         b_s = b_s * tl.exp(b_g)
         b_u = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
         b_s = b_s + b_k[:, None] * b_u[None, :]
@@ -59,19 +60,37 @@ def recurrent_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of naive.recurrent_gated_delta_rule: o [T, Hv, Dv] (v's dtype), new state [Hv, Dk, Dv] fp32
     (in `out_state` when given; it may be `state`)."""
-    num_tokens, num_k_heads, num_v_heads, dk, dv = _check_gdn_shapes(q, k, v, g, beta, state)
+    shapes = _check_gdn_shapes(q, k, v, g, beta, state)
+    return _recurrent_rule(q, k, v, g, beta, None, state, out_state, shapes)
+
+
+def recurrent_gated_delta_rule_from_gates(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+    dt_bias: torch.Tensor, state: torch.Tensor, out_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of naive.recurrent_gated_delta_rule_from_gates: recurrent_gated_delta_rule of gdn_gating(a,
+    b, a_log, dt_bias), the gating done in the same kernel (a, b [T, Hv], any strides; a_log, dt_bias [Hv])."""
+    shapes = _check_gdn_shapes(q, k, v, a, b, state, "a and b")
+    gates = _check_gates(a, b, a_log, dt_bias, shapes[2])
+    return _recurrent_rule(q, k, v, a, b, gates, state, out_state, shapes)
+
+
+def _recurrent_rule(q, k, v, g, beta, gates, state, out_state, shapes):
+    """The launch. gates: None (g, beta given), or (a_log, dt_bias) with g, beta the raw a, b."""
+    num_tokens, num_k_heads, num_v_heads, dk, dv = shapes
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     state = state.float().contiguous()
     out = torch.empty(num_tokens, num_v_heads, dv, dtype=v.dtype, device=v.device)
     new_state = _new_state_buffer(state, out_state)
     block_k = triton.next_power_of_2(dk)
     block_v = min(RECURRENT_BLOCK_V, triton.next_power_of_2(dv))
+    a_log, dt_bias = gates or (g, g)  # unread without GATES
     _recurrent_kernel[(num_v_heads, triton.cdiv(dv, block_v))](
-        q, k, v, g, beta, state, new_state, out,
+        q, k, v, g, beta, a_log, dt_bias, state, new_state, out,
         num_tokens, num_v_heads // num_k_heads, dk ** -0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
-        DK=dk, DV=dv, BK=block_k, BV=block_v,
+        DK=dk, DV=dv, BK=block_k, BV=block_v, GATES=gates is not None,
         num_warps=RECURRENT_NUM_WARPS,
     )
     return out, new_state

@@ -195,6 +195,25 @@ def recurrent_gated_delta_rule(
     return out.to(out_dtype), _hand_over(s, out_state)
 
 
+def chunk_gated_delta_rule_from_gates(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+    dt_bias: torch.Tensor, state: torch.Tensor, chunk: int = 64, out_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """chunk_gated_delta_rule of gdn_gating(a, b, a_log, dt_bias): the GDN layer's raw projections a, b
+    [T, Hv] in, the gating inside the rule (the Triton twin saves the gating's launch)."""
+    g, beta = gdn_gating(a, b, a_log, dt_bias)
+    return chunk_gated_delta_rule(q, k, v, g, beta, state, chunk, out_state)
+
+
+def recurrent_gated_delta_rule_from_gates(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+    dt_bias: torch.Tensor, state: torch.Tensor, out_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """recurrent_gated_delta_rule of gdn_gating(a, b, a_log, dt_bias), as chunk_gated_delta_rule_from_gates."""
+    g, beta = gdn_gating(a, b, a_log, dt_bias)
+    return recurrent_gated_delta_rule(q, k, v, g, beta, state, out_state)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float | None = None) -> torch.Tensor:
     """Causal GQA attention of T queries at absolute positions q_start.. over L = q_start + T rows.
 
@@ -253,5 +272,6 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
 
 __all__ = [
     "dense_matmul", "gather_pages", "paged_attention", "rms_norm", "gated_rms_norm", "rotary_cos_sin", "apply_rotary", "causal_conv1d", "gdn_gating",
-    "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "attention", "sdpa_attention", "l2norm",
+    "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "chunk_gated_delta_rule_from_gates",
+    "recurrent_gated_delta_rule_from_gates", "attention", "sdpa_attention", "l2norm",
 ]

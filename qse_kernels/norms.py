@@ -69,6 +69,24 @@ def _gated_rms_norm_kernel(
 
 
 @triton.jit
+def _gdn_gates(b_a, b_b, b_a_log, b_dt_bias):
+    """naive.gdn_gating on tiles: g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b), both fp32, from
+    a and b as loaded and fp32 A_log, dt_bias of a's shape. The one copy of the formula: the gating kernel
+    and the GDN kernels that gate their own inputs (gdn_chunk, gdn_recurrent) compute the same values."""
+    b_x = b_a.to(tl.float32) + b_dt_bias
+    # softplus as torch's (threshold 20), with log1p(y) = log(1 + y) * y / ((1 + y) - 1) for accuracy at small y
+    b_e = tl.exp(tl.minimum(b_x, 20.0))
+    b_1e = 1.0 + b_e
+    b_tiny = b_1e == 1.0
+    b_log1p = tl.where(b_tiny, b_e, tl.log(b_1e) * (b_e / tl.where(b_tiny, 1.0, b_1e - 1.0)))
+    b_softplus = tl.where(b_x > 20.0, b_x, b_log1p)
+    b_g = -tl.exp(b_a_log) * b_softplus
+    # the twin's sigmoid runs in b's dtype
+    b_beta = tl.sigmoid(b_b.to(tl.float32)).to(b_b.dtype).to(tl.float32)
+    return b_g, b_beta
+
+
+@triton.jit
 def _gdn_gating_kernel(
     a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr,
     num_tokens, stride_at, stride_bt,
@@ -78,21 +96,12 @@ def _gdn_gating_kernel(
     o_h = tl.arange(0, BH)
     m_h = o_h < HV
     m = (o_t < num_tokens)[:, None] & m_h[None, :]
-    b_a = tl.load(a_ptr + o_t[:, None] * stride_at + o_h[None, :], mask=m, other=0.0).to(tl.float32)
+    b_a = tl.load(a_ptr + o_t[:, None] * stride_at + o_h[None, :], mask=m, other=0.0)
+    b_b = tl.load(b_ptr + o_t[:, None] * stride_bt + o_h[None, :], mask=m, other=0.0)
     b_a_log = tl.load(a_log_ptr + o_h, mask=m_h, other=0.0).to(tl.float32)
     b_dt = tl.load(dt_bias_ptr + o_h, mask=m_h, other=0.0).to(tl.float32)
-    b_x = b_a + b_dt[None, :]
-    # softplus as torch's (threshold 20), with log1p(y) = log(1 + y) * y / ((1 + y) - 1) for accuracy at small y
-    b_e = tl.exp(tl.minimum(b_x, 20.0))
-    b_1e = 1.0 + b_e
-    b_tiny = b_1e == 1.0
-    b_log1p = tl.where(b_tiny, b_e, tl.log(b_1e) * (b_e / tl.where(b_tiny, 1.0, b_1e - 1.0)))
-    b_softplus = tl.where(b_x > 20.0, b_x, b_log1p)
-    b_g = -tl.exp(b_a_log)[None, :] * b_softplus
+    b_g, b_beta = _gdn_gates(b_a, b_b, b_a_log[None, :], b_dt[None, :])
     tl.store(g_ptr + o_t[:, None] * HV + o_h[None, :], b_g, mask=m)
-    b_b = tl.load(b_ptr + o_t[:, None] * stride_bt + o_h[None, :], mask=m, other=0.0)
-    # the twin's sigmoid runs in b's dtype
-    b_beta = tl.sigmoid(b_b.to(tl.float32)).to(b_ptr.dtype.element_ty).to(tl.float32)
     tl.store(beta_ptr + o_t[:, None] * HV + o_h[None, :], b_beta, mask=m)
 
 

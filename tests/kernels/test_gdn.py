@@ -1,4 +1,5 @@
-"""The gated delta rule: chunk (prefill) and recurrent (decode) kernels against their naive twins."""
+"""The gated delta rule: chunk (prefill) and recurrent (decode) kernels against their naive twins, and the
+entries that gate the raw projections themselves (*_from_gates) against the gating kernel then the rule."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qse_kernels import gdn_chunk, gdn_recurrent, naive
+from qse_kernels import gdn_chunk, gdn_recurrent, naive, norms
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
@@ -153,6 +154,76 @@ def test_recurrent_deterministic(device):
     assert torch.equal(o1, o2) and torch.equal(s1, s2)
 
 
+def _gates(num_tokens, num_v, dtype, device, seed=0):
+    """a, b [T, Hv] sliced out of one wider projection row (strided, as the model's fused in_proj gives them),
+    with a reaching softplus's x > 20 branch and its tiny end; A_log and dt_bias [Hv] fp32."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    row = (torch.randn(num_tokens, 3 + 2 * num_v, generator=gen) * 3).to(device, dtype)
+    b, a = row[:, 3 : 3 + num_v], row[:, 3 + num_v :]
+    a[0, 0], a[-1, -1] = 30.0, -40.0
+    a_log = torch.rand(num_v, generator=gen).mul(3).to(device)
+    dt_bias = torch.randn(num_v, generator=gen).to(device)
+    return a, b, a_log, dt_bias
+
+
+def _same(out, ref, exact: bool, rel):
+    """Interpreted: the same bits. Compiled: g may be contracted into the cumsum's first add (gdn_chunk's
+    docstring), so the two agree to the rounding of g."""
+    (o, s), (ref_o, ref_s) = out, ref
+    if exact:
+        assert torch.equal(o, ref_o) and torch.equal(s, ref_s)
+    else:
+        assert rel(o, ref_o) < (1e-5 if o.dtype == torch.float32 else 1e-2) and rel(s, ref_s) < 1e-5
+
+
+FROM_GATES = {
+    "chunk-T70": (gdn_chunk.chunk_gated_delta_rule_from_gates, gdn_chunk.chunk_gated_delta_rule, 70),
+    "chunk-T5": (gdn_chunk.chunk_gated_delta_rule_from_gates, gdn_chunk.chunk_gated_delta_rule, 5),
+    "recurrent-T1": (gdn_recurrent.recurrent_gated_delta_rule_from_gates, gdn_recurrent.recurrent_gated_delta_rule, 1),
+    "recurrent-T3": (gdn_recurrent.recurrent_gated_delta_rule_from_gates, gdn_recurrent.recurrent_gated_delta_rule, 3),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fused,rule,num_tokens", FROM_GATES.values(), ids=FROM_GATES.keys())
+def test_from_gates_is_gating_then_rule(device, rel, fused, rule, num_tokens, dtype):
+    """The rule gating a, b in its own kernel == the gating kernel, then the rule on g, beta (a partial
+    last chunk included: its padded tokens must stay ungated zeros); and close to the naive twin."""
+    q, k, v, _, _, state = _inputs(num_tokens, 2, 4, 16, 16, dtype, device, seed=8)
+    gates = _gates(num_tokens, 4, dtype, device)
+    out = fused(q, k, v, *gates, state)
+    _same(out, rule(q, k, v, *norms.gdn_gating(*gates), state), device == "cpu", rel)
+    twin = naive.chunk_gated_delta_rule_from_gates if num_tokens > 3 else naive.recurrent_gated_delta_rule_from_gates
+    ref_o, ref_s = twin(q, k, v, *gates, state)
+    # beta is rounded through b's dtype: a bf16 beta may sit one ulp off the twin's (the interpreter's casts
+    # truncate), and the state moves with it
+    assert rel(out[0], ref_o) < TOL[dtype] and rel(out[1], ref_s) < TOL[dtype]
+
+
+def test_chunk_from_gates_split_on_chunk_lines_is_bitwise(device):
+    """The gated entry keeps the chunk rule's contract: one call == calls split on chunk lines, bit for bit."""
+    q, k, v, _, _, state = _inputs(192, 1, 2, 16, 16, torch.bfloat16, device, seed=9)
+    a, b, a_log, dt_bias = _gates(192, 2, torch.bfloat16, device, seed=1)
+    o_whole, s_whole = gdn_chunk.chunk_gated_delta_rule_from_gates(q, k, v, a, b, a_log, dt_bias, state)
+    parts, s = [], state
+    for start in range(0, 192, 64):
+        sl = slice(start, start + 64)
+        o, s = gdn_chunk.chunk_gated_delta_rule_from_gates(q[sl], k[sl], v[sl], a[sl], b[sl], a_log, dt_bias, s)
+        parts.append(o)
+    assert torch.equal(torch.cat(parts), o_whole) and torch.equal(s, s_whole)
+
+
+@pytest.mark.parametrize("rule", [gdn_chunk.chunk_gated_delta_rule_from_gates,
+                                  gdn_recurrent.recurrent_gated_delta_rule_from_gates], ids=["chunk", "recurrent"])
+def test_from_gates_rejects_bad_gate_shapes(device, rule):
+    q, k, v, _, _, state = _inputs(3, 2, 4, 16, 16, torch.float32, device)
+    a, b, a_log, dt_bias = _gates(3, 4, torch.float32, device)
+    with pytest.raises(ValueError, match=r"a_log and dt_bias must be \[Hv\] = \[4\]"):
+        rule(q, k, v, a, b, a_log[:3], dt_bias, state)
+    with pytest.raises(ValueError, match=r"a and b must be \[T, Hv\]"):
+        rule(q, k, v, a[:, :3], b, a_log, dt_bias, state)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_k,num_v", [(16, 16), (16, 48)], ids=["0.8B", "27B"])
 def test_gdn_model_shapes_gpu(rel, num_k, num_v):
@@ -172,3 +243,24 @@ def test_gdn_model_shapes_gpu(rel, num_k, num_v):
     ro, rs = gdn_recurrent.recurrent_gated_delta_rule(q[one], k[one], v[one], g[one], beta[one], state)
     nro, nrs = naive.recurrent_gated_delta_rule(q[one], k[one], v[one], g[one], beta[one], state)
     assert rel(ro, nro) < 1e-2 and rel(rs, nrs) < 1e-4
+
+
+@pytest.mark.gpu
+def test_gdn_from_gates_model_shapes_gpu(rel):
+    """The 0.8B's shapes compiled: the gated entries against gating then the rule (to g's rounding), and
+    the chunk entry split on chunk lines bit for bit."""
+    q, k, v, _, _, state = _inputs(512, 16, 16, 128, 128, torch.bfloat16, "cuda", seed=10)
+    gates = _gates(512, 16, torch.bfloat16, "cuda", seed=2)
+    g, beta = norms.gdn_gating(*gates)
+    whole = gdn_chunk.chunk_gated_delta_rule_from_gates(q, k, v, *gates, state)
+    _same(whole, gdn_chunk.chunk_gated_delta_rule(q, k, v, g, beta, state), False, rel)
+    parts, s = [], state
+    for start in range(0, 512, 64):
+        sl = slice(start, start + 64)
+        o, s = gdn_chunk.chunk_gated_delta_rule_from_gates(q[sl], k[sl], v[sl], *(x[sl] for x in gates[:2]), *gates[2:], s)
+        parts.append(o)
+    assert torch.equal(torch.cat(parts), whole[0]) and torch.equal(s, whole[1])
+    one = slice(0, 1)
+    step = gdn_recurrent.recurrent_gated_delta_rule_from_gates(q[one], k[one], v[one], *(x[one] for x in gates[:2]),
+                                                               *gates[2:], state)
+    _same(step, gdn_recurrent.recurrent_gated_delta_rule(q[one], k[one], v[one], g[one], beta[one], state), False, rel)

@@ -66,9 +66,8 @@ def default_ops() -> SimpleNamespace:
         sigmoid_gate=naive_ops.sigmoid_gate,
         gated_rms_norm=naive_ops.gated_rms_norm,
         causal_conv1d=naive_ops.causal_conv1d,
-        gdn_gating=naive_ops.gdn_gating,
-        chunk_gated_delta_rule=naive_ops.chunk_gated_delta_rule,
-        recurrent_gated_delta_rule=naive_ops.recurrent_gated_delta_rule,
+        chunk_gated_delta_rule_from_gates=naive_ops.chunk_gated_delta_rule_from_gates,
+        recurrent_gated_delta_rule_from_gates=naive_ops.recurrent_gated_delta_rule_from_gates,
         attention=naive_ops.attention,
         paged_attention=naive_ops.paged_attention,
         dense_matmul=naive_ops.dense_matmul,
@@ -307,13 +306,14 @@ class Qwen35Model:
         q = qkv[:, :kd].reshape(num_tokens, hk, dk)
         k = qkv[:, kd : 2 * kd].reshape(num_tokens, hk, dk)
         v = qkv[:, 2 * kd :].reshape(num_tokens, hv, dv)
-        g, beta = self.ops.gdn_gating(a, b, self.w[g_ + "A_log"], self.w[g_ + "dt_bias"])
+        # the rule gates a and b itself (g = -e^A_log softplus(a + dt_bias), beta = sigmoid(b)): no launch of its own
+        gates = (a, b, self.w[g_ + "A_log"], self.w[g_ + "dt_bias"])
         state = cache.recurrent[slot]
         # the new state is written over the old one, in place (the cache and a CUDA graph hold its address)
         if num_tokens == 1:
-            o, _ = self.ops.recurrent_gated_delta_rule(q, k, v, g, beta, state, out_state=state)
+            o, _ = self.ops.recurrent_gated_delta_rule_from_gates(q, k, v, *gates, state, out_state=state)
         else:
-            o, _ = self.ops.chunk_gated_delta_rule(q, k, v, g, beta, state, GDN_CHUNK, out_state=state)
+            o, _ = self.ops.chunk_gated_delta_rule_from_gates(q, k, v, *gates, state, GDN_CHUNK, out_state=state)
         o = self.ops.gated_rms_norm(o, z, self.w[g_ + "norm.weight"], cfg.rms_norm_eps)
         return self._mm(g_ + "out_proj.weight", o.reshape(num_tokens, hv * dv))
 
