@@ -68,6 +68,7 @@ def triton_ops() -> SimpleNamespace:
         rms_norm=mods["norms"].rms_norm,
         add_rms_norm=mods["fused"].add_rms_norm,
         qk_norm_rotary=mods["fused"].qk_norm_rotary,
+        qk_norm_rotary_paged=mods["fused"].qk_norm_rotary_paged,
         silu_mul=mods["fused"].silu_mul,
         sigmoid_gate=mods["fused"].sigmoid_gate,
         gated_rms_norm=mods["norms"].gated_rms_norm,

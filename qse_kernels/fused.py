@@ -1,6 +1,7 @@
 """Small fusions in Triton: the residual add with the next norm, SiLU(gate) * up, the attention layer's
-q/k norm with the rotary embedding, and its output gate; the naive twins are naive.add_rms_norm,
-naive.silu_mul, naive.qk_norm_rotary and naive.sigmoid_gate.
+q/k norm with the rotary embedding (on a paged KV also storing the layer's K/V rows), and its output gate;
+the naive twins are naive.add_rms_norm, naive.silu_mul, naive.qk_norm_rotary, naive.qk_norm_rotary_paged
+and naive.sigmoid_gate.
 
 Each replaces a handful of torch launches by one. That matters most where a forward is one token (fork
 decode, the served model's decode under a CUDA graph: ~500 launches of a few microseconds each), and the
@@ -74,10 +75,11 @@ def _sigmoid_gate_kernel(
 
 @triton.jit
 def _norm_rotary_rows(
-    x_ptr, w_ptr, y_ptr, cos_ptr, sin_ptr, o_r, num_rows, num_heads, stride_t, stride_h, stride_c, eps,
+    x_ptr, w_ptr, p_y, cos_ptr, sin_ptr, o_r, num_rows, num_heads, stride_t, stride_h, stride_c, eps,
     D: tl.constexpr, BD: tl.constexpr, RD: tl.constexpr,
 ):
-    """BR rows (token, head) of x [T, H, D]: y = rotary(rms_norm(x) * (1 + w)) into y [T, H, D] (contiguous)."""
+    """BR rows (token, head) of x [T, H, D]: y = rotary(rms_norm(x) * (1 + w)), row i stored at p_y[i] (the
+    pointers to the rows' first elements: a contiguous output, or the rows' places in a paged KV)."""
     o_d = tl.arange(0, BD)
     m_r = o_r < num_rows
     m_d = o_d < D
@@ -87,7 +89,8 @@ def _norm_rotary_rows(
     b_x = tl.load(base + o_d[None, :], mask=m, other=0.0).to(tl.float32)
     b_rstd = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)
     b_w = tl.load(w_ptr + o_d, mask=m_d, other=0.0).to(tl.float32)
-    b_n = ((b_x * b_rstd[:, None]) * (1.0 + b_w)[None, :]).to(y_ptr.dtype.element_ty)
+    y_dtype = p_y.dtype.element_ty
+    b_n = ((b_x * b_rstd[:, None]) * (1.0 + b_w)[None, :]).to(y_dtype)
     # rotate-half on the first RD dims: the partner of d is d + RD/2 (first half, taken negated) or d - RD/2;
     # it is loaded again and normalised by the same arithmetic, so it has the same bits as its own entry
     HALF: tl.constexpr = RD // 2
@@ -97,37 +100,56 @@ def _norm_rotary_rows(
     b_xp = tl.load(base + o_p[None, :], mask=m_p, other=0.0).to(tl.float32)
     b_wp = tl.load(w_ptr + o_p, mask=is_rot, other=0.0).to(tl.float32)
     # (negated in fp32: exact as well, and Triton's interpreter negates 16-bit floats as integers)
-    b_np = ((b_xp * b_rstd[:, None]) * (1.0 + b_wp)[None, :]).to(y_ptr.dtype.element_ty).to(tl.float32)
+    b_np = ((b_xp * b_rstd[:, None]) * (1.0 + b_wp)[None, :]).to(y_dtype).to(tl.float32)
     b_np = tl.where((o_d < HALF)[None, :], -b_np, b_np)
     p_cs = o_t[:, None] * stride_c + o_d[None, :]
     b_cos = tl.load(cos_ptr + p_cs, mask=m_p, other=0.0)
     b_sin = tl.load(sin_ptr + p_cs, mask=m_p, other=0.0)
     # the twin computes x*cos and rot*sin in the dtype, then their sum: three roundings
-    b_a = (b_n.to(tl.float32) * b_cos.to(tl.float32)).to(y_ptr.dtype.element_ty)
-    b_b = (b_np * b_sin.to(tl.float32)).to(y_ptr.dtype.element_ty)
-    b_rot = (b_a.to(tl.float32) + b_b.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    b_a = (b_n.to(tl.float32) * b_cos.to(tl.float32)).to(y_dtype)
+    b_b = (b_np * b_sin.to(tl.float32)).to(y_dtype)
+    b_rot = (b_a.to(tl.float32) + b_b.to(tl.float32)).to(y_dtype)
     b_y = tl.where(is_rot[None, :], b_rot, b_n)
-    tl.store(y_ptr + o_r[:, None] * D + o_d[None, :], b_y, mask=m)
+    tl.store(p_y[:, None] + o_d[None, :], b_y, mask=m)
 
 
 @triton.jit
 def _qk_norm_rotary_kernel(
     q_ptr, k_ptr, wq_ptr, wk_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,
+    v_ptr, kp_ptr, vp_ptr, table_ptr, start_ptr, page_rows,
     num_q_rows, num_k_rows, num_q_heads, num_k_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_c, eps,
-    D: tl.constexpr, BD: tl.constexpr, RD: tl.constexpr, BR: tl.constexpr,
+    stride_vt, stride_vh, stride_kpp, stride_kpr, stride_kph, stride_vpp, stride_vpr, stride_vph,
+    D: tl.constexpr, BD: tl.constexpr, RD: tl.constexpr, BR: tl.constexpr, PAGED: tl.constexpr,
 ):
-    """The first programs take q's rows, the rest k's: one launch for both."""
+    """The first programs take q's rows, the rest k's: one launch for both. PAGED: a k program stores its
+    rows, and the same rows of v as they are, at sequence rows start.. of the paged KV (start read here,
+    on the device, so a captured graph serves every position) instead of into ko."""
     pid = tl.program_id(0)
     q_programs = tl.cdiv(num_q_rows, BR)
     if pid < q_programs:
         o_r = pid * BR + tl.arange(0, BR)
-        _norm_rotary_rows(q_ptr, wq_ptr, qo_ptr, cos_ptr, sin_ptr, o_r, num_q_rows, num_q_heads,
+        _norm_rotary_rows(q_ptr, wq_ptr, qo_ptr + o_r * D, cos_ptr, sin_ptr, o_r, num_q_rows, num_q_heads,
                           stride_qt, stride_qh, stride_c, eps, D, BD, RD)
     else:
         o_r = (pid - q_programs) * BR + tl.arange(0, BR)
-        _norm_rotary_rows(k_ptr, wk_ptr, ko_ptr, cos_ptr, sin_ptr, o_r, num_k_rows, num_k_heads,
-                          stride_kt, stride_kh, stride_c, eps, D, BD, RD)
+        if PAGED:
+            m_r = o_r < num_k_rows
+            o_t, o_h = o_r // num_k_heads, o_r % num_k_heads
+            o_pos = tl.load(start_ptr) + o_t
+            i_page = tl.load(table_ptr + o_pos // page_rows, mask=m_r, other=0).to(tl.int64)
+            i_row = (o_pos % page_rows).to(tl.int64)
+            p_k = kp_ptr + i_page * stride_kpp + i_row * stride_kpr + o_h * stride_kph
+            _norm_rotary_rows(k_ptr, wk_ptr, p_k, cos_ptr, sin_ptr, o_r, num_k_rows, num_k_heads,
+                              stride_kt, stride_kh, stride_c, eps, D, BD, RD)
+            o_d = tl.arange(0, BD)
+            m = m_r[:, None] & (o_d < D)[None, :]
+            b_v = tl.load(v_ptr + (o_t * stride_vt + o_h * stride_vh)[:, None] + o_d[None, :], mask=m)
+            p_v = vp_ptr + i_page * stride_vpp + i_row * stride_vpr + o_h * stride_vph
+            tl.store(p_v[:, None] + o_d[None, :], b_v, mask=m)
+        else:
+            _norm_rotary_rows(k_ptr, wk_ptr, ko_ptr + o_r * D, cos_ptr, sin_ptr, o_r, num_k_rows, num_k_heads,
+                              stride_kt, stride_kh, stride_c, eps, D, BD, RD)
 
 
 def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,8 +217,40 @@ def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_w
                    cos: torch.Tensor, sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of naive.qk_norm_rotary: q [T, H, D], k [T, Hkv, D] (strided views welcome) -> both
     rms-normed with (1 + w) and rotated on their first cos.shape[-1] dims, contiguous, in q's dtype."""
+    q, k = _check_qk(q, k, q_weight, k_weight, cos, sin)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    _launch_qk(q, k, q_weight, k_weight, cos, sin, eps, q_out, k_out, None)
+    return q_out, k_out
+
+
+def qk_norm_rotary_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
+                         k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                         k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
+                         start: torch.Tensor) -> torch.Tensor:
+    """Triton twin of naive.qk_norm_rotary_paged: qk_norm_rotary's q returned, and its k (the same bits) with
+    v [T, Hkv, D] as it is stored at sequence rows start.. of a paged KV, row r at k_pages[page_table[r //
+    page_rows], r % page_rows] (k_pages, v_pages [P, page_rows, Hkv, D], any page stride, in q's dtype;
+    page_table and start int32, start [1] on the device). One launch instead of the norm and two scatters."""
+    q, k = _check_qk(q, k, q_weight, k_weight, cos, sin)
+    v = _heads_view(v, "v")
+    if v.shape != k.shape or v.dtype != k.dtype:
+        raise ValueError(f"v must match k {tuple(k.shape)} {k.dtype}; got {tuple(v.shape)} {v.dtype}")
+    if (k_pages.dim() != 4 or v_pages.shape != k_pages.shape or k_pages.shape[2:] != k.shape[1:]
+            or k_pages.dtype != k.dtype or v_pages.dtype != k.dtype or k_pages.stride(3) != 1 or v_pages.stride(3) != 1):
+        raise ValueError(f"k, v pages must be [P, page_rows, {k.shape[1]}, {k.shape[2]}] in {k.dtype} with contiguous "
+                         f"rows; got {tuple(k_pages.shape)} {k_pages.dtype}, {tuple(v_pages.shape)} {v_pages.dtype}")
+    if page_table.dtype != torch.int32 or start.dtype != torch.int32 or start.numel() != 1:
+        raise ValueError(f"page_table and start must be int32 tensors (start of one element); got "
+                         f"{page_table.dtype}, {start.dtype} x {start.numel()}")
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _launch_qk(q, k, q_weight, k_weight, cos, sin, eps, q_out, None, (v, k_pages, v_pages, page_table, start))
+    return q_out
+
+
+def _check_qk(q, k, q_weight, k_weight, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
     q, k = _heads_view(q, "q"), _heads_view(k, "k")
-    num_tokens, num_q_heads, dim = q.shape
+    num_tokens, _, dim = q.shape
     rotary_dim = cos.shape[-1]
     if k.shape[0] != num_tokens or k.shape[2] != dim or k.dtype != q.dtype:
         raise ValueError(f"k must be [T, Hkv, D] = [{num_tokens}, *, {dim}] in {q.dtype}; got {tuple(k.shape)} {k.dtype}")
@@ -205,20 +259,33 @@ def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_w
     if cos.shape != sin.shape or cos.shape[0] != num_tokens or rotary_dim % 2 or rotary_dim > dim:
         raise ValueError(f"cos, sin must be [T, RD] with RD even and <= {dim}; got {tuple(cos.shape)}, {tuple(sin.shape)}")
     _tl_dtype(q.dtype)
+    return q, k
+
+
+def _launch_qk(q, k, q_weight, k_weight, cos, sin, eps, q_out, k_out, paged):
+    """paged: None (k into k_out), or (v, k_pages, v_pages, page_table, start)."""
+    num_tokens, num_q_heads, dim = q.shape
     cos, sin = cos.contiguous(), sin.contiguous()
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     block_d, block_r = _row_blocks(dim)
     num_q_rows, num_k_rows = num_tokens * num_q_heads, num_tokens * k.shape[1]
-    if num_tokens:
-        grid = (triton.cdiv(num_q_rows, block_r) + triton.cdiv(num_k_rows, block_r),)
-        _qk_norm_rotary_kernel[grid](
-            q, k, q_weight.contiguous(), k_weight.contiguous(), q_out, k_out, cos, sin,
-            num_q_rows, num_k_rows, num_q_heads, k.shape[1],
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), eps,
-            D=dim, BD=block_d, RD=rotary_dim, BR=block_r, num_warps=NORM_NUM_WARPS,
-        )
-    return q_out, k_out
+    if not num_tokens:
+        return
+    if paged is None:
+        v, k_pages, v_pages, page_table, start = k, k_out, k_out, k_out, k_out  # unread without PAGED
+        page_rows, v_strides, page_strides = 1, (0, 0), (0,) * 6
+    else:
+        v, k_pages, v_pages, page_table, start = paged
+        page_rows, v_strides = k_pages.shape[1], (v.stride(0), v.stride(1))
+        page_strides = (*k_pages.stride()[:3], *v_pages.stride()[:3])
+    grid = (triton.cdiv(num_q_rows, block_r) + triton.cdiv(num_k_rows, block_r),)
+    _qk_norm_rotary_kernel[grid](
+        q, k, q_weight.contiguous(), k_weight.contiguous(), q_out, k_out if k_out is not None else q_out, cos, sin,
+        v, k_pages, v_pages, page_table, start, page_rows,
+        num_q_rows, num_k_rows, num_q_heads, k.shape[1],
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), eps,
+        *v_strides, *page_strides,
+        D=dim, BD=block_d, RD=cos.shape[-1], BR=block_r, PAGED=paged is not None, num_warps=NORM_NUM_WARPS,
+    )
 
 
-__all__ = ["add_rms_norm", "qk_norm_rotary", "sigmoid_gate", "silu_mul"]
+__all__ = ["add_rms_norm", "qk_norm_rotary", "qk_norm_rotary_paged", "sigmoid_gate", "silu_mul"]

@@ -56,6 +56,22 @@ def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_w
     return q, k
 
 
+def qk_norm_rotary_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
+                         k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                         k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
+                         start: torch.Tensor) -> torch.Tensor:
+    """qk_norm_rotary on a paged KV: returns q; k (normed, rotated) and v [T, Hkv, D] go to sequence rows
+    start.. of the pages [P, page_rows, Hkv, D], row r at k_pages[page_table[r // page_rows], r % page_rows].
+    start: int32 [1], used on its device (no read back to the host)."""
+    q, k = qk_norm_rotary(q, k, q_weight, k_weight, cos, sin, eps)
+    page_rows = k_pages.shape[1]
+    positions = start.long() + torch.arange(q.shape[0], device=q.device)
+    page, row = page_table[positions // page_rows].long(), positions % page_rows
+    k_pages[page, row] = k
+    v_pages[page, row] = v
+    return q
+
+
 def rotary_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):
     """cos, sin [T, rotary_dim] for integer positions [T]; halves repeated (rotate-half convention).
 
@@ -271,7 +287,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
 
 
 __all__ = [
-    "dense_matmul", "gather_pages", "paged_attention", "rms_norm", "gated_rms_norm", "rotary_cos_sin", "apply_rotary", "causal_conv1d", "gdn_gating",
+    "dense_matmul", "gather_pages", "paged_attention", "rms_norm", "gated_rms_norm", "qk_norm_rotary_paged", "rotary_cos_sin", "apply_rotary", "causal_conv1d", "gdn_gating",
     "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "chunk_gated_delta_rule_from_gates",
     "recurrent_gated_delta_rule_from_gates", "attention", "sdpa_attention", "l2norm",
 ]

@@ -1,5 +1,5 @@
-"""The small fusions (residual add + norm, SiLU gate, q/k norm + rotary), the gated norm on a strided gate,
-and the GDN rules writing their state in place: each against its naive twin."""
+"""The small fusions (residual add + norm, SiLU gate, q/k norm + rotary, also storing the K/V rows into pages),
+the gated norm on a strided gate, and the GDN rules writing their state in place: each against its naive twin."""
 
 from __future__ import annotations
 
@@ -166,3 +166,91 @@ def test_conv_state_in_place_same_bits(device, impl, num_tokens):
     target = state.clone()
     y, s = conv(x, w, target, out_state=target)
     assert s is target and torch.equal(y, y_ref) and torch.equal(target, s_ref)
+
+
+def _pool_and_table(num_pages, page_rows, num_kv, dim, dtype, device, seed):
+    """k, v pools of 3 layer slots [P, slots, page_rows, Hkv, D] filled with noise (rows not written must keep
+    their bits), and a shuffled page table."""
+    gen = torch.Generator().manual_seed(seed)
+    pools = [_randn(num_pages, 3, page_rows, num_kv, dim, gen=gen).to(device, dtype) for _ in range(2)]
+    table = torch.randperm(num_pages, generator=gen).to(torch.int32).to(device)
+    return pools, table
+
+
+PAGED_QK_CASES = {
+    # T, start, page_rows, dtype: rows crossing a page line, one decode row, a partial rotary
+    "chunk-across-pages-fp32": (20, 9, 16, torch.float32),
+    "chunk-across-pages-bf16": (20, 9, 16, torch.bfloat16),
+    "decode-bf16": (1, 31, 16, torch.bfloat16),
+    "first-rows-fp32": (5, 0, 8, torch.float32),
+}
+
+
+@pytest.mark.parametrize("num_tokens,start,page_rows,dtype", PAGED_QK_CASES.values(), ids=PAGED_QK_CASES.keys())
+def test_qk_norm_rotary_paged_writes_the_rows_of_the_unfused_path(device, rel, num_tokens, start, page_rows, dtype):
+    """The fused store == qk_norm_rotary then the two scatters the attention layer did, bit for bit: the same
+    q, the same k and v rows at the same places, every other row of the pool (other slots included) untouched;
+    and close to the naive twin."""
+    gen = torch.Generator().manual_seed(8)
+    num_heads, num_kv, dim, rotary_dim = 4, 2, 32, 8
+    qg = _randn(num_tokens, num_heads, 2 * dim, gen=gen, scale=2).to(device, dtype)
+    kv = _randn(num_tokens, 3 * num_kv * dim, gen=gen, scale=2).to(device, dtype)
+    q = qg[..., :dim]
+    k = kv[:, num_kv * dim : 2 * num_kv * dim].view(num_tokens, num_kv, dim)
+    v = kv[:, 2 * num_kv * dim :].view(num_tokens, num_kv, dim)
+    wq = _randn(dim, gen=gen, scale=0.2).to(device, dtype)
+    wk = _randn(dim, gen=gen, scale=0.2).to(device, dtype)
+    cos, sin = naive.rotary_cos_sin(torch.arange(start, start + num_tokens), rotary_dim, 10000.0, dtype)
+    cos, sin = cos.to(device), sin.to(device)
+    (k_pool, v_pool), table = _pool_and_table(7, page_rows, num_kv, dim, dtype, device, seed=9)
+    start_t = torch.tensor([start], dtype=torch.int32, device=device)
+
+    ref_k_pool, ref_v_pool = k_pool.clone(), v_pool.clone()
+    ref_q, ref_k = fused.qk_norm_rotary(q, k, wq, wk, cos, sin, EPS)
+    positions = torch.arange(start, start + num_tokens, device=device)
+    page, row = table[positions // page_rows].long(), positions % page_rows
+    ref_k_pool[:, 1][page, row] = ref_k
+    ref_v_pool[:, 1][page, row] = v
+
+    out_q = fused.qk_norm_rotary_paged(q, k, v, wq, wk, cos, sin, EPS, k_pool[:, 1], v_pool[:, 1], table, start_t)
+    assert out_q.is_contiguous() and torch.equal(out_q, ref_q)
+    assert torch.equal(k_pool, ref_k_pool) and torch.equal(v_pool, ref_v_pool)
+
+    twin_k_pool, twin_v_pool = k_pool.clone(), v_pool.clone()
+    twin_q = naive.qk_norm_rotary_paged(q, k, v, wq, wk, cos, sin, EPS, twin_k_pool[:, 1], twin_v_pool[:, 1], table,
+                                        start_t)
+    assert rel(out_q, twin_q) < TOL[dtype]
+    assert rel(k_pool, twin_k_pool) < TOL[dtype] and torch.equal(v_pool, twin_v_pool)
+
+
+def test_qk_norm_rotary_paged_rejects_pages_of_another_dtype(device):
+    q, k = torch.zeros(2, 2, 8, device=device), torch.zeros(2, 1, 8, device=device)
+    w, cos = torch.zeros(8, device=device), torch.zeros(2, 8, device=device)
+    pages = torch.zeros(3, 4, 1, 8, device=device, dtype=torch.float16)
+    start = torch.zeros(1, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="k, v pages must be"):
+        fused.qk_norm_rotary_paged(q, k, k, w, w, cos, cos, EPS, pages, pages, torch.zeros(3, dtype=torch.int32,
+                                   device=device), start)
+
+
+@pytest.mark.gpu
+def test_qk_norm_rotary_paged_model_shapes_gpu():
+    """The 0.8B's attention shapes (8 heads, 2 KV heads, D 256, 64 rotary dims) on 512-row pages, a chunk
+    crossing a page line: the same bits as qk_norm_rotary and the scatters."""
+    gen = torch.Generator().manual_seed(10)
+    num_tokens, start, page_rows, dtype = 512, 700, 512, torch.bfloat16
+    q = _randn(num_tokens, 8, 256, gen=gen).to("cuda", dtype)
+    k = _randn(num_tokens, 2, 256, gen=gen).to("cuda", dtype)
+    v = _randn(num_tokens, 2, 256, gen=gen).to("cuda", dtype)
+    wq, wk = (_randn(256, gen=gen, scale=0.2).to("cuda", dtype) for _ in range(2))
+    cos, sin = (t.to("cuda") for t in naive.rotary_cos_sin(torch.arange(start, start + num_tokens), 64, 1e7, dtype))
+    (k_pool, v_pool), table = _pool_and_table(5, page_rows, 2, 256, dtype, "cuda", seed=11)
+    ref_k_pool, ref_v_pool = k_pool.clone(), v_pool.clone()
+    ref_q, ref_k = fused.qk_norm_rotary(q, k, wq, wk, cos, sin, EPS)
+    positions = torch.arange(start, start + num_tokens, device="cuda")
+    page, row = table[positions // page_rows].long(), positions % page_rows
+    ref_k_pool[:, 1][page, row] = ref_k
+    ref_v_pool[:, 1][page, row] = v
+    start_t = torch.tensor([start], dtype=torch.int32, device="cuda")
+    out_q = fused.qk_norm_rotary_paged(q, k, v, wq, wk, cos, sin, EPS, k_pool[:, 1], v_pool[:, 1], table, start_t)
+    assert torch.equal(out_q, ref_q) and torch.equal(k_pool, ref_k_pool) and torch.equal(v_pool, ref_v_pool)

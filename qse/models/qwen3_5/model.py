@@ -62,6 +62,7 @@ def default_ops() -> SimpleNamespace:
         rms_norm=naive_ops.rms_norm,
         add_rms_norm=naive_ops.add_rms_norm,
         qk_norm_rotary=naive_ops.qk_norm_rotary,
+        qk_norm_rotary_paged=naive_ops.qk_norm_rotary_paged,
         silu_mul=naive_ops.silu_mul,
         sigmoid_gate=naive_ops.sigmoid_gate,
         gated_rms_norm=naive_ops.gated_rms_norm,
@@ -184,7 +185,7 @@ class Qwen35Model:
         emb = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((emb, emb), dim=-1)
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)  # [T, rotary_dim]
-        rows = _PagedRows.of(cache.kv, positions)
+        paged = _PagedStore.of(cache.kv)
         eps, last = self.cfg.rms_norm_eps, len(self.cfg.layer_types) - 1
         # One row's logits (a question's answer, a summary's next token): past the last layer's mixing only
         # that row matters, so the last layer's queries, attention, MLP and norms run for it alone (the
@@ -201,7 +202,7 @@ class Qwen35Model:
             p = f"layers.{layer}."
             only = keep if layer == last else None
             if kind == "full_attention":
-                h = self._attention(layer, h, cache, step, rows, cos, sin, only, keep_host)
+                h = self._attention(layer, h, cache, step, paged, cos, sin, only, keep_host)
             else:
                 h = self._gdn(layer, h, cache)
                 if only is not None:
@@ -256,7 +257,7 @@ class Qwen35Model:
             act = F.silu(self._mm(p + "mlp.gate_proj.weight", h)) * self._mm(p + "mlp.up_proj.weight", h)
         return self._mm(p + "mlp.down_proj.weight", act)
 
-    def _attention(self, layer: int, h: torch.Tensor, cache: SequenceCache, step: Step, rows: "_PagedRows | None",
+    def _attention(self, layer: int, h: torch.Tensor, cache: SequenceCache, step: Step, paged: "_PagedStore | None",
                    cos: torch.Tensor, sin: torch.Tensor, only: torch.Tensor | None = None,
                    only_host: int | None = None) -> torch.Tensor:
         """only: long [1], the one row whose output is wanted (every row's keys and values are written);
@@ -268,18 +269,20 @@ class Qwen35Model:
         q, gate = qg[..., :head_dim], qg[..., head_dim:]
         k = k.view(num_tokens, num_kv, head_dim)
         v = v.view(num_tokens, num_kv, head_dim)
-        q, k = self.ops.qk_norm_rotary(q, k, self.w[a + "q_norm.weight"], self.w[a + "k_norm.weight"], cos, sin,
-                                       cfg.rms_norm_eps)
+        norm_args = (self.w[a + "q_norm.weight"], self.w[a + "k_norm.weight"], cos, sin, cfg.rms_norm_eps)
         slot = self.attn_slot[layer]
+        if paged is not None:  # paged: rows written and read through the page table on the device
+            k_pages, v_pages = paged.pool.k[:, slot], paged.pool.v[:, slot]  # [P, page_rows, Hkv, D]
+            # the norm's kernel stores the normed, rotated k and the raw v at rows start.. itself
+            q = self.ops.qk_norm_rotary_paged(q, k, v, *norm_args, k_pages, v_pages, paged.table, step.start)
+        else:
+            q, k = self.ops.qk_norm_rotary(q, k, *norm_args)
         start = step.start
         if only is not None:
             q, gate, num_tokens = q.index_select(0, only), gate.index_select(0, only), 1
             start = (step.start + only).to(torch.int32)
-        if rows is not None:  # paged: rows written and read through the page table on the device
-            k_pages, v_pages = rows.pool.k[:, slot], rows.pool.v[:, slot]  # [P, page_rows, Hkv, D]
-            k_pages[rows.page, rows.row] = k
-            v_pages[rows.page, rows.row] = v
-            out = self.ops.paged_attention(q, k_pages, v_pages, rows.table, start, max_rows=step.max_rows)
+        if paged is not None:
+            out = self.ops.paged_attention(q, k_pages, v_pages, paged.table, start, max_rows=step.max_rows)
         else:
             pos = step.pos
             assert pos is not None, "a contiguous KV store needs the host position (it cannot be captured)"
@@ -324,19 +327,16 @@ class Qwen35Model:
 
 
 @dataclass
-class _PagedRows:
-    """Where a forward's T rows go in a paged KV store (one computation shared by every attention layer)."""
+class _PagedStore:
+    """A paged KV store as the attention layers see it: the pool and the session's page table on the device
+    (the rows' places are computed from the table and `start` by the kernels that write and read them)."""
 
     pool: "object"  # the KVPool: .k, .v [P, slots, page_rows, Hkv, D]
     table: torch.Tensor  # int32 [pages]: the session's page ids
-    page: torch.Tensor  # long [T]
-    row: torch.Tensor  # long [T]
 
     @classmethod
-    def of(cls, kv, positions: torch.Tensor) -> "_PagedRows | None":
+    def of(cls, kv) -> "_PagedStore | None":
         table_of = getattr(kv, "device_table", None)
         if table_of is None:
             return None
-        table = table_of()
-        page_rows = kv.pool.page_rows
-        return cls(kv.pool, table, table[positions // page_rows].long(), positions % page_rows)
+        return cls(kv.pool, table_of())
