@@ -18,6 +18,10 @@ alone: it never depends on the device, its load, or how many split programs the 
 may launch more splits than L needs (a captured graph launches WANT); the extra ones find no rows and
 add exact zeros in the combine, so the bits are the same. With one split the program writes the output
 directly; that equals the combine of one split bit for bit (weight 2^0 = 1, denominator 1).
+
+The attention layer's output gate, out * sigmoid(gate), can ride in whichever epilogue writes the output
+(`gate`): the output rounded to its dtype, then fused.sigmoid_gate's own arithmetic, so the bits equal
+sigmoid_gate applied after, one launch fewer a layer.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .fused import _sigmoid_gated
 
 # split-K sizing: at most this many programs (two waves of the H200's 132 SMs), with splits of at least
 # MIN_ROWS rows. A chunk's program holds 192 KB of shared memory, so one runs on an SM at a time: rounding
@@ -138,12 +143,13 @@ def _page_base(ptr, table_ptr, n, page_rows, stride_page, stride_row):
 # num_q stays a run-time argument so that every T compiles to the same arithmetic
 @triton.jit(do_not_specialize=["num_q", "page_rows", "forced_rows"])
 def _attn_kernel(
-    q_ptr, k_ptr, v_ptr, k_desc, v_desc, table_ptr, start_ptr, o_ptr, part_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, table_ptr, start_ptr, o_ptr, part_ptr, lse_ptr, gate_ptr,
     num_q, num_heads, page_rows, forced_rows, scale_log2,
     stride_qt, stride_qh, stride_kp, stride_kl, stride_kh, stride_vp, stride_vl, stride_vh, stride_ot, stride_oh,
+    stride_gt, stride_gh,
     G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     WANT: tl.constexpr, MIN_ROWS: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, GATE: tl.constexpr,
 ):
     i_m, i_hk, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(start_ptr)
@@ -205,18 +211,22 @@ def _attn_kernel(
         tl.store(part_ptr + o_row[:, None] * D + o_d[None, :], b_part, mask=m_out)
         tl.store(lse_ptr + o_row, b_lse, mask=m_m)
     else:
-        b_out = b_acc / b_l[:, None]
+        b_out = (b_acc / b_l[:, None]).to(o_ptr.dtype.element_ty)
+        if GATE:
+            p_g = gate_ptr + o_t[:, None] * stride_gt + o_head[:, None] * stride_gh + o_d[None, :]
+            b_out = _sigmoid_gated(b_out, p_g, m_out)
         p_o = o_ptr + o_t[:, None] * stride_ot + o_head[:, None] * stride_oh + o_d[None, :]
-        tl.store(p_o, b_out.to(o_ptr.dtype.element_ty), mask=m_out)
+        tl.store(p_o, b_out, mask=m_out)
 
 
 @triton.jit
 def _attn_combine_kernel(
-    part_ptr, lse_ptr, o_ptr, num_splits, num_q, num_heads, stride_ot, stride_oh,
-    D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
+    part_ptr, lse_ptr, o_ptr, gate_ptr, num_splits, num_q, num_heads, stride_ot, stride_oh, stride_gt, stride_gh,
+    D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr,
 ):
     """out = sum_s 2^(lse_s - M) part_s / sum_s 2^(lse_s - M), splits in order 0..S-1 (empty splits
-    carry lse = -inf and part = 0: weight 0, exact zeros)."""
+    carry lse = -inf and part = 0: weight 0, exact zeros); GATE: times sigmoid(gate), as the split-free
+    epilogue."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     o_d = tl.program_id(2) * BD + tl.arange(0, BD)
     m_d = o_d < D
@@ -237,13 +247,15 @@ def _attn_combine_kernel(
         b_part = tl.load(part_ptr + o_row[:, None] * D + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
         b_acc = b_acc + tl.sum(b_w[:, None] * b_part, 0)
         b_den = b_den + b_w
-    b_out = b_acc / tl.sum(b_den, 0)
-    tl.store(o_ptr + i_t * stride_ot + i_h * stride_oh + o_d, b_out.to(o_ptr.dtype.element_ty), mask=m_d)
+    b_out = (b_acc / tl.sum(b_den, 0)).to(o_ptr.dtype.element_ty)
+    if GATE:
+        b_out = _sigmoid_gated(b_out, gate_ptr + i_t * stride_gt + i_h * stride_gh + o_d, m_d)
+    tl.store(o_ptr + i_t * stride_ot + i_h * stride_oh + o_d, b_out, mask=m_d)
 
 
 def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
                     start: torch.Tensor, max_rows: int | None = None, scale: float | None = None,
-                    rows_per_split: int = 0, fixed_tiles: bool = False) -> torch.Tensor:
+                    rows_per_split: int = 0, fixed_tiles: bool = False, gate: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D] at positions start.. (start: an int32 tensor [1] on q's device) over the rows
     [0, start + T) of a paged KV: k_pages, v_pages [P, page_rows, Hkv, D] (any page stride), page_table
     int32 [>= pages used]. Returns [T, H, D] in q's dtype.
@@ -251,7 +263,8 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     max_rows: a bound on start + T (exact when eager; the pool's capacity under a graph): the launch
     takes min(max_splits, ceil(max_rows / MIN_ROWS)) splits, enough for any context up to the bound;
     None takes max_splits. The bits never depend on it. rows_per_split > 0 forces R; with fixed_tiles
-    (and a forced R) the result is grid-invariant (see INVARIANT_SPLIT_ROWS)."""
+    (and a forced R) the result is grid-invariant (see INVARIANT_SPLIT_ROWS). gate [T, H, D] in q's dtype
+    (a strided view welcome): the output times sigmoid(gate), the bits of fused.sigmoid_gate after."""
     if q.dim() != 3 or k_pages.dim() != 4 or v_pages.shape != k_pages.shape or k_pages.shape[3] != q.shape[2]:
         raise ValueError(f"q must be [T, H, D] and k, v pages [P, rows, Hkv, D]; got {tuple(q.shape)}, "
                          f"{tuple(k_pages.shape)}, {tuple(v_pages.shape)}")
@@ -268,7 +281,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     return _launch(q, k_pages, v_pages, page_rows, k_pages.stride()[:3], v_pages.stride()[:3], page_table, start,
                    num_splits, scale, rows_per_split, fixed_tiles,
                    # grid-invariant launches load every row the same way (TMA is for chunks only)
-                   descriptors=None if fixed_tiles else _page_descriptors(k_pages, v_pages, bn))
+                   descriptors=None if fixed_tiles else _page_descriptors(k_pages, v_pages, bn), gate=gate)
 
 
 def _page_descriptors(k_pages: torch.Tensor, v_pages: torch.Tensor, bn: int):
@@ -290,8 +303,9 @@ def _page_descriptors(k_pages: torch.Tensor, v_pages: torch.Tensor, bn: int):
 
 
 def _launch(q, k, v, page_rows, k_strides, v_strides, page_table, start, num_splits, scale, rows_per_split,
-            fixed_tiles=False, descriptors=None):
-    """k_strides, v_strides: (page, row, head) element strides; the last dimension is contiguous."""
+            fixed_tiles=False, descriptors=None, gate=None):
+    """k_strides, v_strides: (page, row, head) element strides; the last dimension is contiguous. gate: None,
+    or [T, H, D] multiplied in by sigmoid in the epilogue."""
     num_q, num_heads, head_dim = q.shape
     num_kv = k.shape[-2]
     if num_heads % num_kv:
@@ -303,6 +317,10 @@ def _launch(q, k, v, page_rows, k_strides, v_strides, page_table, start, num_spl
     if rows_per_split < 0 or rows_per_split % cfg["BN"]:
         raise ValueError(f"rows_per_split must be a multiple of {cfg['BN']}; got {rows_per_split}")
     q = q if q.stride(-1) == 1 else q.contiguous()
+    if gate is not None:
+        if gate.shape != q.shape or gate.dtype != q.dtype:
+            raise ValueError(f"gate must match q {tuple(q.shape)} {q.dtype}; got {tuple(gate.shape)} {gate.dtype}")
+        gate = gate if gate.stride(-1) == 1 else gate.contiguous()
     out = torch.empty(num_q, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_q == 0:
         return out
@@ -320,19 +338,20 @@ def _launch(q, k, v, page_rows, k_strides, v_strides, page_table, start, num_spl
     block_d = max(16, triton.next_power_of_2(head_dim))
     grid = (triton.cdiv(num_q * group, cfg["BM"]), num_kv, splits)
     k_desc, v_desc = (None, None) if descriptors is None or _decode_tiles(num_q, group, fixed_tiles) else descriptors
+    gate_args = (out, 0, 0) if gate is None else (gate, gate.stride(0), gate.stride(1))  # (out: unread)
     _attn_kernel[grid](
-        q, k, v, k_desc, v_desc, page_table, start, out, part, lse,
+        q, k, v, k_desc, v_desc, page_table, start, out, part, lse, gate_args[0],
         num_q, num_heads, page_rows, rows_per_split, scale * LOG2_E,
-        q.stride(0), q.stride(1), *k_strides, *v_strides, out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), *k_strides, *v_strides, out.stride(0), out.stride(1), *gate_args[1:],
         G=group, D=head_dim, BD=block_d, BM=cfg["BM"], BN=cfg["BN"], WANT=want, MIN_ROWS=cfg["MIN_ROWS"],
         SPLIT=is_split, DOT_FP32=interpreting() and q.dtype != torch.float32, TMA=k_desc is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        GATE=gate is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if is_split:
         combine_d = min(block_d, COMBINE_BLOCK_D) if num_q < COMBINE_SPLIT_D_BELOW_ROWS else block_d
         _attn_combine_kernel[(num_q, num_heads, triton.cdiv(head_dim, combine_d))](
-            part, lse, out, splits, num_q, num_heads, out.stride(0), out.stride(1),
-            D=head_dim, BD=combine_d, BS=COMBINE_BLOCK_SPLITS, num_warps=4,
+            part, lse, out, gate_args[0], splits, num_q, num_heads, out.stride(0), out.stride(1), *gate_args[1:],
+            D=head_dim, BD=combine_d, BS=COMBINE_BLOCK_SPLITS, GATE=gate is not None, num_warps=4,
         )
     return out
 
@@ -350,9 +369,9 @@ def attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_sta
     return attention_split(q, k, v, q_start, scale, INVARIANT_SPLIT_ROWS, fixed_tiles=True)
 
 
-def paged_attention_invariant(q, k_pages, v_pages, page_table, start, max_rows=None, scale=None):
+def paged_attention_invariant(q, k_pages, v_pages, page_table, start, max_rows=None, scale=None, gate=None):
     """paged_attention, grid-invariant: one tile shape, splits of INVARIANT_SPLIT_ROWS rows."""
-    return paged_attention(q, k_pages, v_pages, page_table, start, max_rows, scale, INVARIANT_SPLIT_ROWS, True)
+    return paged_attention(q, k_pages, v_pages, page_table, start, max_rows, scale, INVARIANT_SPLIT_ROWS, True, gate)
 
 
 def attention_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float | None,

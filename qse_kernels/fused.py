@@ -57,6 +57,16 @@ def _silu_mul_kernel(
 
 
 @triton.jit
+def _sigmoid_gated(b_x, p_gate, m):
+    """b_x * sigmoid(gate) for b_x in the output's dtype, rounded where the twin rounds (the sigmoid to that
+    dtype, then the product): the sigmoid_gate kernel and the attention kernels' epilogues (attention.py)
+    share it, so a gate applied in the epilogue has the bits of sigmoid_gate applied after."""
+    b_g = tl.load(p_gate, mask=m, other=0.0)
+    b_s = tl.sigmoid(b_g.to(tl.float32)).to(b_x.dtype)
+    return (b_x.to(tl.float32) * b_s.to(tl.float32)).to(b_x.dtype)
+
+
+@triton.jit
 def _sigmoid_gate_kernel(
     x_ptr, gate_ptr, y_ptr, num_rows, num_heads, stride_xt, stride_xh, stride_gt, stride_gh,
     D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
@@ -66,11 +76,8 @@ def _sigmoid_gate_kernel(
     m = (o_r < num_rows)[:, None] & (o_d < D)[None, :]
     o_t, o_h = o_r // num_heads, o_r % num_heads
     b_x = tl.load(x_ptr + (o_t * stride_xt + o_h * stride_xh)[:, None] + o_d[None, :], mask=m, other=0.0)
-    b_g = tl.load(gate_ptr + (o_t * stride_gt + o_h * stride_gh)[:, None] + o_d[None, :], mask=m, other=0.0)
-    # the twin: sigmoid rounded to the dtype, then the product rounded again
-    b_s = tl.sigmoid(b_g.to(tl.float32)).to(b_x.dtype)
-    b_y = b_x.to(tl.float32) * b_s.to(tl.float32)
-    tl.store(y_ptr + o_r[:, None] * D + o_d[None, :], b_y.to(y_ptr.dtype.element_ty), mask=m)
+    b_y = _sigmoid_gated(b_x, gate_ptr + (o_t * stride_gt + o_h * stride_gh)[:, None] + o_d[None, :], m)
+    tl.store(y_ptr + o_r[:, None] * D + o_d[None, :], b_y, mask=m)
 
 
 @triton.jit

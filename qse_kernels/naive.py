@@ -275,15 +275,19 @@ def gather_pages(pages: torch.Tensor, page_table: torch.Tensor, num_rows: int) -
 
 
 def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
-                    start: torch.Tensor, max_rows: int | None = None, scale: float | None = None) -> torch.Tensor:
-    """attention over a paged KV (the twin of the Triton paged kernel): gather, then attend. Reads the
-    start position back to the host (fine for the reference path; the Triton kernel reads it on device)."""
+                    start: torch.Tensor, max_rows: int | None = None, scale: float | None = None,
+                    gate: torch.Tensor | None = None) -> torch.Tensor:
+    """attention over a paged KV (the twin of the Triton paged kernel): gather, then attend, then
+    sigmoid_gate(out, gate) when a gate [T, H, D] is given (the Triton kernel gates in its epilogue). Reads
+    the start position back to the host (fine for the reference path; the Triton kernel reads it on device)."""
     q_start = int(start.reshape(-1)[0])
     num_rows = q_start + q.shape[0]
     k, v = gather_pages(k_pages, page_table, num_rows), gather_pages(v_pages, page_table, num_rows)
     if q.is_cuda and scale is None:
-        return sdpa_attention(q, k, v, q_start)
-    return attention(q, k, v, q_start, scale)
+        out = sdpa_attention(q, k, v, q_start)
+    else:
+        out = attention(q, k, v, q_start, scale)
+    return out if gate is None else sigmoid_gate(out, gate)
 
 
 __all__ = [

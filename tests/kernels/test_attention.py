@@ -1,11 +1,12 @@
-"""Causal GQA attention against its twin: prefill chunks, decode with split-K, the combine pass."""
+"""Causal GQA attention against its twin: prefill chunks, decode with split-K, the combine pass, the output gate
+in either epilogue."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from qse_kernels import attention, naive
+from qse_kernels import attention, fused, naive
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -237,3 +238,70 @@ def test_a_launch_never_exceeds_the_target_programs(num_q, num_heads, num_kv, he
     assert splits >= 1
     assert base * splits <= max(attention.TARGET_PROGRAMS, base)
     assert base * (splits + 1) > attention.TARGET_PROGRAMS  # and no fewer than fit
+
+
+# ---- the output gate in the epilogue (what the model runs on a paged KV) ---------------------------------
+GATE_CASES = {
+    # T, H, Hkv, D, q_start, forced rows a split (0: the launch's own), dtype
+    "chunk-one-split-fp32": (40, 4, 2, 32, 150, 0, torch.float32),
+    "chunk-one-split-bf16": (40, 4, 2, 32, 150, 0, torch.bfloat16),
+    "chunk-splits-bf16": (40, 4, 2, 32, 150, 64, torch.bfloat16),
+    "decode-splits-bf16": (1, 8, 2, 32, 280, 0, torch.bfloat16),
+    "decode-splits-fp32": (1, 4, 1, 32, 299, 0, torch.float32),
+}
+
+
+@pytest.mark.parametrize("num_q,num_heads,num_kv,head_dim,q_start,rows,dtype", GATE_CASES.values(), ids=GATE_CASES.keys())
+def test_gate_in_the_epilogue_is_sigmoid_gate_after(device, rel, num_q, num_heads, num_kv, head_dim, q_start, rows, dtype):
+    """gate= in the attention kernel's epilogue (one split) or the combine's (several): the bits of
+    fused.sigmoid_gate applied to the ungated output, with the gate a strided half of the fused q projection."""
+    q, k, v = _inputs(num_q, num_heads, num_kv, head_dim, q_start, dtype, device, seed=13)
+    gate = (torch.randn(num_q, num_heads, 2 * head_dim, generator=torch.Generator().manual_seed(14)) * 3).to(device, dtype)
+    gate = gate[..., head_dim:]
+    k_pool, v_pool, table = _paged_copy(k, v, 64, 9)
+    start = torch.tensor([q_start], dtype=torch.int32, device=device)
+    max_rows = q_start + num_q
+    splits = attention.splits_for(num_q, num_heads, num_kv, head_dim, max_rows, rows)
+    assert (splits > 1) == (rows > 0 or num_q == 1)  # the cases cover both epilogues
+    plain = attention.paged_attention(q, k_pool, v_pool, table, start, max_rows=max_rows, rows_per_split=rows)
+    gated = attention.paged_attention(q, k_pool, v_pool, table, start, max_rows=max_rows, rows_per_split=rows, gate=gate)
+    assert torch.equal(gated, fused.sigmoid_gate(plain, gate))
+    twin = naive.paged_attention(q, k_pool, v_pool, table, start, gate=gate)
+    assert torch.equal(twin, naive.sigmoid_gate(naive.paged_attention(q, k_pool, v_pool, table, start), gate))
+    assert rel(gated, twin) < _tol(dtype, device)
+
+
+def test_invariant_attention_gate_is_sigmoid_gate_after(device, monkeypatch):
+    monkeypatch.setattr(attention, "INVARIANT_SPLIT_ROWS", 64)
+    q, k, v = _inputs(20, 4, 2, 16, 150, torch.bfloat16, device, seed=15)
+    gate = torch.randn(20, 4, 16, generator=torch.Generator().manual_seed(16)).to(device, torch.bfloat16)
+    k_pool, v_pool, table = _paged_copy(k, v, 64, 7)
+    start = torch.tensor([150], dtype=torch.int32, device=device)
+    plain = attention.paged_attention_invariant(q, k_pool, v_pool, table, start, max_rows=7 * 64)
+    gated = attention.paged_attention_invariant(q, k_pool, v_pool, table, start, max_rows=7 * 64, gate=gate)
+    assert torch.equal(gated, fused.sigmoid_gate(plain, gate))
+
+
+def test_gate_must_match_q(device):
+    q, k, v = _inputs(4, 2, 1, 16, 0, torch.float32, device)
+    k_pool, v_pool, table = _paged_copy(k, v, 64, 2)
+    start = torch.zeros(1, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="gate must match q"):
+        attention.paged_attention(q, k_pool, v_pool, table, start, gate=q[:, :1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tma", [False, True], ids=["loads", "tma"])
+@pytest.mark.parametrize("num_q,q_start", [(512, 1536), (512, 0), (320, 2000), (1, 5000)],
+                         ids=["chunk-L2048", "chunk-L512", "question-L2320", "decode-L5001"])
+def test_gate_in_the_epilogue_model_shapes_gpu(monkeypatch, num_q, q_start, tma):
+    """The 0.8B's attention shape on 512-row pages, compiled: the gate in the epilogue has the bits of
+    sigmoid_gate after, on one split and on several."""
+    monkeypatch.setattr(attention, "TMA_LOADS", tma)
+    q, k, v = _inputs(num_q, 8, 2, 256, q_start, torch.bfloat16, "cuda", seed=17)
+    gate = (torch.randn(num_q, 8, 512, device="cuda") * 3).to(torch.bfloat16)[..., 256:]
+    k_pool, v_pool, table = _paged_copy(k, v, 512, -(-(q_start + num_q) // 512) + 3)
+    start = torch.tensor([q_start], dtype=torch.int32, device="cuda")
+    plain = attention.paged_attention(q, k_pool, v_pool, table, start, max_rows=q_start + num_q)
+    gated = attention.paged_attention(q, k_pool, v_pool, table, start, max_rows=q_start + num_q, gate=gate)
+    assert torch.equal(gated, fused.sigmoid_gate(plain, gate))

@@ -281,8 +281,8 @@ class Qwen35Model:
         if only is not None:
             q, gate, num_tokens = q.index_select(0, only), gate.index_select(0, only), 1
             start = (step.start + only).to(torch.int32)
-        if paged is not None:
-            out = self.ops.paged_attention(q, k_pages, v_pages, paged.table, start, max_rows=step.max_rows)
+        if paged is not None:  # the output gate rides in the attention kernel's epilogue
+            out = self.ops.paged_attention(q, k_pages, v_pages, paged.table, start, max_rows=step.max_rows, gate=gate)
         else:
             pos = step.pos
             assert pos is not None, "a contiguous KV store needs the host position (it cannot be captured)"
@@ -291,8 +291,8 @@ class Qwen35Model:
             if only is not None:
                 assert only_host is not None, "a contiguous KV store needs the kept row on the host"
                 pos += only_host
-            out = self.ops.attention(q, keys, values, pos)  # [T, H, D]
-        out = self.ops.sigmoid_gate(out, gate).reshape(num_tokens, num_heads * head_dim)
+            out = self.ops.sigmoid_gate(self.ops.attention(q, keys, values, pos), gate)
+        out = out.reshape(num_tokens, num_heads * head_dim)  # [T, H * D]
         return self._mm(a + "o_proj.weight", out)
 
     def _gdn(self, layer: int, h: torch.Tensor, cache: SequenceCache) -> torch.Tensor:
