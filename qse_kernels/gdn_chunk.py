@@ -22,11 +22,12 @@ same machine code whatever T is (the counts are not specialised), so T tokens in
 tokens in calls split on chunk lines give the same bits. Padded rows of a partial last chunk load
 k = v = g = beta = 0 and so write zeros.
 
-chunk_gated_delta_rule_from_gates takes the raw projections a, b instead of g, beta and the prepare
-kernel gates them itself (norms._gdn_gates, the gating kernel's own formula): one launch less a GDN
-layer. Interpreted, the two entries give the same bits; compiled, g may meet the cumulative sum in a
-register instead of through memory, and the compiler may then contract the product into the first add
-(an FMA), so they agree to the rounding of g. The exactness contract needs only one entry on both sides.
+chunk_gated_delta_rule_from_gates takes the raw projections a, b instead of g, beta. With GATE_IN_PREPARE
+the prepare kernel gates them itself (norms._gdn_gates, the gating kernel's own formula), one launch less
+a GDN layer; it is off, as measured slower on the H200 (see the constant), and the gating kernel runs
+first. Interpreted, both give the same bits; compiled, g may meet the cumulative sum in a register
+instead of through memory, and the compiler may then contract the product into the first add (an FMA),
+so they agree to the rounding of g. The exactness contract needs only one entry on both sides.
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ INVERSE_BLOCK = 16
 # illegal address in the GPU tests) while every shape tried is right with 4, which is also faster at the
 # model's shape (gdn_configs: 30.1 against 31.4 us)
 PREPARE_NUM_WARPS = 4
+# the gating inside the prepare kernel saves a launch a layer, but on the H200 the prepare then took 40.7
+# instead of 35.3 us a layer (0.73 against 0.64 ms a 0.8B chunk, shadow_measure-graph-v10-*) while the
+# gating kernel it replaces takes 2.7: so a chunk gates in its own kernel (decode gates in the recurrent
+# kernel, where it pays: gdn_recurrent)
+GATE_IN_PREPARE = False
 SCAN_BLOCK_V = 16
 SCAN_NUM_WARPS = 4
 SCAN_NUM_STAGES = 1
@@ -336,9 +342,15 @@ def chunk_gated_delta_rule_from_gates(
     dt_bias: torch.Tensor, state: torch.Tensor, chunk: int = 64, out_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of naive.chunk_gated_delta_rule_from_gates: chunk_gated_delta_rule of gdn_gating(a, b,
-    a_log, dt_bias), the gating done by the prepare kernel (a, b [T, Hv], any strides; a_log, dt_bias [Hv])."""
+    a_log, dt_bias) (a, b [T, Hv], any strides; a_log, dt_bias [Hv]); the prepare kernel gates them itself
+    where GATE_IN_PREPARE is on."""
     shapes = _check_gdn_shapes(q, k, v, a, b, state, "a and b")
     gates = _check_gates(a, b, a_log, dt_bias, shapes[2])
+    if not GATE_IN_PREPARE:
+        from .norms import gdn_gating
+
+        g, beta = gdn_gating(a, b, *gates)
+        return _chunk_rule(q, k, v, g, beta, None, state, chunk, out_state, shapes)
     return _chunk_rule(q, k, v, a, b, gates, state, chunk, out_state, shapes)
 
 

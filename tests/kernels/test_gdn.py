@@ -184,9 +184,16 @@ FROM_GATES = {
 }
 
 
+@pytest.fixture(params=[True, False], ids=["gate-in-prepare", "gating-kernel"])
+def gate_in_prepare(request, monkeypatch):
+    """Both ways the chunk entry gates: in the prepare kernel, or the gating kernel before it (the default)."""
+    monkeypatch.setattr(gdn_chunk, "GATE_IN_PREPARE", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fused,rule,num_tokens", FROM_GATES.values(), ids=FROM_GATES.keys())
-def test_from_gates_is_gating_then_rule(device, rel, fused, rule, num_tokens, dtype):
+def test_from_gates_is_gating_then_rule(device, rel, fused, rule, num_tokens, dtype, gate_in_prepare):
     """The rule gating a, b in its own kernel == the gating kernel, then the rule on g, beta (a partial
     last chunk included: its padded tokens must stay ungated zeros); and close to the naive twin."""
     q, k, v, _, _, state = _inputs(num_tokens, 2, 4, 16, 16, dtype, device, seed=8)
@@ -200,7 +207,7 @@ def test_from_gates_is_gating_then_rule(device, rel, fused, rule, num_tokens, dt
     assert rel(out[0], ref_o) < TOL[dtype] and rel(out[1], ref_s) < TOL[dtype]
 
 
-def test_chunk_from_gates_split_on_chunk_lines_is_bitwise(device):
+def test_chunk_from_gates_split_on_chunk_lines_is_bitwise(device, gate_in_prepare):
     """The gated entry keeps the chunk rule's contract: one call == calls split on chunk lines, bit for bit."""
     q, k, v, _, _, state = _inputs(192, 1, 2, 16, 16, torch.bfloat16, device, seed=9)
     a, b, a_log, dt_bias = _gates(192, 2, torch.bfloat16, device, seed=1)
@@ -246,7 +253,7 @@ def test_gdn_model_shapes_gpu(rel, num_k, num_v):
 
 
 @pytest.mark.gpu
-def test_gdn_from_gates_model_shapes_gpu(rel):
+def test_gdn_from_gates_model_shapes_gpu(rel, gate_in_prepare):
     """The 0.8B's shapes compiled: the gated entries against gating then the rule (to g's rounding), and
     the chunk entry split on chunk lines bit for bit."""
     q, k, v, _, _, state = _inputs(512, 16, 16, 128, 128, torch.bfloat16, "cuda", seed=10)
