@@ -190,10 +190,11 @@ class Conductor:
         self.narrator_ration = TurnRation(cfg.narrator_share, cfg.slice_ms, Window.NARRATOR)
         self.serving = serving or ServedPath(served, graphs=None if cfg.served_graphs else False,
                                              pool_bytes=int(cfg.served_kv_gb * (1 << 30)))
-        self.served_exec = EngineExecutor("served")
-        self.reader_exec = self.served_exec if (reader is None or reader.engine is served) else EngineExecutor("reader")
+        # before the executors' threads start: it checks the reader's lookahead and lead
         self.runner = (ChunkRunner(self.reader, self.estimator, self.ledger, clock, lookahead=cfg.reader_lookahead,
                                    launch_lead_ms=cfg.launch_lead_ms) if self.reader is not None else None)
+        self.served_exec = EngineExecutor("served")
+        self.reader_exec = self.served_exec if (reader is None or reader.engine is served) else EngineExecutor("reader")
         self._idle_task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._router_pending: dict[str, list[dict[str, Any]]] = {}

@@ -3,6 +3,8 @@ for the engine goes before the idle reader; a hold or the box lock keeps the win
 
 import asyncio
 
+import pytest
+
 from runtime_rig import GRID, prompt_ids
 
 from qse.core.ledger import Role
@@ -94,3 +96,13 @@ async def test_the_idle_loop_stops_with_the_conductor(make_rig):
     await c.start()
     await c.stop()  # wakes the loop at once; nothing waits for a poll
     assert c._idle_task is None
+
+
+def test_the_reader_lookahead_and_lead_come_from_the_config_and_a_bad_one_is_named(make_rig):
+    rig = make_rig(reader_lookahead=0, launch_lead_ms=2.5)
+    assert (rig.conductor.runner.lookahead, rig.conductor.runner.launch_lead_ms) == (0, 2.5)
+    assert make_rig().conductor.runner.lookahead == 1  # the default launches one chunk ahead
+    with pytest.raises(ValueError, match=r"QSE_SHADOW_LOOKAHEAD\) must be a whole number of chunks >= 0, got -1"):
+        make_rig(reader_lookahead=-1)
+    with pytest.raises(ValueError, match=r"QSE_SHADOW_LAUNCH_LEAD_MS\) must be a finite number of ms >= 0, got nan"):
+        make_rig(launch_lead_ms=float("nan"))
