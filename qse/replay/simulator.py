@@ -6,7 +6,10 @@ from arrival to first token and decodes to the end, and the reader reads the ses
 chunks whenever qse/core lets it (`IdleWindow`/`IdleBurst` between turns, `TurnRation` between decode
 rounds), through the same `drive_plan` loop the runtime runs, charging the same `GpuLedger`. A chunk
 costs what the read model says at its context; the estimator learns from those costs, so decisions
-are taken on estimates and accounted on "measurements", as in the server.
+are taken on estimates and accounted on "measurements", as in the server. The replay reads one chunk
+at a time; the server launches the next chunk while the device runs the one before (`ReaderPlan.lookahead`),
+which hides the host's launch (not in the read model, whose costs are device time between marks) and
+takes the same decisions wherever a chunk costs what it was estimated to.
 
 Time the reader takes from the served model pushes the rest of the session later (the client waits
 for the answer): a slice between decode rounds lengthens the turn, and a request that arrives during

@@ -2,7 +2,8 @@
 
 `feed` tells the reader what a session now holds (a new prompt, or the prompt plus output so far);
 it never reads. `read_step` reads exactly one grid chunk of one session, so a scheduler can stop
-between any two chunks. Questions (`ask`, `summarize`) run on a fork: the pending tail and the
+between any two chunks; `launch_step` and `finish_step` split it in two, so that the next chunk is
+launched while the device still runs the one before (`read_all`, and the conductor's windows). Questions (`ask`, `summarize`) run on a fork: the pending tail and the
 question are read above the committed rows, and the state is put back afterwards.
 """
 
