@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--traces", type=Path, default=ROOT.parent / "shared" / "data" / "traces")
     p.add_argument("--read-model", type=Path,
-                   default=ROOT / "benchmarks" / "results" / "shadow_measure-graph-2026-11-29-h200.json")
+                   default=ROOT / "benchmarks" / "results" / "shadow_measure-graph-v10-final-2026-11-29-h200.json")
     p.add_argument("--read-model-preset", default=None)
     p.add_argument("--read-model-ops", default=None)
     p.add_argument("--target-ms-per-1000", type=float, default=8.0)
