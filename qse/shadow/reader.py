@@ -3,8 +3,9 @@
 `feed` tells the reader what a session now holds (a new prompt, or the prompt plus output so far);
 it never reads. `read_step` reads exactly one grid chunk of one session, so a scheduler can stop
 between any two chunks; `launch_step` and `finish_step` split it in two, so that the next chunk is
-launched while the device still runs the one before (`read_all`, and the conductor's windows). Questions (`ask`, `summarize`) run on a fork: the pending tail and the
-question are read above the committed rows, and the state is put back afterwards.
+launched while the device still runs the one before (`read_all`, and the conductor's windows).
+Questions (`ask`, `summarize`) run on a fork: the pending tail and the question are read above the
+committed rows, and the state is put back afterwards.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -337,8 +338,10 @@ class ShadowReader:
         if pages > 0 and not self.residency.make_room(self, pages, session):
             raise MemoryError(f"the shadow KV pool ({self.pool.num_pages} pages) cannot hold session {session_id!r} at {start + self.grid} rows")
         ids = session.ids[start : start + self.grid]
+        begin = None
         if self.graphs is not None:
-            pending = PendingChunk(session, start, marks=self._launch_graph_chunk(session, ids, start))
+            begin = self._launch_graph_chunk(session, ids, start)
+            pending = PendingChunk(session, start)
         else:  # eager: the engine measures (and waits for) the forward itself
             _, gpu_ms = self.engine.forward(session.cache, self.engine.ids_tensor(ids), logits="none")
             pending = PendingChunk(session, start, gpu_ms=gpu_ms)
@@ -346,6 +349,8 @@ class ShadowReader:
         session.stats.chunks_read += 1
         session.stats.ids_read += self.grid
         self._checkpoints_after_chunk(session)  # device copies, in order after the chunk
+        if begin is not None:  # the chunk's device time includes its checkpoint copies
+            pending.marks = (begin, self._device_clock.mark())
         return pending
 
     def finish_step(self, pending: "PendingChunk") -> ChunkReport:
@@ -361,8 +366,8 @@ class ShadowReader:
         self.stats.gpu_ms += gpu_ms
         return ChunkReport(session.session_id, end, max(0, session.readable_end - end), gpu_ms, pending.start)
 
-    def _launch_graph_chunk(self, session: ShadowSession, ids: list[int], start: int) -> tuple:
-        """The chunk's replay between two device marks: (start, end)."""
+    def _launch_graph_chunk(self, session: ShadowSession, ids: list[int], start: int) -> Any:
+        """Launch the chunk's replay; the device mark before it."""
         graphs, cache = self.graphs, session.cache
         entry = graphs.prepare(len(ids), "none")
         if not session.kv.ensure(start + len(ids)):
@@ -374,7 +379,7 @@ class ShadowReader:
         graphs.replay(entry)
         graphs.store(cache)
         cache.length = start + len(ids)
-        return begin, self._device_clock.mark()
+        return begin
 
     def read_all(self, session_id: str, lookahead: int = 1) -> list[ChunkReport]:
         """Every whole chunk waiting, `lookahead` chunks launched ahead of the one being read back (the
