@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .fused import _sigmoid_gated
+from .fused import _sigmoid_gated, check_page_table
 
 # split-K sizing: at most this many programs (two waves of the H200's 132 SMs), with splits of at least
 # MIN_ROWS rows. A chunk's program holds 192 KB of shared memory, so one runs on an SM at a time: rounding
@@ -268,9 +268,7 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     if q.dim() != 3 or k_pages.dim() != 4 or v_pages.shape != k_pages.shape or k_pages.shape[3] != q.shape[2]:
         raise ValueError(f"q must be [T, H, D] and k, v pages [P, rows, Hkv, D]; got {tuple(q.shape)}, "
                          f"{tuple(k_pages.shape)}, {tuple(v_pages.shape)}")
-    if page_table.dtype != torch.int32 or start.dtype != torch.int32 or start.numel() != 1:
-        raise ValueError(f"page_table and start must be int32 tensors (start of one element); got "
-                         f"{page_table.dtype}, {start.dtype} x {start.numel()}")
+    check_page_table(page_table, start)
     page_rows = k_pages.shape[1]
     bn = _config(q.shape[0], q.shape[1] // max(1, k_pages.shape[2]), q.shape[2])["BN"]
     if page_rows % bn:

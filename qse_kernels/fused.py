@@ -247,12 +247,18 @@ def qk_norm_rotary_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_we
             or k_pages.dtype != k.dtype or v_pages.dtype != k.dtype or k_pages.stride(3) != 1 or v_pages.stride(3) != 1):
         raise ValueError(f"k, v pages must be [P, page_rows, {k.shape[1]}, {k.shape[2]}] in {k.dtype} with contiguous "
                          f"rows; got {tuple(k_pages.shape)} {k_pages.dtype}, {tuple(v_pages.shape)} {v_pages.dtype}")
-    if page_table.dtype != torch.int32 or start.dtype != torch.int32 or start.numel() != 1:
-        raise ValueError(f"page_table and start must be int32 tensors (start of one element); got "
-                         f"{page_table.dtype}, {start.dtype} x {start.numel()}")
+    check_page_table(page_table, start)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _launch_qk(q, k, q_weight, k_weight, cos, sin, eps, q_out, None, (v, k_pages, v_pages, page_table, start))
     return q_out
+
+
+def check_page_table(page_table: torch.Tensor, start: torch.Tensor) -> None:
+    """A paged KV's page table and start position as the kernels read them on the device (here and in
+    attention.paged_attention): int32, start of one element."""
+    if page_table.dtype != torch.int32 or start.dtype != torch.int32 or start.numel() != 1:
+        raise ValueError(f"page_table and start must be int32 tensors (start of one element); got "
+                         f"{page_table.dtype}, {start.dtype} x {start.numel()}")
 
 
 def _check_qk(q, k, q_weight, k_weight, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
