@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .norms import _gdn_gates, _tl_dtype
+from .norms import _gdn_gates, _tl_dtype, gdn_gating
 
 # fp32 operands through three tf32 products: close to fp32, still on the tensor cores. (One tf32
 # product leaves ~1e-3 in the carried state, which then compounds from chunk to chunk.)
@@ -347,8 +347,6 @@ def chunk_gated_delta_rule_from_gates(
     shapes = _check_gdn_shapes(q, k, v, a, b, state, "a and b")
     gates = _check_gates(a, b, a_log, dt_bias, shapes[2])
     if not GATE_IN_PREPARE:
-        from .norms import gdn_gating
-
         g, beta = gdn_gating(a, b, *gates)
         return _chunk_rule(q, k, v, g, beta, None, state, chunk, out_state, shapes)
     return _chunk_rule(q, k, v, a, b, gates, state, chunk, out_state, shapes)
