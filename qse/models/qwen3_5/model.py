@@ -309,7 +309,8 @@ class Qwen35Model:
         q = qkv[:, :kd].reshape(num_tokens, hk, dk)
         k = qkv[:, kd : 2 * kd].reshape(num_tokens, hk, dk)
         v = qkv[:, 2 * kd :].reshape(num_tokens, hv, dv)
-        # the rule gates a and b itself (g = -e^A_log softplus(a + dt_bias), beta = sigmoid(b)): no launch of its own
+        # the rule takes the raw a and b (g = -e^A_log softplus(a + dt_bias), beta = sigmoid(b)): decode gates
+        # them in its own kernel; a chunk in the gating kernel first (qse_kernels.gdn_chunk.GATE_IN_PREPARE)
         gates = (a, b, self.w[g_ + "A_log"], self.w[g_ + "dt_bias"])
         state = cache.recurrent[slot]
         # the new state is written over the old one, in place (the cache and a CUDA graph hold its address)
