@@ -84,14 +84,21 @@ class ReaderPlan:
         return self.start_row + self.max_chunks * self.grid
 
 
+def check_lookahead(lookahead: int, launch_lead_ms: float, lookahead_name: str = "lookahead",
+                    lead_name: str = "launch lead") -> None:
+    """A ReaderPlan's lookahead (whole chunks >= 0) and launch lead (finite ms >= 0), or a ValueError that
+    names the bad one (a caller that took them from settings passes the settings' names)."""
+    if not (isinstance(lookahead, int) and not isinstance(lookahead, bool) and lookahead >= 0):
+        raise ValueError(f"{lookahead_name} must be a whole number of chunks >= 0, got {lookahead!r}")
+    if not (isinstance(launch_lead_ms, (int, float)) and math.isfinite(launch_lead_ms) and launch_lead_ms >= 0):
+        raise ValueError(f"{lead_name} must be a finite number of ms >= 0, got {launch_lead_ms!r}")
+
+
 def plan_read(window: Window, *, session_id: str, turn_id: str | None, committed_rows: int,
               prompt_tokens: int, known_tokens: int, grid: int, budget_ms: float,
               first_chunk_est_ms: float, lookahead: int = 0, launch_lead_ms: float = 0.0) -> ReaderPlan | None:
     """A plan over the session's whole unread chunks; None when there is no whole chunk to read."""
-    if not (isinstance(lookahead, int) and lookahead >= 0):
-        raise ValueError(f"lookahead must be a whole number of chunks >= 0, got {lookahead!r}")
-    if not (isinstance(launch_lead_ms, (int, float)) and math.isfinite(launch_lead_ms) and launch_lead_ms >= 0):
-        raise ValueError(f"launch lead must be a finite number of ms >= 0, got {launch_lead_ms!r}")
+    check_lookahead(lookahead, launch_lead_ms)
     backlog = next_backlog(committed_rows, prompt_tokens, known_tokens, grid)
     if backlog is None or committed_rows % grid != 0:
         return None

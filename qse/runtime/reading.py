@@ -17,7 +17,6 @@ A pending router question stops the plan before the chunk that would pass its po
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -25,7 +24,7 @@ from typing import Callable
 from ..core.chunk_cost import ChunkCostEstimator
 from ..core.drive import ChunkDecision, DriveResult, drive_plan
 from ..core.ledger import GpuLedger
-from ..core.plan import ReaderPlan, Window, plan_read
+from ..core.plan import ReaderPlan, Window, check_lookahead, plan_read
 from ..shadow.reader import ChunkReport, PendingChunk, ShadowReader
 
 
@@ -69,12 +68,8 @@ class ChunkRunner:
                  clock: Callable[[], float], lookahead: int = 1, launch_lead_ms: float = 1.0,
                  sleep_until: Callable[[float], None] | None = None):
         """sleep_until(t): wait until `clock()` reaches t (default: time.sleep against `clock`)."""
-        if not (isinstance(lookahead, int) and not isinstance(lookahead, bool) and lookahead >= 0):
-            raise ValueError(f"the reader's lookahead (QSE_SHADOW_LOOKAHEAD) must be a whole number of chunks >= 0, "
-                             f"got {lookahead!r}")
-        if not (isinstance(launch_lead_ms, (int, float)) and math.isfinite(launch_lead_ms) and launch_lead_ms >= 0):
-            raise ValueError(f"the launch lead (QSE_SHADOW_LAUNCH_LEAD_MS) must be a finite number of ms >= 0, "
-                             f"got {launch_lead_ms!r}")
+        check_lookahead(lookahead, launch_lead_ms, "the reader's lookahead (QSE_SHADOW_LOOKAHEAD)",
+                        "the launch lead (QSE_SHADOW_LAUNCH_LEAD_MS)")
         self.reader = reader
         self.estimator = estimator
         self.ledger = ledger
