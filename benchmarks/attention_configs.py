@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import platform
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import qse_kernels.attention as attn  # noqa: E402
-from benchmarks.results_io import write_result  # noqa: E402
+from benchmarks.results_io import versions, write_result  # noqa: E402
 from benchmarks.timing import cuda_us  # noqa: E402
 
 VARIANTS = {
@@ -105,8 +104,7 @@ def main(argv=None) -> int:
         print(json.dumps({name: row}), flush=True)
     attn._config = real_config
     result = {"command": " ".join([sys.executable, *sys.argv]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
-              "device": torch.cuda.get_device_name(), "versions": {"torch": torch.__version__, "python": platform.python_version(),
-                                                                   "triton": __import__("triton").__version__},
+              "device": torch.cuda.get_device_name(), "versions": versions("triton"),
               "shape": {"H": heads, "Hkv": kv_heads, "D": dim}, "variants": rows}
     write_result(result, args.out, "attention_configs")
     return 0

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import platform
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import qse_kernels.gdn_chunk as gdn  # noqa: E402
-from benchmarks.results_io import write_result  # noqa: E402
+from benchmarks.results_io import versions, write_result  # noqa: E402
 
 VARIANTS = {
     "default": {},
@@ -102,8 +101,7 @@ def main(argv=None) -> int:
     for name, value in defaults.items():
         setattr(gdn, name, value)
     result = {"command": " ".join([sys.executable, *sys.argv]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
-              "device": torch.cuda.get_device_name(), "versions": {"torch": torch.__version__, "python": platform.python_version(),
-                                                                   "triton": __import__("triton").__version__},
+              "device": torch.cuda.get_device_name(), "versions": versions("triton"),
               "shape": {"T": 512, "Hk": 16, "Hv": 16, "Dk": 128, "Dv": 128}, "variants": rows}
     write_result(result, args.out, "gdn_configs")
     return 0

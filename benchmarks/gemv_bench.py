@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import platform
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.results_io import write_result  # noqa: E402
+from benchmarks.results_io import versions, write_result  # noqa: E402
 from benchmarks.timing import cuda_us  # noqa: E402
 from qse_kernels.gemv import gemv  # noqa: E402
 
@@ -66,8 +65,7 @@ def main(argv=None) -> int:
             rows.append(row)
     result = {"command": " ".join([sys.executable, *sys.argv]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
               "device": torch.cuda.get_device_name(),
-              "versions": {"torch": torch.__version__, "python": platform.python_version(),
-                           "triton": __import__("triton").__version__}, "rows": rows}
+              "versions": versions("triton"), "rows": rows}
     write_result(result, args.out, "gemv_bench")
     return 0
 

@@ -15,7 +15,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -28,7 +27,7 @@ import triton.language as tl
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.results_io import write_result  # noqa: E402
+from benchmarks.results_io import versions, write_result  # noqa: E402
 from benchmarks.timing import cuda_us  # noqa: E402
 from qse.engine.engine import Engine  # noqa: E402
 from qse.models import resolve  # noqa: E402
@@ -165,7 +164,7 @@ def main(argv=None) -> int:
         "command": " ".join([sys.executable, *sys.argv]),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(),
         "device": torch.cuda.get_device_name(),
-        "versions": {"torch": torch.__version__, "python": platform.python_version(), "triton": triton.__version__},
+        "versions": versions("triton"),
         "row": row,
     }
     write_result(result, args.out, "graph_gaps")

@@ -1,10 +1,25 @@
-"""Where a benchmark's JSON goes: <out>/<name>-<date>-<device tag>.json, announced on stdout."""
+"""Where a benchmark's JSON goes: <out>/<name>-<date>-<device tag>.json, announced on stdout; and the
+versions every result records."""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import platform
 from pathlib import Path
+
+
+def versions(*packages: str) -> dict:
+    """Python's and torch's versions, and each named package's (or why it could not be imported)."""
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in packages:
+        try:
+            out[name] = __import__(name).__version__
+        except Exception as exc:  # noqa: BLE001 - a missing peer package is recorded, not fatal
+            out[name] = f"missing: {type(exc).__name__}"
+    return out
 
 
 def device_tag(device_name: str) -> str:

@@ -43,6 +43,7 @@ from qse.models import resolve  # noqa: E402
 from qse.runtime.conductor import Conductor, ConductorConfig, GenerateRequest, ShadowOptions  # noqa: E402
 from qse.settings import SETTINGS  # noqa: E402
 from qse.shadow.reader import ShadowReader, checkpoint_options  # noqa: E402
+from benchmarks.results_io import versions  # noqa: E402
 
 
 async def one_run(conductor: Conductor, prompt: list[int], out_tokens: int) -> dict:
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     given = list(sys.argv[1:] if argv is None else argv)
     result.update({"command": shlex.join([sys.executable, str(Path(__file__).relative_to(ROOT)), *given]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
                    "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
-                   "versions": {"torch": torch.__version__, "python": platform.python_version()}})
+                   "versions": versions()})
     if args.json_out is not None:
         path = args.json_out
     else:

@@ -35,17 +35,7 @@ sys.path.insert(0, str(ROOT))
 from qse.engine.engine import Engine  # noqa: E402
 from qse.models import resolve  # noqa: E402
 from qse.shadow.reader import ShadowReader  # noqa: E402
-from benchmarks.results_io import write_result  # noqa: E402
-
-
-def versions() -> dict:
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("triton", "transformers", "fla"):
-        try:
-            out[name] = __import__(name).__version__
-        except Exception as exc:  # noqa: BLE001
-            out[name] = f"missing: {type(exc).__name__}"
-    return out
+from benchmarks.results_io import versions, write_result  # noqa: E402
 
 
 # ops: naive (torch twins, eager), triton (qse_kernels, eager), graph (qse_kernels under CUDA graphs),
@@ -236,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "command": " ".join([sys.executable, *sys.argv]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-        "versions": versions(), "qse": [],
+        "versions": versions("triton", "transformers", "fla"), "qse": [],
     }
     for preset in args.presets.split(","):
         for ops in args.ops.split(","):

@@ -17,3 +17,14 @@ def test_benchmark_imports_without_running(path):
     spec.loader.exec_module(module)
     if path.stem not in ("results_io", "timing", "__init__"):
         assert callable(getattr(module, "main", None)), f"{path.name} has no main()"
+
+
+def test_results_record_the_versions_asked_for():
+    from benchmarks.results_io import versions
+
+    got = versions("torch", "no_such_package_qse")
+    assert set(got) == {"python", "torch", "no_such_package_qse"}
+    assert got["no_such_package_qse"] == "missing: ModuleNotFoundError"
+    import torch
+
+    assert got["torch"] == torch.__version__
