@@ -5,8 +5,8 @@ and 64k of context, TFLOP/s, and the error against torch's fused attention.
 
     python benchmarks/attention_configs.py [--out DIR]
 
-A variant replaces qse_kernels.attention._config for T >= 16 (BM, BN, warps, stages) or sets a module flag
-(MODULE_FLAGS: TMA_LOADS); every call runs on 512-row pages through paged_attention,
+A variant replaces qse_kernels.attention._config for T >= 16 (BM, BN, warps, stages) or sets module
+constants (MODULE_FLAGS: the TMA loads, the softmax's forms, the program target); every call runs on 512-row pages through paged_attention,
 the graph path's kernel. A faster one can become the pinned default (the bits change with it, the same for eager and graph, so a session's state
 records nothing new). Writes benchmarks/results/attention_configs-<date>-<device>.json.
 """
@@ -41,8 +41,23 @@ VARIANTS = {
     # the pinned tiles with every K/V tile loaded by per-element addresses (TMA_LOADS off: the default before
     # attention_configs-paged-tma-2026-11-29-h200.json measured the TMA loads faster)
     "no_tma": {"TMA_LOADS": False},
+    # the softmax's candidate forms (qse_kernels.attention: LAZY_RESCALE_LOG2, FUSED_SCALE, WARP_SPECIALIZE)
+    "lazy8": {"LAZY_RESCALE_LOG2": 8},
+    "fused_scale": {"FUSED_SCALE": True},
+    "lazy8_fused_scale": {"LAZY_RESCALE_LOG2": 8, "FUSED_SCALE": True},
+    "warp_specialize": {"WARP_SPECIALIZE": True},
+    "warp_specialize_lazy8_fused_scale": {"WARP_SPECIALIZE": True, "LAZY_RESCALE_LOG2": 8, "FUSED_SCALE": True},
+    # one warpgroup a program in 96 KB of shared memory, so two programs share an SM and one's softmax can
+    # run under the other's products (twice the K/V tile loads); two waves of such pairs
+    "bm64_bn64_w4_s1_pairs": dict(BM=64, BN=64, num_warps=4, num_stages=1, TARGET_PROGRAMS=528),
+    "bm64_bn32_w4_s2_pairs": dict(BM=64, BN=32, num_warps=4, num_stages=2, TARGET_PROGRAMS=528),
+    "bm64_bn64_w4_s1_pairs_lazy8_fused": dict(BM=64, BN=64, num_warps=4, num_stages=1, TARGET_PROGRAMS=528,
+                                              LAZY_RESCALE_LOG2=8, FUSED_SCALE=True),
+    # one wave of 128 programs: half the split parts to write and combine
+    "one_wave": {"TARGET_PROGRAMS": 132},
 }
-MODULE_FLAGS = ("TMA_LOADS",)  # variant keys that set a qse_kernels.attention constant, not a tile size
+# variant keys that set a qse_kernels.attention constant, not a tile size
+MODULE_FLAGS = ("TMA_LOADS", "LAZY_RESCALE_LOG2", "FUSED_SCALE", "WARP_SPECIALIZE", "TARGET_PROGRAMS")
 PAGE_ROWS = 512  # the reader's page: every call runs on pages, as the graph path does
 CASES = [(512, 32768), (320, 32768), (512, 65536)]
 
@@ -50,12 +65,20 @@ CASES = [(512, 32768), (320, 32768), (512, 65536)]
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--variants", default="", help="comma-separated names (default: all); a compiler that may crash "
+                   "(warp specialisation) is best run in a process of its own")
+    p.add_argument("--tag", default="", help="added to the result's file name")
     args = p.parse_args(argv)
+    chosen = [name for name in args.variants.split(",") if name] or list(VARIANTS)
+    unknown = [name for name in chosen if name not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; expected some of {sorted(VARIANTS)}")
     heads, kv_heads, dim = 8, 2, 256
     real_config = attn._config
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = {}
-    for name, variant in VARIANTS.items():
+    for name in chosen:
+        variant = VARIANTS[name]
         flags = {k: v for k, v in (variant or {}).items() if k in MODULE_FLAGS}
         tiles = {k: v for k, v in (variant or {}).items() if k not in MODULE_FLAGS}
 
@@ -106,7 +129,7 @@ def main(argv=None) -> int:
     result = {"command": " ".join([sys.executable, *sys.argv]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
               "device": torch.cuda.get_device_name(), "versions": versions("triton"),
               "shape": {"H": heads, "Hkv": kv_heads, "D": dim}, "variants": rows}
-    write_result(result, args.out, "attention_configs")
+    write_result(result, args.out, "attention_configs" + (f"-{args.tag}" if args.tag else ""))
     return 0
 
 

@@ -6,7 +6,7 @@
 # (weka_cc_sessions_dev.csv, hf_reader_baseline.py) and a pytest.ini without the asyncio plugin's
 # options. Results land in $OUT; copy them to benchmarks/results/ and commit.
 #
-#   bash benchmarks/run_h200.sh [tests|gemv|attention|configs|check|check2b|measure|gaps|ab|abl|invariant ...]   (default: all, ~12 minutes)
+#   bash benchmarks/run_h200.sh [tests|gemv|attention|attnws|gemm|configs|check|check2b|measure|gaps|ab|abl|invariant ...]   (default: all, ~12 minutes)
 #   PRESETS=qwen3.5-0.8b bash benchmarks/run_h200.sh measure                       (measure fewer presets)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -24,8 +24,13 @@ for step in $steps; do
         2>&1 | tail -8 | tee "$OUT/gpu-tests.txt" ;;
     gemv)  # one-row projections and head: cuBLAS against qse's GEMV, 0.8B and 9B shapes
       timeout 120 python3 benchmarks/gemv_bench.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-300 ;;
-    attention)  # the attention kernel's tile shapes for chunks and questions, at 32k and 64k
-      timeout 150 python3 benchmarks/attention_configs.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-700 ;;
+    attention)  # the attention kernel's tile shapes and softmax forms for chunks and questions, at 32k and 64k
+      timeout 240 python3 benchmarks/attention_configs.py --out "$OUT" --variants "${VARIANTS:-}" 2>&1 | grep '^{' | cut -c1-700 ;;
+    attnws)  # the attention loop under Triton's warp specialisation, in a process of its own (a compiler crash stays there)
+      timeout 150 python3 benchmarks/attention_configs.py --out "$OUT" --tag ws \
+        --variants default,warp_specialize,warp_specialize_lazy8_fused_scale 2>&1 | grep '^{\|Error\|error' | cut -c1-700 ;;
+    gemm)  # a chunk's projections one by one, cuBLAS and qse's GEMM, weights cold in L2
+      timeout 120 python3 benchmarks/gemm_shapes.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-400 ;;
     configs)  # the GDN kernel's launch shapes and precisions, per kernel, and which keep the state's bits
       timeout 100 python3 benchmarks/gdn_configs.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-300 ;;
     check)  # exactness on a session shaped from the weka trace, with the dtype's noise floor

@@ -52,6 +52,15 @@ COMBINE_SPLIT_D_BELOW_ROWS = 16
 # a question's 240 -> 225 (attention_configs-paged-tma-*); the session's state kept its bits (shadow-check).
 # The masked edge blocks keep the masked loads (rows past the sequence may hold anything, NaN included).
 TMA_LOADS = True
+# Candidates measured by benchmarks/attention_configs.py (module flags, off unless a run said they pay):
+# LAZY_RESCALE_LOG2 > 0 keeps a row's reference max until the row's max grows past it by more than 2^that
+# (the accumulator's rescale, 128 multiplies a thread a block at D = 256, then runs only in blocks where
+# some row grew; the sums stay exact to fp32, p <= 2^LAZY in bf16); FUSED_SCALE scales the raw scores inside
+# the exponent's subtraction (one fused multiply-add a score instead of a multiply and a subtract);
+# WARP_SPECIALIZE asks Triton to split the unmasked loop into producer and consumer warps.
+LAZY_RESCALE_LOG2 = 0
+FUSED_SCALE = False
+WARP_SPECIALIZE = False
 LOG2_E = 1.4426950408889634
 CONTIGUOUS_PAGE_ROWS = 1 << 30  # a contiguous KV is one page this long
 # grid-invariant launches (QSE_KERNELS=invariant): one tile shape for every query count, and splits of a
@@ -100,7 +109,8 @@ def splits_for(num_q: int, num_heads: int, num_kv: int, head_dim: int, max_rows:
 
 @triton.jit
 def _attn_block(b_q, k_base, v_base, n, o_n, o_d, m_d, pos, num_rows, stride_kl, stride_vl,
-                b_m, b_l, b_acc, scale_log2, MASKED: tl.constexpr, DOT_FP32: tl.constexpr):
+                b_m, b_l, b_acc, scale_log2, MASKED: tl.constexpr, DOT_FP32: tl.constexpr,
+                LAZY: tl.constexpr = 0, FUSED: tl.constexpr = False):
     """One BN block of keys (rows n.. of the sequence; k_base, v_base point at row n) into the online
     softmax state (b_m, b_l, b_acc)."""
     o_key = n + o_n
@@ -111,25 +121,46 @@ def _attn_block(b_q, k_base, v_base, n, o_n, o_d, m_d, pos, num_rows, stride_kl,
     else:
         b_k = tl.load(k_base + o_n[:, None] * stride_kl + o_d[None, :], mask=m_d[None, :], other=0.0)
         b_v = tl.load(v_base + o_n[:, None] * stride_vl + o_d[None, :], mask=m_d[None, :], other=0.0)
-    return _attn_update(b_q, b_k, b_v, o_key, pos, num_rows, b_m, b_l, b_acc, scale_log2, MASKED, DOT_FP32)
+    return _attn_update(b_q, b_k, b_v, o_key, pos, num_rows, b_m, b_l, b_acc, scale_log2, MASKED, DOT_FP32,
+                        LAZY, FUSED)
 
 
 @triton.jit
 def _attn_update(b_q, b_k, b_v, o_key, pos, num_rows, b_m, b_l, b_acc, scale_log2,
-                 MASKED: tl.constexpr, DOT_FP32: tl.constexpr):
-    """The online softmax state after the keys o_key (tiles b_k, b_v [BN, BD])."""
+                 MASKED: tl.constexpr, DOT_FP32: tl.constexpr, LAZY: tl.constexpr = 0,
+                 FUSED: tl.constexpr = False):
+    """The online softmax state after the keys o_key (tiles b_k, b_v [BN, BD]); b_m is in the log2 domain.
+    LAZY, FUSED: see LAZY_RESCALE_LOG2, FUSED_SCALE."""
     if DOT_FP32:
         b_k, b_v = b_k.to(tl.float32), b_v.to(tl.float32)
-    b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2
+    b_s = tl.dot(b_q, tl.trans(b_k))
+    if not FUSED:
+        b_s = b_s * scale_log2
     if MASKED:
         b_s = tl.where((o_key[None, :] <= pos[:, None]) & (o_key < num_rows)[None, :], b_s, float("-inf"))
-    b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+    if FUSED:  # scale_log2 > 0, so the largest scaled score is the largest score scaled (same rounding)
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * scale_log2)
+    else:
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+    if LAZY > 0:  # keep the reference unless the row grew past it by more than 2^LAZY (-inf always grows)
+        b_m_new = tl.where(b_m_new > b_m + LAZY, b_m_new, b_m)
     # a row with no visible key yet keeps m = -inf; subtract 0 there so nothing turns into NaN
     b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
     b_alpha = tl.exp2(b_m - b_m_use)
-    b_p = tl.exp2(b_s - b_m_use[:, None])
-    b_l = b_l * b_alpha + tl.sum(b_p, 1)
-    b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+    if FUSED:
+        b_p = tl.exp2(b_s * scale_log2 - b_m_use[:, None])
+    else:
+        b_p = tl.exp2(b_s - b_m_use[:, None])
+    if LAZY > 0:
+        # one test for the block: the rescale (BM x BD multiplies) runs only when some row's reference moved
+        if tl.max(tl.where(b_m_new != b_m, 1, 0), 0) > 0:
+            b_acc = b_acc * b_alpha[:, None]
+            b_l = b_l * b_alpha
+        b_l = b_l + tl.sum(b_p, 1)
+        b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc)
+    else:
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
     return b_m_new, b_l, b_acc
 
 
@@ -149,7 +180,8 @@ def _attn_kernel(
     stride_gt, stride_gh,
     G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     WANT: tl.constexpr, MIN_ROWS: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
-    TMA: tl.constexpr, GATE: tl.constexpr,
+    TMA: tl.constexpr, GATE: tl.constexpr, LAZY: tl.constexpr = 0, FUSED: tl.constexpr = False,
+    WS: tl.constexpr = False,
 ):
     i_m, i_hk, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(start_ptr)
@@ -184,23 +216,25 @@ def _attn_kernel(
     b_acc = tl.zeros((BM, BD), tl.float32)
     k_head = k_ptr + i_hk * stride_kh
     v_head = v_ptr + i_hk * stride_vh
-    for n in range(lo, full_hi, BN):
+    for n in tl.range(lo, full_hi, BN, warp_specialize=WS):
         if TMA:  # the tensor-memory accelerator fetches the tiles (pages [P, rows, Hkv * D]; D == BD)
             page = tl.load(table_ptr + n // page_rows)
             b_k = k_desc.load([page, n % page_rows, i_hk * D]).reshape(BN, BD)
             b_v = v_desc.load([page, n % page_rows, i_hk * D]).reshape(BN, BD)
             b_m, b_l, b_acc = _attn_update(b_q, b_k, b_v, n + o_n, pos, num_rows, b_m, b_l, b_acc, scale_log2,
-                                           MASKED=False, DOT_FP32=DOT_FP32)
+                                           MASKED=False, DOT_FP32=DOT_FP32, LAZY=LAZY, FUSED=FUSED)
         else:
             k_base = _page_base(k_head, table_ptr, n, page_rows, stride_kp, stride_kl)
             v_base = _page_base(v_head, table_ptr, n, page_rows, stride_vp, stride_vl)
             b_m, b_l, b_acc = _attn_block(b_q, k_base, v_base, n, o_n, o_d, m_d, pos, num_rows, stride_kl, stride_vl,
-                                          b_m, b_l, b_acc, scale_log2, MASKED=False, DOT_FP32=DOT_FP32)
+                                          b_m, b_l, b_acc, scale_log2, MASKED=False, DOT_FP32=DOT_FP32,
+                                          LAZY=LAZY, FUSED=FUSED)
     for n in range(full_hi, hi, BN):
         k_base = _page_base(k_head, table_ptr, n, page_rows, stride_kp, stride_kl)
         v_base = _page_base(v_head, table_ptr, n, page_rows, stride_vp, stride_vl)
         b_m, b_l, b_acc = _attn_block(b_q, k_base, v_base, n, o_n, o_d, m_d, pos, num_rows, stride_kl, stride_vl,
-                                      b_m, b_l, b_acc, scale_log2, MASKED=True, DOT_FP32=DOT_FP32)
+                                      b_m, b_l, b_acc, scale_log2, MASKED=True, DOT_FP32=DOT_FP32,
+                                      LAZY=LAZY, FUSED=FUSED)
 
     m_out = m_m[:, None] & m_d[None, :]
     if SPLIT:
@@ -343,7 +377,8 @@ def _launch(q, k, v, page_rows, k_strides, v_strides, page_table, start, num_spl
         q.stride(0), q.stride(1), *k_strides, *v_strides, out.stride(0), out.stride(1), *gate_args[1:],
         G=group, D=head_dim, BD=block_d, BM=cfg["BM"], BN=cfg["BN"], WANT=want, MIN_ROWS=cfg["MIN_ROWS"],
         SPLIT=is_split, DOT_FP32=interpreting() and q.dtype != torch.float32, TMA=k_desc is not None,
-        GATE=gate is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        GATE=gate is not None, LAZY=LAZY_RESCALE_LOG2, FUSED=FUSED_SCALE, WS=WARP_SPECIALIZE and k_desc is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if is_split:
         combine_d = min(block_d, COMBINE_BLOCK_D) if num_q < COMBINE_SPLIT_D_BELOW_ROWS else block_d

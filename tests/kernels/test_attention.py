@@ -305,3 +305,39 @@ def test_gate_in_the_epilogue_model_shapes_gpu(monkeypatch, num_q, q_start, tma)
     plain = attention.paged_attention(q, k_pool, v_pool, table, start, max_rows=q_start + num_q)
     gated = attention.paged_attention(q, k_pool, v_pool, table, start, max_rows=q_start + num_q, gate=gate)
     assert torch.equal(gated, fused.sigmoid_gate(plain, gate))
+
+
+FLAG_SETS = {
+    "lazy8": dict(LAZY_RESCALE_LOG2=8),
+    "fused-scale": dict(FUSED_SCALE=True),
+    "warp-specialize": dict(WARP_SPECIALIZE=True),
+    "all": dict(LAZY_RESCALE_LOG2=8, FUSED_SCALE=True, WARP_SPECIALIZE=True),
+}
+
+
+@pytest.mark.parametrize("flags", FLAG_SETS.values(), ids=FLAG_SETS.keys())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_softmax_variants_match_twin(device, rel, monkeypatch, flags, dtype):
+    """The candidate softmax forms (lazy rescale, the scale inside the exponent, warp specialisation) on the
+    TMA path and on the loads, with keys whose scores jump by ~2^12 and ~2^3 in later blocks (the lazy
+    reference must move for the first and may stay for the second), and on several splits: each matches
+    the twin and repeats bit for bit."""
+    for name, value in flags.items():
+        monkeypatch.setattr(attention, name, value)
+    num_q, q_start, page_rows = 40, 230, 64
+    q, k, v = _inputs(num_q, 4, 2, 32, q_start, dtype, device, seed=21)
+    k = k.clone()
+    k[100:110] = k[100:110] * 6.0  # scores ~36x larger than the first blocks' (2^12 in the log2 domain)
+    k[200:205] = k[200:205] * 1.5
+    k_pool, v_pool, table = _paged_copy(k, v, page_rows, 9)
+    start = torch.tensor([q_start], dtype=torch.int32, device=device)
+    want = naive.attention(q, k, v, q_start)
+    for tma in (True, False):
+        monkeypatch.setattr(attention, "TMA_LOADS", tma)
+        out = attention.paged_attention(q, k_pool, v_pool, table, start, max_rows=q_start + num_q)
+        assert rel(out, want) < _tol(dtype, device)
+        assert torch.equal(out, attention.paged_attention(q, k_pool, v_pool, table, start, max_rows=q_start + num_q))
+    split = attention.attention_split(q, k, v, q_start, None, 64)
+    assert rel(split, want) < _tol(dtype, device)
+    step = attention.attention(q[-1:], k, v, q_start + num_q - 1)
+    assert rel(step, naive.attention(q[-1:], k, v, q_start + num_q - 1)) < _tol(dtype, device)
