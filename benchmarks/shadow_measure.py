@@ -94,7 +94,8 @@ def graph_equals_eager(engine: Engine, ids: list[int], grid: int, tokens: int) -
     return {"tokens": tokens, "bit_equal": all(equal.values()), "equal": equal, "same_answer": same_answer}
 
 
-def measure_preset(name: str, tokens: int, long_tokens: int, grid: int, ops: str, device: torch.device) -> dict:
+def measure_preset(name: str, tokens: int, long_tokens: int, grid: int, ops: str, device: torch.device,
+                   group: int = 1) -> dict:
     cache_dir = Path(os.environ.get("QSE_CACHE_DIR", "/tmp/qse-bench-cache"))
     kernels, graphs = OPS[ops]
     engine = Engine(resolve(name, device, torch.bfloat16, cache_dir), kernels=kernels)
@@ -107,6 +108,9 @@ def measure_preset(name: str, tokens: int, long_tokens: int, grid: int, ops: str
     reader.feed("warm", ids[: 4 * grid])
     reader.read_all("warm")
     reader.close("warm")
+    if group > 1 and graphs:  # capture the group shapes a grouped read takes, outside the timing
+        reader.chunk_group = group
+        reader.warm()
     torch.cuda.synchronize() if device.type == "cuda" else None
 
     # one chunk at a time (read_step: each chunk read back before the next is launched, as the replay
@@ -118,6 +122,30 @@ def measure_preset(name: str, tokens: int, long_tokens: int, grid: int, ops: str
         one_ms.append(report.gpu_ms)
     one_wall_s = time.perf_counter() - t0
     reader.close("one")
+    # chunk groups (launch_step(chunks=group), one group launched ahead of the one read back), to 64k: what
+    # read_all reads with chunk_group; the bits are those of one chunk at a time (tests)
+    grouped = {}
+    if group > 1 and graphs:
+        reader.feed("g", ids[:tokens])
+        in_flight_g, group_ms, sizes = deque(), [], []
+        t0 = time.perf_counter()
+        while (pending := reader.launch_step("g", group)) is not None:
+            in_flight_g.append(pending)
+            while len(in_flight_g) > 1:
+                report = reader.finish_step(in_flight_g.popleft())
+                group_ms.append(report.gpu_ms)
+                sizes.append(report.chunks)
+        while in_flight_g:
+            report = reader.finish_step(in_flight_g.popleft())
+            group_ms.append(report.gpu_ms)
+            sizes.append(report.chunks)
+        grouped_s = time.perf_counter() - t0
+        reader.close("g")
+        grouped = {f"read_{tokens}_grouped_ms_per_1000_tokens": round(grouped_s * 1e6 / tokens, 3),
+                   f"read_{tokens}_grouped_wall_s": round(grouped_s, 3),
+                   f"read_{tokens}_grouped_device_ms": round(sum(group_ms), 1),
+                   "group_chunks": group, "group_launches": len(sizes),
+                   "group_sizes": sorted(set(sizes))}
     # the reader's own read (read_all's lookahead: the next chunk launched while the device runs the one
     # before): the headline, timed on the wall from the first launch to the chunk that reaches `tokens`
     reader.feed("s", ids[:total])
@@ -164,6 +192,7 @@ def measure_preset(name: str, tokens: int, long_tokens: int, grid: int, ops: str
         "first_40k_read_wall_s": round(first_40k_s, 3) if first_40k_s else None,
         f"read_{total}_wall_s": round(whole_s, 3),
         f"read_{total}_ms_per_1000_tokens": round(whole_s * 1e6 / (len(chunk_ms) * grid), 3),
+        **grouped,
     }
     letters = [chr(65 + i) for i in range(9)]
     question = torch.randint(0, 248000, (300,), generator=gen).tolist()
@@ -217,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=65536)
     p.add_argument("--long-tokens", type=int, default=102400, help="0.8B only: read on to this length")
     p.add_argument("--grid", type=int, default=512)
+    p.add_argument("--group", type=int, default=8, help="chunks a launch in the grouped read (chunk groups: one chunk's "
+                   "second half of the layers beside the next one's first half); 1 skips it")
     p.add_argument("--ops", default="graph", help="comma list of naive,triton,graph,invariant")
     p.add_argument("--peer", default="", help="path to hf_reader_baseline.py; run twice in this invocation")
     p.add_argument("--peer-tokens", type=int, default=32768)
@@ -232,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         for ops in args.ops.split(","):
             long_tokens = args.long_tokens if "0.8b" in preset else 0
             try:
-                row = measure_preset(preset, args.tokens, long_tokens, args.grid, ops, device)
+                row = measure_preset(preset, args.tokens, long_tokens, args.grid, ops, device, args.group)
             except Exception as exc:  # noqa: BLE001 - a failing variant is reported, the rest still run
                 row = {"preset": preset, "ops": ops, "error": repr(exc)[:2000]}
             print(json.dumps(row), flush=True)

@@ -11,6 +11,14 @@ moves. So a graph captured once stays valid as sessions grow, move and come and 
 Forks need no put-back of the GDN state: a fork replays on the working copy and simply does not copy
 it back.
 
+A chunk group (`prepare_group`) reads several grid chunks of one session in one replay, skewed over two
+streams: the first half of the layers of chunk i+1 runs beside the second half of chunk i. The two halves
+touch different layers' state and KV rows, and chunk i+1's first half needs only chunk i's first half, so
+the only edge between the streams is chunk i's hand-over from its first half to its second. Every layer
+still runs the same kernels on the same values in the same order per layer: the bits of reading the
+chunks one at a time (the group only lets the device fill the SMs one half's latency-bound kernels
+leave idle).
+
 `capture=False` runs the very same flow (the same buffers, copies and calls) without capturing: each
 replay calls the forward again. It is the CPU rehearsal of the graph path, which the tests use; the
 bits equal an eager forward whenever the kernels do not depend on the launch (ours do not: see
@@ -85,7 +93,8 @@ class ForwardGraphs:
         self._ids: dict[int, torch.Tensor] = {}
         self._ids_host: dict[int, torch.Tensor] = {}  # pinned staging for host ids (stage)
         self._ids_sent: dict[int, Any] = {}  # the event after the last copy out of each staging buffer
-        self._entries: dict[tuple[int, str], _Entry] = {}
+        self._entries: dict[tuple, _Entry] = {}
+        self._side = None  # the second stream of chunk groups
         self._graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
         # warm-up and capture run the forward for real: their KV rows go to pages of their own
         self._scratch: list[int] = []
@@ -141,6 +150,65 @@ class ForwardGraphs:
             entry = self._capture(forward) if self.capture else _Entry(forward)
             self._entries[key] = entry
         return entry
+
+    def prepare_group(self, num_chunks: int, rows: int) -> _Entry:
+        """The entry reading `num_chunks` chunks of `rows` rows at start, start + rows, ... in one replay
+        (logits "none"; stage all their ids at once). Call before `load`, as `prepare`."""
+        if num_chunks < 2 or not self.supports(rows) or num_chunks * rows > (1 << 20):
+            raise ValueError(f"a chunk group is 2 or more chunks of 1..{self.max_tokens} rows; got {num_chunks} x {rows}")
+        key = ("group", num_chunks, rows)
+        entry = self._entries.get(key)
+        if entry is None:
+            ids = self._ids.setdefault(num_chunks * rows, torch.zeros(num_chunks * rows, dtype=torch.long, device=self.device))
+            starts = torch.zeros(num_chunks, dtype=torch.int32, device=self.device)
+            offsets = torch.arange(num_chunks, dtype=torch.int32, device=self.device) * rows
+            steps = [Step(starts[i:i + 1], rows, None, self.logit_row, self.capacity) for i in range(num_chunks)]
+            chunk_ids = [ids[i * rows:(i + 1) * rows] for i in range(num_chunks)]
+
+            def forward() -> None:
+                torch.add(self.start, offsets, out=starts)  # each chunk's start, on the device
+                self._skewed(chunk_ids, steps)
+
+            if self.capture:
+                self._scratch_for(num_chunks * rows)
+            entry = self._capture(forward) if self.capture else _Entry(forward)
+            self._entries[key] = entry
+        return entry
+
+    def _scratch_for(self, rows: int) -> None:
+        """Scratch pages for a capture of `rows` rows (its warm-up and capture write real KV rows through the
+        table: past the scratch pages they would land on whatever page the table names)."""
+        need = -(-rows // self.pool.page_rows) - len(self._scratch)
+        if need > 0:
+            got = self.pool.allocate(need)
+            if got is None:
+                raise MemoryError(f"the KV pool ({self.pool.num_pages} pages) has no room for {need} more scratch pages")
+            self._scratch += got
+
+    def _skewed(self, chunk_ids: list[torch.Tensor], steps: list[Step]) -> None:
+        """The group's forward: first halves on a side stream, second halves on the current one, chunk i's
+        second half after its first half's hand-over. Without CUDA, the same calls one after the other."""
+        model, split = self.model, len(self.model.cfg.layer_types) // 2
+        if self.device.type != "cuda":
+            for ids, step in zip(chunk_ids, steps):
+                model.forward_layers(model.forward_layers(ids, self.cache, step, "none", 0, split), self.cache, step,
+                                     "none", split)
+            return
+        main = torch.cuda.current_stream(self.device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        side = self._side
+        side.wait_stream(main)
+        handed = []  # every hand-over stays referenced until the join: no block of one is reused mid-group
+        for ids, step in zip(chunk_ids, steps):
+            with torch.cuda.stream(side):
+                pair = model.forward_layers(ids, self.cache, step, "none", 0, split)
+                ready = torch.cuda.Event()
+                ready.record(side)
+            main.wait_event(ready)
+            model.forward_layers(pair, self.cache, step, "none", split)
+            handed.append(pair)
+        main.wait_stream(side)
 
     def _capture(self, forward: Callable[[], Any]) -> _Entry:
         self.kv.table[: len(self._scratch)].copy_(torch.tensor(self._scratch, dtype=torch.int32))

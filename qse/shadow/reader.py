@@ -47,6 +47,7 @@ class ChunkReport:
     backlog: int  # whole-chunk ids still to read
     gpu_ms: float
     context: int  # rows the chunk attended over before it (its start position)
+    chunks: int = 1  # grid chunks this launch read (a chunk group: gpu_ms is theirs together)
 
 
 @dataclass
@@ -57,6 +58,7 @@ class PendingChunk:
     start: int  # the chunk's first row
     marks: tuple | None = None  # (start, end) device marks until finish_step reads them
     gpu_ms: float = 0.0
+    chunks: int = 1  # grid chunks launched together (a chunk group)
 
 
 @dataclass
@@ -150,7 +152,8 @@ def checkpoint_options(settings=SETTINGS) -> dict[str, int]:
 class ShadowReader:
     def __init__(self, engine: Engine, grid: int = 512, pool_bytes: int = 4 << 30, max_checkpoints: int = 6,
                  page_rows: int | None = None, residency: Residency | None = None, clock=time.monotonic,
-                 graphs: bool | str | None = None, recent_checkpoints: int = 0, divergence_checkpoints: int = 0):
+                 graphs: bool | str | None = None, recent_checkpoints: int = 0, divergence_checkpoints: int = 0,
+                 chunk_group: int = 1):
         """graphs: True/False, None for QSE_SHADOW_GRAPHS (CUDA graphs where the device is CUDA and the
         kernels are Triton's), or "static": the graph path's buffers and flow without capturing (CPU tests).
 
@@ -158,7 +161,10 @@ class ShadowReader:
         read, and the lines of the newest `divergence_checkpoints` places where a prompt re-rendered.
         Both are 0 here; `qse serve` passes the settings (QSE_SHADOW_RECENT_CHECKPOINTS, 4 by default, and
         QSE_SHADOW_DIVERGENCE_CHECKPOINTS, 0): in the weka replay 4 recent lines took fresh turn starts from
-        95.5 % to 97.6 %, for up to 4 more states (19.5 MB each on the 0.8B) a session."""
+        95.5 % to 97.6 %, for up to 4 more states (19.5 MB each on the 0.8B) a session.
+
+        chunk_group: the chunks `read_all` launches together where they fit (see launch_step), on the graph
+        path; 1 reads one chunk a launch."""
         if grid < 1:
             raise ShadowError(f"grid must be a positive number of rows, got {grid}")
         self.engine = engine
@@ -168,6 +174,9 @@ class ShadowReader:
                             ("divergence_checkpoints", divergence_checkpoints)):
             if not isinstance(value, int) or value < 0:
                 raise ShadowError(f"{name} must be a whole number >= 0, got {value!r}")
+        if not isinstance(chunk_group, int) or isinstance(chunk_group, bool) or chunk_group < 1:
+            raise ShadowError(f"chunk_group must be a whole number >= 1, got {chunk_group!r}")
+        self.chunk_group = chunk_group
         self.caps = {PROMPT: max_checkpoints, RECENT: recent_checkpoints, DIVERGENCE: divergence_checkpoints}
         cfg = engine.cfg
         page_rows = page_rows or grid
@@ -196,6 +205,10 @@ class ShadowReader:
         hundred ms; a server does it before it takes requests)."""
         if self.graphs is not None:
             self.graphs.prepare(self.grid, "none")
+            count = 2
+            while count <= self.chunk_group:  # every group size a launch may take
+                self.graphs.prepare_group(count, self.grid)
+                count *= 2
 
     # ---- sessions ----------------------------------------------------------------------------
     def get(self, session_id: str) -> ShadowSession:
@@ -324,51 +337,80 @@ class ShadowReader:
         pending = self.launch_step(session_id)
         return None if pending is None else self.finish_step(pending)
 
-    def launch_step(self, session_id: str) -> "PendingChunk | None":
+    def launch_step(self, session_id: str, chunks: int = 1) -> "PendingChunk | None":
         """Launch the session's next whole grid chunk without waiting for the device; None if it has no
         whole chunk waiting. The session's rows advance at once (the next launch reads the chunk after),
         and the device runs the launches in order. Every pending chunk must go through `finish_step`, in
-        launch order, before anything else of the reader runs."""
+        launch order, before anything else of the reader runs.
+
+        chunks > 1 (graph path): up to that many chunks in one replay, a chunk group (ForwardGraphs.
+        prepare_group: one chunk's second half of the layers beside the next one's first half), the same
+        bits as one at a time. A group is a power of two of chunks, never more than are waiting, and ends
+        at the first prompt or divergence line inside it, so its checkpoints fall on its end (recent ones
+        are taken at a launch's end, one a group)."""
         session = self.get(session_id)
         self.ensure_resident(session)
         if session.backlog < self.grid:
             return None
         start = session.committed
-        pages = session.kv.pages_for(start + self.grid) - len(session.kv.pages)
+        count = self._group_size(session, chunks)
+        if count > 1:
+            try:  # captured on first use; a pool too full for the capture's scratch pages reads one chunk
+                self.graphs.prepare_group(count, self.grid)
+            except MemoryError:
+                count = 1
+        rows = count * self.grid
+        pages = session.kv.pages_for(start + rows) - len(session.kv.pages)
         if pages > 0 and not self.residency.make_room(self, pages, session):
-            raise MemoryError(f"the shadow KV pool ({self.pool.num_pages} pages) cannot hold session {session_id!r} at {start + self.grid} rows")
-        ids = session.ids[start : start + self.grid]
+            raise MemoryError(f"the shadow KV pool ({self.pool.num_pages} pages) cannot hold session {session_id!r} at {start + rows} rows")
+        ids = session.ids[start : start + rows]
         begin = None
         if self.graphs is not None:
-            begin = self._launch_graph_chunk(session, ids, start)
-            pending = PendingChunk(session, start)
+            begin = self._launch_graph_chunk(session, ids, start, count)
+            pending = PendingChunk(session, start, chunks=count)
         else:  # eager: the engine measures (and waits for) the forward itself
             _, gpu_ms = self.engine.forward(session.cache, self.engine.ids_tensor(ids), logits="none")
             pending = PendingChunk(session, start, gpu_ms=gpu_ms)
-        session.committed = start + self.grid
-        session.stats.chunks_read += 1
-        session.stats.ids_read += self.grid
+        session.committed = start + rows
+        session.stats.chunks_read += count
+        session.stats.ids_read += rows
         self._checkpoints_after_chunk(session)  # device copies, in order after the chunk
         if begin is not None:  # the chunk's device time includes its checkpoint copies
             pending.marks = (begin, self._device_clock.mark())
         return pending
 
+    def _group_size(self, session: ShadowSession, chunks: int) -> int:
+        """How many chunks the next launch reads: 1 without graphs or when asked for 1; else the largest
+        power of two up to `chunks` that are all waiting and hold no prompt or divergence line inside."""
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+            raise ShadowError(f"chunks must be a whole number >= 1, got {chunks!r}")
+        if chunks == 1 or self.graphs is None:
+            return 1
+        count = min(chunks, session.backlog // self.grid)
+        for k in range(1, count):
+            row = session.committed + k * self.grid
+            if row in session.checkpoint_lines or row in session.divergence_lines:
+                count = k
+                break
+        return 1 << (count.bit_length() - 1)
+
     def finish_step(self, pending: "PendingChunk") -> ChunkReport:
-        """Wait for a launched chunk; its report, with the device time it took."""
+        """Wait for a launched chunk (or group); its report, with the device time it took."""
         if pending.marks is not None:  # (ms waits for the end mark)
             pending.gpu_ms = self._device_clock.ms(*pending.marks)
             pending.marks = None
-        session, gpu_ms, end = pending.session, pending.gpu_ms, pending.start + self.grid
-        session.stats.last_chunk_ms = gpu_ms
+        session, gpu_ms, end = pending.session, pending.gpu_ms, pending.start + pending.chunks * self.grid
+        session.stats.last_chunk_ms = gpu_ms / pending.chunks
         session.stats.total_chunk_ms += gpu_ms
-        self.stats.chunks += 1
+        self.stats.chunks += pending.chunks
         self.stats.gpu_ms += gpu_ms
-        return ChunkReport(session.session_id, end, max(0, session.readable_end - end), gpu_ms, pending.start)
+        return ChunkReport(session.session_id, end, max(0, session.readable_end - end), gpu_ms, pending.start,
+                           pending.chunks)
 
-    def _launch_graph_chunk(self, session: ShadowSession, ids: list[int], start: int) -> Any:
-        """Launch the chunk's replay; the device mark before it."""
+    def _launch_graph_chunk(self, session: ShadowSession, ids: list[int], start: int, chunks: int = 1) -> Any:
+        """Launch the chunk's (or the group's) replay; the device mark before it."""
         graphs, cache = self.graphs, session.cache
-        entry = graphs.prepare(len(ids), "none")
+        entry = graphs.prepare(len(ids), "none") if chunks == 1 else graphs.prepare_group(chunks, self.grid)
         if not session.kv.ensure(start + len(ids)):
             raise MemoryError(f"the shadow KV pool cannot hold session {session.session_id!r} at {start + len(ids)} rows")
         # the mark goes down first: with a chunk still in flight it stamps when the device comes to this one
@@ -380,13 +422,15 @@ class ShadowReader:
         cache.length = start + len(ids)
         return begin
 
-    def read_all(self, session_id: str, lookahead: int = 1) -> list[ChunkReport]:
-        """Every whole chunk waiting, `lookahead` chunks launched ahead of the one being read back (the
-        host's launch then overlaps the device's work); the bits equal reading them one at a time."""
+    def read_all(self, session_id: str, lookahead: int = 1, group: int | None = None) -> list[ChunkReport]:
+        """Every whole chunk waiting, `lookahead` launches ahead of the one being read back (the host's
+        launch then overlaps the device's work), `group` chunks a launch where they fit (None: the reader's
+        chunk_group); the bits equal reading them one at a time."""
+        group = self.chunk_group if group is None else group
         reports: list[ChunkReport] = []
         in_flight: deque[PendingChunk] = deque()
         try:
-            while (pending := self.launch_step(session_id)) is not None:
+            while (pending := self.launch_step(session_id, group)) is not None:
                 in_flight.append(pending)
                 while len(in_flight) > lookahead:
                     reports.append(self.finish_step(in_flight.popleft()))

@@ -179,14 +179,29 @@ class Qwen35Model:
     def forward_step(self, ids: torch.Tensor, cache: SequenceCache, step: Step, logits: Logits) -> torch.Tensor | None:
         """The forward itself: device work only, no host reads, no checks, cache.length untouched (what a
         CUDA graph captures). A paged KV store is written and read through its page table on the device."""
+        return self.forward_layers(ids, cache, step, logits)
+
+    @torch.inference_mode()
+    def forward_layers(self, inputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor], cache: SequenceCache, step: Step,
+                       logits: Logits = "none", first: int = 0, stop: int | None = None):
+        """Layers [first, stop) of forward_step (stop None: to the end, and then as forward_step returns).
+        inputs: the ids when first == 0, else the (residual, normed) pair the layer before handed over; a
+        range that stops early returns that pair for the next. Running the layers in two ranges, the second
+        on the first's pair, runs the same kernels on the same values as one forward: the same bits (the
+        reader's chunk groups overlap one chunk's second range with the next chunk's first)."""
+        num_layers = len(self.cfg.layer_types)
+        stop = num_layers if stop is None else stop
+        if not 0 <= first < stop <= num_layers:
+            raise ValueError(f"layers [{first}, {stop}) must lie in [0, {num_layers}) and hold one layer at least")
+        if stop < num_layers and logits != "none":
+            raise ValueError(f"a range that stops before the last layer returns no logits; got logits={logits!r}")
         num_tokens = step.num_tokens
-        x = F.embedding(ids, self.embed)  # [T, h]
         positions = step.start.long() + torch.arange(num_tokens, device=self.device)
         emb = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((emb, emb), dim=-1)
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)  # [T, rotary_dim]
         paged = _PagedStore.of(cache.kv)
-        eps, last = self.cfg.rms_norm_eps, len(self.cfg.layer_types) - 1
+        eps, last = self.cfg.rms_norm_eps, num_layers - 1
         # One row's logits (a question's answer, a summary's next token): past the last layer's mixing only
         # that row matters, so the last layer's queries, attention, MLP and norms run for it alone (the
         # keys and values, and a GDN layer's state, are still written for every row). At 32k of context
@@ -196,9 +211,14 @@ class Qwen35Model:
             keep, keep_host = step.logit_row, step.logit_row_host
         elif num_tokens > 1 and logits == "last":
             keep, keep_host = torch.full((1,), num_tokens - 1, dtype=torch.long, device=self.device), num_tokens - 1
-        # each residual add runs with the norm after it (the next layer's input norm, or the final norm)
-        h = self.ops.rms_norm(x, self.w["layers.0.input_layernorm.weight"], eps)
-        for layer, kind in enumerate(self.cfg.layer_types):
+        if first == 0:
+            x = F.embedding(inputs, self.embed)  # [T, h]
+            # each residual add runs with the norm after it (the next layer's input norm, or the final norm)
+            h = self.ops.rms_norm(x, self.w["layers.0.input_layernorm.weight"], eps)
+        else:
+            x, h = inputs
+        for layer in range(first, stop):
+            kind = self.cfg.layer_types[layer]
             p = f"layers.{layer}."
             only = keep if layer == last else None
             if kind == "full_attention":
@@ -216,6 +236,8 @@ class Qwen35Model:
             m = self._mlp(p, h)
             next_norm = f"layers.{layer + 1}.input_layernorm.weight" if layer < last else "norm.weight"
             x, h = self.ops.add_rms_norm(x, m, self.w[next_norm], eps)
+        if stop < num_layers:
+            return x, h
         # h: the final norm of every row kept (a row's norm does not depend on the others)
         if keep is None and logits == "last":
             h = h[-1:]
