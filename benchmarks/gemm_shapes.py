@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Where a grid chunk's GEMM time goes: every projection of a preset at the chunk's row count, timed alone
-through cuBLAS (what the fast path runs) and through qse's own GEMM (the grid-invariant one), with the
+through cuBLAS (what the fast path runs), through cuBLASLt and through qse's own GEMM (the grid-invariant one), with the
 weights cold in L2 as in a chunk (each call reads another copy of the weight), TFLOP/s, and the sum over a
 chunk's layers against the profiler's GEMM total.
 
@@ -81,9 +81,13 @@ def main(argv=None) -> int:
         flop = 2 * args.rows * n * k
         cublas = time_cold(lambda w: F.linear(xk, w), weights)
         ours = time_cold(lambda w: dense_matmul(xk, w), weights)
+        torch.backends.cuda.preferred_blas_library("cublaslt")  # the same call through cuBLASLt's heuristics
+        lt = time_cold(lambda w: F.linear(xk, w), weights)
+        torch.backends.cuda.preferred_blas_library("cublas")
         row = {"name": name, "N": n, "K": k, "uses_a_chunk": uses, "cublas_us": round(cublas, 2),
                "cublas_tflop_s": round(flop / cublas / 1e6, 1), "qse_gemm_us": round(ours, 2),
-               "qse_gemm_tflop_s": round(flop / ours / 1e6, 1), "chunk_share_cublas_ms": round(cublas * uses / 1000, 3)}
+               "qse_gemm_tflop_s": round(flop / ours / 1e6, 1), "cublaslt_us": round(lt, 2),
+               "cublaslt_tflop_s": round(flop / lt / 1e6, 1), "chunk_share_cublas_ms": round(cublas * uses / 1000, 3)}
         rows.append(row)
         total["cublas_us"] += cublas * uses
         total["qse_gemm_us"] += ours * uses

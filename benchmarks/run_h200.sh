@@ -6,7 +6,7 @@
 # (weka_cc_sessions_dev.csv, hf_reader_baseline.py) and a pytest.ini without the asyncio plugin's
 # options. Results land in $OUT; copy them to benchmarks/results/ and commit.
 #
-#   bash benchmarks/run_h200.sh [tests|gemv|attention|attnws|gemm|configs|check|check2b|measure|gaps|ab|abl|invariant ...]   (default: all, ~12 minutes)
+#   bash benchmarks/run_h200.sh [tests|gemv|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abl|invariant ...]   (default: all, ~12 minutes)
 #   PRESETS=qwen3.5-0.8b bash benchmarks/run_h200.sh measure                       (measure fewer presets)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -31,6 +31,8 @@ for step in $steps; do
         --variants default,warp_specialize,warp_specialize_lazy8_fused_scale 2>&1 | grep '^{\|Error\|error' | cut -c1-700 ;;
     gemm)  # a chunk's projections one by one, cuBLAS and qse's GEMM, weights cold in L2
       timeout 120 python3 benchmarks/gemm_shapes.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-400 ;;
+    groups)  # chunk groups: chunks a launch, layer ranges (streams), the attention's program target; a 64k read
+      timeout 300 python3 benchmarks/chunk_groups.py --out "$OUT" --variants "${GROUPS:-}" 2>&1 | grep '^{' | cut -c1-400 ;;
     configs)  # the GDN kernel's launch shapes and precisions, per kernel, and which keep the state's bits
       timeout 100 python3 benchmarks/gdn_configs.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-300 ;;
     check)  # exactness on a session shaped from the weka trace, with the dtype's noise floor

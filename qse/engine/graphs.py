@@ -11,18 +11,13 @@ moves. So a graph captured once stays valid as sessions grow, move and come and 
 Forks need no put-back of the GDN state: a fork replays on the working copy and simply does not copy
 it back.
 
-A chunk group (`prepare_group`) reads several grid chunks of one session in one replay, skewed over two
-streams: the first half of the layers of chunk i+1 runs beside the second half of chunk i. The two halves
-touch different layers' state and KV rows, and chunk i+1's first half needs only chunk i's first half, so
-the only edge between the streams is chunk i's hand-over from its first half to its second. Every layer
-still runs the same kernels on the same values in the same order per layer: the bits of reading the
-chunks one at a time (the group only lets the device fill the SMs one half's latency-bound kernels
-leave idle).
-
-`capture=False` runs the very same flow (the same buffers, copies and calls) without capturing: each
-replay calls the forward again. It is the CPU rehearsal of the graph path, which the tests use; the
-bits equal an eager forward whenever the kernels do not depend on the launch (ours do not: see
-qse_kernels.attention on split counts).
+A chunk group (`prepare_group`) reads several grid chunks of one session in one replay, skewed over
+streams: the layers split into GROUP_STAGES ranges, range s of every chunk on stream s, so the first
+half of the layers of chunk i+1 runs beside the second half of chunk i (two ranges). The ranges touch
+different layers' state and KV rows, and chunk i+1's range s needs only chunk i's range s (the same
+stream), so the only edge between streams is a chunk's hand-over from one range to the next. Every
+layer still runs the same kernels on the same values: the bits of reading the chunks one at a time (the
+group only lets the device fill the SMs one range's latency-bound kernels leave idle).
 """
 
 from __future__ import annotations
@@ -35,6 +30,10 @@ import torch
 from ..models.cache import SequenceCache
 from ..models.qwen3_5.model import Step
 from .kv import KVPool, PagedKV
+
+# a chunk group's layers run in this many ranges on as many streams (benchmarks/chunk_groups.py measures
+# 2, 3 and 4)
+GROUP_STAGES = 2
 
 
 def capture_mode(engine, graphs: bool | str | None, who: str, error: type[Exception] = ValueError) -> bool | None:
@@ -94,7 +93,7 @@ class ForwardGraphs:
         self._ids_host: dict[int, torch.Tensor] = {}  # pinned staging for host ids (stage)
         self._ids_sent: dict[int, Any] = {}  # the event after the last copy out of each staging buffer
         self._entries: dict[tuple, _Entry] = {}
-        self._side = None  # the second stream of chunk groups
+        self._sides: list = []  # the side streams of chunk groups
         self._graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
         # warm-up and capture run the forward for real: their KV rows go to pages of their own
         self._scratch: list[int] = []
@@ -151,12 +150,17 @@ class ForwardGraphs:
             self._entries[key] = entry
         return entry
 
-    def prepare_group(self, num_chunks: int, rows: int) -> _Entry:
+    def prepare_group(self, num_chunks: int, rows: int, stages: int | None = None) -> _Entry:
         """The entry reading `num_chunks` chunks of `rows` rows at start, start + rows, ... in one replay
-        (logits "none"; stage all their ids at once). Call before `load`, as `prepare`."""
+        (logits "none"; stage all their ids at once), the layers in `stages` ranges on as many streams
+        (None: GROUP_STAGES). Call before `load`, as `prepare`."""
+        stages = GROUP_STAGES if stages is None else stages
+        num_layers = len(self.model.cfg.layer_types)
         if num_chunks < 2 or not self.supports(rows) or num_chunks * rows > (1 << 20):
             raise ValueError(f"a chunk group is 2 or more chunks of 1..{self.max_tokens} rows; got {num_chunks} x {rows}")
-        key = ("group", num_chunks, rows)
+        if not 2 <= stages <= num_layers:
+            raise ValueError(f"a chunk group runs its layers in 2..{num_layers} ranges; got {stages}")
+        key = ("group", num_chunks, rows, stages)
         entry = self._entries.get(key)
         if entry is None:
             ids = self._ids.setdefault(num_chunks * rows, torch.zeros(num_chunks * rows, dtype=torch.long, device=self.device))
@@ -164,10 +168,11 @@ class ForwardGraphs:
             offsets = torch.arange(num_chunks, dtype=torch.int32, device=self.device) * rows
             steps = [Step(starts[i:i + 1], rows, None, self.logit_row, self.capacity) for i in range(num_chunks)]
             chunk_ids = [ids[i * rows:(i + 1) * rows] for i in range(num_chunks)]
+            bounds = [round(i * num_layers / stages) for i in range(stages + 1)]
 
             def forward() -> None:
                 torch.add(self.start, offsets, out=starts)  # each chunk's start, on the device
-                self._skewed(chunk_ids, steps)
+                self._skewed(chunk_ids, steps, bounds)
 
             if self.capture:
                 self._scratch_for(num_chunks * rows)
@@ -185,30 +190,37 @@ class ForwardGraphs:
                 raise MemoryError(f"the KV pool ({self.pool.num_pages} pages) has no room for {need} more scratch pages")
             self._scratch += got
 
-    def _skewed(self, chunk_ids: list[torch.Tensor], steps: list[Step]) -> None:
-        """The group's forward: first halves on a side stream, second halves on the current one, chunk i's
-        second half after its first half's hand-over. Without CUDA, the same calls one after the other."""
-        model, split = self.model, len(self.model.cfg.layer_types) // 2
+    def _skewed(self, chunk_ids: list[torch.Tensor], steps: list[Step], bounds: list[int]) -> None:
+        """The group's forward: layer range s of every chunk on stream s (the last range on the current
+        stream), range s of chunk i after range s-1 of chunk i has handed over. Without CUDA, the same calls
+        one after the other."""
+        model, ranges = self.model, list(zip(bounds[:-1], bounds[1:]))
         if self.device.type != "cuda":
             for ids, step in zip(chunk_ids, steps):
-                model.forward_layers(model.forward_layers(ids, self.cache, step, "none", 0, split), self.cache, step,
-                                     "none", split)
+                data = ids
+                for first, stop in ranges:
+                    data = model.forward_layers(data, self.cache, step, "none", first, stop)
             return
         main = torch.cuda.current_stream(self.device)
-        if self._side is None:
-            self._side = torch.cuda.Stream(self.device)
-        side = self._side
-        side.wait_stream(main)
+        while len(self._sides) < len(ranges) - 1:
+            self._sides.append(torch.cuda.Stream(self.device))
+        streams = [*self._sides[: len(ranges) - 1], main]
+        for side in streams[:-1]:
+            side.wait_stream(main)
         handed = []  # every hand-over stays referenced until the join: no block of one is reused mid-group
         for ids, step in zip(chunk_ids, steps):
-            with torch.cuda.stream(side):
-                pair = model.forward_layers(ids, self.cache, step, "none", 0, split)
-                ready = torch.cuda.Event()
-                ready.record(side)
-            main.wait_event(ready)
-            model.forward_layers(pair, self.cache, step, "none", split)
-            handed.append(pair)
-        main.wait_stream(side)
+            data, ready = ids, None
+            for stream, (first, stop) in zip(streams, ranges):
+                with torch.cuda.stream(stream):
+                    if ready is not None:
+                        stream.wait_event(ready)
+                    data = model.forward_layers(data, self.cache, step, "none", first, stop)
+                    if stream is not main:
+                        ready = torch.cuda.Event()
+                        ready.record(stream)
+                handed.append(data)
+        for side in streams[:-1]:
+            main.wait_stream(side)
 
     def _capture(self, forward: Callable[[], Any]) -> _Entry:
         self.kv.table[: len(self._scratch)].copy_(torch.tensor(self._scratch, dtype=torch.int32))

@@ -115,3 +115,20 @@ def test_eager_reads_one_chunk_a_launch_and_bad_group_sizes_are_refused(tiny_eng
             _reader(tiny_engine, chunk_group=bad)
     with pytest.raises(ValueError, match="a chunk group is 2 or more chunks"):
         static.graphs.prepare_group(1, GRID)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 8])
+def test_groups_of_any_layer_split_read_the_same_bits(tiny_engine, monkeypatch, stages):
+    """The layers in 2, 3 or 8 ranges (one a layer on the tiny model): the bits of one chunk at a time."""
+    from qse.engine import graphs
+
+    monkeypatch.setattr(graphs, "GROUP_STAGES", stages)
+    ids = list(range(4000, 4000 + 6 * GRID + 3))
+    single, grouped = _reader(tiny_engine), _reader(tiny_engine, chunk_group=2)
+    for reader in (single, grouped):
+        reader.feed("s", ids)
+        reader.read_all("s")
+    assert _same_state(single, single.get("s"), grouped.get("s"))
+    assert ("group", 2, GRID, stages) in grouped.graphs._entries
+    with pytest.raises(ValueError, match="ranges"):
+        grouped.graphs.prepare_group(2, GRID, stages=len(tiny_engine.cfg.layer_types) + 1)
