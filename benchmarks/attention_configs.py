@@ -49,15 +49,15 @@ VARIANTS = {
     "warp_specialize_lazy8_fused_scale": {"WARP_SPECIALIZE": True, "LAZY_RESCALE_LOG2": 8, "FUSED_SCALE": True},
     # one warpgroup a program in 96 KB of shared memory, so two programs share an SM and one's softmax can
     # run under the other's products (twice the K/V tile loads); two waves of such pairs
-    "bm64_bn64_w4_s1_pairs": dict(BM=64, BN=64, num_warps=4, num_stages=1, TARGET_PROGRAMS=528),
-    "bm64_bn32_w4_s2_pairs": dict(BM=64, BN=32, num_warps=4, num_stages=2, TARGET_PROGRAMS=528),
-    "bm64_bn64_w4_s1_pairs_lazy8_fused": dict(BM=64, BN=64, num_warps=4, num_stages=1, TARGET_PROGRAMS=528,
+    "bm64_bn64_w4_s1_pairs": dict(BM=64, BN=64, num_warps=4, num_stages=1, PREFILL_TARGET_PROGRAMS=528),
+    "bm64_bn32_w4_s2_pairs": dict(BM=64, BN=32, num_warps=4, num_stages=2, PREFILL_TARGET_PROGRAMS=528),
+    "bm64_bn64_w4_s1_pairs_lazy8_fused": dict(BM=64, BN=64, num_warps=4, num_stages=1, PREFILL_TARGET_PROGRAMS=528,
                                               LAZY_RESCALE_LOG2=8, FUSED_SCALE=True),
-    # one wave of 128 programs: half the split parts to write and combine
-    "one_wave": {"TARGET_PROGRAMS": 132},
+    # two waves of programs for chunks and questions (the default before PREFILL_TARGET_PROGRAMS was 132)
+    "two_waves": {"PREFILL_TARGET_PROGRAMS": 264},
 }
 # variant keys that set a qse_kernels.attention constant, not a tile size
-MODULE_FLAGS = ("TMA_LOADS", "LAZY_RESCALE_LOG2", "FUSED_SCALE", "WARP_SPECIALIZE", "TARGET_PROGRAMS")
+MODULE_FLAGS = ("TMA_LOADS", "LAZY_RESCALE_LOG2", "FUSED_SCALE", "WARP_SPECIALIZE", "PREFILL_TARGET_PROGRAMS")
 PAGE_ROWS = 512  # the reader's page: every call runs on pages, as the graph path does
 CASES = [(512, 32768), (320, 32768), (512, 65536)]
 

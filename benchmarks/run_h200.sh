@@ -32,7 +32,7 @@ for step in $steps; do
     gemm)  # a chunk's projections one by one, cuBLAS and qse's GEMM, weights cold in L2
       timeout 120 python3 benchmarks/gemm_shapes.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-400 ;;
     groups)  # chunk groups: chunks a launch, layer ranges (streams), the attention's program target; a 64k read
-      timeout 300 python3 benchmarks/chunk_groups.py --out "$OUT" --variants "${GROUPS:-}" 2>&1 | grep '^{' | cut -c1-400 ;;
+      timeout 300 python3 benchmarks/chunk_groups.py --out "$OUT" --variants "${GROUP_VARIANTS:-}" 2>&1 | grep '^{' | cut -c1-400 ;;
     configs)  # the GDN kernel's launch shapes and precisions, per kernel, and which keep the state's bits
       timeout 100 python3 benchmarks/gdn_configs.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-300 ;;
     check)  # exactness on a session shaped from the weka trace, with the dtype's noise floor

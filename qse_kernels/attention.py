@@ -38,6 +38,11 @@ from .fused import _sigmoid_gated, check_page_table
 # the split count up (9 splits x 32 row blocks = 288 programs) launched a third wave of 24 programs
 # that ran as long as a full one; rounding down (8 splits, 256 programs) ends in two
 TARGET_PROGRAMS = 264
+# chunks and questions (the prefill tiles) aim at one wave instead: alone a chunk's attention took about the
+# same (321 against 327 us at 32k, half the split parts to write and combine), and in a chunk group the SMs
+# it leaves free run the other layer ranges' kernels (a 64k grouped read 8.47 -> 8.35 ms per 1000 tokens at
+# two ranges, 8.25 -> 8.11 at three: chunk_groups-*)
+PREFILL_TARGET_PROGRAMS = 132
 PREFILL_MIN_SPLIT_ROWS = 1024
 DECODE_MIN_SPLIT_ROWS = 256
 COMBINE_BLOCK_SPLITS = 16
@@ -75,20 +80,21 @@ def _decode_tiles(num_q: int, group: int, fixed_tiles: bool = False) -> bool:
 
 
 def _config(num_q: int, group: int, head_dim: int, fixed_tiles: bool = False) -> dict:
-    """Tile sizes pinned by the shape: (BM, BN, num_warps, num_stages); fixed_tiles: the same for every
-    query count (a decode row then rides in a mostly empty tile)."""
+    """Tile sizes pinned by the shape: (BM, BN, num_warps, num_stages), the split floor and the program
+    target; fixed_tiles: the same for every query count (a decode row then rides in a mostly empty tile)."""
     if _decode_tiles(num_q, group, fixed_tiles):
-        return dict(BM=16, BN=64, num_warps=4, num_stages=3, MIN_ROWS=DECODE_MIN_SPLIT_ROWS)
+        return dict(BM=16, BN=64, num_warps=4, num_stages=3, MIN_ROWS=DECODE_MIN_SPLIT_ROWS, TARGET=TARGET_PROGRAMS)
     if head_dim > 128:
-        return dict(BM=128, BN=64, num_warps=8, num_stages=2, MIN_ROWS=PREFILL_MIN_SPLIT_ROWS)
-    return dict(BM=128, BN=64, num_warps=4, num_stages=3, MIN_ROWS=PREFILL_MIN_SPLIT_ROWS)
+        return dict(BM=128, BN=64, num_warps=8, num_stages=2, MIN_ROWS=PREFILL_MIN_SPLIT_ROWS,
+                    TARGET=PREFILL_TARGET_PROGRAMS)
+    return dict(BM=128, BN=64, num_warps=4, num_stages=3, MIN_ROWS=PREFILL_MIN_SPLIT_ROWS, TARGET=PREFILL_TARGET_PROGRAMS)
 
 
 def max_splits(num_q: int, num_heads: int, num_kv: int, head_dim: int) -> int:
     """WANT: the most splits a launch of this shape ever needs, whatever the context."""
     cfg = _config(num_q, num_heads // num_kv, head_dim)
     base_programs = triton.cdiv(num_q * (num_heads // num_kv), cfg["BM"]) * num_kv
-    return max(1, TARGET_PROGRAMS // base_programs)
+    return max(1, cfg["TARGET"] // base_programs)
 
 
 def split_rows(num_q: int, num_heads: int, num_kv: int, head_dim: int, num_rows: int) -> int:

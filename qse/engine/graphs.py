@@ -34,6 +34,9 @@ from .kv import KVPool, PagedKV
 # a chunk group's layers run in this many ranges on as many streams (benchmarks/chunk_groups.py measures
 # 2, 3 and 4)
 GROUP_STAGES = 2
+# a chunk's first range waits for the last range of the chunk this many before it (None: no bound). In a
+# graph the first ranges of a group can otherwise run far ahead of the last ones, which then trail alone
+GROUP_RUNAHEAD: int | None = None
 
 
 def capture_mode(engine, graphs: bool | str | None, who: str, error: type[Exception] = ValueError) -> bool | None:
@@ -160,7 +163,7 @@ class ForwardGraphs:
             raise ValueError(f"a chunk group is 2 or more chunks of 1..{self.max_tokens} rows; got {num_chunks} x {rows}")
         if not 2 <= stages <= num_layers:
             raise ValueError(f"a chunk group runs its layers in 2..{num_layers} ranges; got {stages}")
-        key = ("group", num_chunks, rows, stages)
+        key = ("group", num_chunks, rows, stages, GROUP_RUNAHEAD)
         entry = self._entries.get(key)
         if entry is None:
             ids = self._ids.setdefault(num_chunks * rows, torch.zeros(num_chunks * rows, dtype=torch.long, device=self.device))
@@ -208,17 +211,20 @@ class ForwardGraphs:
         for side in streams[:-1]:
             side.wait_stream(main)
         handed = []  # every hand-over stays referenced until the join: no block of one is reused mid-group
-        for ids, step in zip(chunk_ids, steps):
+        done = []  # each chunk's end on the current stream (GROUP_RUNAHEAD)
+        for i, (ids, step) in enumerate(zip(chunk_ids, steps)):
             data, ready = ids, None
+            if GROUP_RUNAHEAD is not None and i >= GROUP_RUNAHEAD:
+                ready = done[i - GROUP_RUNAHEAD]
             for stream, (first, stop) in zip(streams, ranges):
                 with torch.cuda.stream(stream):
                     if ready is not None:
                         stream.wait_event(ready)
                     data = model.forward_layers(data, self.cache, step, "none", first, stop)
-                    if stream is not main:
-                        ready = torch.cuda.Event()
-                        ready.record(stream)
+                    ready = torch.cuda.Event()
+                    ready.record(stream)
                 handed.append(data)
+            done.append(ready)
         for side in streams[:-1]:
             main.wait_stream(side)
 

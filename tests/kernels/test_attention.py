@@ -230,14 +230,17 @@ def test_a_forced_split_size_needs_a_bound(device):
 @pytest.mark.parametrize("num_q,num_heads,num_kv,head_dim", [(1, 8, 2, 256), (320, 8, 2, 256), (512, 8, 2, 256),
                                                              (512, 16, 4, 256), (4096, 32, 8, 128)])
 def test_a_launch_never_exceeds_the_target_programs(num_q, num_heads, num_kv, head_dim):
-    """Splits round down: a launch of max_splits fills at most TARGET_PROGRAMS (two waves of the H200's SMs
-    at one chunk program an SM), never a third wave of a few programs."""
+    """Splits round down: a launch of max_splits fills at most its target (decode: TARGET_PROGRAMS, two waves
+    of the H200's SMs; chunks and questions: PREFILL_TARGET_PROGRAMS, one wave at one program an SM), never
+    a further wave of a few programs."""
     cfg = attention._config(num_q, num_heads // num_kv, head_dim)
+    target = attention.TARGET_PROGRAMS if num_q * (num_heads // num_kv) <= 16 else attention.PREFILL_TARGET_PROGRAMS
+    assert cfg["TARGET"] == target
     base = -(-num_q * (num_heads // num_kv) // cfg["BM"]) * num_kv
     splits = attention.max_splits(num_q, num_heads, num_kv, head_dim)
     assert splits >= 1
-    assert base * splits <= max(attention.TARGET_PROGRAMS, base)
-    assert base * (splits + 1) > attention.TARGET_PROGRAMS  # and no fewer than fit
+    assert base * splits <= max(target, base)
+    assert base * (splits + 1) > target  # and no fewer than fit
 
 
 # ---- the output gate in the epilogue (what the model runs on a paged KV) ---------------------------------

@@ -129,6 +129,19 @@ def test_groups_of_any_layer_split_read_the_same_bits(tiny_engine, monkeypatch, 
         reader.feed("s", ids)
         reader.read_all("s")
     assert _same_state(single, single.get("s"), grouped.get("s"))
-    assert ("group", 2, GRID, stages) in grouped.graphs._entries
+    assert ("group", 2, GRID, stages, None) in grouped.graphs._entries
     with pytest.raises(ValueError, match="ranges"):
         grouped.graphs.prepare_group(2, GRID, stages=len(tiny_engine.cfg.layer_types) + 1)
+
+
+def test_a_bounded_runahead_reads_the_same_bits(tiny_engine, monkeypatch):
+    from qse.engine import graphs
+
+    monkeypatch.setattr(graphs, "GROUP_RUNAHEAD", 1)
+    ids = list(range(6000, 6000 + 4 * GRID))
+    single, grouped = _reader(tiny_engine), _reader(tiny_engine, chunk_group=4)
+    for reader in (single, grouped):
+        reader.feed("s", ids)
+        reader.read_all("s")
+    assert _same_state(single, single.get("s"), grouped.get("s"))
+    assert ("group", 4, GRID, graphs.GROUP_STAGES, 1) in grouped.graphs._entries
