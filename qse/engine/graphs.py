@@ -37,6 +37,8 @@ GROUP_STAGES = 2
 # a chunk's first range waits for the last range of the chunk this many before it (None: no bound). In a
 # graph the first ranges of a group can otherwise run far ahead of the last ones, which then trail alone
 GROUP_RUNAHEAD: int | None = None
+# every range on a stream of its own, a later range at a higher priority (its work is nearer the group's end)
+GROUP_PRIORITIES = False
 
 
 def capture_mode(engine, graphs: bool | str | None, who: str, error: type[Exception] = ValueError) -> bool | None:
@@ -97,6 +99,7 @@ class ForwardGraphs:
         self._ids_sent: dict[int, Any] = {}  # the event after the last copy out of each staging buffer
         self._entries: dict[tuple, _Entry] = {}
         self._sides: list = []  # the side streams of chunk groups
+        self._ranked: list = []  # the same with priorities (GROUP_PRIORITIES)
         self._graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
         # warm-up and capture run the forward for real: their KV rows go to pages of their own
         self._scratch: list[int] = []
@@ -163,7 +166,7 @@ class ForwardGraphs:
             raise ValueError(f"a chunk group is 2 or more chunks of 1..{self.max_tokens} rows; got {num_chunks} x {rows}")
         if not 2 <= stages <= num_layers:
             raise ValueError(f"a chunk group runs its layers in 2..{num_layers} ranges; got {stages}")
-        key = ("group", num_chunks, rows, stages, GROUP_RUNAHEAD)
+        key = ("group", num_chunks, rows, stages, GROUP_RUNAHEAD, GROUP_PRIORITIES)
         entry = self._entries.get(key)
         if entry is None:
             ids = self._ids.setdefault(num_chunks * rows, torch.zeros(num_chunks * rows, dtype=torch.long, device=self.device))
@@ -205,10 +208,16 @@ class ForwardGraphs:
                     data = model.forward_layers(data, self.cache, step, "none", first, stop)
             return
         main = torch.cuda.current_stream(self.device)
-        while len(self._sides) < len(ranges) - 1:
-            self._sides.append(torch.cuda.Stream(self.device))
-        streams = [*self._sides[: len(ranges) - 1], main]
-        for side in streams[:-1]:
+        if GROUP_PRIORITIES:
+            while len(self._ranked) < len(ranges):
+                self._ranked.append(torch.cuda.Stream(self.device, priority=-len(self._ranked)))
+            streams = self._ranked[: len(ranges)]
+        else:
+            while len(self._sides) < len(ranges) - 1:
+                self._sides.append(torch.cuda.Stream(self.device))
+            streams = [*self._sides[: len(ranges) - 1], main]
+        sides = [stream for stream in streams if stream is not main]
+        for side in sides:
             side.wait_stream(main)
         handed = []  # every hand-over stays referenced until the join: no block of one is reused mid-group
         done = []  # each chunk's end on the current stream (GROUP_RUNAHEAD)
@@ -225,7 +234,7 @@ class ForwardGraphs:
                     ready.record(stream)
                 handed.append(data)
             done.append(ready)
-        for side in streams[:-1]:
+        for side in sides:
             main.wait_stream(side)
 
     def _capture(self, forward: Callable[[], Any]) -> _Entry:

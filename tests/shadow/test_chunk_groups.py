@@ -129,7 +129,7 @@ def test_groups_of_any_layer_split_read_the_same_bits(tiny_engine, monkeypatch, 
         reader.feed("s", ids)
         reader.read_all("s")
     assert _same_state(single, single.get("s"), grouped.get("s"))
-    assert ("group", 2, GRID, stages, None) in grouped.graphs._entries
+    assert ("group", 2, GRID, stages, None, False) in grouped.graphs._entries
     with pytest.raises(ValueError, match="ranges"):
         grouped.graphs.prepare_group(2, GRID, stages=len(tiny_engine.cfg.layer_types) + 1)
 
@@ -144,4 +144,4 @@ def test_a_bounded_runahead_reads_the_same_bits(tiny_engine, monkeypatch):
         reader.feed("s", ids)
         reader.read_all("s")
     assert _same_state(single, single.get("s"), grouped.get("s"))
-    assert ("group", 4, GRID, graphs.GROUP_STAGES, 1) in grouped.graphs._entries
+    assert ("group", 4, GRID, graphs.GROUP_STAGES, 1, False) in grouped.graphs._entries
