@@ -32,7 +32,8 @@ from qse.engine.engine import Engine  # noqa: E402
 from qse.models import resolve  # noqa: E402
 from qse.shadow.reader import ShadowReader  # noqa: E402
 
-# name: (chunks a launch, layer ranges, attention PREFILL_TARGET_PROGRAMS, GROUP_RUNAHEAD, GROUP_PRIORITIES)
+# name: (chunks a launch, layer ranges, attention PREFILL_TARGET_PROGRAMS, GROUP_RUNAHEAD, GROUP_PRIORITIES
+#        [, GROUP_BOUNDS])
 VARIANTS = {
     "one_chunk": (1, 2, 132, None, False),
     "one_chunk_attn264": (1, 2, 264, None, False),
@@ -52,6 +53,17 @@ VARIANTS = {
     "g8_s4_ahead2": (8, 4, 132, 2, False),
     "g8_s3_attn96": (8, 3, 96, None, False),
     "g8_s3_attn64": (8, 3, 64, None, False),
+    "g8_s8": (8, 8, 132, None, False),
+    "g8_s12": (8, 12, 132, None, False),
+    "g16_s6": (16, 6, 132, None, False),
+    "g16_s8": (16, 8, 132, None, False),
+    "g16_s12": (16, 12, 132, None, False),
+    "g32_s6": (32, 6, 132, None, False),
+    "g16_s5": (16, 5, 132, None, False),
+    "g16_s7": (16, 7, 132, None, False),
+    # ranges of the 24-layer presets shifted by two layers (an attention layer mid-range instead of at its end)
+    "g16_shift2": (16, 7, 132, None, False, (0, 2, 6, 10, 14, 18, 22, 24)),
+    "g16_shift1": (16, 7, 132, None, False, (0, 1, 5, 9, 13, 17, 21, 24)),
     "g8_s3_prio": (8, 3, 132, None, True),
     "g8_s4_prio": (8, 4, 132, None, True),
     "g8_s6_prio": (8, 6, 132, None, True),
@@ -95,10 +107,11 @@ def main(argv=None) -> int:
     ids = torch.randint(0, 248000, (args.tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     pool = engine.state_bytes_per_token() * (args.tokens + 24 * args.grid) + (64 << 20)
     saved = (graphs_module.GROUP_STAGES, attention.PREFILL_TARGET_PROGRAMS, graphs_module.GROUP_RUNAHEAD,
-             graphs_module.GROUP_PRIORITIES)
+             graphs_module.GROUP_PRIORITIES, graphs_module.GROUP_BOUNDS)
     rows = {}
     for name in chosen:
-        group, stages, programs, runahead, priorities = VARIANTS[name]
+        group, stages, programs, runahead, priorities, *bounds = VARIANTS[name]
+        graphs_module.GROUP_BOUNDS = bounds[0] if bounds else None
         graphs_module.GROUP_STAGES, attention.PREFILL_TARGET_PROGRAMS = stages, programs
         graphs_module.GROUP_RUNAHEAD, graphs_module.GROUP_PRIORITIES = runahead, priorities
         reader = ShadowReader(engine, grid=args.grid, pool_bytes=pool, graphs=True, chunk_group=group)
@@ -112,7 +125,7 @@ def main(argv=None) -> int:
             walls.append(wall)
         best = min(walls)
         rows[name] = {"chunks_a_launch": group, "layer_ranges": stages, "attention_target_programs": programs,
-                      "runahead": runahead, "stream_priorities": priorities,
+                      "runahead": runahead, "stream_priorities": priorities, "bounds": bounds[0] if bounds else None,
                       "launches": launches, "read_ms": round(best * 1e3, 1),
                       "ms_per_1000_tokens": round(best * 1e6 / args.tokens, 3),
                       "reads_ms": [round(w * 1e3, 1) for w in walls]}
@@ -120,7 +133,7 @@ def main(argv=None) -> int:
         del reader
         torch.cuda.empty_cache()
     (graphs_module.GROUP_STAGES, attention.PREFILL_TARGET_PROGRAMS, graphs_module.GROUP_RUNAHEAD,
-     graphs_module.GROUP_PRIORITIES) = saved
+     graphs_module.GROUP_PRIORITIES, graphs_module.GROUP_BOUNDS) = saved
     result = {"command": " ".join([sys.executable, *sys.argv]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
               "device": torch.cuda.get_device_name(), "versions": versions("triton"), "preset": args.preset,
               "tokens": args.tokens, "grid": args.grid, "variants": rows}

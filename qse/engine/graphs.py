@@ -37,6 +37,8 @@ GROUP_STAGES = 2
 # a chunk's first range waits for the last range of the chunk this many before it (None: no bound). In a
 # graph the first ranges of a group can otherwise run far ahead of the last ones, which then trail alone
 GROUP_RUNAHEAD: int | None = None
+# an explicit split of the layers (0, ..., num_layers), or None for even ranges
+GROUP_BOUNDS: tuple[int, ...] | None = None
 # every range on a stream of its own, a later range at a higher priority (its work is nearer the group's end)
 GROUP_PRIORITIES = False
 
@@ -79,6 +81,14 @@ class StaticPagedKV:
 class _Entry:
     replay: Callable[[], Any]
     out: Any = None
+
+
+def layer_bounds(num_layers: int, stages: int) -> list[int]:
+    """The first layer of each of `stages` ranges, and num_layers: GROUP_BOUNDS where it names such a split
+    of this many layers, else ranges as even as whole layers allow."""
+    if GROUP_BOUNDS is not None and len(GROUP_BOUNDS) == stages + 1 and GROUP_BOUNDS[-1] == num_layers:
+        return list(GROUP_BOUNDS)
+    return [round(i * num_layers / stages) for i in range(stages + 1)]
 
 
 class ForwardGraphs:
@@ -166,7 +176,7 @@ class ForwardGraphs:
             raise ValueError(f"a chunk group is 2 or more chunks of 1..{self.max_tokens} rows; got {num_chunks} x {rows}")
         if not 2 <= stages <= num_layers:
             raise ValueError(f"a chunk group runs its layers in 2..{num_layers} ranges; got {stages}")
-        key = ("group", num_chunks, rows, stages, GROUP_RUNAHEAD, GROUP_PRIORITIES)
+        key = ("group", num_chunks, rows, stages, GROUP_RUNAHEAD, GROUP_PRIORITIES, GROUP_BOUNDS)
         entry = self._entries.get(key)
         if entry is None:
             ids = self._ids.setdefault(num_chunks * rows, torch.zeros(num_chunks * rows, dtype=torch.long, device=self.device))
@@ -174,7 +184,7 @@ class ForwardGraphs:
             offsets = torch.arange(num_chunks, dtype=torch.int32, device=self.device) * rows
             steps = [Step(starts[i:i + 1], rows, None, self.logit_row, self.capacity) for i in range(num_chunks)]
             chunk_ids = [ids[i * rows:(i + 1) * rows] for i in range(num_chunks)]
-            bounds = [round(i * num_layers / stages) for i in range(stages + 1)]
+            bounds = layer_bounds(num_layers, stages)
 
             def forward() -> None:
                 torch.add(self.start, offsets, out=starts)  # each chunk's start, on the device
