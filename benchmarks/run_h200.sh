@@ -52,7 +52,7 @@ for step in $steps; do
       timeout 150 python3 benchmarks/shadow_measure.py --presets qwen3.5-0.8b --ops invariant --out "$OUT/inv" \
         2>&1 | grep '^{' | cut -c1-600 ;;
     measure)  # read rate, question, fork decode, kernel table, with the peer in the same run
-      timeout 330 python3 benchmarks/shadow_measure.py --presets "${PRESETS:-qwen3.5-0.8b,qwen3.5-2b,qwen3.5-4b}" --ops graph \
+      timeout 420 python3 benchmarks/shadow_measure.py --presets "${PRESETS:-qwen3.5-0.8b,qwen3.5-2b,qwen3.5-4b}" --ops graph \
         --peer .devcarry/hf_reader_baseline.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-400 ;;
     gaps)  # a graph chunk's kernels against its span and stopwatch; what PDL saves a boundary
       timeout 150 python3 benchmarks/graph_gaps.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-3000 ;;

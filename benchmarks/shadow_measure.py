@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=65536)
     p.add_argument("--long-tokens", type=int, default=102400, help="0.8B only: read on to this length")
     p.add_argument("--grid", type=int, default=512)
-    p.add_argument("--group", type=int, default=8, help="chunks a launch in the grouped read (chunk groups: one chunk's "
+    p.add_argument("--group", type=int, default=16, help="chunks a launch in the grouped read (chunk groups: one chunk's "
                    "second half of the layers beside the next one's first half); 1 skips it")
     p.add_argument("--ops", default="graph", help="comma list of naive,triton,graph,invariant")
     p.add_argument("--peer", default="", help="path to hf_reader_baseline.py; run twice in this invocation")

@@ -31,9 +31,11 @@ from ..models.cache import SequenceCache
 from ..models.qwen3_5.model import Step
 from .kv import KVPool, PagedKV
 
-# a chunk group's layers run in this many ranges on as many streams (benchmarks/chunk_groups.py measures
-# 2, 3 and 4)
-GROUP_STAGES = 2
+# a chunk group's layers run in this many ranges on as many streams. A 0.8B 64k read (chunk_groups-sweep*,
+# H200) in groups of 16: 8.29 ms per 1000 tokens at 2 ranges, 8.01-8.05 at 4 and at 6, 8.18 at 8, 8.27 at 12
+# (one chunk a launch: 9.54); groups of 16 over 3 ranges, and 8 over 12, fell to ~9.6 (the ranges' kernels
+# then ran one after the other)
+GROUP_STAGES = 4
 # a chunk's first range waits for the last range of the chunk this many before it (None: no bound). In a
 # graph the first ranges of a group can otherwise run far ahead of the last ones, which then trail alone
 GROUP_RUNAHEAD: int | None = None

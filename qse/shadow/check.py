@@ -13,6 +13,7 @@ import torch
 
 from ..engine.engine import Engine
 from ..models import ResolvedModel
+from ..settings import SETTINGS
 from .reader import ShadowError, ShadowReader
 
 PROBES = [
@@ -104,7 +105,9 @@ def run_shadow_check(engine: Engine, session_file: Path, grid: int, num_probes: 
     per_token = engine.state_bytes_per_token()
     # room for the live session, the fresh one, the 4x-grid one and forks
     pool_bytes = int(pool_gb * (1 << 30)) or per_token * (3 * final_len + 16 * grid + 8192)
-    reader = ShadowReader(engine, grid=grid, pool_bytes=pool_bytes)
+    # the live session reads in chunk groups (QSE_SHADOW_CHUNK_GROUP), the fresh prefill one chunk at a time:
+    # bit equality then also says the groups' skewed streams read the bits of the contract's own definition
+    reader = ShadowReader(engine, grid=grid, pool_bytes=pool_bytes, chunk_group=SETTINGS.get("QSE_SHADOW_CHUNK_GROUP"))
     t0 = time.perf_counter()
     sid = "live"
     ids_fed = []
@@ -121,7 +124,7 @@ def run_shadow_check(engine: Engine, session_file: Path, grid: int, num_probes: 
     live = reader.get(sid)
     live_s = time.perf_counter() - t0
     t1 = time.perf_counter()
-    fresh = reader.fresh_prefill(ids_fed, "fresh")
+    fresh = reader.fresh_prefill(ids_fed, "fresh", group=1)
     fresh_s = time.perf_counter() - t1
     equal = reader.state_equal(live, fresh)
     # probes: the live session (grid) against a fresh prefill on a 4x grid
@@ -151,7 +154,7 @@ def run_shadow_check(engine: Engine, session_file: Path, grid: int, num_probes: 
         "grid": grid, "turns": len(turns), "final_ids": len(ids_fed), "committed": live.committed,
         "tail": len(ids_fed) - live.committed, "ids_read": live.stats.ids_read, "chunks_read": live.stats.chunks_read,
         "rollbacks": live.stats.rollbacks, "restarts": live.stats.restarts, "ids_reread": live.stats.ids_reread,
-        "bit_equal": all(equal.values()), "equal": equal, "mode": live.mode,
+        "bit_equal": all(equal.values()), "equal": equal, "mode": live.mode, "chunk_group": reader.chunk_group,
         "probes": probes, "probes_same_top": sum(p["same_top"] for p in probes),
         "probes_max_kl": max((p["kl"] for p in probes), default=None),
         "probes_max_kl_vs_fp32": max((p["kl_vs_fp32"] for p in probes), default=None) if noise_floor else None,

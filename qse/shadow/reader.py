@@ -669,12 +669,13 @@ class ShadowReader:
         return out_ids, clock.ms(start, last) if steps else 0.0, steps
 
     # ---- exactness ---------------------------------------------------------------------------
-    def fresh_prefill(self, ids: list[int], session_id: str = "__fresh__") -> ShadowSession:
-        """A new session holding ids, read chunk by chunk on this reader's grid (for checks)."""
+    def fresh_prefill(self, ids: list[int], session_id: str = "__fresh__", group: int | None = None) -> ShadowSession:
+        """A new session holding ids, read chunk by chunk on this reader's grid (for checks); group: chunks a
+        launch (None: the reader's chunk_group; 1: one at a time, the contract's own definition)."""
         if session_id in self.sessions:
             self.close(session_id)
         self.feed(session_id, ids)
-        self.read_all(session_id)
+        self.read_all(session_id, group=group)
         return self.get(session_id)
 
     def state_equal(self, a: ShadowSession, b: ShadowSession) -> dict[str, bool]:

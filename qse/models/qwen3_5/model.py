@@ -185,10 +185,11 @@ class Qwen35Model:
     def forward_layers(self, inputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor], cache: SequenceCache, step: Step,
                        logits: Logits = "none", first: int = 0, stop: int | None = None):
         """Layers [first, stop) of forward_step (stop None: to the end, and then as forward_step returns).
-        inputs: the ids when first == 0, else the (residual, normed) pair the layer before handed over; a
-        range that stops early returns that pair for the next. Running the layers in two ranges, the second
-        on the first's pair, runs the same kernels on the same values as one forward: the same bits (the
-        reader's chunk groups overlap one chunk's second range with the next chunk's first)."""
+        inputs: the ids when first == 0, else what the range before handed over: (residual, normed, cos,
+        sin), the rotary tables computed once a forward. A range that stops early returns that tuple for
+        the next. Running the layers in ranges, each on the hand-over of the one before, runs the same
+        kernels on the same values as one forward: the same bits (the reader's chunk groups overlap one
+        chunk's later ranges with the next chunk's earlier ones)."""
         num_layers = len(self.cfg.layer_types)
         stop = num_layers if stop is None else stop
         if not 0 <= first < stop <= num_layers:
@@ -196,10 +197,13 @@ class Qwen35Model:
         if stop < num_layers and logits != "none":
             raise ValueError(f"a range that stops before the last layer returns no logits; got logits={logits!r}")
         num_tokens = step.num_tokens
-        positions = step.start.long() + torch.arange(num_tokens, device=self.device)
-        emb = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((emb, emb), dim=-1)
-        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)  # [T, rotary_dim]
+        if first == 0:
+            positions = step.start.long() + torch.arange(num_tokens, device=self.device)
+            emb = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+            emb = torch.cat((emb, emb), dim=-1)
+            cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)  # [T, rotary_dim]
+        else:
+            x, h, cos, sin = inputs
         paged = _PagedStore.of(cache.kv)
         eps, last = self.cfg.rms_norm_eps, num_layers - 1
         # One row's logits (a question's answer, a summary's next token): past the last layer's mixing only
@@ -215,8 +219,6 @@ class Qwen35Model:
             x = F.embedding(inputs, self.embed)  # [T, h]
             # each residual add runs with the norm after it (the next layer's input norm, or the final norm)
             h = self.ops.rms_norm(x, self.w["layers.0.input_layernorm.weight"], eps)
-        else:
-            x, h = inputs
         for layer in range(first, stop):
             kind = self.cfg.layer_types[layer]
             p = f"layers.{layer}."
@@ -237,7 +239,7 @@ class Qwen35Model:
             next_norm = f"layers.{layer + 1}.input_layernorm.weight" if layer < last else "norm.weight"
             x, h = self.ops.add_rms_norm(x, m, self.w[next_norm], eps)
         if stop < num_layers:
-            return x, h
+            return x, h, cos, sin
         # h: the final norm of every row kept (a row's norm does not depend on the others)
         if keep is None and logits == "last":
             h = h[-1:]
