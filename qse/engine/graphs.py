@@ -194,7 +194,10 @@ class ForwardGraphs:
 
             if self.capture:
                 self._scratch_for(num_chunks * rows)
-            entry = self._capture(forward) if self.capture else _Entry(forward)
+            # a pool of its own: the group's side streams allocate in it, and no other graph's capture may
+            # take a block one of them freed (a shared pool crashed the H200 with an illegal address once a
+            # question's graph was captured after the groups; one pool a group did not)
+            entry = self._capture(forward, torch.cuda.graph_pool_handle()) if self.capture else _Entry(forward)
             self._entries[key] = entry
         return entry
 
@@ -249,7 +252,8 @@ class ForwardGraphs:
         for side in sides:
             main.wait_stream(side)
 
-    def _capture(self, forward: Callable[[], Any]) -> _Entry:
+    def _capture(self, forward: Callable[[], Any], pool: Any = None) -> _Entry:
+        """The entry of `forward` captured as a graph, in `pool` (None: the pool the single forwards share)."""
         self.kv.table[: len(self._scratch)].copy_(torch.tensor(self._scratch, dtype=torch.int32))
         self.start.zero_()
         self.logit_row.zero_()
@@ -261,7 +265,8 @@ class ForwardGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the served model's thread may launch work while the reader's thread captures
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=pool or self._graph_pool,
+                                                      capture_error_mode="thread_local"):
             out = forward()
         return _Entry(graph.replay, out)
 

@@ -60,4 +60,16 @@ def test_cuda_graph_chunk_groups_on_two_streams_equal_one_at_a_time(cache_dir):
         assert sum(r.chunks for r in got) == chunks and max(r.chunks for r in got) == 4
         assert all(r.gpu_ms > 0 for r in got)
         assert all(grouped.state_equal(grouped.get("s"), one.get("s")).values())
+        # graphs captured after the groups (a question's, a summary's) and replayed between group reads
+        question = [(5 * i + 3) % 240000 for i in range(37)]
+        for _ in range(2):
+            a, b = grouped.ask("s", question, ["A", "B"]), one.ask("s", question, ["A", "B"])
+            assert a.distribution == b.distribution
+            assert grouped.summarize("s", question[:9], 4).token_ids == one.summarize("s", question[:9], 4).token_ids
+            more = [(3 * i + 1) % 240000 for i in range(4 * grid)]
+            for reader in (grouped, one):
+                reader.feed("s", reader.get("s").ids + more)
+            grouped.read_all("s")
+            _read_one_at_a_time(one, "s")
+            assert all(grouped.state_equal(grouped.get("s"), one.get("s")).values())
         del grouped, one
