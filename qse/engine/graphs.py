@@ -83,6 +83,9 @@ class StaticPagedKV:
 class _Entry:
     replay: Callable[[], Any]
     out: Any = None
+    # what the captured graph reads and writes beyond the buffers this object owns (a group's starts and
+    # offsets): a graph holds raw addresses, so these must live as long as it does
+    holds: Any = None
 
 
 def layer_bounds(num_layers: int, stages: int) -> list[int]:
@@ -194,10 +197,10 @@ class ForwardGraphs:
 
             if self.capture:
                 self._scratch_for(num_chunks * rows)
-            # a pool of its own: the group's side streams allocate in it, and no other graph's capture may
-            # take a block one of them freed (a shared pool crashed the H200 with an illegal address once a
-            # question's graph was captured after the groups; one pool a group did not)
+            # a pool of its own: the group's side streams allocate in it, and no other graph's capture takes
+            # a block one of them freed
             entry = self._capture(forward, torch.cuda.graph_pool_handle()) if self.capture else _Entry(forward)
+            entry.holds = (starts, offsets, forward)
             self._entries[key] = entry
         return entry
 
