@@ -57,7 +57,9 @@ COMBINE_SPLIT_D_BELOW_ROWS = 16
 # a question's 240 -> 225 (attention_configs-paged-tma-*); the session's state kept its bits (shadow-check).
 # The masked edge blocks keep the masked loads (rows past the sequence may hold anything, NaN included).
 TMA_LOADS = True
-# Candidates measured by benchmarks/attention_configs.py (module flags, off unless a run said they pay):
+# Candidates measured by benchmarks/attention_configs.py (module flags; none paid on the H200, so all are off:
+# attention_configs-softmax-forms-*: lazy rescale 327 -> 362 us a layer at 32k, the fused scale 327 -> 337,
+# warp specialisation under Triton 3.6 the same 327-328, i.e. no specialisation happened):
 # LAZY_RESCALE_LOG2 > 0 keeps a row's reference max until the row's max grows past it by more than 2^that
 # (the accumulator's rescale, 128 multiplies a thread a block at D = 256, then runs only in blocks where
 # some row grew; the sums stay exact to fp32, p <= 2^LAZY in bf16); FUSED_SCALE scales the raw scores inside

@@ -359,10 +359,14 @@ class ShadowReader:
                 self.graphs.prepare_group(count, self.grid)
             except MemoryError:
                 count = 1
-        rows = count * self.grid
-        pages = session.kv.pages_for(start + rows) - len(session.kv.pages)
-        if pages > 0 and not self.residency.make_room(self, pages, session):
-            raise MemoryError(f"the shadow KV pool ({self.pool.num_pages} pages) cannot hold session {session_id!r} at {start + rows} rows")
+        while True:  # a group the pool has no room for reads one chunk instead
+            rows = count * self.grid
+            pages = session.kv.pages_for(start + rows) - len(session.kv.pages)
+            if pages <= 0 or self.residency.make_room(self, pages, session):
+                break
+            if count == 1:
+                raise MemoryError(f"the shadow KV pool ({self.pool.num_pages} pages) cannot hold session {session_id!r} at {start + rows} rows")
+            count = 1
         ids = session.ids[start : start + rows]
         begin = None
         if self.graphs is not None:

@@ -170,3 +170,21 @@ def test_groups_on_an_uneven_explicit_split_read_the_same_bits(tiny_engine, monk
         reader.feed("s", ids)
         reader.read_all("s")
     assert _same_state(single, single.get("s"), grouped.get("s"))
+
+
+def test_a_group_the_pool_cannot_hold_reads_one_chunk(tiny_engine):
+    """A pool of one page: a launch asked for 2 chunks reads 1 (the group's pages do not fit, one chunk's
+    do), with the bits of a one-chunk read; the next chunk, which has no room at all, is refused by name."""
+    page = _reader(tiny_engine).pool.page_nbytes
+    tight = ShadowReader(tiny_engine, grid=GRID, pool_bytes=page, graphs="static", chunk_group=2)
+    assert tight.pool.num_pages == 1
+    ids = list(range(8000, 8000 + 2 * GRID))
+    tight.feed("s", ids)
+    pending = tight.launch_step("s", 2)
+    assert pending.chunks == 1 and tight.finish_step(pending).position == GRID
+    single = _reader(tiny_engine)
+    single.feed("s", ids[:GRID])
+    single.read_all("s")
+    assert _same_state(single, single.get("s"), tight.get("s"))
+    with pytest.raises(MemoryError, match="cannot hold session 's'"):
+        tight.launch_step("s", 2)
