@@ -39,7 +39,11 @@ class DriveResult(NamedTuple):
 
 class ChunkPipe(Protocol):
     """Chunks launched ahead of being read back: `launch(start_row)` starts one and returns a handle,
-    `finish(handle)` waits for it and returns its measured ms. Handles are finished in launch order."""
+    `finish(handle)` waits for it and returns its measured ms. Handles are finished in launch order.
+
+    A pipe that can read several chunks in one launch (the reader's chunk groups) also offers
+    `launch_group(start_row, chunks) -> (handle, chunks launched)`, at most `chunks` and at least one;
+    drive_plan uses it where the plan allows groups (`ReaderPlan.group`)."""
 
     def launch(self, start_row: int) -> Any: ...
 
@@ -73,7 +77,13 @@ def drive_plan(plan: ReaderPlan, decision: ChunkDecision, *, estimator: ChunkCos
     order. With `plan.launch_lead_ms` and `sleep_until(t)` (seconds on `clock`'s scale), the decision on
     the next chunk waits until that long before the chunk in flight is expected to end, so a request
     arriving meanwhile is seen before the next launch. Chunks launched are always read back and
-    accounted, whatever stops the loop."""
+    accounted, whatever stops the loop.
+
+    Groups (`plan.group` > 1, a pipe with `launch_group`): a launch may read up to that many chunks,
+    admitted at the sum of their estimates, capped by the decision's `chunks_allowed(n)` where it has one
+    (a pending question's row), and read back before the next launch (a request then waits for at most one
+    group). A group is one ledger record; its time teaches the estimator nothing (the estimator's unit is a
+    chunk launched alone). A decision with `note_launch(chunks)` hears how many chunks each launch read."""
     if (read_chunk is None) == (pipe is None):
         raise TypeError("drive_plan takes exactly one of read_chunk and pipe")
     lookahead = plan.lookahead if pipe is not None else 0
@@ -83,12 +93,19 @@ def drive_plan(plan: ReaderPlan, decision: ChunkDecision, *, estimator: ChunkCos
     num_chunks = 0
     stop = Stop.BACKLOG
     refused = False
-    in_flight: deque[tuple[int, float, Any]] = deque()  # (start row, estimate, handle), oldest first
+    # (start row, estimate, handle, chunks), oldest first
+    in_flight: deque[tuple[int, float, Any, int]] = deque()
     settled_at = clock()  # when the device last came free of our chunks, as far as the host knows
+    grouping = plan.group > 1 and hasattr(pipe, "launch_group")
+    allowed = getattr(decision, "chunks_allowed", None)
+    note_launch = getattr(decision, "note_launch", None)
+
+    def estimate(start_row: int, chunks: int) -> float:
+        return sum(estimator.estimate_ms(start_row + i * plan.grid) for i in range(chunks))
 
     def settle() -> None:
         nonlocal gpu_us, refused, settled_at
-        start_row, est_ms, handle = in_flight.popleft()
+        start_row, est_ms, handle, chunks = in_flight.popleft()
         gpu_ms = pipe.finish(handle)
         settled_at = clock()
         recorded = ledger.record(plan.role, gpu_ms, turn_id=plan.turn_id, est_ms=est_ms)
@@ -96,16 +113,20 @@ def drive_plan(plan: ReaderPlan, decision: ChunkDecision, *, estimator: ChunkCos
             refused = True
             return
         decision.note_chunk(gpu_ms)
-        estimator.observe(start_row, gpu_ms)
+        if chunks == 1:
+            estimator.observe(start_row, gpu_ms)
         gpu_us += recorded
 
     try:
-        for _ in range(plan.max_chunks):
+        while num_chunks < plan.max_chunks:
             if refused:
                 break
-            est_ms = estimator.estimate_ms(row)
+            want = min(plan.group, plan.max_chunks - num_chunks) if grouping else 1
+            if want > 1 and allowed is not None:
+                want = max(1, min(want, allowed(want)))
+            est_ms = estimate(row, want)
             while True:
-                ahead_ms = sum(e for _, e, _ in in_flight)
+                ahead_ms = sum(e for _, e, _, _ in in_flight)
                 if in_flight and plan.launch_lead_ms > 0 and sleep_until is not None:
                     sleep_until(settled_at + (ahead_ms - plan.launch_lead_ms) / 1000)
                 waiting = plan.stop_when_waiting and request_waiting()
@@ -120,16 +141,24 @@ def drive_plan(plan: ReaderPlan, decision: ChunkDecision, *, estimator: ChunkCos
                     settle()
                 if refused:
                     break
-                est_ms = estimator.estimate_ms(row)
+                est_ms = estimate(row, want)
             if refused or stop is not Stop.BACKLOG:
                 break
             launched_on_idle = not in_flight
-            in_flight.append((row, est_ms, pipe.launch(row)))
+            if want > 1:
+                handle, count = pipe.launch_group(row, want)  # type: ignore[attr-defined]
+                est_ms = estimate(row, count)
+            else:
+                handle, count = pipe.launch(row), 1
+            in_flight.append((row, est_ms, handle, count))
+            if note_launch is not None:
+                note_launch(count)
             if launched_on_idle:
                 settled_at = clock()  # the device starts it now
-            num_chunks += 1
-            row += plan.grid
-            while len(in_flight) > lookahead and not refused:
+            num_chunks += count
+            row += count * plan.grid
+            keep = 0 if count > 1 else lookahead  # a group is read back before anything else is launched
+            while len(in_flight) > keep and not refused:
                 settle()
     finally:
         while in_flight:

@@ -88,6 +88,7 @@ class ConductorConfig:
     gc_freeze: bool = True  # freeze the Python objects that exist at start (see start())
     reader_lookahead: int = 1  # chunks launched ahead of the one read back (qse/runtime/reading.py)
     launch_lead_ms: float = 1.0  # idle window: the next chunk goes this long before the one in flight ends
+    idle_group: int = 1  # idle window: chunks one launch may read (the reader's chunk groups; 1: one a launch)
 
     @classmethod
     def from_settings(cls, settings: EngineSettings = SETTINGS) -> "ConductorConfig":
@@ -105,6 +106,7 @@ class ConductorConfig:
             chunk_prior_ms=settings.get("QSE_SHADOW_CHUNK_PRIOR_MS"),
             reader_lookahead=settings.get("QSE_SHADOW_LOOKAHEAD"),
             launch_lead_ms=settings.get("QSE_SHADOW_LAUNCH_LEAD_MS"),
+            idle_group=settings.get("QSE_SHADOW_IDLE_GROUP"),
         )
 
 
@@ -192,7 +194,8 @@ class Conductor:
                                              pool_bytes=int(cfg.served_kv_gb * (1 << 30)))
         # before the executors' threads start: it checks the reader's lookahead and lead
         self.runner = (ChunkRunner(self.reader, self.estimator, self.ledger, clock, lookahead=cfg.reader_lookahead,
-                                   launch_lead_ms=cfg.launch_lead_ms) if self.reader is not None else None)
+                                   launch_lead_ms=cfg.launch_lead_ms, idle_group=cfg.idle_group)
+                       if self.reader is not None else None)
         self.served_exec = EngineExecutor("served")
         self.reader_exec = self.served_exec if (reader is None or reader.engine is served) else EngineExecutor("reader")
         self._idle_task: asyncio.Task | None = None
@@ -441,7 +444,7 @@ class Conductor:
             self._note_backlog(session_id)
             for report in outcome.reports:
                 log.info("chunk", window=window.value, session=session_id, position=report.position,
-                         backlog=report.backlog, gpu_ms=round(report.gpu_ms, 3))
+                         backlog=report.backlog, gpu_ms=round(report.gpu_ms, 3), chunks=report.chunks)
             if outcome.result.stop is Stop.REFUSED:
                 log.error("chunk_not_recorded", window=window.value, session=session_id,
                           gpu_ms=outcome.reports[-1].gpu_ms if outcome.reports else None)

@@ -9,7 +9,9 @@ stable, and carries it out with core's `plan_read` and `drive_plan`:
     each chunk: reader.launch_step, then reader.finish_step (measured ms) --> GpuLedger (role of the
     window, the turn) + estimator; `lookahead` chunks are launched ahead of the one read back, so the
     device never waits for the host's launch (in the idle window, only `launch_lead_ms` before the chunk
-    in flight is expected to end: an arriving request still waits for at most one chunk)
+    in flight is expected to end: an arriving request still waits for at most one chunk). With an idle
+    group (QSE_SHADOW_IDLE_GROUP > 1) an idle launch may read several chunks as one chunk group, read back
+    before the next launch (a request then waits for at most one group)
 
 A pending router question stops the plan before the chunk that would pass its position
 (`QuestionGate`), so the conductor asks it exactly where the turn inserted it and then goes on.
@@ -24,12 +26,13 @@ from typing import Callable
 from ..core.chunk_cost import ChunkCostEstimator
 from ..core.drive import ChunkDecision, DriveResult, drive_plan
 from ..core.ledger import GpuLedger
-from ..core.plan import ReaderPlan, Window, check_lookahead, plan_read
+from ..core.plan import ReaderPlan, Window, check_group, check_lookahead, plan_read
 from ..shadow.reader import ChunkReport, PendingChunk, ShadowReader
 
 
 class QuestionGate:
-    """Wraps a window's decision: no chunk starts at a row where a pending question must be asked first."""
+    """Wraps a window's decision: no chunk starts at a row where a pending question must be asked first
+    (a chunk group is cut short before one)."""
 
     def __init__(self, decision: ChunkDecision, start_row: int, grid: int, question_rows: frozenset[int]):
         self.decision = decision
@@ -39,15 +42,22 @@ class QuestionGate:
         self.is_at_question = False
 
     def may_read_next(self, now: float, request_waiting: bool, next_chunk_est_ms: float) -> bool:
-        """Every True launches a chunk, so the gate's row follows the launches (with lookahead they run
-        ahead of the chunks read back and noted)."""
         if self.row in self.question_rows:
             self.is_at_question = True
             return False
-        if not self.decision.may_read_next(now, request_waiting, next_chunk_est_ms):
-            return False
-        self.row += self.grid
-        return True
+        return self.decision.may_read_next(now, request_waiting, next_chunk_est_ms)
+
+    def chunks_allowed(self, chunks: int) -> int:
+        """How many of the next `chunks` one launch may read: none of them may start at a question's row."""
+        for i in range(1, chunks):
+            if self.row + i * self.grid in self.question_rows:
+                return i
+        return chunks
+
+    def note_launch(self, chunks: int) -> None:
+        """drive_plan launched `chunks` chunks from the gate's row: the row follows the launches (with
+        lookahead they run ahead of the chunks read back and noted)."""
+        self.row += chunks * self.grid
 
     def note_chunk(self, gpu_ms: float) -> None:
         self.decision.note_chunk(gpu_ms)
@@ -66,10 +76,13 @@ class ChunkRunner:
 
     def __init__(self, reader: ShadowReader, estimator: ChunkCostEstimator, ledger: GpuLedger,
                  clock: Callable[[], float], lookahead: int = 1, launch_lead_ms: float = 1.0,
-                 sleep_until: Callable[[float], None] | None = None):
-        """sleep_until(t): wait until `clock()` reaches t (default: time.sleep against `clock`)."""
+                 sleep_until: Callable[[float], None] | None = None, idle_group: int = 1):
+        """sleep_until(t): wait until `clock()` reaches t (default: time.sleep against `clock`). idle_group:
+        chunks one launch may read in the idle window (ReaderPlan.group)."""
         check_lookahead(lookahead, launch_lead_ms, "the reader's lookahead (QSE_SHADOW_LOOKAHEAD)",
                         "the launch lead (QSE_SHADOW_LAUNCH_LEAD_MS)")
+        check_group(idle_group, "the idle window's chunk group (QSE_SHADOW_IDLE_GROUP)")
+        self.idle_group = idle_group
         self.reader = reader
         self.estimator = estimator
         self.ledger = ledger
@@ -108,7 +121,7 @@ class ChunkRunner:
         plan = plan_read(window, session_id=session_id, turn_id=turn_id, committed_rows=session.committed,
                          prompt_tokens=known if prompt_tokens is None else prompt_tokens, known_tokens=known,
                          grid=reader.grid, budget_ms=budget_ms, first_chunk_est_ms=est_ms,
-                         lookahead=self.lookahead, launch_lead_ms=self.launch_lead_ms)
+                         lookahead=self.lookahead, launch_lead_ms=self.launch_lead_ms, group=self.idle_group)
         if plan is None:
             return None
         if plan.sync_first:
@@ -131,13 +144,17 @@ class _SessionPipe:
         self.reports = reports
 
     def launch(self, row: int) -> PendingChunk:
-        pending = self.reader.launch_step(self.session_id)
+        return self.launch_group(row, 1)[0]
+
+    def launch_group(self, row: int, chunks: int) -> tuple[PendingChunk, int]:
+        """Up to `chunks` chunks from `row` in one launch (the reader's chunk group); (handle, chunks read)."""
+        pending = self.reader.launch_step(self.session_id, chunks)
         if pending is None or pending.start != row:
             got = None if pending is None else pending.start
             if pending is not None:
                 self.reader.finish_step(pending)  # launched: it must be read back before anything else
             raise RuntimeError(f"session {self.session_id!r}: planned a chunk at row {row}, the reader read {got}")
-        return pending
+        return pending, pending.chunks
 
     def finish(self, pending: PendingChunk) -> float:
         report = self.reader.finish_step(pending)

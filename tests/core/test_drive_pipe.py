@@ -185,3 +185,95 @@ def test_a_bad_lookahead_or_lead_is_a_value_error_naming_it(kw, match):
 def test_the_lead_is_only_for_windows_that_ask_whether_a_request_waits():
     assert _plan(Window.IDLE, 2, lookahead=1, lead_ms=1.0).launch_lead_ms == 1.0
     assert _plan(Window.RATION, 2, lookahead=1, lead_ms=1.0).launch_lead_ms == 0.0
+
+
+# ---- chunk groups (ReaderPlan.group, a pipe with launch_group) ----------------------------------------
+GROUP_SHARE = 0.85  # a chunk's device time inside a group, against alone
+
+
+class GroupDevice(VirtualDevice):
+    """The virtual device with the reader's chunk groups: a launch reads the largest power of two of chunks
+    up to what was asked, each at GROUP_SHARE of its time alone."""
+
+    def launch_group(self, row: int, chunks: int):
+        count = 1 << (chunks.bit_length() - 1)
+        self.t += self.host_ms / 1000
+        ms = sum(self.chunk_ms(row + i * GRID) for i in range(count)) * (GROUP_SHARE if count > 1 else 1.0)
+        end = max(self.t, self.free_at) + ms / 1000
+        self.free_at = end
+        self.busy_ms += ms
+        self.log.append(("group", row, count))
+        return (row, end, ms), count
+
+
+def _group_plan(window, chunks, group, lookahead=1):
+    return plan_read(window, session_id="s", turn_id=None, committed_rows=0, prompt_tokens=chunks * GRID,
+                     known_tokens=chunks * GRID, grid=GRID, budget_ms=1e6, first_chunk_est_ms=CHUNK_MS,
+                     lookahead=lookahead, launch_lead_ms=1.0, group=group)
+
+
+def test_an_idle_plan_reads_in_groups_each_read_back_before_the_next():
+    """10 chunks in groups of up to 4: launches of 4, 4 and 2, each finished before the next launch; one ledger
+    record a launch; every chunk counted; the estimator learns nothing from a group."""
+    dev = GroupDevice(10.0)
+    estimator = ChunkCostEstimator(CHUNK_MS)
+    ledger = GpuLedger()
+    res = drive_plan(_group_plan(Window.IDLE, 10, 4), IdleWindow(0.2, 60.0).open(10.0), estimator=estimator,
+                     ledger=ledger, clock=dev.clock, request_waiting=lambda: False, pipe=dev, sleep_until=dev.sleep_until)
+    assert [e for e in dev.log if e[0] == "group"] == [("group", 0, 4), ("group", 4 * GRID, 4), ("group", 8 * GRID, 2)]
+    assert [e[0] for e in dev.log] == ["group", "finish", "group", "finish", "group", "finish"]
+    assert (res.num_chunks, res.end_row, res.stop) == (10, 10 * GRID, Stop.BACKLOG)
+    assert ledger.spent_us(Role.READER_IDLE) == res.gpu_us == round(10 * CHUNK_MS * GROUP_SHARE * 1000)
+    assert estimator.num_buckets == 0  # no bucket holds a measurement
+
+
+def test_a_request_arriving_mid_read_waits_for_one_group_at_most():
+    dev = GroupDevice(10.0)
+    waiting = lambda: len([e for e in dev.log if e[0] == "group"]) >= 1  # noqa: E731 - arrives during the first
+    res, _ = _drive(_group_plan(Window.IDLE, 10, 4), IdleWindow(0.2, 60.0).open(10.0), dev, waiting=waiting)
+    assert [e for e in dev.log if e[0] == "group"] == [("group", 0, 4)]
+    assert dev.log[-1] == ("finish", 0)  # read back before the loop stopped
+    assert (res.num_chunks, res.stop) == (4, Stop.WAITING)
+
+
+def test_groups_only_where_the_plan_and_the_pipe_allow_them():
+    """A ration slice plans one chunk a launch whatever was asked; a pipe without launch_group reads one
+    chunk a launch under an idle plan of groups; a bad group size is named."""
+    assert _group_plan(Window.RATION, 6, 4).group == 1
+    assert _group_plan(Window.IDLE, 6, 4).group == 4
+    plain = VirtualDevice(10.0)
+    res, _ = _drive(_group_plan(Window.IDLE, 3, 4), IdleWindow(0.2, 60.0).open(10.0), plain)
+    assert [e[0] for e in plain.log].count("launch") == 3 and res.num_chunks == 3
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="group must be a whole number of chunks >= 1"):
+            _group_plan(Window.IDLE, 3, bad)
+
+
+class _Capped:
+    """An idle decision with a gate: no launch may cover the chunk that starts at `stop_row`."""
+
+    def __init__(self, inner, stop_row):
+        self.inner, self.stop_row, self.row = inner, stop_row, 0
+        self.noted = []
+
+    def may_read_next(self, now, request_waiting, next_chunk_est_ms):
+        return self.row != self.stop_row and self.inner.may_read_next(now, request_waiting, next_chunk_est_ms)
+
+    def note_chunk(self, gpu_ms):
+        self.inner.note_chunk(gpu_ms)
+
+    def chunks_allowed(self, chunks):
+        return next((i for i in range(1, chunks) if self.row + i * GRID == self.stop_row), chunks)
+
+    def note_launch(self, chunks):
+        self.noted.append(chunks)
+        self.row += chunks * GRID
+
+
+def test_a_group_is_cut_short_before_a_gated_row():
+    """A gate at chunk 3: the first launch may cover 3 chunks (the pipe reads 2), the next 1, then it stops."""
+    dev = GroupDevice(10.0)
+    gate = _Capped(IdleWindow(0.2, 60.0).open(10.0), 3 * GRID)
+    res, _ = _drive(_group_plan(Window.IDLE, 8, 4), gate, dev)
+    assert [e for e in dev.log if e[0] in ("group", "launch")] == [("group", 0, 2), ("launch", 2 * GRID)]
+    assert gate.noted == [2, 1] and res.num_chunks == 3 and res.end_row == 3 * GRID

@@ -10,6 +10,7 @@ from runtime_rig import GRID, prompt_ids
 from qse.core.ledger import Role
 from qse.core.locks import Priority
 from qse.runtime.conductor import GenerateRequest
+from qse.shadow.reader import ShadowReader
 
 
 async def _consume(conductor, req: GenerateRequest) -> list[int]:
@@ -106,3 +107,26 @@ def test_the_reader_lookahead_and_lead_come_from_the_config_and_a_bad_one_is_nam
         make_rig(reader_lookahead=-1)
     with pytest.raises(ValueError, match=r"QSE_SHADOW_LAUNCH_LEAD_MS\) must be a finite number of ms >= 0, got nan"):
         make_rig(launch_lead_ms=float("nan"))
+
+
+async def test_an_idle_group_reads_several_chunks_a_launch_with_the_bits_of_one_at_a_time(make_rig):
+    """QSE_SHADOW_IDLE_GROUP 4 on the graph path (static): 7 chunks of backlog read in launches of 4, 2 and 1,
+    every chunk counted in the window and the ledger, the state that of a reader reading one at a time."""
+    rig = make_rig(reader_graphs="static", idle_group=4)
+    c, reader = rig.conductor, rig.reader
+    assert c.runner.idle_group == 4
+    ids = prompt_ids(7 * GRID + 3)
+    reader.feed("s", ids)
+    c._note_backlog("s")
+    assert await c.idle_once() == 7
+    session = reader.sessions["s"]
+    assert session.committed == 7 * GRID and session.stats.chunks_read == 7
+    assert rig.conductor.ledger.spent_us(Role.READER_IDLE) > 0
+    assert sorted(k[1] for k in reader.graphs._entries if k[0] == "group") == [2, 4]  # launches of 4, 2 (and 1)
+    alone = ShadowReader(reader.engine, grid=GRID, pool_bytes=8 << 20, graphs="static")
+    alone.feed("s", ids)
+    while alone.read_step("s") is not None:
+        pass
+    assert all(alone.state_equal(alone.get("s"), session).values())
+    with pytest.raises(ValueError, match=r"QSE_SHADOW_IDLE_GROUP\) must be a whole number of chunks >= 1, got 0"):
+        make_rig(idle_group=0)
