@@ -1,7 +1,6 @@
 #!/usr/bin/env python
 """Chunk groups' shape: a 64k session read from empty, one group launched ahead of the one read back, for
-group sizes, layer ranges (streams), the bound on how far the first ranges run ahead, stream priorities
-and the attention's program target for chunks, on the wall as the reader reads.
+group sizes, layer ranges (streams) and the attention's program target for chunks, on the wall as the reader reads.
 
     python benchmarks/chunk_groups.py [--preset qwen3.5-0.8b] [--tokens 65536] [--out DIR]
 
@@ -32,43 +31,29 @@ from qse.engine.engine import Engine  # noqa: E402
 from qse.models import resolve  # noqa: E402
 from qse.shadow.reader import ShadowReader  # noqa: E402
 
-# name: (chunks a launch, layer ranges, attention PREFILL_TARGET_PROGRAMS, GROUP_RUNAHEAD, GROUP_PRIORITIES
-#        [, GROUP_BOUNDS])
+# name: (chunks a launch, layer ranges, attention PREFILL_TARGET_PROGRAMS). Sweeps 2-5 also bounded how far
+# first ranges run ahead, gave later ranges higher stream priorities and shifted the splits: none paid, and
+# those knobs left the engine (commit c2e9448 is the last that has them)
 VARIANTS = {
-    "one_chunk": (1, 2, 132, None, False),
-    "one_chunk_attn264": (1, 2, 264, None, False),
-    "g8_s2_attn264": (8, 2, 264, None, False),
-    "g8_s2": (8, 2, 132, None, False),
-    "g8_s3": (8, 3, 132, None, False),
-    "g8_s4": (8, 4, 132, None, False),
-    "g8_s6": (8, 6, 132, None, False),
-    "g4_s3": (4, 3, 132, None, False),
-    "g4_s4": (4, 4, 132, None, False),
-    "g16_s2": (16, 2, 132, None, False),
-    "g16_s3": (16, 3, 132, None, False),
-    "g16_s4": (16, 4, 132, None, False),
-    "g8_s3_ahead1": (8, 3, 132, 1, False),
-    "g8_s3_ahead2": (8, 3, 132, 2, False),
-    "g16_s3_ahead2": (16, 3, 132, 2, False),
-    "g8_s4_ahead2": (8, 4, 132, 2, False),
-    "g8_s3_attn96": (8, 3, 96, None, False),
-    "g8_s3_attn64": (8, 3, 64, None, False),
-    "g8_s8": (8, 8, 132, None, False),
-    "g8_s12": (8, 12, 132, None, False),
-    "g16_s6": (16, 6, 132, None, False),
-    "g16_s8": (16, 8, 132, None, False),
-    "g16_s12": (16, 12, 132, None, False),
-    "g32_s6": (32, 6, 132, None, False),
-    "g16_s5": (16, 5, 132, None, False),
-    "g16_s7": (16, 7, 132, None, False),
-    # ranges of the 24-layer presets shifted by two layers (an attention layer mid-range instead of at its end)
-    "g16_shift2": (16, 7, 132, None, False, (0, 2, 6, 10, 14, 18, 22, 24)),
-    "g16_shift1": (16, 7, 132, None, False, (0, 1, 5, 9, 13, 17, 21, 24)),
-    "g8_s3_prio": (8, 3, 132, None, True),
-    "g8_s4_prio": (8, 4, 132, None, True),
-    "g8_s6_prio": (8, 6, 132, None, True),
-    "g16_s3_prio": (16, 3, 132, None, True),
-    "g16_s4_prio": (16, 4, 132, None, True),
+    "one_chunk": (1, 2, 132),
+    "one_chunk_attn264": (1, 2, 264),
+    "g8_s2_attn264": (8, 2, 264),
+    "g8_s2": (8, 2, 132),
+    "g8_s3": (8, 3, 132),
+    "g8_s4": (8, 4, 132),
+    "g8_s6": (8, 6, 132),
+    "g8_s8": (8, 8, 132),
+    "g4_s3": (4, 3, 132),
+    "g4_s4": (4, 4, 132),
+    "g16_s2": (16, 2, 132),
+    "g16_s3": (16, 3, 132),
+    "g16_s4": (16, 4, 132),
+    "g16_s5": (16, 5, 132),
+    "g16_s6": (16, 6, 132),
+    "g16_s8": (16, 8, 132),
+    "g32_s6": (32, 6, 132),
+    "g8_s3_attn96": (8, 3, 96),
+    "g8_s3_attn64": (8, 3, 64),
 }
 
 
@@ -106,14 +91,11 @@ def main(argv=None) -> int:
     engine = Engine(resolve(args.preset, device, torch.bfloat16, cache_dir), kernels="triton")
     ids = torch.randint(0, 248000, (args.tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     pool = engine.state_bytes_per_token() * (args.tokens + 24 * args.grid) + (64 << 20)
-    saved = (graphs_module.GROUP_STAGES, attention.PREFILL_TARGET_PROGRAMS, graphs_module.GROUP_RUNAHEAD,
-             graphs_module.GROUP_PRIORITIES, graphs_module.GROUP_BOUNDS)
+    saved = (graphs_module.GROUP_STAGES, attention.PREFILL_TARGET_PROGRAMS)
     rows = {}
     for name in chosen:
-        group, stages, programs, runahead, priorities, *bounds = VARIANTS[name]
-        graphs_module.GROUP_BOUNDS = bounds[0] if bounds else None
+        group, stages, programs = VARIANTS[name]
         graphs_module.GROUP_STAGES, attention.PREFILL_TARGET_PROGRAMS = stages, programs
-        graphs_module.GROUP_RUNAHEAD, graphs_module.GROUP_PRIORITIES = runahead, priorities
         reader = ShadowReader(engine, grid=args.grid, pool_bytes=pool, graphs=True, chunk_group=group)
         reader.warm()  # every graph this variant takes, captured outside the timing
         reader.feed("warm", ids[: 2 * group * args.grid])
@@ -125,15 +107,13 @@ def main(argv=None) -> int:
             walls.append(wall)
         best = min(walls)
         rows[name] = {"chunks_a_launch": group, "layer_ranges": stages, "attention_target_programs": programs,
-                      "runahead": runahead, "stream_priorities": priorities, "bounds": bounds[0] if bounds else None,
                       "launches": launches, "read_ms": round(best * 1e3, 1),
                       "ms_per_1000_tokens": round(best * 1e6 / args.tokens, 3),
                       "reads_ms": [round(w * 1e3, 1) for w in walls]}
         print(json.dumps({name: rows[name]}), flush=True)
         del reader
         torch.cuda.empty_cache()
-    (graphs_module.GROUP_STAGES, attention.PREFILL_TARGET_PROGRAMS, graphs_module.GROUP_RUNAHEAD,
-     graphs_module.GROUP_PRIORITIES, graphs_module.GROUP_BOUNDS) = saved
+    graphs_module.GROUP_STAGES, attention.PREFILL_TARGET_PROGRAMS = saved
     result = {"command": " ".join([sys.executable, *sys.argv]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
               "device": torch.cuda.get_device_name(), "versions": versions("triton"), "preset": args.preset,
               "tokens": args.tokens, "grid": args.grid, "variants": rows}

@@ -11,6 +11,11 @@ moves. So a graph captured once stays valid as sessions grow, move and come and 
 Forks need no put-back of the GDN state: a fork replays on the working copy and simply does not copy
 it back.
 
+`capture=False` runs the very same flow (the same buffers, copies and calls) without capturing: each
+replay calls the forward again. It is the CPU rehearsal of the graph path, which the tests use; the
+bits equal an eager forward whenever the kernels do not depend on the launch (ours do not: see
+qse_kernels.attention on split counts).
+
 A chunk group (`prepare_group`) reads several grid chunks of one session in one replay, skewed over
 streams: the layers split into GROUP_STAGES ranges, range s of every chunk on stream s, so the first
 half of the layers of chunk i+1 runs beside the second half of chunk i (two ranges). The ranges touch
@@ -35,14 +40,9 @@ from .kv import KVPool, PagedKV
 # H200) in groups of 16: 8.29 ms per 1000 tokens at 2 ranges, 8.01-8.05 at 4 and at 6, 8.18 at 8, 8.27 at 12
 # (one chunk a launch: 9.54); groups of 16 over 3 ranges, and 8 over 12, fell to ~9.6 (the ranges' kernels
 # then ran one after the other)
+# (Bounding how far first ranges run ahead, stream priorities by range and splits shifted off the attention
+# layers were measured too, `chunk_groups-sweep2..5-*`, and did not pay; they are gone since.)
 GROUP_STAGES = 4
-# a chunk's first range waits for the last range of the chunk this many before it (None: no bound). In a
-# graph the first ranges of a group can otherwise run far ahead of the last ones, which then trail alone
-GROUP_RUNAHEAD: int | None = None
-# an explicit split of the layers (0, ..., num_layers), or None for even ranges
-GROUP_BOUNDS: tuple[int, ...] | None = None
-# every range on a stream of its own, a later range at a higher priority (its work is nearer the group's end)
-GROUP_PRIORITIES = False
 
 
 def capture_mode(engine, graphs: bool | str | None, who: str, error: type[Exception] = ValueError) -> bool | None:
@@ -89,10 +89,7 @@ class _Entry:
 
 
 def layer_bounds(num_layers: int, stages: int) -> list[int]:
-    """The first layer of each of `stages` ranges, and num_layers: GROUP_BOUNDS where it names such a split
-    of this many layers, else ranges as even as whole layers allow."""
-    if GROUP_BOUNDS is not None and len(GROUP_BOUNDS) == stages + 1 and GROUP_BOUNDS[-1] == num_layers:
-        return list(GROUP_BOUNDS)
+    """The first layer of each of `stages` ranges, and num_layers: ranges as even as whole layers allow."""
     return [round(i * num_layers / stages) for i in range(stages + 1)]
 
 
@@ -114,7 +111,6 @@ class ForwardGraphs:
         self._ids_sent: dict[int, Any] = {}  # the event after the last copy out of each staging buffer
         self._entries: dict[tuple, _Entry] = {}
         self._sides: list = []  # the side streams of chunk groups
-        self._ranked: list = []  # the same with priorities (GROUP_PRIORITIES)
         self._graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
         # warm-up and capture run the forward for real: their KV rows go to pages of their own
         self._scratch: list[int] = []
@@ -181,7 +177,7 @@ class ForwardGraphs:
             raise ValueError(f"a chunk group is 2 or more chunks of 1..{self.max_tokens} rows; got {num_chunks} x {rows}")
         if not 2 <= stages <= num_layers:
             raise ValueError(f"a chunk group runs its layers in 2..{num_layers} ranges; got {stages}")
-        key = ("group", num_chunks, rows, stages, GROUP_RUNAHEAD, GROUP_PRIORITIES, GROUP_BOUNDS)
+        key = ("group", num_chunks, rows, stages)
         entry = self._entries.get(key)
         if entry is None:
             ids = self._ids.setdefault(num_chunks * rows, torch.zeros(num_chunks * rows, dtype=torch.long, device=self.device))
@@ -226,32 +222,24 @@ class ForwardGraphs:
                     data = model.forward_layers(data, self.cache, step, "none", first, stop)
             return
         main = torch.cuda.current_stream(self.device)
-        if GROUP_PRIORITIES:
-            while len(self._ranked) < len(ranges):
-                self._ranked.append(torch.cuda.Stream(self.device, priority=-len(self._ranked)))
-            streams = self._ranked[: len(ranges)]
-        else:
-            while len(self._sides) < len(ranges) - 1:
-                self._sides.append(torch.cuda.Stream(self.device))
-            streams = [*self._sides[: len(ranges) - 1], main]
-        sides = [stream for stream in streams if stream is not main]
+        while len(self._sides) < len(ranges) - 1:
+            self._sides.append(torch.cuda.Stream(self.device))
+        sides = self._sides[: len(ranges) - 1]
+        streams = [*sides, main]
         for side in sides:
             side.wait_stream(main)
         handed = []  # every hand-over stays referenced until the join: no block of one is reused mid-group
-        done = []  # each chunk's end on the current stream (GROUP_RUNAHEAD)
-        for i, (ids, step) in enumerate(zip(chunk_ids, steps)):
+        for ids, step in zip(chunk_ids, steps):
             data, ready = ids, None
-            if GROUP_RUNAHEAD is not None and i >= GROUP_RUNAHEAD:
-                ready = done[i - GROUP_RUNAHEAD]
             for stream, (first, stop) in zip(streams, ranges):
                 with torch.cuda.stream(stream):
                     if ready is not None:
                         stream.wait_event(ready)
                     data = model.forward_layers(data, self.cache, step, "none", first, stop)
-                    ready = torch.cuda.Event()
-                    ready.record(stream)
+                    if stream is not main:
+                        ready = torch.cuda.Event()
+                        ready.record(stream)
                 handed.append(data)
-            done.append(ready)
         for side in sides:
             main.wait_stream(side)
 

@@ -129,47 +129,17 @@ def test_groups_of_any_layer_split_read_the_same_bits(tiny_engine, monkeypatch, 
         reader.feed("s", ids)
         reader.read_all("s")
     assert _same_state(single, single.get("s"), grouped.get("s"))
-    assert ("group", 2, GRID, stages, None, False, None) in grouped.graphs._entries
+    assert ("group", 2, GRID, stages) in grouped.graphs._entries
     with pytest.raises(ValueError, match="ranges"):
         grouped.graphs.prepare_group(2, GRID, stages=len(tiny_engine.cfg.layer_types) + 1)
 
 
-def test_a_bounded_runahead_reads_the_same_bits(tiny_engine, monkeypatch):
-    from qse.engine import graphs
-
-    monkeypatch.setattr(graphs, "GROUP_RUNAHEAD", 1)
-    ids = list(range(6000, 6000 + 4 * GRID))
-    single, grouped = _reader(tiny_engine), _reader(tiny_engine, chunk_group=4)
-    for reader in (single, grouped):
-        reader.feed("s", ids)
-        reader.read_all("s")
-    assert _same_state(single, single.get("s"), grouped.get("s"))
-    assert ("group", 4, GRID, graphs.GROUP_STAGES, 1, False, None) in grouped.graphs._entries
-
-
-def test_layer_bounds_take_an_explicit_split_only_where_it_fits(monkeypatch):
+def test_layer_bounds_are_as_even_as_whole_layers_allow():
     from qse.engine import graphs
 
     assert graphs.layer_bounds(24, 4) == [0, 6, 12, 18, 24]
     assert graphs.layer_bounds(24, 5) == [0, 5, 10, 14, 19, 24]
-    monkeypatch.setattr(graphs, "GROUP_BOUNDS", (0, 2, 6, 24))
-    assert graphs.layer_bounds(24, 3) == [0, 2, 6, 24]
-    assert graphs.layer_bounds(32, 3) == [0, 11, 21, 32]  # a split of another depth is not this model's
-    assert graphs.layer_bounds(24, 4) == [0, 6, 12, 18, 24]
-
-
-def test_groups_on_an_uneven_explicit_split_read_the_same_bits(tiny_engine, monkeypatch):
-    from qse.engine import graphs
-
-    layers = len(tiny_engine.cfg.layer_types)
-    monkeypatch.setattr(graphs, "GROUP_BOUNDS", (0, 1, layers - 2, layers))
-    monkeypatch.setattr(graphs, "GROUP_STAGES", 3)
-    ids = list(range(7000, 7000 + 4 * GRID + 9))
-    single, grouped = _reader(tiny_engine), _reader(tiny_engine, chunk_group=4)
-    for reader in (single, grouped):
-        reader.feed("s", ids)
-        reader.read_all("s")
-    assert _same_state(single, single.get("s"), grouped.get("s"))
+    assert graphs.layer_bounds(32, 3) == [0, 11, 21, 32]
 
 
 def test_a_group_the_pool_cannot_hold_reads_one_chunk(tiny_engine):
