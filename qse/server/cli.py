@@ -51,6 +51,7 @@ def build_service(model: str = "", shadow_model: str = "", profile: str = "defau
     when it would load the same weights."""
     from ..engine.engine import Engine
     from ..models import pick_device, pick_dtype, resolve
+    from ..core.plan import check_group
     from ..runtime.conductor import Conductor, ConductorConfig, ShadowOptions
     from ..shadow.reader import ShadowReader, checkpoint_options
     from ..store import GIB, ShadowStore
@@ -64,9 +65,12 @@ def build_service(model: str = "", shadow_model: str = "", profile: str = "defau
     if prof.shadow.mode == "on":
         engine = served if shadow_model in ("", model) else Engine(resolve(shadow_model, dev, dt, cache))
         store = ShadowStore.from_settings(settings)
+        # the chunk groups the idle window may launch are captured by warm() below, with the single chunk's
+        # graph (none beyond it at the default of one chunk a launch)
+        check_group(settings.get("QSE_SHADOW_IDLE_GROUP"), "the idle window's chunk group (QSE_SHADOW_IDLE_GROUP)")
         reader = ShadowReader(engine, grid=grid or settings.get("QSE_SHADOW_GRID"),
                               pool_bytes=int(settings.get("QSE_SHADOW_GB") * GIB), residency=store,
-                              **checkpoint_options(settings))
+                              chunk_group=settings.get("QSE_SHADOW_IDLE_GROUP"), **checkpoint_options(settings))
         store.attach(reader)
     s = prof.shadow
     options = ShadowOptions(mode=s.mode, narrator=s.narrator, router=s.router, router_min_tokens=s.router_min_tokens)

@@ -355,9 +355,9 @@ class ShadowReader:
         start = session.committed
         count = self._group_size(session, chunks)
         if count > 1:
-            try:  # captured on first use; a pool too full for the capture's scratch pages reads one chunk
+            try:  # captured on first use; no room for the capture's scratch pages or its memory: one chunk
                 self.graphs.prepare_group(count, self.grid)
-            except MemoryError:
+            except (MemoryError, torch.cuda.OutOfMemoryError):
                 count = 1
         while True:  # a group the pool has no room for reads one chunk instead
             rows = count * self.grid

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from qse.server.cli import apply_env_file, build_service
 from qse.settings import EngineSettings
 
@@ -18,6 +20,18 @@ def test_the_reader_reuses_the_served_engine(cache_dir, tmp_path):
     assert conductor.reader.grid == 64 and conductor.options.router == "shadow"
     assert service.store is not None and service.store.disk_dir is None
     assert service.max_context_tokens == conductor.served.cfg.max_position_embeddings
+
+
+def test_the_idle_group_reaches_the_reader_and_the_conductor_and_a_bad_one_is_named(cache_dir, tmp_path):
+    """QSE_SHADOW_IDLE_GROUP: the conductor's idle launches and the reader's captured group sizes (warm)."""
+    base = {"QSE_CACHE_DIR": str(cache_dir), "QSE_SHADOW_DISK": "off", "QSE_SHADOW_GB": "0.02",
+            "QSE_LEDGER": str(tmp_path / "usage.jsonl")}
+    service = build_service(profile="coding", grid=64, device="cpu", dtype="float32",
+                            settings=EngineSettings({**base, "QSE_SHADOW_IDLE_GROUP": "4"}))
+    assert service.conductor.runner.idle_group == 4 and service.conductor.reader.chunk_group == 4
+    with pytest.raises(ValueError, match=r"QSE_SHADOW_IDLE_GROUP\) must be a whole number of chunks >= 1, got 0"):
+        build_service(profile="coding", grid=64, device="cpu", dtype="float32",
+                      settings=EngineSettings({**base, "QSE_SHADOW_IDLE_GROUP": "0"}))
 
 
 def test_a_profile_with_the_shadow_off_builds_no_reader(cache_dir, tmp_path):

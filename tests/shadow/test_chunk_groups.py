@@ -158,3 +158,24 @@ def test_a_group_the_pool_cannot_hold_reads_one_chunk(tiny_engine):
     assert _same_state(single, single.get("s"), tight.get("s"))
     with pytest.raises(MemoryError, match="cannot hold session 's'"):
         tight.launch_step("s", 2)
+
+
+def test_a_group_whose_capture_runs_out_of_device_memory_reads_one_chunk(tiny_engine, monkeypatch):
+    """The group's capture out of memory (the device's or the pool's scratch pages): that launch reads one
+    chunk, with the bits of one chunk; nothing is half-advanced."""
+    reader = _reader(tiny_engine, chunk_group=4)
+    ids = list(range(9000, 9000 + 4 * GRID))
+    reader.feed("s", ids)
+    for error in (torch.OutOfMemoryError("CUDA out of memory"), MemoryError("no scratch pages")):
+        def refuse(*args, _error=error, **kwargs):
+            raise _error
+
+        monkeypatch.setattr(reader.graphs, "prepare_group", refuse)
+        pending = reader.launch_step("s", 4)
+        assert pending.chunks == 1
+        reader.finish_step(pending)
+    single = _reader(tiny_engine)
+    single.feed("s", ids[: 2 * GRID])
+    single.read_all("s")
+    assert reader.get("s").committed == 2 * GRID
+    assert _same_state(single, single.get("s"), reader.get("s"))
