@@ -90,6 +90,10 @@ POLICIES: list[tuple[str, str, dict, bool]] = [
        dict(RECENT_2_DIV_2, ration_after_s=float(d)), True) for d in (2, 5)],
     ("recent_4_after_5s", "recent_4; the ration counts from 5 s after the first token",
      dict(RECENT_4, ration_after_s=5.0), True),
+    # the runtime's policy of the sixth session (recent_4_after_5s) with idle windows reading chunk groups
+    *[(f"recent_4_after_5s_idle_group_{g}", f"recent_4_after_5s; idle windows read chunk groups of up to {g} "
+       f"(QSE_SHADOW_IDLE_GROUP={g}): less device time a chunk, a request waits for at most one group",
+       dict(RECENT_4, ration_after_s=5.0, idle_group=g), True) for g in (4, 16)],
 ]
 # the traces do not say where a re-rendered output diverges: the other end of the range, for a few rows
 SENSITIVITY = [("runtime", {}), ("runtime_2026_11_29", RUNTIME_2026_11_29), ("ckpt_plus", CKPT_PLUS)]
@@ -106,6 +110,9 @@ def _row(report: dict) -> dict:
         "prefill_loss": report["prefill_loss"],
         "reader_s": {k: round(v / 1000, 3) for k, v in report["reader_ms"].items()},
         "request_wait_ms_max": report["request_wait_ms"]["max"],
+        "request_wait_ms_p50": report["request_wait_ms"]["p50"],
+        "request_wait_ms_p99": report["request_wait_ms"]["p99"],
+        "request_waits": report["request_wait_ms"]["n"],
         "missed": misses["num_missed"],
         "missed_by_cause": {c: v["n"] for c, v in misses["by_cause"].items()},
         "max_checkpoints_held": report["checkpoints"]["max_held_by_a_session"],
@@ -129,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--traces", type=Path, default=ROOT.parent / "shared" / "data" / "traces")
     p.add_argument("--read-model", type=Path,
-                   default=ROOT / "benchmarks" / "results" / "shadow_measure-graph-v10-final-2026-11-29-h200.json")
+                   default=ROOT / "benchmarks" / "results" / "shadow_measure-graph-v12-groups-final-2026-11-29-h200.json")
     p.add_argument("--read-model-preset", default=None)
     p.add_argument("--read-model-ops", default=None)
     p.add_argument("--target-ms-per-1000", type=float, default=8.0)

@@ -76,6 +76,8 @@ def replay_parser() -> argparse.ArgumentParser:
                    help="exploratory: keep the lowest prompt-end checkpoint when the cap would drop it")
     p.add_argument("--divergence-checkpoints", type=int, default=None,
                    help="checkpoint the grid lines of the newest N re-render points (QSE_SHADOW_DIVERGENCE_CHECKPOINTS)")
+    p.add_argument("--idle-group", type=int, default=None,
+                   help="chunks an idle launch may read, as a chunk group (QSE_SHADOW_IDLE_GROUP)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
@@ -124,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                                            checkpoint_at_line=args.checkpoint_at_line,
                                            recent_checkpoints=args.recent_checkpoints,
                                            pin_first_checkpoint=args.pin_first_checkpoint,
-                                           divergence_checkpoints=args.divergence_checkpoints)
+                                           divergence_checkpoints=args.divergence_checkpoints,
+                                           idle_group=args.idle_group)
         converted = convert(args.ledger, args.format, Rates(args.decode_tok_s, args.prefill_tok_s), args.max_sessions)
     except (OSError, TraceError, UsageError, ReadModelError, ValueError) as exc:
         return _fail(str(exc))

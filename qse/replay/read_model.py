@@ -142,3 +142,18 @@ class ReadModel:
         if grid is not None and grid != self.grid:
             ms *= grid / self.grid
         return ms
+
+
+# A grid chunk's device time inside a chunk group of k chunks, against alone: a + b / k (the fill and drain of
+# a group's skew spread over its chunks), fitted to the H200's 0.8B 64k reads at 4 layer ranges
+# (chunk_groups-sweep3/4-*, one chunk a launch 9.54 ms per 1000 tokens: groups of 4 8.28, of 8 8.10, of 16
+# 8.01; a + b/8 = 0.850 was the check). Groups of 2 were not measured: 0.906 by the fit.
+GROUP_SHARE_FLOOR = 0.831
+GROUP_SHARE_SLOPE = 0.149
+
+
+def group_share(chunks: int) -> float:
+    """The share of its time alone a chunk takes inside a group of `chunks` (1: alone)."""
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"a group is a whole number of chunks >= 1, got {chunks!r}")
+    return 1.0 if chunks == 1 else GROUP_SHARE_FLOOR + GROUP_SHARE_SLOPE / chunks

@@ -57,7 +57,8 @@ from typing import Iterable, NamedTuple
 
 from qse.core import (ChunkCostEstimator, DriveResult, GpuLedger, IdleWindow, Role, Stop, TurnRation, Window,
                       drive_plan, plan_read, whole_chunks)
-from qse.replay.read_model import ReadModel
+from qse.core.plan import check_group
+from qse.replay.read_model import ReadModel, group_share
 from qse.replay.usage import UsageRecord, sessions_of
 
 RATION_FROM = ("first_token", "turn_start")
@@ -108,6 +109,9 @@ class SimOptions:
     recent_checkpoints: int = 4  # QSE_SHADOW_RECENT_CHECKPOINTS
     pin_first_checkpoint: bool = False
     divergence_checkpoints: int = 0
+    # idle windows read up to this many chunks a launch (QSE_SHADOW_IDLE_GROUP; chunk groups, each chunk at
+    # read_model.group_share of its time alone; a request arriving mid-group waits for the group)
+    idle_group: int = 1
 
     def __post_init__(self) -> None:
         if self.short_prompt_kept not in SHORT_PROMPT_KEPT:
@@ -123,6 +127,7 @@ class SimOptions:
         if self.divergence_checkpoints < 0:
             raise ValueError(f"divergence_checkpoints must be >= 0, got {self.divergence_checkpoints}")
         TurnRation(self.ration, self.slice_ms, Window.RATION, self.ration_after_s)  # the core's own checks
+        check_group(self.idle_group, "idle_group")
 
     @property
     def max_checkpoints_per_session(self) -> int:
@@ -140,7 +145,8 @@ class SimOptions:
                     idle_burst_s=settings.get("QSE_SHADOW_IDLE_BURST_S"), grid=settings.get("QSE_SHADOW_GRID"),
                     checkpoints=settings.get("QSE_SHADOW_CHECKPOINTS"),
                     recent_checkpoints=settings.get("QSE_SHADOW_RECENT_CHECKPOINTS"),
-                    divergence_checkpoints=settings.get("QSE_SHADOW_DIVERGENCE_CHECKPOINTS"))
+                    divergence_checkpoints=settings.get("QSE_SHADOW_DIVERGENCE_CHECKPOINTS"),
+                    idle_group=settings.get("QSE_SHADOW_IDLE_GROUP"))
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
 
@@ -394,6 +400,29 @@ class _SessionReplay:
 
     def _read_chunk(self, row: int) -> float:
         ms = self.sim.read_model.ms_per_chunk(row, self.grid)
+        self._chunk_read(row, ms, launch_end=True)
+        return ms
+
+    def _read_group(self, row: int, chunks: int) -> tuple[float, int]:
+        """A chunk group from `row`, as the reader forms it (a power of two up to `chunks`, ending at the first
+        prompt or divergence line inside it); (its ms, the chunks it read)."""
+        count = chunks
+        for i in range(1, chunks):
+            if row + i * self.grid in self.lines or row + i * self.grid in self.div_lines:
+                count = i
+                break
+        count = 1 << (count.bit_length() - 1)
+        share = group_share(count)
+        total = 0.0
+        for i in range(count):
+            ms = self.sim.read_model.ms_per_chunk(row + i * self.grid, self.grid) * share
+            self._chunk_read(row + i * self.grid, ms, launch_end=i == count - 1)
+            total += ms
+        return total, count
+
+    def _chunk_read(self, row: int, ms: float, launch_end: bool) -> None:
+        """The clock and the checkpoints after one chunk (recent checkpoints at a launch's end only, as the
+        reader takes them)."""
         self.now += ms / 1000
         end = row + self.grid
         if end in self.lines:
@@ -402,25 +431,26 @@ class _SessionReplay:
             self.div_cps.add(end)
             self.sim.result.num_checkpoints_taken += 1
             self._note_held()
-        if self.opt.recent_checkpoints:
+        if self.opt.recent_checkpoints and launch_end:
             self.recent = (self.recent + [end])[-self.opt.recent_checkpoints:]
             self.sim.result.num_checkpoints_taken += 1
             self._note_held()
         if self.ready_at is None and end >= self.ready_target:
             self.ready_at = self.now - self.arrival
-        return ms
 
     def _drive(self, window: Window, decision, turn_id: str | None, waiting_at: float | None,
                budget_ms: float, est_ms: float) -> DriveResult | None:
         plan = plan_read(window, session_id=self.session_id, turn_id=turn_id, committed_rows=self.committed,
                          prompt_tokens=self.prompt, known_tokens=self.known, grid=self.grid,
-                         budget_ms=budget_ms, first_chunk_est_ms=est_ms)
+                         budget_ms=budget_ms, first_chunk_est_ms=est_ms, group=self.opt.idle_group)
         if plan is None:
             return None
         opened = self.now
+        # groups (idle windows only, as planned) go through a pipe that reads them; one chunk a launch reads alone
+        chunks = dict(pipe=_GroupPipe(self)) if plan.group > 1 else dict(read_chunk=self._read_chunk)
         res = drive_plan(plan, decision, estimator=self.sim.estimator, ledger=self.sim.result.ledger,
-                         read_chunk=self._read_chunk, clock=lambda: self.now,
-                         request_waiting=lambda: waiting_at is not None and self.now >= waiting_at)
+                         clock=lambda: self.now,
+                         request_waiting=lambda: waiting_at is not None and self.now >= waiting_at, **chunks)
         self.committed = res.end_row
         if self.sim.record_decisions:
             self.sim.result.decisions.append(Decision(self.session_id, self.turn, window, opened, plan.start_row,
@@ -623,6 +653,22 @@ class _SessionReplay:
             self._idle(free_s, math.inf, next_poll_s)
         if pending is not None:
             result.turn_starts.append(pending._replace(prompt_ready_s=self.ready_at))
+
+
+class _GroupPipe:
+    """drive_plan's chunks on the virtual clock, with chunk groups (each read, and timed, at its launch)."""
+
+    def __init__(self, session: "_SessionReplay"):
+        self.session = session
+
+    def launch(self, row: int) -> float:
+        return self.session._read_chunk(row)
+
+    def launch_group(self, row: int, chunks: int) -> tuple[float, int]:
+        return self.session._read_group(row, chunks)
+
+    def finish(self, handle: float) -> float:
+        return handle
 
 
 def simulate(records: Iterable[UsageRecord], read_model: ReadModel | None = None,

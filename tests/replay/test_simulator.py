@@ -358,3 +358,48 @@ def test_the_simulator_s_defaults_are_the_runtime_s_settings():
     from qse.settings import EngineSettings
 
     assert SimOptions() == SimOptions.from_settings(EngineSettings({}))
+
+
+def test_a_chunk_in_a_group_takes_the_measured_share_of_its_time_alone():
+    from qse.replay.read_model import group_share
+
+    assert group_share(1) == 1.0
+    assert group_share(4) == pytest.approx(0.868, abs=1e-3)
+    assert group_share(8) == pytest.approx(0.850, abs=1e-3)
+    assert group_share(16) == pytest.approx(0.840, abs=1e-3)
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="whole number of chunks"):
+            group_share(bad)
+    with pytest.raises(ValueError, match="idle_group must be a whole number of chunks >= 1, got 0"):
+        SimOptions(idle_group=0)
+
+
+def test_idle_groups_read_the_backlog_in_less_device_time():
+    """44 chunks of backlog in one idle gap, groups of up to 16: launches of 16, 16, 8 and 4, each chunk at
+    its group's share; the next turn starts fresh, as with one chunk a launch."""
+    from qse.replay.read_model import group_share
+
+    prompt = 44 * 512
+    recs = [rec("s", 0.0, 0.5, 1.0, prompt, 0, 1), rec("s", 3.0, 3.1, 3.2, prompt + 100, prompt, 1)]
+    alone = simulate(recs, SEED)
+    grouped = simulate(recs, SEED, SimOptions(idle_group=16), record_decisions=True)
+    assert alone.turn_starts[1].fresh and grouped.turn_starts[1].fresh
+    want_us = 44_544 * (32 * group_share(16) + 8 * group_share(8) + 4 * group_share(4))
+    assert grouped.ledger.balance().gpu_us[Role.READER_IDLE] == pytest.approx(want_us, abs=4)
+    assert alone.ledger.balance().gpu_us[Role.READER_IDLE] == 44 * 44_544
+    burst = [d for d in grouped.decisions if d.turn == 1][0]
+    assert (burst.num_chunks, burst.stop) == (44, Stop.BACKLOG)
+
+
+def test_a_waiting_request_waits_at_most_one_group():
+    recs = [rec("s", 0.0, 0.5, 1.0, 100 * 512, 0, 1),
+            rec("s", 1.5, 1.6, 1.7, 100 * 512 + 10, 100 * 512, 1)]
+    res = simulate(recs, SEED, SimOptions(idle_group=4), record_decisions=True)
+    from qse.replay.read_model import group_share
+
+    group_ms = 4 * CHUNK_MS * group_share(4)
+    burst = [d for d in res.decisions if d.turn == 1][0]
+    assert burst.stop is Stop.WAITING and burst.num_chunks % 4 == 0
+    (wait,) = res.request_waits_ms
+    assert 0 < wait <= group_ms
+    assert wait == pytest.approx(burst.num_chunks // 4 * group_ms - 500.0)
