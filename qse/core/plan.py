@@ -105,6 +105,18 @@ def check_group(group: int, name: str = "group") -> None:
         raise ValueError(f"{name} must be a whole number of chunks >= 1, got {group!r}")
 
 
+def group_size(first_row: int, wanted: int, grid: int, *line_sets) -> int:
+    """The chunks a chunk group from `first_row` reads when `wanted` (>= 1) may go: the largest power of two
+    up to `wanted` whose chunks hold no row of `line_sets` inside (prompt and divergence lines: a line falls
+    on a group's end, where its checkpoint is taken). The reader forms its groups so; the replay models them."""
+    count = wanted
+    for i in range(1, wanted):
+        if any(first_row + i * grid in lines for lines in line_sets):
+            count = i
+            break
+    return 1 << (count.bit_length() - 1)
+
+
 def plan_read(window: Window, *, session_id: str, turn_id: str | None, committed_rows: int,
               prompt_tokens: int, known_tokens: int, grid: int, budget_ms: float,
               first_chunk_est_ms: float, lookahead: int = 0, launch_lead_ms: float = 0.0,

@@ -27,6 +27,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from qse.core.plan import check_group
+
 SEED_MS_PER_1000_TOKENS = 87.0
 DEFAULT_PRESET = "qwen3.5-0.8b"  # the reader qse runs by default
 
@@ -154,6 +156,5 @@ GROUP_SHARE_SLOPE = 0.149
 
 def group_share(chunks: int) -> float:
     """The share of its time alone a chunk takes inside a group of `chunks` (1: alone)."""
-    if not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"a group is a whole number of chunks >= 1, got {chunks!r}")
+    check_group(chunks, "a group")
     return 1.0 if chunks == 1 else GROUP_SHARE_FLOOR + GROUP_SHARE_SLOPE / chunks

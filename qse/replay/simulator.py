@@ -57,7 +57,7 @@ from typing import Iterable, NamedTuple
 
 from qse.core import (ChunkCostEstimator, DriveResult, GpuLedger, IdleWindow, Role, Stop, TurnRation, Window,
                       drive_plan, plan_read, whole_chunks)
-from qse.core.plan import check_group
+from qse.core.plan import check_group, group_size
 from qse.replay.read_model import ReadModel, group_share
 from qse.replay.usage import UsageRecord, sessions_of
 
@@ -406,12 +406,7 @@ class _SessionReplay:
     def _read_group(self, row: int, chunks: int) -> tuple[float, int]:
         """A chunk group from `row`, as the reader forms it (a power of two up to `chunks`, ending at the first
         prompt or divergence line inside it); (its ms, the chunks it read)."""
-        count = chunks
-        for i in range(1, chunks):
-            if row + i * self.grid in self.lines or row + i * self.grid in self.div_lines:
-                count = i
-                break
-        count = 1 << (count.bit_length() - 1)
+        count = group_size(row, chunks, self.grid, self.lines, self.div_lines)
         share = group_share(count)
         total = 0.0
         for i in range(count):

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..core.plan import check_group, group_size
 from ..core.prefix import common_prefix
 from ..engine.engine import DeviceClock, Engine, Stopwatch
 from ..engine.graphs import ForwardGraphs, capture_mode
@@ -174,8 +175,7 @@ class ShadowReader:
                             ("divergence_checkpoints", divergence_checkpoints)):
             if not isinstance(value, int) or value < 0:
                 raise ShadowError(f"{name} must be a whole number >= 0, got {value!r}")
-        if not isinstance(chunk_group, int) or isinstance(chunk_group, bool) or chunk_group < 1:
-            raise ShadowError(f"chunk_group must be a whole number >= 1, got {chunk_group!r}")
+        _check_chunks(chunk_group, "chunk_group")
         self.chunk_group = chunk_group
         self.caps = {PROMPT: max_checkpoints, RECENT: recent_checkpoints, DIVERGENCE: divergence_checkpoints}
         cfg = engine.cfg
@@ -386,17 +386,11 @@ class ShadowReader:
     def _group_size(self, session: ShadowSession, chunks: int) -> int:
         """How many chunks the next launch reads: 1 without graphs or when asked for 1; else the largest
         power of two up to `chunks` that are all waiting and hold no prompt or divergence line inside."""
-        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-            raise ShadowError(f"chunks must be a whole number >= 1, got {chunks!r}")
+        _check_chunks(chunks, "chunks")
         if chunks == 1 or self.graphs is None:
             return 1
-        count = min(chunks, session.backlog // self.grid)
-        for k in range(1, count):
-            row = session.committed + k * self.grid
-            if row in session.checkpoint_lines or row in session.divergence_lines:
-                count = k
-                break
-        return 1 << (count.bit_length() - 1)
+        return group_size(session.committed, min(chunks, session.backlog // self.grid), self.grid,
+                          session.checkpoint_lines, session.divergence_lines)
 
     def finish_step(self, pending: "PendingChunk") -> ChunkReport:
         """Wait for a launched chunk (or group); its report, with the device time it took."""
@@ -701,6 +695,14 @@ class ShadowReader:
 
     def resident_nbytes(self) -> int:
         return sum(s.nbytes for s in self.sessions.values())
+
+
+def _check_chunks(value: int, name: str) -> None:
+    """core's check of a chunk count, as the reader's own error."""
+    try:
+        check_group(value, name)
+    except ValueError as exc:
+        raise ShadowError(str(exc)) from None
 
 
 __all__ = ["AskResult", "ChunkReport", "DropLRU", "FeedReport", "Residency", "ShadowError", "ShadowReader",

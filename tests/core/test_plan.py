@@ -37,3 +37,14 @@ def test_no_plan_without_a_whole_chunk_or_off_grid():
     kw = dict(session_id="s", turn_id=None, prompt_tokens=100, grid=512, budget_ms=1.0, first_chunk_est_ms=1.0)
     assert plan_read(Window.IDLE, committed_rows=0, known_tokens=511, **kw) is None
     assert plan_read(Window.IDLE, committed_rows=100, known_tokens=5000, **kw) is None
+
+
+def test_a_chunk_group_is_a_power_of_two_that_ends_at_the_first_line_inside_it():
+    from qse.core.plan import group_size
+
+    assert [group_size(0, n, 512) for n in (1, 2, 3, 4, 7, 8, 16)] == [1, 2, 2, 4, 4, 8, 16]
+    # a line 3 chunks in (from either set): the group may cover 3, so it reads 2; a line at its end does not cut it
+    assert group_size(1024, 8, 512, {2560}) == 2
+    assert group_size(1024, 8, 512, set(), {2560}) == 2
+    assert group_size(1024, 4, 512, {3072}) == 4
+    assert group_size(1024, 8, 512, {1536}) == 1
