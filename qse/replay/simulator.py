@@ -441,11 +441,10 @@ class _SessionReplay:
         if plan is None:
             return None
         opened = self.now
-        # groups (idle windows only, as planned) go through a pipe that reads them; one chunk a launch reads alone
-        chunks = dict(pipe=_GroupPipe(self)) if plan.group > 1 else dict(read_chunk=self._read_chunk)
+        # the plan's lookahead is 0 here: each launch (a chunk, or a group where the plan allows) is read at once
         res = drive_plan(plan, decision, estimator=self.sim.estimator, ledger=self.sim.result.ledger,
-                         clock=lambda: self.now,
-                         request_waiting=lambda: waiting_at is not None and self.now >= waiting_at, **chunks)
+                         pipe=_ReplayPipe(self), clock=lambda: self.now,
+                         request_waiting=lambda: waiting_at is not None and self.now >= waiting_at)
         self.committed = res.end_row
         if self.sim.record_decisions:
             self.sim.result.decisions.append(Decision(self.session_id, self.turn, window, opened, plan.start_row,
@@ -650,8 +649,8 @@ class _SessionReplay:
             result.turn_starts.append(pending._replace(prompt_ready_s=self.ready_at))
 
 
-class _GroupPipe:
-    """drive_plan's chunks on the virtual clock, with chunk groups (each read, and timed, at its launch)."""
+class _ReplayPipe:
+    """drive_plan's chunks on the virtual clock, chunk groups too (each read, and timed, at its launch)."""
 
     def __init__(self, session: "_SessionReplay"):
         self.session = session
