@@ -182,7 +182,7 @@ class Qwen35Model:
         return self.forward_layers(ids, cache, step, logits)
 
     @torch.inference_mode()
-    def forward_layers(self, inputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor], cache: SequenceCache, step: Step,
+    def forward_layers(self, inputs: torch.Tensor | tuple[torch.Tensor, ...], cache: SequenceCache, step: Step,
                        logits: Logits = "none", first: int = 0, stop: int | None = None):
         """Layers [first, stop) of forward_step (stop None: to the end, and then as forward_step returns).
         inputs: the ids when first == 0, else what the range before handed over: (residual, normed, cos,
@@ -197,15 +197,18 @@ class Qwen35Model:
         if stop < num_layers and logits != "none":
             raise ValueError(f"a range that stops before the last layer returns no logits; got logits={logits!r}")
         num_tokens = step.num_tokens
+        eps, last = self.cfg.rms_norm_eps, num_layers - 1
         if first == 0:
+            x = F.embedding(inputs, self.embed)  # [T, h]
             positions = step.start.long() + torch.arange(num_tokens, device=self.device)
             emb = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
             emb = torch.cat((emb, emb), dim=-1)
             cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)  # [T, rotary_dim]
+            # each residual add runs with the norm after it (the next layer's input norm, or the final norm)
+            h = self.ops.rms_norm(x, self.w["layers.0.input_layernorm.weight"], eps)
         else:
             x, h, cos, sin = inputs
         paged = _PagedStore.of(cache.kv)
-        eps, last = self.cfg.rms_norm_eps, num_layers - 1
         # One row's logits (a question's answer, a summary's next token): past the last layer's mixing only
         # that row matters, so the last layer's queries, attention, MLP and norms run for it alone (the
         # keys and values, and a GDN layer's state, are still written for every row). At 32k of context
@@ -215,10 +218,6 @@ class Qwen35Model:
             keep, keep_host = step.logit_row, step.logit_row_host
         elif num_tokens > 1 and logits == "last":
             keep, keep_host = torch.full((1,), num_tokens - 1, dtype=torch.long, device=self.device), num_tokens - 1
-        if first == 0:
-            x = F.embedding(inputs, self.embed)  # [T, h]
-            # each residual add runs with the norm after it (the next layer's input norm, or the final norm)
-            h = self.ops.rms_norm(x, self.w["layers.0.input_layernorm.weight"], eps)
         for layer in range(first, stop):
             kind = self.cfg.layer_types[layer]
             p = f"layers.{layer}."
