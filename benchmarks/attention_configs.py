@@ -14,7 +14,6 @@ records nothing new). Writes benchmarks/results/attention_configs-<date>-<device
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import qse_kernels.attention as attn  # noqa: E402
-from benchmarks.results_io import versions, write_result  # noqa: E402
+from benchmarks.results_io import result_header, write_result  # noqa: E402
 from benchmarks.timing import cuda_us  # noqa: E402
 
 VARIANTS = {
@@ -126,8 +125,7 @@ def main(argv=None) -> int:
         rows[name] = row
         print(json.dumps({name: row}), flush=True)
     attn._config = real_config
-    result = {"command": " ".join([sys.executable, *sys.argv]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
-              "device": torch.cuda.get_device_name(), "versions": versions("triton"),
+    result = {**result_header("triton"),
               "shape": {"H": heads, "Hkv": kv_heads, "D": dim}, "variants": rows}
     write_result(result, args.out, "attention_configs" + (f"-{args.tag}" if args.tag else ""))
     return 0

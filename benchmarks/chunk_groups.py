@@ -11,7 +11,6 @@ the better read counts. Writes benchmarks/results/chunk_groups-<date>-<device>.j
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import sys
@@ -26,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 import qse.engine.graphs as graphs_module  # noqa: E402
 import qse_kernels.attention as attention  # noqa: E402
-from benchmarks.results_io import versions, write_result  # noqa: E402
+from benchmarks.results_io import result_header, write_result  # noqa: E402
 from qse.engine.engine import Engine  # noqa: E402
 from qse.models import resolve  # noqa: E402
 from qse.shadow.reader import ShadowReader  # noqa: E402
@@ -114,8 +113,7 @@ def main(argv=None) -> int:
         del reader
         torch.cuda.empty_cache()
     graphs_module.GROUP_STAGES, attention.PREFILL_TARGET_PROGRAMS = saved
-    result = {"command": " ".join([sys.executable, *sys.argv]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
-              "device": torch.cuda.get_device_name(), "versions": versions("triton"), "preset": args.preset,
+    result = {**result_header("triton"), "preset": args.preset,
               "tokens": args.tokens, "grid": args.grid, "variants": rows}
     write_result(result, args.out, "chunk_groups")
     return 0

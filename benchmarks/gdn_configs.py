@@ -11,7 +11,6 @@ keeps the bits can become the pinned default. Writes benchmarks/results/gdn_conf
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import qse_kernels.gdn_chunk as gdn  # noqa: E402
-from benchmarks.results_io import versions, write_result  # noqa: E402
+from benchmarks.results_io import result_header, write_result  # noqa: E402
 
 VARIANTS = {
     "default": {},
@@ -100,8 +99,7 @@ def main(argv=None) -> int:
         print(json.dumps({variant: rows[variant]}), flush=True)
     for name, value in defaults.items():
         setattr(gdn, name, value)
-    result = {"command": " ".join([sys.executable, *sys.argv]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
-              "device": torch.cuda.get_device_name(), "versions": versions("triton"),
+    result = {**result_header("triton"),
               "shape": {"T": 512, "Hk": 16, "Hv": 16, "Dk": 128, "Dv": 128}, "variants": rows}
     write_result(result, args.out, "gdn_configs")
     return 0

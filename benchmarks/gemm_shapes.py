@@ -12,7 +12,6 @@ Writes benchmarks/results/gemm_shapes-<date>-<device>.json.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.results_io import versions, write_result  # noqa: E402
+from benchmarks.results_io import result_header, write_result  # noqa: E402
 from benchmarks.timing import cuda_us  # noqa: E402
 from qse.models.qwen3_5.config import parse_config  # noqa: E402
 from qse.models.qwen3_5.presets import preset_config_dict  # noqa: E402
@@ -97,8 +96,7 @@ def main(argv=None) -> int:
     total = {"cublas_ms": round(total["cublas_us"] / 1000, 3), "qse_gemm_ms": round(total["qse_gemm_us"] / 1000, 3),
              "gflop": round(total["gflop"], 1),
              "cublas_tflop_s": round(total["gflop"] / total["cublas_us"] * 1e3, 1)}
-    result = {"command": " ".join([sys.executable, *sys.argv]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
-              "device": torch.cuda.get_device_name(), "versions": versions("triton"), "preset": args.preset,
+    result = {**result_header("triton"), "preset": args.preset,
               "rows": args.rows, "projections": rows, "chunk_total": total}
     print(json.dumps(total))
     write_result(result, args.out, "gemm_shapes")

@@ -12,7 +12,6 @@ Writes benchmarks/results/gemv_bench-<date>-<device>.json (us a call and the ban
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.results_io import versions, write_result  # noqa: E402
+from benchmarks.results_io import result_header, write_result  # noqa: E402
 from benchmarks.timing import cuda_us  # noqa: E402
 from qse_kernels.gemv import gemv  # noqa: E402
 
@@ -63,9 +62,7 @@ def main(argv=None) -> int:
                 row[f"{key}_us"] = round(row[f"{key}_us"], 2)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    result = {"command": " ".join([sys.executable, *sys.argv]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
-              "device": torch.cuda.get_device_name(),
-              "versions": versions("triton"), "rows": rows}
+    result = {**result_header("triton"), "rows": rows}
     write_result(result, args.out, "gemv_bench")
     return 0
 

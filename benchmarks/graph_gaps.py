@@ -12,7 +12,6 @@ Writes benchmarks/results/graph_gaps-<date>-<device>.json.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import statistics
@@ -27,7 +26,7 @@ import triton.language as tl
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.results_io import versions, write_result  # noqa: E402
+from benchmarks.results_io import result_header, write_result  # noqa: E402
 from benchmarks.timing import cuda_us  # noqa: E402
 from qse.engine.engine import Engine  # noqa: E402
 from qse.models import resolve  # noqa: E402
@@ -161,10 +160,7 @@ def main(argv=None) -> int:
     row["pdl_chain_300"] = pdl_chain()
     print(json.dumps(row), flush=True)
     result = {
-        "command": " ".join([sys.executable, *sys.argv]),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(),
-        "device": torch.cuda.get_device_name(),
-        "versions": versions("triton"),
+        **result_header("triton"),
         "row": row,
     }
     write_result(result, args.out, "graph_gaps")

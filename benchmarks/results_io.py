@@ -1,5 +1,5 @@
-"""Where a benchmark's JSON goes: <out>/<name>-<date>-<device tag>.json, announced on stdout; and the
-versions every result records."""
+"""Where a benchmark's JSON goes: <out>/<name>-<date>-<device tag>.json, announced on stdout; and the header
+(command, date, device, versions) every result records."""
 
 from __future__ import annotations
 
@@ -20,6 +20,17 @@ def versions(*packages: str) -> dict:
         except Exception as exc:  # noqa: BLE001 - a missing peer package is recorded, not fatal
             out[name] = f"missing: {type(exc).__name__}"
     return out
+
+
+def result_header(*packages: str, device: str | None = None) -> dict:
+    """What every result opens with: the command that ran, when, on which device (default: the CUDA device's
+    name), and the versions (versions(*packages))."""
+    import sys
+
+    import torch
+
+    return {"command": " ".join([sys.executable, *sys.argv]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
+            "device": torch.cuda.get_device_name() if device is None else device, "versions": versions(*packages)}
 
 
 def device_tag(device_name: str) -> str:

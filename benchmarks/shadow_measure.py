@@ -16,7 +16,6 @@ fresh processes (its first pass is slower: warm-up) and both passes are kept.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import platform
@@ -35,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from qse.engine.engine import Engine  # noqa: E402
 from qse.models import resolve  # noqa: E402
 from qse.shadow.reader import ShadowReader  # noqa: E402
-from benchmarks.results_io import versions, write_result  # noqa: E402
+from benchmarks.results_io import result_header, write_result  # noqa: E402
 
 
 # ops: naive (torch twins, eager), triton (qse_kernels, eager), graph (qse_kernels under CUDA graphs),
@@ -255,9 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     result = {
-        "command": " ".join([sys.executable, *sys.argv]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-        "versions": versions("triton", "transformers", "fla"), "qse": [],
+        **result_header("triton", "transformers", "fla",
+                        device=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"),
+        "qse": [],
     }
     for preset in args.presets.split(","):
         for ops in args.ops.split(","):

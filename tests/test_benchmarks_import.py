@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,3 +29,12 @@ def test_results_record_the_versions_asked_for():
     import torch
 
     assert got["torch"] == torch.__version__
+
+
+def test_every_result_opens_with_the_command_date_device_and_versions():
+    from benchmarks.results_io import result_header
+
+    got = result_header("no_such_package_qse", device="cpu")
+    assert list(got) == ["command", "date", "device", "versions"]
+    assert got["device"] == "cpu" and got["versions"]["no_such_package_qse"].startswith("missing:")
+    assert got["command"].split()[0] == sys.executable
