@@ -15,7 +15,6 @@ import json
 import os
 import sys
 import time
-from collections import deque
 from pathlib import Path
 
 import torch
@@ -59,15 +58,8 @@ VARIANTS = {
 def read_once(reader: ShadowReader, ids: list[int], group: int) -> tuple[float, int]:
     """Wall seconds to read `ids` from empty, and the launches it took."""
     reader.feed("s", ids)
-    in_flight, launches = deque(), 0
     t0 = time.perf_counter()
-    while (pending := reader.launch_step("s", group)) is not None:
-        in_flight.append(pending)
-        launches += 1
-        while len(in_flight) > 1:
-            reader.finish_step(in_flight.popleft())
-    while in_flight:
-        reader.finish_step(in_flight.popleft())
+    launches = len(reader.read_all("s", lookahead=1, group=group))
     wall = time.perf_counter() - t0
     reader.close("s")
     return wall, launches

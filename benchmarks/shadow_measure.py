@@ -121,30 +121,20 @@ def measure_preset(name: str, tokens: int, long_tokens: int, grid: int, ops: str
         one_ms.append(report.gpu_ms)
     one_wall_s = time.perf_counter() - t0
     reader.close("one")
-    # chunk groups (launch_step(chunks=group), one group launched ahead of the one read back), to 64k: what
-    # read_all reads with chunk_group; the bits are those of one chunk at a time (tests)
+    # chunk groups (read_all with group: one group launched ahead of the one read back), to 64k; the bits
+    # are those of one chunk at a time (tests)
     grouped = {}
     if group > 1 and graphs:
         reader.feed("g", ids[:tokens])
-        in_flight_g, group_ms, sizes = deque(), [], []
         t0 = time.perf_counter()
-        while (pending := reader.launch_step("g", group)) is not None:
-            in_flight_g.append(pending)
-            while len(in_flight_g) > 1:
-                report = reader.finish_step(in_flight_g.popleft())
-                group_ms.append(report.gpu_ms)
-                sizes.append(report.chunks)
-        while in_flight_g:
-            report = reader.finish_step(in_flight_g.popleft())
-            group_ms.append(report.gpu_ms)
-            sizes.append(report.chunks)
+        reports = reader.read_all("g", lookahead=1, group=group)
         grouped_s = time.perf_counter() - t0
         reader.close("g")
         grouped = {f"read_{tokens}_grouped_ms_per_1000_tokens": round(grouped_s * 1e6 / tokens, 3),
                    f"read_{tokens}_grouped_wall_s": round(grouped_s, 3),
-                   f"read_{tokens}_grouped_device_ms": round(sum(group_ms), 1),
-                   "group_chunks": group, "group_launches": len(sizes),
-                   "group_sizes": sorted(set(sizes))}
+                   f"read_{tokens}_grouped_device_ms": round(sum(r.gpu_ms for r in reports), 1),
+                   "group_chunks": group, "group_launches": len(reports),
+                   "group_sizes": sorted({r.chunks for r in reports})}
     # the reader's own read (read_all's lookahead: the next chunk launched while the device runs the one
     # before): the headline, timed on the wall from the first launch to the chunk that reaches `tokens`
     reader.feed("s", ids[:total])
