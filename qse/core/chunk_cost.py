@@ -5,6 +5,10 @@ estimate is keyed by context: measurements fall into buckets of `bucket_tokens` 
 bucket remembers its last measurement, and a query takes its own bucket, else the nearest measured
 one (on a tie the larger context: attention only grows, so err towards the dearer chunk), else the
 prior. The prior is what the policy assumes before the engine has measured anything.
+
+A bucket learns only from chunks read at its context, so an estimate that no window admits would stand for
+good: the windows read a chunk estimated above a whole window alone, as the first of a whole window (the
+probe in qse/core/idle.py and ration.py), and its measurement replaces the estimate.
 """
 
 from __future__ import annotations

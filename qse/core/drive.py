@@ -18,6 +18,9 @@ from qse.core.plan import ReaderPlan
 
 
 class ChunkDecision(Protocol):
+    """A window's decision. drive_plan launches whatever it admits: a True from `may_read_next` is a launch
+    (a decision may count on that, as the windows' probe of a chunk dearer than a whole window does)."""
+
     def may_read_next(self, now: float, request_waiting: bool, next_chunk_est_ms: float) -> bool: ...
 
     def note_chunk(self, gpu_ms: float) -> None: ...

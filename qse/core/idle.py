@@ -4,7 +4,10 @@ Every `poll_s` the runtime asks `IdleWindow.may_open`. When no request runs or w
 or box lock is on, it takes the engine lock behind every waiter (the lowest rank, see locks.py) and
 opens an `IdleBurst`: the reader may read for at most `burst_s`, asking before every chunk whether
 a request waits, so an arriving request waits at most one chunk. A chunk whose estimate would end
-past the burst is not started. The next poll comes `poll_s` after the burst (or the empty look) ends.
+past the burst is not started, except a chunk estimated above a whole burst, which is read alone as the
+burst's first chunk (a probe): its measurement replaces the estimate, so one slow measurement (a chunk
+read under load) never shuts the window at that context for good, since nothing else would measure that
+context again. A request still waits at most one chunk. The next poll comes `poll_s` after the burst (or the empty look) ends.
 """
 
 from __future__ import annotations
@@ -25,18 +28,23 @@ class IdleBurst:
         self.burst_us = s_to_us(burst_s)
         self.spent_us = 0
         self.num_chunks = 0
+        self.num_admitted = 0  # chunks admitted (drive_plan launches each chunk the burst admits)
 
     def left_us(self, now: float) -> int:
         return max(0, self.burst_us - max(0, s_to_us(now - self.opened_s)))
 
     def may_read_next(self, now: float, request_waiting: bool, next_chunk_est_ms: float) -> bool:
-        """Start another chunk? Not once a request waits, nor if it would end past the burst."""
+        """Start another chunk? Not once a request waits, nor if it would end past the burst (unless it is
+        the burst's first and estimated above a whole burst: the probe)."""
         if request_waiting:
             return False
         est_us = ms_to_us(next_chunk_est_ms)
         if est_us is None:
             return False
-        return est_us <= self.left_us(now)
+        if est_us <= self.left_us(now) or (self.num_admitted == 0 and est_us > self.burst_us):
+            self.num_admitted += 1
+            return True
+        return False
 
     def note_chunk(self, gpu_ms: float) -> None:
         self.spent_us += ms_to_us(gpu_ms) or 0

@@ -7,6 +7,12 @@ whole: its backlog is read by the idle window after it anyway, while a long deco
 share once `after_s` has passed. The next chunk's cost is estimated from the last measured chunk at
 that context; a chunk whose estimate exceeds what is left is not started. The slice's budget is fixed when it opens;
 inside it, measured time counts, so a chunk that ran over its estimate shrinks what follows.
+
+A chunk estimated above a whole slice waits for a whole slice and is read alone, as its first chunk (a
+probe). Its measurement replaces the estimate, so one slow measurement (a chunk read under load) never
+stops the ration at that context for good: nothing else would measure that context again. If the chunk
+really is that dear, the ration still reads it now and then, and the ledger charges the overrun to the
+turn, so the next slice waits until the share has paid it back.
 The narrator's share (3 %) is the same rule with its own share and its own ledger role, undelayed.
 """
 
@@ -20,13 +26,17 @@ from qse.core.share import ShareBudget
 
 
 class RationSlice:
-    """One slice: whole chunks while their estimates fit the budget fixed at opening."""
+    """One slice: whole chunks while their estimates fit the budget fixed at opening. A slice whose budget
+    is a whole slice (`whole_us`) also admits its first chunk when that chunk's estimate is larger than a
+    whole slice (the probe, see the module's docstring)."""
 
-    def __init__(self, opened_s: float, budget_us: int):
+    def __init__(self, opened_s: float, budget_us: int, whole_us: int | None = None):
         self.opened_s = opened_s
         self.budget_us = budget_us
+        self.whole_us = whole_us  # None: no probe (a slice that is not a ration's)
         self.spent_us = 0
         self.num_chunks = 0
+        self.num_admitted = 0  # chunks admitted (drive_plan launches each chunk this slice admits)
 
     @property
     def left_us(self) -> int:
@@ -39,7 +49,14 @@ class RationSlice:
         slice runs between two rounds of the request it belongs to.
         """
         est_us = ms_to_us(next_chunk_est_ms)
-        return est_us is not None and est_us <= self.left_us
+        if est_us is None:
+            return False
+        is_probe = (self.num_admitted == 0 and self.whole_us is not None and est_us > self.whole_us
+                    and self.budget_us >= self.whole_us)
+        if est_us <= self.left_us or is_probe:
+            self.num_admitted += 1
+            return True
+        return False
 
     def note_chunk(self, gpu_ms: float) -> None:
         self.spent_us += ms_to_us(gpu_ms) or 0
@@ -85,25 +102,32 @@ class TurnRation:
         """The moment the share starts counting (`first_token_s` itself when there is no delay)."""
         return first_token_s + self.after_s
 
+    def need_us(self, next_chunk_est_ms: float) -> int | None:
+        """What a slice must hold to start the next chunk: its estimate, or a whole slice where the estimate
+        is larger (the probe); None for an estimate that is not a number of ms."""
+        est_us = ms_to_us(next_chunk_est_ms)
+        return None if est_us is None else min(est_us, self.slice_us)
+
     def allowance_us(self, now: float, first_token_s: float, spent_us: int) -> int:
         """What the role may still spend this turn at `now`."""
         return self.budget.allowance_us(now, self.since_s(first_token_s), spent_us)
 
     def open_slice(self, now: float, first_token_s: float, spent_us: int,
                    next_chunk_est_ms: float) -> RationSlice | None:
-        """A slice between two decode rounds, or None when the next chunk's estimate does not fit."""
-        est_us = ms_to_us(next_chunk_est_ms)
-        if est_us is None:
+        """A slice between two decode rounds, or None when the next chunk's estimate (at most a whole slice,
+        see need_us) does not fit what the role earned."""
+        need_us = self.need_us(next_chunk_est_ms)
+        if need_us is None:
             return None
         budget_us = min(self.slice_us, self.allowance_us(now, first_token_s, spent_us))
-        if est_us > budget_us:
+        if need_us > budget_us:
             return None
-        return RationSlice(now, budget_us)
+        return RationSlice(now, budget_us, self.slice_us)
 
     def earliest_s(self, first_token_s: float, spent_us: int, next_chunk_est_ms: float) -> float | None:
-        """The first moment a slice for a chunk of this estimate may open; None if it never can
-        (the estimate is larger than a slice, or the share is zero)."""
-        est_us = ms_to_us(next_chunk_est_ms)
-        if est_us is None or est_us > self.slice_us:
+        """The first moment a slice for a chunk of this estimate may open (a chunk estimated above a whole
+        slice: when a whole slice is earned); None if it never can (the share is zero)."""
+        need_us = self.need_us(next_chunk_est_ms)
+        if need_us is None:
             return None
-        return self.budget.earliest_s(self.since_s(first_token_s), spent_us, est_us)
+        return self.budget.earliest_s(self.since_s(first_token_s), spent_us, need_us)

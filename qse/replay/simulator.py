@@ -462,8 +462,6 @@ class _SessionReplay:
             if whole_chunks(self.committed, self.known, self.grid) == 0:
                 return start, t
             est = self.sim.estimator.estimate_ms(self.committed)
-            if est > idle.burst_s * 1000:
-                return start, t  # no chunk ever fits a burst
             self.now = t
             burst = idle.open(t)
             self._drive(Window.IDLE, burst, None, arrival_s, idle.burst_s * 1000, est)

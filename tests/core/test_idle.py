@@ -66,13 +66,18 @@ def test_burst_ends_with_the_backlog():
 
 def test_may_read_next_decisions():
     burst = IdleWindow(0.2, 2.0).open(5.0)
-    assert burst.may_read_next(5.0, False, 2000.0)
-    assert not burst.may_read_next(5.0, False, 2000.001)
     assert not burst.may_read_next(5.0, True, 1.0)  # a request waits
+    assert not burst.may_read_next(5.0, False, float("nan"))
+    assert burst.may_read_next(5.0, False, 2000.0)
+    assert not burst.may_read_next(5.0, False, 2000.001)  # past the burst, and not its first chunk
     assert burst.may_read_next(6.9, False, 100.0)
     assert not burst.may_read_next(6.9, False, 100.001)
     assert not burst.may_read_next(7.5, False, 0.001)
-    assert not burst.may_read_next(5.0, False, float("nan"))
+    # a burst's first chunk estimated above a whole burst is admitted (the probe), alone
+    fresh = IdleWindow(0.2, 2.0).open(5.0)
+    assert not fresh.may_read_next(5.0, True, 2000.001)  # never while a request waits
+    assert fresh.may_read_next(5.0, False, 2000.001)
+    assert not fresh.may_read_next(5.0, False, 2000.001)
 
 
 @pytest.mark.parametrize("running,waiting,hold,box,ok", [

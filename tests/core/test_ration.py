@@ -51,9 +51,10 @@ def test_a_chunk_whose_estimate_exceeds_what_is_left_is_not_started():
     assert when == 10.0 + 2.2272
     assert ration.open_slice(when, 10.0, 0, CHUNK_MS) is not None
     assert ration.open_slice(when - 1e-6, 10.0, 0, CHUNK_MS) is None
-    # a chunk dearer than a whole slice never fits
-    assert ration.earliest_s(10.0, 0, 150.001) is None
-    assert ration.open_slice(1e6, 10.0, 0, 150.001) is None
+    # a chunk dearer than a whole slice waits for a whole slice (the probe, tests/core/test_slow_chunk.py)
+    assert ration.earliest_s(10.0, 0, 150.001) == 10.0 + 7.5
+    assert ration.open_slice(17.5 - 1e-6, 10.0, 0, 150.001) is None
+    assert ration.open_slice(17.5, 10.0, 0, 150.001).budget_us == 150_000
 
 
 def test_slices_never_exceed_slice_ms_nor_split_a_chunk():
@@ -157,7 +158,7 @@ def test_earliest_s_shifts_by_after_s():
     when = delayed.earliest_s(10.0, 0, CHUNK_MS)
     assert delayed.open_slice(when, 10.0, 0, CHUNK_MS) is not None
     assert delayed.open_slice(when - 1e-6, 10.0, 0, CHUNK_MS) is None
-    assert delayed.earliest_s(10.0, 0, 150.001) is None  # dearer than a slice: never, delay or not
+    assert delayed.earliest_s(10.0, 0, 150.001) == 12.5 + 7.5  # dearer than a slice: a whole slice after the delay
 
 
 @pytest.mark.parametrize("first_token_s", [0.0, 0.1, 17.0, 1234.567891, 86_399.999_999])
