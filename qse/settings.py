@@ -44,6 +44,7 @@ class Setting:
     kind: type
     default: Any
     doc: str
+    secret: bool = False  # `qse settings` shows whether it is set, never its value
 
     def parse(self, raw: str) -> Any:
         try:
@@ -97,7 +98,12 @@ _DECLARED: list[Setting] = [
     Setting("QSE_PORT", int, 8000, "port the server binds"),
     Setting("QSE_ROOT_PATH", str, "", "ASGI root path when served under a prefix behind a proxy"),
     Setting("QSE_FORWARDED_ALLOW_IPS", str, "127.0.0.1", "proxies whose X-Forwarded-For/-Proto are trusted (comma list, * for any)"),
-    Setting("QSE_API_KEY", str, "", "if set, every route but /healthz needs 'Authorization: Bearer <key>'"),
+    Setting("QSE_API_KEY", str, "", "if set, every route but /health and /healthz needs 'Authorization: Bearer <key>' (one tenant)", secret=True),
+    Setting("QSE_API_KEYS_FILE", Path, None, "tenants' keys, one 'TENANT KEY' a line: a session belongs to its tenant; tenant admin sees all (instead of QSE_API_KEY)"),
+    Setting("QSE_METRICS_PUBLIC", bool, False, "serve /metrics without an API key"),
+    Setting("QSE_MAX_RUNNING", int, 1, "requests the served model runs at once (one until rounds batch them)"),
+    Setting("QSE_MAX_WAITING", int, 64, "requests that may wait for the served model; past that, 429 with Retry-After"),
+    Setting("QSE_STOP_GRACE_S", float, 30.0, "on SIGTERM, how long requests in flight may run on before they end with a 503"),
     Setting("QSE_MAX_BODY_BYTES", int, 8 * 1024 * 1024, "largest request body accepted, bytes"),
     Setting("QSE_MAX_PROMPT_TOKENS", int, 262144, "largest prompt accepted, tokens"),
     Setting("QSE_MAX_OUTPUT_TOKENS", int, 8192, "largest max_tokens accepted"),
@@ -139,11 +145,14 @@ class EngineSettings:
         rows = []
         for s in _DECLARED:
             value = self.get(s.name)
+            shown = None if value is None else str(value)
+            if s.secret and shown is not None:
+                shown = "(set)" if shown else ""
             rows.append({
                 "name": s.name,
                 "type": s.kind.__name__,
                 "default": None if s.default is None else str(s.default),
-                "value": None if value is None else str(value),
+                "value": shown,
                 "doc": s.doc,
             })
         return rows

@@ -266,20 +266,27 @@ class Conductor:
                                    "after the restart")
 
     # ---- sessions ----------------------------------------------------------------------------
-    def map_session(self, prompt_ids: list[int], explicit: str | None) -> str | None:
-        """Explicit id, else the resident session sharing the longest prefix (>= one grid chunk), else new."""
+    def map_session(self, prompt_ids: list[int], explicit: str | None, namespace: str = "",
+                    head_tokens: int = 0) -> str | None:
+        """Explicit id, else the session in `namespace` (ids that start with it) that this prompt continues,
+        else a new id in `namespace`. The prompt continues the session with which it shares the longest common
+        prefix when that prefix is at least one grid chunk and longer than `head_tokens`: the caller's measure
+        of what two separate conversations may share (a system prompt and a first user turn), so that sharing
+        only a head never joins them. `namespace` is the server's tenant boundary: mapping never crosses it."""
         if self.reader is None:
             return explicit
         if explicit:
             return explicit
         best, best_len = None, 0
         for sid, session in self.reader.sessions.items():
+            if not sid.startswith(namespace):
+                continue
             n = common_prefix(session.ids, prompt_ids)
             if n > best_len:
                 best, best_len = sid, n
-        if best is not None and best_len >= self.reader.grid:
+        if best is not None and best_len >= self.reader.grid and best_len > head_tokens:
             return best
-        return f"s-{uuid.uuid4().hex[:16]}"
+        return f"{namespace}s-{uuid.uuid4().hex[:16]}"
 
     def _note_backlog(self, session_id: str) -> None:
         """Keep when each session's oldest unread chunk became known (the idle window reads the oldest first)."""

@@ -1,6 +1,6 @@
 """The Starlette app: OpenAI routes, the shadow's routes, /metrics and /healthz.
 
-    RootPath -> RequestContext (X-Request-Id, timing, the request event) -> ApiKey -> routes
+    RootPath -> RequestContext (X-Request-Id, timing, the request event) -> ApiKeys (the tenant) -> routes
 
 Routes are thin: read the body (size limit), decode it into a wire Struct, hand it to the Service,
 encode what comes back. Every error a client meets is JSON in OpenAI's shape (errors.py).
@@ -8,7 +8,6 @@ encode what comes back. Every error a client meets is JSON in OpenAI's shape (er
 
 from __future__ import annotations
 
-import hmac
 import re
 import time
 import uuid
@@ -27,11 +26,13 @@ from .errors import ApiError
 from .metrics import CONTENT_TYPE
 from .service import Service
 from .sse import EventStream
+from .tenants import LONE, Keyring, Tenant
 
 log = structlog.get_logger("qse.server")
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-OPEN_PATHS = frozenset({"/healthz"})
+OPEN_PATHS = frozenset({"/health", "/healthz"})
+TENANT = "qse.tenant"  # the scope key ApiKeys sets: the caller's Tenant
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -40,6 +41,11 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
 
 def error_response(err: ApiError) -> Response:
     return json_response(err.body(), err.status)
+
+
+def tenant_of(request: Request) -> Tenant:
+    """The caller's tenant (the lone tenant where no key is configured)."""
+    return request.scope.get(TENANT, LONE)
 
 
 def _info(request: Request) -> dict[str, Any]:
@@ -74,8 +80,9 @@ def endpoint(fn: Callable[[Request], Awaitable[Any]]) -> Callable[[Request], Awa
         except ApiError as exc:
             return error_response(exc)
         except Exception as exc:
-            log.exception("request_failed", error=repr(exc), request_id=_info(request).get("request_id"))
-            return error_response(ApiError(500, f"internal error: {exc!r}", code="internal_error"))
+            request_id = _info(request).get("request_id")
+            log.exception("request_failed", error=repr(exc), request_id=request_id)
+            return error_response(internal_error(request_id))
 
     wrapped.__name__ = fn.__name__
     return wrapped
@@ -88,12 +95,13 @@ def create_app(service: Service, root_path: str | None = None) -> Starlette:
 
     async def chat_completions(request: Request):
         req = wire.decode(await read_body(request, body_limit), wire.ChatCompletionRequest)
-        info = _info(request)
-        plan = await service.prepare_chat(req, info["request_id"], request.headers.get("x-session-id") or None,
-                                          request.headers.get("x-router-class") or None)
+        info, tenant = _info(request), tenant_of(request)
+        plan = await service.prepare_chat(req, info["request_id"],
+                                          wire.session_header(request.headers.get("x-session-id")),
+                                          request.headers.get("x-router-class") or None, tenant=tenant)
         info.update(session=plan.session_id, prompt_tokens=len(plan.prompt_ids), stream=req.stream)
         tools_offered = bool(req.tools) and req.tool_choice != "none"
-        headers = {"x-session-id": plan.session_id}
+        headers = {"x-session-id": tenant.shown(plan.session_id)}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStream(_note_output(service.chat_chunks(plan, tools_offered, include_usage), plan, info),
@@ -104,11 +112,12 @@ def create_app(service: Service, root_path: str | None = None) -> Starlette:
 
     async def completions(request: Request):
         req = wire.decode(await read_body(request, body_limit), wire.CompletionRequest)
-        info = _info(request)
-        plan = await service.prepare_completion(req, info["request_id"], request.headers.get("x-session-id") or None,
-                                                request.headers.get("x-router-class") or None)
+        info, tenant = _info(request), tenant_of(request)
+        plan = await service.prepare_completion(req, info["request_id"],
+                                                wire.session_header(request.headers.get("x-session-id")),
+                                                request.headers.get("x-router-class") or None, tenant=tenant)
         info.update(session=plan.session_id, prompt_tokens=len(plan.prompt_ids), stream=req.stream)
-        headers = {"x-session-id": plan.session_id}
+        headers = {"x-session-id": tenant.shown(plan.session_id)}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStream(_note_output(service.completion_chunks(plan, include_usage), plan, info), headers)
@@ -123,15 +132,15 @@ def create_app(service: Service, root_path: str | None = None) -> Starlette:
     async def shadow_ask(request: Request):
         req = wire.decode(await read_body(request, body_limit), wire.AskRequest)
         _info(request)["session"] = req.session
-        return json_response(await service.ask(req))
+        return json_response(await service.ask(req, tenant_of(request)))
 
     async def shadow_summarize(request: Request):
         req = wire.decode(await read_body(request, body_limit), wire.SummarizeRequest)
         _info(request)["session"] = req.session
-        return json_response(await service.summarize(req))
+        return json_response(await service.summarize(req, tenant_of(request)))
 
     async def shadow_status(request: Request):
-        return json_response(service.status())
+        return json_response(service.status(tenant_of(request)))
 
     async def metrics(request: Request):
         return Response(service.metrics.exposition(), media_type=CONTENT_TYPE)
@@ -166,8 +175,9 @@ def create_app(service: Service, root_path: str | None = None) -> Starlette:
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.service = service
     known = frozenset(r.path for r in routes)
-    api_key = settings.get("QSE_API_KEY")
-    inner: Any = ApiKey(app, api_key) if api_key else app
+    keyring = Keyring.from_settings(settings)
+    open_paths = OPEN_PATHS | ({"/metrics"} if settings.get("QSE_METRICS_PUBLIC") else set())
+    inner: Any = app if keyring.is_open else ApiKeys(app, keyring, open_paths)
     root = settings.get("QSE_ROOT_PATH") if root_path is None else root_path
     return RootPath(RequestContext(inner, service, known), root)  # type: ignore[return-value]
 
@@ -251,25 +261,29 @@ class RequestContext:
                      **{k: v for k, v in info.items()})
 
 
-class ApiKey:
-    """Authorization: Bearer <QSE_API_KEY> on every route but /healthz."""
+class ApiKeys:
+    """Authorization: Bearer <key> on every route but the open ones; the key's tenant goes into the scope."""
 
-    def __init__(self, app, key: str):
+    def __init__(self, app, keyring: Keyring, open_paths: frozenset[str] = OPEN_PATHS):
         self.app = app
-        self.key = key.encode()
+        self.keyring = keyring
+        self.open_paths = open_paths
 
     def __getattr__(self, name: str):
         return getattr(self.app, name)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or route_path(scope) in OPEN_PATHS:
+        if scope["type"] != "http" or route_path(scope) in self.open_paths:
             return await self.app(scope, receive, send)
         auth = dict(scope.get("headers") or []).get(b"authorization", b"")
         scheme, _, token = auth.partition(b" ")
-        if scheme.lower() != b"bearer" or not token:
+        tenant = self.keyring.tenant(token.strip()) if token.strip() else None
+        if scheme.lower() != b"bearer" or not token.strip():
             err = ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-        elif not hmac.compare_digest(token.strip(), self.key):
+        elif tenant is None:
             err = ApiError(401, "the API key is not valid", code="invalid_api_key")
         else:
+            scope[TENANT] = tenant
+            scope.setdefault("qse", {})["tenant"] = tenant.name or None
             return await self.app(scope, receive, send)
         await error_response(err)(scope, receive, send)

@@ -30,6 +30,13 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def internal_error(request_id: str | None) -> ApiError:
+    """A 500 a client may see: it names the request for the server's log and never carries the exception's text
+    (which may hold paths, ids of other sessions or parts of a prompt)."""
+    return ApiError(500, f"internal error: the server's log has the details under request id {request_id}",
+                    code="internal_error")
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
     return ApiError(400, message, param=param, code=code)
 

@@ -29,6 +29,7 @@ from . import wire
 from .errors import ApiError, bad_request
 from .metrics import ServerMetrics
 from .profiles import Profile
+from .tenants import LONE, Tenant
 from .text import OutputText, Sections
 
 log = structlog.get_logger("qse.server")
@@ -62,6 +63,13 @@ class Narration:
     position: int
     gpu_ms: float
     at_s: float = field(default_factory=time.time)
+
+
+def head_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages up to and including the first user message: what conversations that merely share a system
+    prompt (or a first question) have in common."""
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages) - 1)
+    return messages[: first_user + 1]
 
 
 def _retry(fn: Callable[[], Any], attempts: int = 5) -> Any:
@@ -154,16 +162,19 @@ class Service:
             raise bad_request(f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) is over the model's "
                               f"window of {window} tokens", param, "context_length_exceeded")
 
-    async def session_for(self, prompt_ids: list[int], explicit: str | None) -> str:
-        """X-Session-Id, else the reader's session sharing the longest prefix (>= one chunk), else new.
+    async def session_for(self, prompt_ids: list[int], explicit: str | None, tenant: Tenant,
+                          head_tokens: int) -> str:
+        """The conductor's id of the turn's session: the tenant's X-Session-Id, else the tenant's session this
+        prompt continues past its first `head_tokens` (Conductor.map_session), else a new one of the tenant.
         The prefix search walks every session's ids: off the event loop."""
         if explicit:
-            return explicit
-        mapped = await asyncio.to_thread(_retry, lambda: self.conductor.map_session(prompt_ids, None))
-        return mapped or f"s-{uuid.uuid4().hex[:16]}"
+            return tenant.key(explicit)
+        mapped = await asyncio.to_thread(
+            _retry, lambda: self.conductor.map_session(prompt_ids, None, tenant.namespace, head_tokens))
+        return mapped or f"{tenant.namespace}s-{uuid.uuid4().hex[:16]}"
 
     async def prepare_chat(self, req: wire.ChatCompletionRequest, request_id: str, session: str | None,
-                           router_label: str | None) -> TurnPlan:
+                           router_label: str | None, tenant: Tenant = LONE) -> TurnPlan:
         self.check_model(req.model)
         wire.check_chat(req)
         messages = wire.template_messages(req.messages)
@@ -171,20 +182,24 @@ class Service:
         thinking = (req.chat_template_kwargs or {}).get("enable_thinking")
         max_tokens = self._max_tokens(req.max_completion_tokens or req.max_tokens)
 
-        def render() -> tuple[str, list[int]]:
+        def render() -> tuple[str, list[int], int]:
             text = self.chat.render(messages, tools, True, thinking)
-            return text, self.chat.tokenizer.encode(text)
+            # the head two conversations may share (system prompt, first user turn): mapping by prefix needs more
+            head = 0 if session else len(self.chat.tokenizer.encode(
+                self.chat.render(head_messages(messages), tools, False, thinking)))
+            return text, self.chat.tokenizer.encode(text), head
 
         try:
-            text, ids = await asyncio.to_thread(render)
+            text, ids, head_tokens = await asyncio.to_thread(render)
         except ValueError as exc:  # the chat format refuses the messages (roles, order, arguments)
             raise bad_request(str(exc), "messages", "invalid_messages") from None
         self._check_prompt(ids, max_tokens, "messages")
         return TurnPlan(ids, max_tokens, self._sampling(req.temperature, req.top_p, req.seed),
-                        wire.stop_list(req.stop), await self.session_for(ids, session), request_id, router_label, text)
+                        wire.stop_list(req.stop), await self.session_for(ids, session, tenant, head_tokens),
+                        request_id, router_label, text)
 
     async def prepare_completion(self, req: wire.CompletionRequest, request_id: str, session: str | None,
-                                 router_label: str | None) -> TurnPlan:
+                                 router_label: str | None, tenant: Tenant = LONE) -> TurnPlan:
         self.check_model(req.model)
         wire.check_completion(req)
         max_tokens = self._max_tokens(req.max_tokens if req.max_tokens is not None else 16)
@@ -199,8 +214,11 @@ class Service:
             text = prompt[0] if isinstance(prompt, list) else prompt
             ids = await asyncio.to_thread(self.chat.tokenizer.encode, text)
         self._check_prompt(ids, max_tokens, "prompt")
+        # a raw prompt has no turns to tell a shared head from a continued conversation: its whole length is the
+        # head, so it joins a session only by X-Session-Id
         return TurnPlan(ids, max_tokens, self._sampling(req.temperature, req.top_p, req.seed),
-                        wire.stop_list(req.stop), await self.session_for(ids, session), request_id, router_label, text)
+                        wire.stop_list(req.stop), await self.session_for(ids, session, tenant, len(ids)),
+                        request_id, router_label, text)
 
     # ---- the turn ------------------------------------------------------------------------------
     async def drive(self, plan: TurnPlan, out: OutputText) -> AsyncIterator[int]:
@@ -360,16 +378,21 @@ class Service:
         if not self.shadow_on:
             raise ApiError(409, f"the shadow reader is off in profile {self.profile.name!r}", code="shadow_off")
 
-    async def ask(self, req: wire.AskRequest) -> wire.AskResponse:
+    @staticmethod
+    def _unknown(session: str) -> ApiError:
+        return ApiError(404, f"unknown session {session!r}; GET /v1/conductor/shadow/status lists yours",
+                        param="session", code="session_not_found")
+
+    async def ask(self, req: wire.AskRequest, tenant: Tenant = LONE) -> wire.AskResponse:
         self._need_shadow()
         dup = next((c for c in req.choices if req.choices.count(c) > 1), None)
         if dup is not None:
             raise bad_request(f"choice {dup!r} appears twice; choices must differ", "choices", "duplicate_choice")
+        key = tenant.key(req.session)
         try:
-            session = self.conductor.reader.get(req.session)
+            session = self.conductor.reader.get(key)
         except UnknownSession:
-            raise ApiError(404, f"unknown session {req.session!r}; GET /v1/conductor/shadow/status lists them",
-                           param="session", code="session_not_found") from None
+            raise self._unknown(req.session) from None
         if req.at is not None and not session.committed <= req.at <= len(session.ids):
             raise bad_request(f"at={req.at} is outside [{session.committed}, {len(session.ids)}]: the reader can "
                               "answer between its committed rows and the last id it knows", "at")
@@ -378,17 +401,17 @@ class Service:
             raise bad_request(f"the question has {n} tokens, over the limit of {self.max_question_tokens} "
                               "(QSE_MAX_QUESTION_TOKENS)", "question", "question_too_long")
         try:
-            result = await self.conductor.ask(req.session, req.question, list(req.choices), req.at)
+            result = await self.conductor.ask(key, req.question, list(req.choices), req.at)
         except UnknownSession:
-            raise ApiError(404, f"unknown session {req.session!r}", param="session", code="session_not_found") from None
+            raise self._unknown(req.session) from None
         except ShadowError as exc:
             raise bad_request(str(exc), None, "invalid_question") from None
         self.metrics.asks.inc()
-        return wire.AskResponse(session=result.session_id, distribution=result.distribution, label=result.label,
-                                probability=result.probability, position=result.position, committed=result.committed,
+        return wire.AskResponse(session=tenant.shown(result.session_id), distribution=result.distribution,
+                                label=result.label, probability=result.probability, position=result.position, committed=result.committed,
                                 latency_ms=round(result.latency_ms, 3), gpu_ms=round(result.gpu_ms, 3))
 
-    async def summarize(self, req: wire.SummarizeRequest) -> wire.SummaryResponse:
+    async def summarize(self, req: wire.SummarizeRequest, tenant: Tenant = LONE) -> wire.SummaryResponse:
         self._need_shadow()
         prompt = req.prompt or SUMMARY_PROMPT
         n = len(await asyncio.to_thread(self.chat.tokenizer.encode, prompt))
@@ -396,23 +419,47 @@ class Service:
             raise bad_request(f"the prompt has {n} tokens, over the limit of {self.max_question_tokens} "
                               "(QSE_MAX_QUESTION_TOKENS)", "prompt", "question_too_long")
         try:
-            result = await self.conductor.summarize(req.session, prompt, req.max_tokens)
+            result = await self.conductor.summarize(tenant.key(req.session), prompt, req.max_tokens)
         except UnknownSession:
-            raise ApiError(404, f"unknown session {req.session!r}; GET /v1/conductor/shadow/status lists them",
-                           param="session", code="session_not_found") from None
+            raise self._unknown(req.session) from None
         except ShadowError as exc:
             raise bad_request(str(exc), None, "invalid_question") from None
-        return wire.SummaryResponse(session=result.session_id, text=result.text, tokens=len(result.token_ids),
-                                    position=result.position, gpu_ms=round(result.gpu_ms, 3),
+        return wire.SummaryResponse(session=tenant.shown(result.session_id), text=result.text,
+                                    tokens=len(result.token_ids), position=result.position, gpu_ms=round(result.gpu_ms, 3),
                                     ms_per_token=round(result.ms_per_token, 3))
 
-    def status(self) -> dict[str, Any]:
+    def status(self, tenant: Tenant | None = None) -> dict[str, Any]:
+        """The conductor's status, the parked sessions and the narrations; with `tenant`, only what it owns,
+        under the ids it uses (None: everything, for /metrics). No absolute paths."""
         out = _retry(self.conductor.status)
         out["profile"] = self.profile.name
         if self.store is not None:
             parked = _retry(lambda: list(self.store.parked.values()))
-            out["parked"] = [{"session": p.session_id, "path": str(p.path), "bytes": p.nbytes,
-                              "written_s": p.written_s, "committed": p.committed} for p in parked]
+            out["parked"] = [{"session": p.session_id, "bytes": p.nbytes, "written_s": p.written_s,
+                              "committed": p.committed} for p in parked]
+        store = out.get("store")
+        if isinstance(store, dict) and "disk_dir" in store:
+            store["disk"] = store.pop("disk_dir") is not None  # where it is is the operator's business
         out["narrations"] = {sid: {"text": n.text, "tokens": n.tokens, "position": n.position, "at_s": n.at_s}
                              for sid, n in list(self.narrations.items())[-32:]}
-        return out
+        return out if tenant is None else tenant_view(out, tenant)
+
+
+def tenant_view(status: dict[str, Any], tenant: Tenant) -> dict[str, Any]:
+    """`status` as `tenant` may see it: its own sessions under its own ids; no other tenant's request ids."""
+    if tenant.sees_all and not tenant.name:
+        return status
+    out = dict(status)
+
+    def own(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{**r, "session": tenant.shown(r["session"])} for r in rows if tenant.owns(r["session"])]
+
+    for name in ("sessions", "last_answers", "parked"):
+        if isinstance(out.get(name), list):
+            out[name] = own(out[name])
+    if "sessions" in out and "backlog" in out:
+        out["backlog"] = sum(s["backlog"] for s in out["sessions"])
+    out["narrations"] = {tenant.shown(sid): n for sid, n in out.get("narrations", {}).items() if tenant.owns(sid)}
+    if not tenant.sees_all:
+        out["running"] = out.get("running") is not None  # whether a request runs, not whose
+    return out

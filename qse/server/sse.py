@@ -13,7 +13,7 @@ import anyio
 import structlog
 
 from . import wire
-from .errors import ApiError
+from .errors import ApiError, internal_error
 
 log = structlog.get_logger("qse.server")
 
@@ -41,12 +41,12 @@ class EventStream:
             # Shielded: the turn is never cancelled inside an await (the conductor must get to release
             # the engine lock and feed the reader); a client that left stops it at the next event.
             with anyio.CancelScope(shield=True):
-                await self._pump(send, state)
+                await self._pump(scope, send, state)
             tg.cancel_scope.cancel()
         if state["gone"]:
             scope.setdefault("qse", {})["client_gone"] = True
 
-    async def _pump(self, send, state: dict) -> None:
+    async def _pump(self, scope, send, state: dict) -> None:
         try:
             async with aclosing(self.events) as events:
                 async for obj in events:
@@ -56,8 +56,9 @@ class EventStream:
         except ApiError as exc:  # the headers are out: the error goes as the last event
             await send({"type": "http.response.body", "body": frame(exc.body()), "more_body": True})
         except Exception as exc:
-            log.exception("stream_failed", error=repr(exc))
-            err = ApiError(500, f"the stream failed: {exc!r}", code="stream_failed")
+            request_id = scope.get("qse", {}).get("request_id")
+            log.exception("stream_failed", error=repr(exc), request_id=request_id)
+            err = internal_error(request_id)
             await send({"type": "http.response.body", "body": frame(err.body()), "more_body": True})
         state["done"] = True
         await send({"type": "http.response.body", "body": DONE, "more_body": False})

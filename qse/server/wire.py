@@ -111,17 +111,20 @@ class CompletionRequest(Struct):
 
 
 # ---- requests: the shadow ---------------------------------------------------------------------
+SESSION_ID_MAX_CHARS = 256
+# the one rule for a client's session id, in X-Session-Id and in the shadow routes' bodies
+SessionId = Annotated[str, Meta(min_length=1, max_length=SESSION_ID_MAX_CHARS)]
 
 
 class AskRequest(Struct, forbid_unknown_fields=True):
-    session: Annotated[str, Meta(min_length=1, max_length=256)]
+    session: SessionId
     question: Annotated[str, Meta(min_length=1)]
     choices: Annotated[list[Annotated[str, Meta(min_length=1, max_length=32)]], Meta(min_length=1, max_length=64)]
     at: Annotated[int, Meta(ge=0)] | None = None
 
 
 class SummarizeRequest(Struct, forbid_unknown_fields=True):
-    session: Annotated[str, Meta(min_length=1, max_length=256)]
+    session: SessionId
     prompt: Annotated[str, Meta(min_length=1)] | None = None
     max_tokens: Annotated[int, Meta(ge=1, le=1024)] = 64
 
@@ -262,6 +265,17 @@ def decode(body: bytes, kind: type[T]) -> T:
         return msgspec.json.decode(body, type=kind)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise from_msgspec(exc) from None
+
+
+def session_header(value: str | None) -> str | None:
+    """X-Session-Id under the same rule as a body's `session` (SessionId); absent or empty: None."""
+    if not value:
+        return None
+    try:
+        return msgspec.convert(value, SessionId)
+    except msgspec.ValidationError:
+        raise bad_request(f"X-Session-Id has {len(value)} characters, over the limit of {SESSION_ID_MAX_CHARS}",
+                          "X-Session-Id", "invalid_session_id") from None
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

@@ -44,7 +44,7 @@ class ScriptedConductor:
     async def stop(self):
         pass
 
-    def map_session(self, prompt_ids, explicit):
+    def map_session(self, prompt_ids, explicit, namespace="", head_tokens=0):
         return explicit
 
     async def generate(self, req):
