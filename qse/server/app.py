@@ -94,7 +94,7 @@ def create_app(service: Service, root_path: str | None = None) -> Starlette:
     body_limit = settings.get("QSE_MAX_BODY_BYTES")
 
     async def chat_completions(request: Request):
-        req = wire.decode(await read_body(request, body_limit), wire.ChatCompletionRequest)
+        req = _decode_openai(await read_body(request, body_limit), wire.ChatCompletionRequest, _info(request))
         info, tenant = _info(request), tenant_of(request)
         plan = await service.prepare_chat(req, info["request_id"],
                                           wire.session_header(request.headers.get("x-session-id")),
@@ -111,7 +111,7 @@ def create_app(service: Service, root_path: str | None = None) -> Starlette:
         return json_response(answer, headers=headers)
 
     async def completions(request: Request):
-        req = wire.decode(await read_body(request, body_limit), wire.CompletionRequest)
+        req = _decode_openai(await read_body(request, body_limit), wire.CompletionRequest, _info(request))
         info, tenant = _info(request), tenant_of(request)
         plan = await service.prepare_completion(req, info["request_id"],
                                                 wire.session_header(request.headers.get("x-session-id")),
@@ -126,8 +126,10 @@ def create_app(service: Service, root_path: str | None = None) -> Starlette:
         return json_response(answer, headers=headers)
 
     async def models(request: Request):
-        card = wire.ModelCard(id=service.model_name, object="model", created=service.created_s, owned_by="qse")
-        return json_response(wire.ModelList(object="list", data=[card]))
+        cards = [wire.ModelCard(id=name, object="model", created=service.created_s, owned_by="qse",
+                                root=service.root_name, max_model_len=service.max_context_tokens)
+                 for name in service.model_names]
+        return json_response(wire.ModelList(object="list", data=cards))
 
     async def shadow_ask(request: Request):
         req = wire.decode(await read_body(request, body_limit), wire.AskRequest)
@@ -180,6 +182,21 @@ def create_app(service: Service, root_path: str | None = None) -> Starlette:
     inner: Any = app if keyring.is_open else ApiKeys(app, keyring, open_paths)
     root = settings.get("QSE_ROOT_PATH") if root_path is None else root_path
     return RootPath(RequestContext(inner, service, known), root)  # type: ignore[return-value]
+
+
+def _decode_openai(body: bytes, kind: type, info: dict[str, Any]):
+    """An OpenAI request: fields outside the schema are ignored with one warning (as vLLM does); the
+    client's own labels (user, safety_identifier, metadata) go into the request event."""
+    req = wire.decode(body, kind)
+    ignored = wire.unknown_fields(body, kind)
+    if ignored:
+        log.warning("request_fields_ignored", fields=ignored, request_id=info.get("request_id"))
+        info["ignored_fields"] = ignored
+    for name in ("user", "safety_identifier", "metadata"):
+        value = getattr(req, name, None)
+        if value:
+            info[name] = value
+    return req
 
 
 async def _note_output(chunks, plan, info: dict[str, Any]):

@@ -14,13 +14,14 @@ import asyncio
 import time
 import uuid
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 import structlog
 
-from ..engine.sampling import SamplingParams
+from ..engine.grammar import ANY_JSON_OBJECT, Grammar, GrammarError, json_rule
+from ..engine.sampling import SampleRecord, SamplingParams
 from ..replay.usage import UsageRecord, append_usage
 from ..runtime.conductor import Conductor, GenerateRequest, TurnRecord
 from ..settings import SETTINGS, EngineSettings
@@ -53,6 +54,15 @@ class TurnPlan:
     prompt_text: str = ""
     finish_reason: str = "length"
     output_tokens: int = 0
+    n: int = 1  # choices, run one after another in the session (the later ones re-read only the tail)
+    tools: list[dict[str, Any]] | None = None  # offered: the parser types each call's arguments by them
+    echo: bool = False  # completions: the prompt's text before the answer's
+
+    def choice(self, index: int) -> "TurnPlan":
+        """The plan of choice `index`: its own seed (seed + index) and its own record of logprobs."""
+        seed = self.sampling.seed
+        sampling = replace(self.sampling, seed=None if seed is None else seed + index, record=SampleRecord())
+        return replace(self, sampling=sampling, finish_reason="length", output_tokens=0, n=1)
 
 
 @dataclass
@@ -85,10 +95,14 @@ def _retry(fn: Callable[[], Any], attempts: int = 5) -> Any:
 class Service:
     def __init__(self, conductor: Conductor, chat: Any, model_name: str, profile: Profile,
                  settings: EngineSettings = SETTINGS, ledger_path: Path | None = None, store: Any = None,
-                 max_context_tokens: int | None = None):
+                 max_context_tokens: int | None = None, served_names: list[str] | tuple[str, ...] = ()):
+        """served_names: the names clients use for the model (--served-model-name); the first is the one
+        answers carry. None given: the model's own name."""
         self.conductor = conductor
         self.chat = chat
-        self.model_name = model_name
+        self.root_name = model_name
+        self.model_names = list(served_names) or [model_name]
+        self.model_name = self.model_names[0]
         self.profile = profile
         self.settings = settings
         self.store = store
@@ -135,9 +149,10 @@ class Service:
         return self.conductor.reader is not None
 
     # ---- requests into plans -------------------------------------------------------------------
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
-            raise ApiError(404, f"the model {name!r} is not served here; GET /v1/models lists {self.model_name!r}",
+    def check_model(self, name: str | None) -> None:
+        """`model` may be left out (one model is served) or name the model or one of its aliases."""
+        if name is not None and name not in self.model_names:
+            raise ApiError(404, f"the model {name!r} is not served here; GET /v1/models lists {self.model_names}",
                            param="model", code="model_not_found")
 
     def _max_tokens(self, asked: int | None) -> int:
@@ -146,10 +161,44 @@ class Service:
                               "(QSE_MAX_OUTPUT_TOKENS)", "max_tokens", "max_tokens_exceeded")
         return asked if asked is not None else min(self.profile.generation.max_tokens, self.max_output_tokens)
 
-    def _sampling(self, temperature: float | None, top_p: float | None, seed: int | None) -> SamplingParams:
+    def _sampling(self, req: wire.ChatCompletionRequest | wire.CompletionRequest, prompt_ids: list[int],
+                  top_logprobs: int | None, grammar: Grammar | None = None) -> SamplingParams:
+        """The request's knobs over the profile's defaults; a knob left out is off (or the profile's)."""
         g = self.profile.generation
-        return SamplingParams(temperature=g.temperature if temperature is None else temperature,
-                              top_p=g.top_p if top_p is None else top_p, seed=seed)
+        repetition = req.repetition_penalty or 1.0
+        try:
+            return SamplingParams(
+                temperature=g.temperature if req.temperature is None else req.temperature,
+                top_p=g.top_p if req.top_p is None else req.top_p, seed=req.seed,
+                top_k=max(0, req.top_k or 0), min_p=req.min_p or 0.0, repetition_penalty=repetition,
+                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                logit_bias=wire.check_logit_bias(req.logit_bias, self.chat.tokenizer.vocab_size),
+                top_logprobs=top_logprobs, prompt_ids=tuple(prompt_ids) if repetition != 1.0 else (),
+                grammar=grammar, record=SampleRecord())
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+
+    def _grammar(self, req: wire.ChatCompletionRequest, prompt: str, max_tokens: int,
+                 tools: list[dict[str, Any]] | None) -> Grammar | None:
+        """The grammar that holds the answer to response_format or a forced tool call; None for neither.
+        Runs on a worker thread (the first call builds the vocabulary's token trie)."""
+        forced = wire.forced_tools(req)
+        fmt = req.response_format
+        if forced is None and (fmt is None or fmt.type == "text"):
+            return None
+        if forced is not None:
+            chosen = [t for t in tools or () if t["function"]["name"] in forced]
+            rules, param = self.chat.tool_calls_rules(chosen, json_rule, req.parallel_tool_calls is not False), "tools"
+        else:
+            schema = ANY_JSON_OBJECT if fmt.type == "json_object" else fmt.json_schema.schema
+            rules, param = "answer: " + json_rule(schema) + "\n", "response_format.json_schema.schema"
+        closing = min(32, max_tokens // 2)
+        # the reasoning may take half of what the answer's closing steps leave; the answer the rest
+        lark = self.chat.answer_grammar(prompt, rules, max(0, (max_tokens - closing) // 2))
+        try:
+            return Grammar.compile(lark, self.chat.tokenizer.grammar_tokenizer(), max_tokens, closing)
+        except GrammarError as exc:
+            raise bad_request(f"the grammar of this request does not compile: {exc}", param, "invalid_schema") from None
 
     def _check_prompt(self, ids: list[int], max_tokens: int, param: str) -> None:
         if not ids:
@@ -179,8 +228,9 @@ class Service:
         wire.check_chat(req)
         messages = wire.template_messages(req.messages)
         tools = None if req.tool_choice == "none" else wire.template_tools(req.tools)
-        thinking = (req.chat_template_kwargs or {}).get("enable_thinking")
+        thinking = wire.enable_thinking(req)
         max_tokens = self._max_tokens(req.max_completion_tokens or req.max_tokens)
+        session = session or req.prompt_cache_key  # OpenAI's cache key names the session when no header does
 
         def render() -> tuple[str, list[int], int]:
             text = self.chat.render(messages, tools, True, thinking)
@@ -194,9 +244,11 @@ class Service:
         except ValueError as exc:  # the chat format refuses the messages (roles, order, arguments)
             raise bad_request(str(exc), "messages", "invalid_messages") from None
         self._check_prompt(ids, max_tokens, "messages")
-        return TurnPlan(ids, max_tokens, self._sampling(req.temperature, req.top_p, req.seed),
-                        wire.stop_list(req.stop), await self.session_for(ids, session, tenant, head_tokens),
-                        request_id, router_label, text)
+        grammar = await asyncio.to_thread(self._grammar, req, text, max_tokens, tools)
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        return TurnPlan(ids, max_tokens, self._sampling(req, ids, top, grammar), wire.stop_list(req.stop),
+                        await self.session_for(ids, session, tenant, head_tokens), request_id, router_label, text,
+                        n=req.n or 1, tools=tools)
 
     async def prepare_completion(self, req: wire.CompletionRequest, request_id: str, session: str | None,
                                  router_label: str | None, tenant: Tenant = LONE) -> TurnPlan:
@@ -214,11 +266,13 @@ class Service:
             text = prompt[0] if isinstance(prompt, list) else prompt
             ids = await asyncio.to_thread(self.chat.tokenizer.encode, text)
         self._check_prompt(ids, max_tokens, "prompt")
+        if req.echo and not text:
+            text = await asyncio.to_thread(self.chat.tokenizer.decode, ids)
         # a raw prompt has no turns to tell a shared head from a continued conversation: its whole length is the
         # head, so it joins a session only by X-Session-Id
-        return TurnPlan(ids, max_tokens, self._sampling(req.temperature, req.top_p, req.seed),
-                        wire.stop_list(req.stop), await self.session_for(ids, session, tenant, len(ids)),
-                        request_id, router_label, text)
+        return TurnPlan(ids, max_tokens, self._sampling(req, ids, req.logprobs), wire.stop_list(req.stop),
+                        await self.session_for(ids, session, tenant, len(ids)), request_id, router_label, text,
+                        n=req.n or 1, echo=req.echo)
 
     # ---- the turn ------------------------------------------------------------------------------
     async def drive(self, plan: TurnPlan, out: OutputText) -> AsyncIterator[int]:
@@ -238,86 +292,165 @@ class Service:
         except ShadowError as exc:
             raise bad_request(str(exc), None, "invalid_turn") from None
         out.finish()
-        plan.finish_reason = "stop" if out.is_stopped or out.num_ids < plan.max_tokens else "length"
+        record = plan.sampling.record
+        if plan.sampling.grammar is not None and not out.is_stopped:
+            # held to a grammar, the answer is complete only if the grammar ended it
+            plan.finish_reason = "stop" if record is not None and record.grammar_done else "length"
+        else:
+            plan.finish_reason = "stop" if out.is_stopped or out.num_ids < plan.max_tokens else "length"
 
-    def _usage(self, plan: TurnPlan) -> wire.Usage:
+    def _usage(self, plan: TurnPlan, output_tokens: int | None = None) -> wire.Usage:
         n = len(plan.prompt_ids)
-        return wire.Usage(prompt_tokens=n, completion_tokens=plan.output_tokens, total_tokens=n + plan.output_tokens)
+        out = plan.output_tokens if output_tokens is None else output_tokens
+        return wire.Usage(prompt_tokens=n, completion_tokens=out, total_tokens=n + out)
 
     def _sections(self, plan: TurnPlan, stream_content: bool) -> Sections:
-        prompt = plan.prompt_text
-        return Sections(lambda text: self.chat.parse(text, prompt), stream_content)
+        prompt, tools = plan.prompt_text, plan.tools
+        return Sections(lambda text: self.chat.parse(text, prompt, tools), stream_content)
 
+    # ---- log-probabilities -------------------------------------------------------------------------
+    def _token_text(self, token: int) -> tuple[str, list[int]]:
+        raw = self.chat.tokenizer.decode_bytes([token])
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+    def _chat_logprobs(self, plan: TurnPlan, start: int, end: int) -> wire.ChoiceLogprobs | None:
+        """OpenAI's chat logprobs of the output's ids [start, end)."""
+        record = plan.sampling.record
+        if plan.sampling.top_logprobs is None or record is None:
+            return None
+        content = []
+        for entry in record.logprobs[start:end]:
+            text, raw = self._token_text(entry.token)
+            top = []
+            for tid, lp in entry.top:
+                t, b = self._token_text(tid)
+                top.append(wire.TopLogprob(t, lp, b))
+            content.append(wire.TokenLogprobOut(text, entry.logprob, raw, top))
+        return wire.ChoiceLogprobs(content)
+
+    def _completion_logprobs(self, plan: TurnPlan, start: int, end: int, offset: int) -> wire.CompletionLogprobs | None:
+        """The legacy completions' logprobs of the output's ids [start, end); offset: the first one's character."""
+        record = plan.sampling.record
+        if plan.sampling.top_logprobs is None or record is None:
+            return None
+        tokens, values, tops, offsets = [], [], [], []
+        for entry in record.logprobs[start:end]:
+            text = self._token_text(entry.token)[0]
+            tokens.append(text)
+            values.append(entry.logprob)
+            tops.append({self._token_text(t)[0]: lp for t, lp in entry.top})
+            offsets.append(offset)
+            offset += len(text)
+        return wire.CompletionLogprobs(tokens, values, tops if plan.sampling.top_logprobs else None, offsets)
+
+    # ---- chat ------------------------------------------------------------------------------------
     async def chat_chunks(self, plan: TurnPlan, tools_offered: bool,
                           include_usage: bool) -> AsyncIterator[wire.ChatCompletionChunk]:
+        """The n choices' chunks, one choice after another, each chunk naming its choice by index."""
         cid, created = f"chatcmpl-{plan.request_id}", int(time.time())
+        total = 0
+        for index in range(plan.n):
+            choice = plan.choice(index)
+            async for chunk in self._choice_chunks(choice, index, cid, created, tools_offered):
+                yield chunk
+            total += choice.output_tokens
+            plan.output_tokens, plan.finish_reason = total, choice.finish_reason
+        if include_usage:
+            yield wire.ChatCompletionChunk(id=cid, object="chat.completion.chunk", created=created,
+                                           model=self.model_name, choices=[], usage=self._usage(plan, total))
 
-        def chunk(delta: wire.Delta, finish: str | None = None) -> wire.ChatCompletionChunk:
+    async def _choice_chunks(self, plan: TurnPlan, index: int, cid: str, created: int,
+                             tools_offered: bool) -> AsyncIterator[wire.ChatCompletionChunk]:
+        def chunk(delta: wire.Delta, finish: str | None = None, logprobs=None) -> wire.ChatCompletionChunk:
             return wire.ChatCompletionChunk(id=cid, object="chat.completion.chunk", created=created,
-                                            model=self.model_name, choices=[wire.ChunkChoice(0, delta, finish)])
+                                            model=self.model_name,
+                                            choices=[wire.ChunkChoice(index, delta, finish, logprobs)])
 
         yield chunk(wire.Delta(role="assistant", content=""))
         out = OutputText(self.chat.tokenizer.decode, plan.stops)
         sections = self._sections(plan, stream_content=not tools_offered)
+        sent_ids = 0  # output ids whose logprobs went out
         async for _ in self.drive(plan, out):
             d = sections.update(out.visible)
             if d:
-                yield chunk(wire.Delta(content=d.content or None, reasoning_content=d.reasoning or None))
+                lp = self._chat_logprobs(plan, sent_ids, out.num_ids)
+                sent_ids = out.num_ids
+                yield chunk(wire.Delta(content=d.content or None, reasoning_content=d.reasoning or None), None, lp)
         d = sections.finish(out.text)
-        if d.reasoning or d.content:
-            yield chunk(wire.Delta(content=d.content or None, reasoning_content=d.reasoning or None))
+        lp = self._chat_logprobs(plan, sent_ids, out.num_ids)
+        if d.reasoning or d.content or (lp is not None and lp.content):
+            yield chunk(wire.Delta(content=d.content or None, reasoning_content=d.reasoning or None), None, lp)
         if d.tool_calls:
             yield chunk(wire.Delta(tool_calls=[
                 wire.ToolCallDelta(index=i, id=c["id"], type=c["type"], function=wire.FunctionCallOut(**c["function"]))
                 for i, c in enumerate(d.tool_calls)]))
-        yield chunk(wire.Delta(), "tool_calls" if d.tool_calls else plan.finish_reason)
-        if include_usage:
-            yield wire.ChatCompletionChunk(id=cid, object="chat.completion.chunk", created=created,
-                                           model=self.model_name, choices=[], usage=self._usage(plan))
+        yield chunk(wire.Delta(), "tool_calls" if d.tool_calls and plan.finish_reason != "length"
+                    else plan.finish_reason)
         self.after_chat(plan, sections.reasoning)
 
     async def chat_answer(self, plan: TurnPlan, tools_offered: bool) -> wire.ChatCompletion:
-        out = OutputText(self.chat.tokenizer.decode, plan.stops)
-        async for _ in self.drive(plan, out):
-            pass
-        parsed = self._sections(plan, stream_content=True).finish(out.text)
-        calls = [wire.ToolCallOut(id=c["id"], type=c["type"], function=wire.FunctionCallOut(**c["function"]))
-                 for c in parsed.tool_calls]
-        content = parsed.content if (parsed.content or not calls) else None  # null beside tool calls, as OpenAI
-        message = wire.ChatMessageOut(role="assistant", content=content, reasoning_content=parsed.reasoning or None,
-                                      tool_calls=calls or None)
-        self.after_chat(plan, parsed.reasoning)
+        choices, total = [], 0
+        for index in range(plan.n):
+            choice = plan.choice(index)
+            out = OutputText(self.chat.tokenizer.decode, choice.stops)
+            async for _ in self.drive(choice, out):
+                pass
+            parsed = self._sections(choice, stream_content=True).finish(out.text)
+            calls = [wire.ToolCallOut(id=c["id"], type=c["type"], function=wire.FunctionCallOut(**c["function"]))
+                     for c in parsed.tool_calls]
+            content = parsed.content if (parsed.content or not calls) else None  # null beside tool calls, as OpenAI
+            message = wire.ChatMessageOut(role="assistant", content=content,
+                                          reasoning_content=parsed.reasoning or None, tool_calls=calls or None)
+            self.after_chat(choice, parsed.reasoning)
+            finish = "tool_calls" if calls and choice.finish_reason != "length" else choice.finish_reason
+            choices.append(wire.ChatChoice(index, message, finish, self._chat_logprobs(choice, 0, out.num_ids)))
+            total += choice.output_tokens
+            plan.output_tokens, plan.finish_reason = total, finish
         return wire.ChatCompletion(id=f"chatcmpl-{plan.request_id}", object="chat.completion", created=int(time.time()),
-                                   model=self.model_name,
-                                   choices=[wire.ChatChoice(0, message, "tool_calls" if calls else plan.finish_reason)],
-                                   usage=self._usage(plan))
+                                   model=self.model_name, choices=choices, usage=self._usage(plan, total))
 
+    # ---- completions -----------------------------------------------------------------------------
     async def completion_chunks(self, plan: TurnPlan, include_usage: bool) -> AsyncIterator[wire.Completion]:
         cid, created = f"cmpl-{plan.request_id}", int(time.time())
+        total = 0
+        for index in range(plan.n):
+            choice = plan.choice(index)
 
-        def chunk(text: str, finish: str | None = None) -> wire.Completion:
-            return wire.Completion(id=cid, object="text_completion", created=created, model=self.model_name,
-                                   choices=[wire.CompletionChoice(0, text, finish)])
+            def chunk(text: str, finish: str | None = None, logprobs=None) -> wire.Completion:
+                return wire.Completion(id=cid, object="text_completion", created=created, model=self.model_name,
+                                       choices=[wire.CompletionChoice(index, text, finish, logprobs)])
 
-        out = OutputText(self.chat.tokenizer.decode, plan.stops)
-        sent = 0
-        async for _ in self.drive(plan, out):
-            visible = out.visible
-            if len(visible) > sent:
-                yield chunk(visible[sent:])
-                sent = len(visible)
-        yield chunk(out.text[sent:], plan.finish_reason)
+            if choice.echo:
+                yield chunk(choice.prompt_text)
+            out = OutputText(self.chat.tokenizer.decode, choice.stops)
+            sent = sent_ids = 0
+            async for _ in self.drive(choice, out):
+                visible = out.visible
+                if len(visible) > sent:
+                    yield chunk(visible[sent:], None, self._completion_logprobs(choice, sent_ids, out.num_ids, sent))
+                    sent, sent_ids = len(visible), out.num_ids
+            yield chunk(out.text[sent:], choice.finish_reason,
+                        self._completion_logprobs(choice, sent_ids, out.num_ids, sent))
+            total += choice.output_tokens
+            plan.output_tokens, plan.finish_reason = total, choice.finish_reason
         if include_usage:
             yield wire.Completion(id=cid, object="text_completion", created=created, model=self.model_name,
-                                  choices=[], usage=self._usage(plan))
+                                  choices=[], usage=self._usage(plan, total))
 
     async def completion_answer(self, plan: TurnPlan) -> wire.Completion:
-        out = OutputText(self.chat.tokenizer.decode, plan.stops)
-        async for _ in self.drive(plan, out):
-            pass
+        choices, total = [], 0
+        for index in range(plan.n):
+            choice = plan.choice(index)
+            out = OutputText(self.chat.tokenizer.decode, choice.stops)
+            async for _ in self.drive(choice, out):
+                pass
+            head = choice.prompt_text if choice.echo else ""
+            choices.append(wire.CompletionChoice(index, head + out.text, choice.finish_reason,
+                                                 self._completion_logprobs(choice, 0, out.num_ids, len(head))))
+            total += choice.output_tokens
+            plan.output_tokens, plan.finish_reason = total, choice.finish_reason
         return wire.Completion(id=f"cmpl-{plan.request_id}", object="text_completion", created=int(time.time()),
-                               model=self.model_name, choices=[wire.CompletionChoice(0, out.text, plan.finish_reason)],
-                               usage=self._usage(plan))
+                               model=self.model_name, choices=choices, usage=self._usage(plan, total))
 
     # ---- after a turn --------------------------------------------------------------------------
     def _on_turn(self, record: TurnRecord) -> None:

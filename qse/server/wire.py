@@ -65,49 +65,108 @@ Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 PositiveInt = Annotated[int, Meta(ge=1)]
 Stop = str | Annotated[list[Annotated[str, Meta(min_length=1, max_length=256)]], Meta(max_length=16)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+NumChoices = Annotated[int, Meta(ge=1, le=16)]  # n turns run one after another: a bound on one request's work
+TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
+LogitBias = Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(max_length=1024)]
+
+
+class JsonSchemaFormat(Struct):
+    name: Annotated[str, Meta(min_length=1, max_length=64)] = "response"
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(Struct):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(Struct):
-    model: str
+    """Every field of OpenAI's chat request, plus the vLLM-style knobs qse honours (top_k, min_p,
+    repetition_penalty, chat_template_kwargs). Fields typed `Any` are refused by name unless empty
+    (REFUSED_CHAT); a field outside this list is ignored with a warning (unknown_fields)."""
+
     messages: Annotated[list[Message], Meta(min_length=1)]
+    model: str | None = None  # optional when one model is served
     stream: bool = False
     stream_options: StreamOptions | None = None
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
     seed: int | None = None
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
     stop: Stop | None = None
-    n: PositiveInt = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: NumChoices | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: LogitBias | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     user: str | None = None
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    prompt_cache_key: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    service_tier: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # refused unless empty (REFUSED_CHAT says why)
+    audio: Any = None
+    modalities: Any = None
+    functions: Any = None
+    function_call: Any = None
+    prediction: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
 
 
 class CompletionRequest(Struct):
-    model: str
     prompt: str | Annotated[list[str | int], Meta(min_length=1)]
+    model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
     seed: int | None = None
     max_tokens: PositiveInt | None = None
     stop: Stop | None = None
-    n: PositiveInt = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: NumChoices | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: LogitBias | None = None
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None  # OpenAI's legacy bound
+    best_of: NumChoices | None = None
     suffix: str | None = None
     user: str | None = None
+
+
+# field -> why it is refused when set (to anything but null or its empty value)
+REFUSED_CHAT: dict[str, str] = {
+    "audio": "audio output is not supported (text only)",
+    "functions": "the legacy 'functions' are not supported; send them as 'tools'",
+    "function_call": "the legacy 'function_call' is not supported; use 'tool_choice'",
+    "prediction": "predicted outputs are not supported",
+    "verbosity": "verbosity is not supported",
+    "web_search_options": "web search is not supported",
+    "moderation": "moderation is not supported",
+}
+SERVICE_TIERS = ("auto", "default")
 
 
 # ---- requests: the shadow ---------------------------------------------------------------------
@@ -163,11 +222,35 @@ class ChatMessageOut(Struct, omit_defaults=True):
     tool_calls: list[ToolCallOut] | None = None
 
 
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobOut(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(Struct):
+    content: list[TokenLogprobOut] | None
+
+
+class CompletionLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
 class ChatChoice(Struct):
     index: int
     message: ChatMessageOut
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(Struct):
@@ -190,7 +273,7 @@ class ChunkChoice(Struct):
     index: int
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(Struct, omit_defaults=True):
@@ -206,7 +289,7 @@ class CompletionChoice(Struct):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(Struct, omit_defaults=True):
@@ -218,11 +301,13 @@ class Completion(Struct, omit_defaults=True):
     usage: Usage | None = None
 
 
-class ModelCard(Struct):
+class ModelCard(Struct, omit_defaults=True):
     id: str
     object: str
     created: int
     owned_by: str
+    root: str | None = None  # the served model's own name, beside an alias
+    max_model_len: int | None = None  # the context window, in tokens (vLLM's name)
 
 
 class ModelList(Struct):
@@ -284,22 +369,56 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
-def check_common(n: int, presence_penalty: float, frequency_penalty: float) -> None:
-    """Refuse what the engine cannot do rather than ignore it."""
-    if n != 1:
-        raise bad_request(f"n={n} is not supported: qse returns one choice per request", "n", "unsupported_value")
-    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
-        if value != 0.0:
-            raise bad_request(f"{name}={value} is not supported (only 0)", name, "unsupported_value")
+def unknown_fields(body: bytes, kind: type) -> list[str]:
+    """The top-level keys of a JSON object body that `kind` does not declare (ignored, with a warning)."""
+    try:
+        keys = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return []
+    return sorted(set(keys) - set(kind.__struct_fields__))
+
+
+def _empty(value: Any) -> bool:
+    return value is None or value == [] or value == {} or value is False
+
+
+def check_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as (id, bias) pairs; a key that is not an id of the vocabulary is a 400."""
+    out = []
+    for key, value in (bias or {}).items():
+        if not (key.isdigit() and int(key) < vocab_size):
+            raise bad_request(f"logit_bias key {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(out)
+
+
+def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
+    """What the chat and completion routes share: refuse what qse cannot do, by name, rather than ignore it."""
+    if req.top_k is not None and req.top_k == 0:
+        raise bad_request("top_k=0 keeps no token; use -1 (or leave it out) for every token, or k >= 1", "top_k")
 
 
 def check_chat(req: ChatCompletionRequest) -> None:
-    check_common(req.n, req.presence_penalty, req.frequency_penalty)
-    if req.logprobs or req.top_logprobs:
-        raise bad_request("logprobs are not supported", "logprobs", "unsupported_value")
-    if isinstance(req.tool_choice, dict) or req.tool_choice not in (None, "auto", "none"):
-        raise bad_request(f"tool_choice {req.tool_choice!r} is not supported: the model cannot be forced to call a "
-                          "tool; use 'auto' or 'none'", "tool_choice", "unsupported_value")
+    check_common(req)
+    for name, why in REFUSED_CHAT.items():
+        if not _empty(getattr(req, name)):
+            raise bad_request(f"{name}: {why}", name, "unsupported_value")
+    if req.modalities is not None and req.modalities != ["text"]:
+        raise bad_request(f"modalities {req.modalities!r} is not supported: qse answers in text only (['text'])",
+                          "modalities", "unsupported_value")
+    if req.store:
+        raise bad_request("store=true is not supported: qse does not keep completions for later retrieval",
+                          "store", "unsupported_value")
+    if req.service_tier is not None and req.service_tier not in SERVICE_TIERS:
+        raise bad_request(f"service_tier {req.service_tier!r} is not offered: qse has one tier ('auto' or "
+                          "'default')", "service_tier", "unsupported_value")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    check_tool_choice(req)
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema is None:
+            raise bad_request("response_format of type json_schema needs json_schema.schema", "response_format")
     extra = set(req.chat_template_kwargs or {}) - {"enable_thinking"}
     if extra:
         raise bad_request(f"chat_template_kwargs {sorted(extra)} are not supported (only enable_thinking)",
@@ -308,12 +427,60 @@ def check_chat(req: ChatCompletionRequest) -> None:
     if thinking is not None and not isinstance(thinking, bool):
         raise bad_request(f"chat_template_kwargs.enable_thinking must be a boolean, got {thinking!r}",
                           "chat_template_kwargs.enable_thinking", "invalid_type")
+    effort = req.reasoning_effort
+    if thinking is not None and effort is not None and thinking != (effort != "none"):
+        raise bad_request(f"reasoning_effort {effort!r} contradicts chat_template_kwargs.enable_thinking={thinking}",
+                          "reasoning_effort")
+
+
+def enable_thinking(req: ChatCompletionRequest) -> bool | None:
+    """The template's switch: chat_template_kwargs.enable_thinking, else reasoning_effort ('none' is off)."""
+    thinking = (req.chat_template_kwargs or {}).get("enable_thinking")
+    if thinking is None and req.reasoning_effort is not None:
+        return req.reasoning_effort != "none"
+    return thinking
+
+
+def forced_tools(req: ChatCompletionRequest) -> list[str] | None:
+    """The names a call must use: all offered ('required'), one (a named function), or None (not forced)."""
+    choice = req.tool_choice
+    if choice == "required":
+        return [t.function.name for t in req.tools or ()]
+    if isinstance(choice, dict):
+        return [choice["function"]["name"]]
+    return None
+
+
+def check_tool_choice(req: ChatCompletionRequest) -> None:
+    choice = req.tool_choice
+    names = [t.function.name for t in req.tools or ()]
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+                              "\"function\": {\"name\": ...}}", "tool_choice")
+        if fn["name"] not in names:
+            raise bad_request(f"tool_choice names {fn['name']!r}, which is not among the tools {names}",
+                              "tool_choice")
+    elif choice not in (None, "auto", "none", "required"):
+        raise bad_request(f"tool_choice {choice!r} is not one of 'none', 'auto', 'required' or a named function",
+                          "tool_choice")
+    elif choice == "required" and not names:
+        raise bad_request("tool_choice 'required' needs tools", "tool_choice")
+    if forced_tools(req) is not None and req.response_format is not None and req.response_format.type != "text":
+        raise bad_request("a forced tool call and a JSON response_format exclude each other", "response_format")
 
 
 def check_completion(req: CompletionRequest) -> None:
-    check_common(req.n, req.presence_penalty, req.frequency_penalty)
-    if req.echo or req.logprobs or (req.best_of or 1) != 1 or req.suffix:
-        raise bad_request("echo, logprobs, best_of and suffix are not supported", None, "unsupported_value")
+    check_common(req)
+    if req.suffix:
+        raise bad_request("suffix (insertion) is not supported", "suffix", "unsupported_value")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs would need the prompt's logprobs, which qse does not compute",
+                          "echo", "unsupported_value")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise bad_request(f"best_of={req.best_of} with n={req.n or 1}: qse returns every choice it runs, so "
+                          "best_of must equal n", "best_of", "unsupported_value")
     if isinstance(req.prompt, list):
         kinds = {type(p) for p in req.prompt}
         if kinds == {str} and len(req.prompt) != 1:

@@ -46,9 +46,14 @@ def test_a_full_request_decodes():
     (chat(temperature=3.0), "temperature", "invalid_type"),
     (chat(top_p=0), "top_p", "invalid_type"),
     (chat(stop=[""]), "stop", "invalid_type"),
-    (json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(), "model", "invalid_type"),
+    (chat(n=17), "n", "invalid_type"),
+    (chat(top_logprobs=21), "top_logprobs", "invalid_type"),
+    (chat(logit_bias={"5": 101}), "logit_bias", "invalid_type"),
+    (chat(presence_penalty=2.5), "presence_penalty", "invalid_type"),
+    (chat(response_format={"type": "yaml"}), "response_format", "invalid_type"),
 ], ids=["malformed", "empty-body", "array", "messages-string", "messages-empty", "bad-role", "max-tokens-string",
-        "max-tokens-zero", "temperature-high", "top-p-zero", "empty-stop", "no-model"])
+        "max-tokens-zero", "temperature-high", "top-p-zero", "empty-stop", "n-over", "top-logprobs-over",
+        "logit-bias-over", "penalty-over", "format-unknown"])
 def test_bad_requests_name_the_field(body, param, code):
     err = decode_error(body)
     assert err.code == code
@@ -57,12 +62,22 @@ def test_bad_requests_name_the_field(body, param, code):
     assert err.message
 
 
+def test_model_may_be_left_out():
+    assert wire.decode(json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(),
+                       wire.ChatCompletionRequest).model is None
+
+
+def test_fields_outside_the_schema_are_listed():
+    assert wire.unknown_fields(chat(bogus=1, other=None, n=2), wire.ChatCompletionRequest) == ["bogus", "other"]
+
+
 @pytest.mark.parametrize("fields, param", [
-    ({"n": 2}, "n"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"logprobs": True}, "logprobs"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools
+    ({"tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice"),  # not among the tools
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
+    ({"top_k": 0}, "top_k"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}}, "reasoning_effort"),
     ({"chat_template_kwargs": {"add_vision_id": True}}, "chat_template_kwargs"),
     ({"chat_template_kwargs": {"enable_thinking": "yes"}}, "chat_template_kwargs.enable_thinking"),
 ])
@@ -118,7 +133,8 @@ def test_completion_prompts():
     ok = [{"prompt": "text"}, {"prompt": ["text"]}, {"prompt": [1, 2, 3]}]
     for fields in ok:
         wire.check_completion(wire.decode(json.dumps({"model": "m", **fields}).encode(), wire.CompletionRequest))
-    for fields in [{"prompt": ["a", "b"]}, {"prompt": ["a", 1]}, {"prompt": "x", "echo": True}]:
+    for fields in [{"prompt": ["a", "b"]}, {"prompt": ["a", 1]}, {"prompt": "x", "echo": True, "logprobs": 1},
+                   {"prompt": "x", "best_of": 2}, {"prompt": "x", "suffix": "y"}]:
         with pytest.raises(ApiError):
             wire.check_completion(wire.decode(json.dumps({"model": "m", **fields}).encode(), wire.CompletionRequest))
 

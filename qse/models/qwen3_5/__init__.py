@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from .chat import ChatTemplate, parse_output, shared_tokenizer
+from .chat import ChatTemplate, answer_grammar, parse_output, shared_tokenizer, tool_calls_rules
 from .config import ConfigError, TextConfig, load_config, parse_config
 from .layout import CheckpointError, load_weights
 from .model import InputError, Qwen35Model
@@ -41,8 +41,17 @@ class ChatFormat:
     def render(self, messages, tools=None, add_generation_prompt=True, enable_thinking=None) -> str:
         return self.template.render(messages, tools, add_generation_prompt, enable_thinking)
 
-    def parse(self, text: str, prompt: str):
-        return parse_output(text, prompt_opened_think=prompt.endswith("<think>\n"))
+    def parse(self, text: str, prompt: str, tools=None):
+        """Reasoning, content and tool calls (arguments typed by the offered `tools`' schemas)."""
+        return parse_output(text, prompt_opened_think=prompt.endswith("<think>\n"), tools=tools)
+
+    def answer_grammar(self, prompt: str, answer_rules: str, think_tokens: int) -> str:
+        """A whole output's Lark grammar: the reasoning the prompt opened (bounded), then `answer`."""
+        return answer_grammar(prompt, answer_rules, think_tokens)
+
+    def tool_calls_rules(self, tools, json_value, parallel: bool = True) -> str:
+        """Lark rules of `answer`: calls of `tools` in this format, arguments typed by their schemas."""
+        return tool_calls_rules(tools, json_value, parallel)
 
 
 __all__ = ["ChatFormat", "ConfigError", "CheckpointError", "InputError", "MODEL_TYPES", "Qwen35Model",

@@ -39,6 +39,7 @@ class Tokenizer:
         self.im_end_id = self.specials["<|im_end|>"]
         self.endoftext_id = self.specials["<|endoftext|>"]
         self.think_end_id = self.specials["</think>"]
+        self._grammar = None
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text)
@@ -52,6 +53,15 @@ class Tokenizer:
     def single_token_id(self, text: str) -> int | None:
         ids = self.encode(text)
         return ids[0] if len(ids) == 1 else None
+
+    def grammar_tokenizer(self):
+        """llguidance's view of this vocabulary (built once: about a second), ending answers at <|im_end|>."""
+        if self._grammar is None:
+            from ...engine.grammar import GrammarTokenizer
+
+            self._grammar = GrammarTokenizer.from_tiktoken(self._tok._tokenizer, self.vocab_size, self.im_end_id,
+                                                           self.decode, closing_hint)
+        return self._grammar
 
 
 @lru_cache(maxsize=1)
@@ -135,19 +145,35 @@ class ParsedOutput:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _param_value(raw: str) -> Any:
+def _param_value(raw: str, schema: Any = None) -> Any:
+    """A parameter's value: raw text where the tool's schema says text (a "12345" path stays a string),
+    else JSON when it parses, else the text."""
     text = raw.strip("\n")
+    if is_text_schema(schema):
+        return text
     try:
         return json.loads(text)
     except json.JSONDecodeError:
         return text
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """Split Qwen's XML tool calls out of `text`: (the text before the first call, OpenAI tool_calls)."""
+def _param_schemas(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    """function name -> {parameter name -> its schema}, from OpenAI tool dicts."""
+    out = {}
+    for tool in tools or ():
+        fn = tool.get("function") or {}
+        out[fn.get("name")] = ((fn.get("parameters") or {}).get("properties") or {})
+    return out
+
+
+def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """Split Qwen's XML tool calls out of `text`: (the text before the first call, OpenAI tool_calls).
+    With the offered `tools`, each argument is typed by its parameter's schema."""
     calls = []
+    schemas = _param_schemas(tools)
     for match in _TOOL_CALL.finditer(text):
-        args = {name: _param_value(value) for name, value in _PARAM.findall(match.group(2))}
+        props = schemas.get(match.group(1), {})
+        args = {name: _param_value(value, props.get(name)) for name, value in _PARAM.findall(match.group(2))}
         calls.append({
             "id": f"call_{uuid.uuid4().hex[:24]}",
             "type": "function",
@@ -170,7 +196,105 @@ def split_reasoning(text: str, prompt_opened_think: bool = True) -> tuple[str | 
     return None, text
 
 
-def parse_output(text: str, prompt_opened_think: bool = True) -> ParsedOutput:
+def parse_output(text: str, prompt_opened_think: bool = True,
+                 tools: list[dict[str, Any]] | None = None) -> ParsedOutput:
     reasoning, content = split_reasoning(text, prompt_opened_think)
-    content, calls = parse_tool_calls(content)
+    content, calls = parse_tool_calls(content, tools)
     return ParsedOutput(content=content, reasoning=reasoning, tool_calls=calls)
+
+
+# ---- grammars of the output (structured outputs, forced tool calls) ---------------------------------
+#
+#   <think>\n (opened by the prompt) reasoning </think>\n\n   answer
+#   answer of a forced call:  <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n...
+#                             </function>\n</tool_call>   (calls joined by "\n", as the template writes them)
+#
+# A string parameter's VALUE is raw text up to the first "\n</parameter>" (as parse_tool_calls reads
+# it); any other parameter's VALUE is JSON held to the parameter's schema.
+
+PARAM_CLOSE = "\n</parameter>\n"
+FUNCTION_CLOSE = "</function>\n"
+MAX_PARALLEL_CALLS = 8
+
+
+def _lark_str(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _open_tail(text: str, closer: str) -> str:
+    """What of `closer` is still to write after `text` (its longest head that `text` ends with is written)."""
+    for k in range(min(len(closer) - 1, len(text)), 0, -1):
+        if text.endswith(closer[:k]):
+            return closer[k:]
+    return closer
+
+
+def closing_hint(text: str) -> str | None:
+    """The text that closes the tool-call piece left open at the end of `text`, or None (the grammar
+    module's closing steps use it to end an answer inside the budget)."""
+    if text.rfind("<parameter=") > text.rfind("</parameter>"):
+        if text.endswith(">") and text.rfind("<parameter=") > text.rfind("\n"):
+            return None  # the parameter's own tag is still being written
+        return _open_tail(text, PARAM_CLOSE)
+    if text.rfind("<function=") > text.rfind("</function>"):
+        return _open_tail(text, FUNCTION_CLOSE)
+    return None
+
+
+def is_text_schema(schema: Any) -> bool:
+    """A parameter written as raw text (not JSON) in the XML call: a string, or an enum of strings."""
+    if not isinstance(schema, dict):
+        return False
+    kind = schema.get("type")
+    if kind == "string" or kind == ["string"]:
+        return True
+    values = schema["enum"] if isinstance(schema.get("enum"), list) else (
+        [schema["const"]] if "const" in schema else None)
+    return kind is None and bool(values) and all(isinstance(v, str) for v in values)
+
+
+def answer_grammar(prompt: str, answer_rules: str, think_tokens: int) -> str:
+    """A whole output's Lark grammar: the reasoning (when the prompt opened it, at most `think_tokens`
+    tokens) and then the answer. `answer_rules` defines the rule `answer` (and any rules it uses)."""
+    if prompt.endswith("<think>\n"):
+        head = "start: </think> \"\\n\\n\" answer\n" if think_tokens <= 0 else (
+            f"start: think </think> \"\\n\\n\" answer\nthink[max_tokens={think_tokens}]: /(?s:.*)/\n")
+    else:
+        head = "start: answer\n"
+    return head + answer_rules
+
+
+def tool_calls_rules(tools: list[dict[str, Any]], json_value: Any, parallel: bool = True) -> str:
+    """Lark rules of `answer`: one call (or up to MAX_PARALLEL_CALLS) of one of `tools` (OpenAI tool dicts),
+    each parameter typed by its schema; json_value(schema) -> a Lark right-hand side for JSON."""
+    lines = []
+    fns = []
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        params = fn.get("parameters") or {}
+        props = params.get("properties") or {}
+        required = set(params.get("required") or ())
+        parts = []
+        for j, (key, schema) in enumerate(props.items()):
+            rule = f"p_{i}_{j}"
+            if is_text_schema(schema):
+                values = schema.get("enum") or ([schema["const"]] if "const" in schema else None)
+                if values:
+                    value = " | ".join(_lark_str(v) for v in values)
+                    lines.append(f"{rule}: {_lark_str(f'<parameter={key}>' + chr(10))} ({value}) "
+                                 f"{_lark_str(PARAM_CLOSE)}")
+                else:
+                    lines.append(f"{rule}: {_lark_str(f'<parameter={key}>' + chr(10))} v_{i}_{j} \"\\n\"")
+                    lines.append(f"v_{i}_{j}[lazy]: /(?s:.*)\\n<\\/parameter>/")
+            else:
+                lines.append(f"{rule}: {_lark_str(f'<parameter={key}>' + chr(10))} j_{i}_{j} "
+                             f"{_lark_str(PARAM_CLOSE)}")
+                lines.append(f"j_{i}_{j}: {json_value(schema)}")
+            parts.append(rule if key in required else f"{rule}?")
+        name = fn["name"]
+        lines.append(f"f_{i}: {_lark_str(f'<function={name}>' + chr(10))} {' '.join(parts)}")
+        fns.append(f"f_{i}")
+    count = f'("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
+    head = [f"answer: call {count}".rstrip(),
+            f"call: <tool_call> \"\\n\" ({' | '.join(fns)}) {_lark_str(FUNCTION_CLOSE)} </tool_call>"]
+    return "\n".join(head + lines) + "\n"

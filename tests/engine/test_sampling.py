@@ -1,0 +1,99 @@
+"""The sampler on the logits' device: each knob's effect on a known row, seeded draws repeat, logprobs are the
+model's own, and a grammar's mask holds the choice."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from qse.engine.sampling import Sampler, SampleRecord, SamplingParams
+
+V = 16
+
+
+def row(values: dict[int, float], base: float = 0.0) -> torch.Tensor:
+    x = torch.full((V,), base)
+    for i, v in values.items():
+        x[i] = v
+    return x
+
+
+def test_plain_greedy_is_the_argmax_and_leaves_the_row():
+    x = row({3: 2.0, 5: 2.0})
+    before = x.clone()
+    assert Sampler(SamplingParams())(x) == 3  # first maximum on ties
+    assert torch.equal(x, before)
+
+
+def test_vocab_limit_cuts_padding_rows():
+    assert Sampler(SamplingParams(), vocab_limit=8)(row({12: 9.0, 2: 1.0})) == 2
+
+
+def test_logit_bias_moves_the_argmax_and_leaves_the_row():
+    x = row({3: 2.0, 5: 1.0})
+    before = x.clone()
+    assert Sampler(SamplingParams(logit_bias=((5, 5.0),)))(x) == 5
+    assert Sampler(SamplingParams(logit_bias=((3, -100.0),)))(x) == 5
+    assert torch.equal(x, before)
+
+
+def test_penalties_count_what_was_sampled():
+    # greedy, penalty 1.5: id 3 (2.0) wins, drops to 0.5; id 5 (1.0) wins, drops to -0.5; 3 wins again;
+    # then a frequency penalty takes 3 to -1.0 (the zeros win) while a presence penalty charged it once
+    x = row({3: 2.0, 5: 1.0})
+    s = Sampler(SamplingParams(frequency_penalty=1.5))
+    assert [s(x) for _ in range(4)] == [3, 5, 3, 0]
+    s = Sampler(SamplingParams(presence_penalty=1.5))
+    assert [s(x) for _ in range(4)] == [3, 5, 3, 3]
+
+
+def test_repetition_penalty_counts_the_prompt():
+    x = row({3: 2.0, 5: 1.5})
+    assert Sampler(SamplingParams(repetition_penalty=2.0))(x) == 3
+    assert Sampler(SamplingParams(repetition_penalty=2.0, prompt_ids=(3,)))(x) == 5  # 2.0 / 2 < 1.5
+    neg = row({3: -1.0, 5: -1.5}, base=-9.0)
+    assert Sampler(SamplingParams(repetition_penalty=2.0, prompt_ids=(3,)))(neg) == 5  # -1.0 * 2 < -1.5
+
+
+def draws(params: SamplingParams, x: torch.Tensor, n: int = 400) -> list[int]:
+    s = Sampler(params)
+    return [s(x) for _ in range(n)]
+
+
+def test_seeded_draws_repeat_and_follow_the_distribution():
+    x = torch.log(torch.tensor([0.5, 0.3, 0.2] + [1e-9] * (V - 3)))
+    a = draws(SamplingParams(temperature=1.0, seed=3), x)
+    assert a == draws(SamplingParams(temperature=1.0, seed=3), x)
+    assert a != draws(SamplingParams(temperature=1.0, seed=4), x)
+    share = a.count(0) / len(a)
+    assert 0.4 < share < 0.6 and set(a) <= {0, 1, 2}
+
+
+@pytest.mark.parametrize("params, allowed", [
+    (SamplingParams(temperature=1.0, top_k=2, seed=1), {0, 1}),
+    (SamplingParams(temperature=1.0, top_p=0.6, seed=1), {0, 1}),  # 0.5 then 0.3 reaches 0.6
+    (SamplingParams(temperature=1.0, min_p=0.5, seed=1), {0, 1}),  # p >= 0.25
+], ids=["top_k", "top_p", "min_p"])
+def test_filters_keep_only_their_ids(params, allowed):
+    x = torch.log(torch.tensor([0.5, 0.3, 0.2] + [1e-9] * (V - 3)))
+    got = set(draws(params, x))
+    assert got == allowed
+
+
+def test_logprobs_are_the_models_own_row():
+    x = torch.log(torch.tensor([0.5, 0.3, 0.2] + [1e-9] * (V - 3)))
+    record = SampleRecord()
+    s = Sampler(SamplingParams(temperature=0.0, top_logprobs=2, record=record, logit_bias=((1, 10.0),)))
+    assert s(x) == 1  # the bias chose it; its logprob is the model's
+    entry = record.logprobs[0]
+    assert entry.token == 1 and math.isclose(entry.logprob, math.log(0.3), rel_tol=1e-5)
+    assert [t for t, _ in entry.top] == [0, 1]
+    assert math.isclose(entry.top[0][1], math.log(0.5), rel_tol=1e-5)
+
+
+def test_bad_knobs_are_refused():
+    for kwargs in ({"top_k": -1}, {"min_p": 1.5}, {"repetition_penalty": 0.0}, {"top_logprobs": 21}):
+        with pytest.raises(ValueError):
+            SamplingParams(**kwargs)
