@@ -131,6 +131,14 @@ def create_app(service: Service, root_path: str | None = None) -> Starlette:
                  for name in service.model_names]
         return json_response(wire.ModelList(object="list", data=cards))
 
+    async def tokenize(request: Request):
+        return json_response(await service.tokenize(wire.decode(await read_body(request, body_limit),
+                                                                wire.TokenizeRequest)))
+
+    async def detokenize(request: Request):
+        return json_response(await service.detokenize(wire.decode(await read_body(request, body_limit),
+                                                                  wire.DetokenizeRequest)))
+
     async def shadow_ask(request: Request):
         req = wire.decode(await read_body(request, body_limit), wire.AskRequest)
         _info(request)["session"] = req.session
@@ -155,6 +163,8 @@ def create_app(service: Service, root_path: str | None = None) -> Starlette:
         Route("/v1/models", endpoint(models), methods=["GET"]),
         Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
         Route("/v1/completions", endpoint(completions), methods=["POST"]),
+        Route("/tokenize", endpoint(tokenize), methods=["POST"]),
+        Route("/detokenize", endpoint(detokenize), methods=["POST"]),
         Route("/v1/conductor/shadow/ask", endpoint(shadow_ask), methods=["POST"]),
         Route("/v1/conductor/shadow/status", endpoint(shadow_status), methods=["GET"]),
         Route("/v1/conductor/shadow/summarize", endpoint(shadow_summarize), methods=["POST"]),

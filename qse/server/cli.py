@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="torch device (QSE_DEVICE)")
     p.add_argument("--dtype", help="compute dtype (QSE_DTYPE)")
     p.add_argument("--log-level", help="log level (QSE_LOG_LEVEL)")
+    p.add_argument("--served-model-name", nargs="+", help="the names clients use for the model; the first is the "
+                   "one answers carry (default: the model's own name)")
     p.add_argument("--env-file", type=Path, help="a serve.env file (KEY=VALUE) of QSE_* switches, checked first")
     return p
 
@@ -46,7 +48,8 @@ def apply_env_file(path: Path) -> dict[str, str]:
 
 
 def build_service(model: str = "", shadow_model: str = "", profile: str = "default", grid: int | None = None,
-                  device: str = "auto", dtype: str = "auto", settings: EngineSettings = SETTINGS) -> Service:
+                  device: str = "auto", dtype: str = "auto", settings: EngineSettings = SETTINGS,
+                  served_names: list[str] | None = None) -> Service:
     """Models, reader, store and conductor, as the profile asks. The reader reuses the served Engine
     when it would load the same weights."""
     from ..engine.engine import Engine
@@ -80,7 +83,7 @@ def build_service(model: str = "", shadow_model: str = "", profile: str = "defau
         reader.warm()
     conductor.serving.warm()
     return Service(conductor, served.chat, served.name, prof, settings, store=store,
-                   max_context_tokens=served.cfg.max_position_embeddings)
+                   max_context_tokens=served.cfg.max_position_embeddings, served_names=served_names or ())
 
 
 def serve_main(argv: list[str] | None = None) -> int:
@@ -98,7 +101,7 @@ def serve_main(argv: list[str] | None = None) -> int:
             shadow_model=settings.get("QSE_SHADOW_MODEL") if args.shadow_model is None else args.shadow_model,
             profile=args.profile or settings.get("QSE_PROFILE"), grid=args.grid,
             device=args.device or settings.get("QSE_DEVICE"), dtype=args.dtype or settings.get("QSE_DTYPE"),
-            settings=settings)
+            settings=settings, served_names=args.served_model_name)
     except (ProfileError, SettingError, ValueError, FileNotFoundError, MemoryError) as exc:
         sys.stderr.write(f"qse serve: error: {exc}\n")
         return 2

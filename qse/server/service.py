@@ -274,6 +274,33 @@ class Service:
                         await self.session_for(ids, session, tenant, len(ids)), request_id, router_label, text,
                         n=req.n or 1, echo=req.echo)
 
+    async def tokenize(self, req: wire.TokenizeRequest) -> wire.TokenizeResponse:
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("send either prompt or messages", "prompt")
+        tok = self.chat.tokenizer
+
+        def run() -> list[int]:
+            if req.prompt is not None:
+                return tok.encode(req.prompt)
+            text = self.chat.render(wire.template_messages(req.messages), None, req.add_generation_prompt)
+            return tok.encode(text)
+
+        try:
+            ids = await asyncio.to_thread(run)
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages", "invalid_messages") from None
+        strs = [tok.decode_bytes([i]).decode("utf-8", errors="replace") for i in ids] if req.return_token_strs else None
+        return wire.TokenizeResponse(len(ids), self.max_context_tokens, ids, strs)
+
+    async def detokenize(self, req: wire.DetokenizeRequest) -> wire.DetokenizeResponse:
+        self.check_model(req.model)
+        vocab = self.chat.tokenizer.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+        return wire.DetokenizeResponse(await asyncio.to_thread(self.chat.tokenizer.decode, req.tokens))
+
     # ---- the turn ------------------------------------------------------------------------------
     async def drive(self, plan: TurnPlan, out: OutputText) -> AsyncIterator[int]:
         """Run the turn on the conductor; push each id into `out`, yield the count; stop at a stop string."""

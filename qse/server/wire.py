@@ -169,6 +169,33 @@ REFUSED_CHAT: dict[str, str] = {
 SERVICE_TIERS = ("auto", "default")
 
 
+class TokenizeRequest(Struct, forbid_unknown_fields=True):
+    """vLLM's /tokenize: a prompt, or chat messages rendered as the chat route renders them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True  # accepted for vLLM's clients; the chat format adds no BOS either way
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Struct, forbid_unknown_fields=True):
+    tokens: list[int]
+    model: str | None = None
+
+
+class TokenizeResponse(Struct, omit_defaults=True):
+    count: int
+    max_model_len: int | None
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
+
 # ---- requests: the shadow ---------------------------------------------------------------------
 SESSION_ID_MAX_CHARS = 256
 # the one rule for a client's session id, in X-Session-Id and in the shadow routes' bodies
