@@ -568,7 +568,8 @@ class Service:
             raise bad_request(str(exc), None, "invalid_question") from None
         self.metrics.asks.inc()
         return wire.AskResponse(session=tenant.shown(result.session_id), distribution=result.distribution,
-                                label=result.label, probability=result.probability, position=result.position, committed=result.committed,
+                                label=result.label, probability=result.probability, position=result.position,
+                                committed=result.committed,
                                 latency_ms=round(result.latency_ms, 3), gpu_ms=round(result.gpu_ms, 3))
 
     async def summarize(self, req: wire.SummarizeRequest, tenant: Tenant = LONE) -> wire.SummaryResponse:
@@ -585,7 +586,8 @@ class Service:
         except ShadowError as exc:
             raise bad_request(str(exc), None, "invalid_question") from None
         return wire.SummaryResponse(session=tenant.shown(result.session_id), text=result.text,
-                                    tokens=len(result.token_ids), position=result.position, gpu_ms=round(result.gpu_ms, 3),
+                                    tokens=len(result.token_ids), position=result.position,
+                                    gpu_ms=round(result.gpu_ms, 3),
                                     ms_per_token=round(result.ms_per_token, 3))
 
     def status(self, tenant: Tenant | None = None) -> dict[str, Any]:

@@ -370,13 +370,52 @@ def encode(obj: Any) -> bytes:
     return _ENCODER.encode(obj)
 
 
+MAX_JSON_DEPTH = 64  # arrays and objects inside one another: far above any request, far below Python's stack
+INT_MIN, INT_MAX = -(2**63), 2**64 - 1  # every integer fits an int64 or a uint64 (a seed, an id, a count)
+
+
 def decode(body: bytes, kind: type[T]) -> T:
+    """The body as `kind`, or a 400 naming what is wrong; nothing below receives a deeper or a larger value
+    than the bounds above (JSON's floats are finite already: msgspec refuses 1e999)."""
     if not body:
         raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
     try:
-        return msgspec.json.decode(body, type=kind)
+        value = msgspec.json.decode(body, type=kind)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise from_msgspec(exc) from None
+    except RecursionError:  # nested deeper than msgspec's own stack allows
+        raise _too_deep() from None
+    check_bounds(value)
+    return value
+
+
+def _too_deep() -> ApiError:
+    return ApiError(400, f"the request nests arrays and objects more than {MAX_JSON_DEPTH} deep", code="too_deep")
+
+
+def check_bounds(value: Any) -> None:
+    """Refuse nesting deeper than MAX_JSON_DEPTH and integers outside [INT_MIN, INT_MAX], anywhere in a decoded
+    request (free-form fields such as a tool's parameters included); the error names the field. Iterative: no
+    recursion to overflow."""
+    stack: list[tuple[Any, int, str]] = [(value, 0, "")]
+    while stack:
+        obj, depth, path = stack.pop()
+        if isinstance(obj, (str, bool, float)) or obj is None:
+            continue
+        if isinstance(obj, int):
+            if not INT_MIN <= obj <= INT_MAX:
+                text = str(obj) if obj.bit_length() < 256 else f"an integer of {obj.bit_length()} bits"
+                raise bad_request(f"{path or 'a number'}: {text} is out of range: integers must lie in "
+                                  "[-2**63, 2**64 - 1]", path or None, "number_out_of_range")
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise _too_deep()
+        if isinstance(obj, Struct):
+            stack.extend((getattr(obj, f), depth + 1, f"{path}.{f}" if path else f) for f in obj.__struct_fields__)
+        elif isinstance(obj, dict):
+            stack.extend((v, depth + 1, f"{path}.{k}") for k, v in obj.items())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend((v, depth + 1, f"{path}[{i}]") for i, v in enumerate(obj))
 
 
 def session_header(value: str | None) -> str | None:
