@@ -6,7 +6,7 @@
 # (weka_cc_sessions_dev.csv, hf_reader_baseline.py) and a pytest.ini without the asyncio plugin's
 # options. Results land in $OUT; copy them to benchmarks/results/ and commit.
 #
-#   bash benchmarks/run_h200.sh [tests|gemv|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abl|invariant ...]   (default: all, ~12 minutes)
+#   bash benchmarks/run_h200.sh [tests|gemv|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abl|invariant|grammar ...]   (default: all, ~12 minutes)
 #   PRESETS=qwen3.5-0.8b bash benchmarks/run_h200.sh measure                       (measure fewer presets)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -62,6 +62,9 @@ for step in $steps; do
     abl)  # the same with long turns (1,500 tokens, ~8 s of decode at 180 tokens/s): the ration opens 5 s after the first token
       timeout 300 python3 benchmarks/shadow_ab.py --served qwen3.5-9b --reader qwen3.5-0.8b --prompt-tokens 16350 \
         --out-tokens 1500 --pairs 5 --json-out "$OUT/shadow_ab-long.json" 2>&1 | grep '^{' | grep -v '"chunk"\|"run"' | tail -3 ;;
+    grammar)  # a json_schema answer's decode speed against the same request without a grammar, 9B (goal >= 0.95)
+      timeout 300 python3 benchmarks/grammar_decode.py --model qwen3.5-9b --tokens 256 --pairs 5 --out "$OUT" \
+        2>&1 | grep '^{' | tail -2 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
