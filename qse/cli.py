@@ -87,6 +87,35 @@ def cmd_shadow_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_router_eval(args: argparse.Namespace) -> int:
+    from .runtime.conductor import ROUTER_CLASSES, ROUTER_QUESTION
+    from .shadow.reader import ShadowReader
+    from .shadow.router_eval import Question, evaluate, parse_mapping, question_ids, read_journal, read_parked_ids
+
+    if args.question and not args.classes:
+        return _fail("--question needs --classes: the classes its letters A, B, ... stand for")
+    classes = [c.strip() for c in args.classes.split(",")] if args.classes else list(ROUTER_CLASSES)
+    if args.question:
+        question = Question(args.question, tuple(classes))
+    else:  # the live question's instruction over these classes (the live question itself by default)
+        question = Question.listing(ROUTER_QUESTION.split(" Classes: ")[0], classes)
+    mapping = parse_mapping(args.map)
+    entries = read_journal(args.journal)
+    ids_of, misses = read_parked_ids(args.sessions)
+    engine = _load(args.model, args.device, args.dtype)
+    grid = args.grid or SETTINGS.get("QSE_SHADOW_GRID")
+    longest = max((len(ids) for ids in ids_of.values()), default=0)
+    # room for the longest session and its fork (the question, padded), in whole pages
+    pool_bytes = int(args.pool_gb * (1 << 30)) or engine.state_bytes_per_token() * (longest + 4 * grid + 4096)
+    reader = ShadowReader(engine, grid=grid, pool_bytes=pool_bytes)
+    t0 = time.perf_counter()
+    out = evaluate(reader, question, question_ids(engine.chat, question), entries, ids_of, mapping)
+    _emit({"model": engine.name, "grid": grid, "journal": str(args.journal), "sessions": str(args.sessions),
+           "parked_files": len(ids_of), "file_misses": dict(misses), "question": question.text, **out,
+           "wall_s": round(time.perf_counter() - t0, 3)})
+    return 0
+
+
 def cmd_serve(args: list[str]) -> int:
     from .server.cli import serve_main
 
@@ -137,6 +166,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also read the session with the same weights in fp32 (torch ops) and report each probe's "
                         "KL between the two dtypes: the rounding noise the grid's KL compares with")
     s.set_defaults(fn=cmd_shadow_check)
+
+    e = sub.add_parser("router-eval", help="ask the journaled router questions again with another reader or question")
+    model_args(e)
+    e.set_defaults(model=SETTINGS.get("QSE_SHADOW_MODEL") or SETTINGS.get("QSE_MODEL"))
+    e.add_argument("--journal", required=True, help="the shadow journal (shadow.jsonl) or its directory")
+    e.add_argument("--sessions", required=True, help="the parked sessions' directory (the reader's disk tier)")
+    e.add_argument("--classes", default="", help="comma-separated classes (letters A, B, ...); default: the live router's")
+    e.add_argument("--question", default="", help="the whole question text (needs --classes); default: the live "
+                                                  "router's instruction listing the classes")
+    e.add_argument("--map", default="", help="journal class -> question class, e.g. code_edit=code,debug=code,*=other")
+    e.add_argument("--grid", type=int, default=0, help="rows per chunk (default QSE_SHADOW_GRID: the live reader's)")
+    e.add_argument("--pool-gb", type=float, default=0.0, help="KV pool size; default fits the longest session")
+    e.set_defaults(fn=cmd_router_eval)
     return p
 
 
