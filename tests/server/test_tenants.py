@@ -225,9 +225,8 @@ def test_tenants_through_a_real_server(launcher, tmp_path):
     openai = pytest.importorskip("openai")
     srv = launcher.start(tmp_path, ["--profile", "default"], QSE_API_KEY="",
                          QSE_API_KEYS_FILE=str(keys_file(tmp_path)))
+    made = {t: openai.OpenAI(base_url=srv.url + "/v1", api_key=k, max_retries=0, timeout=60) for t, k in KEYS.items()}
     try:
-        made = {t: openai.OpenAI(base_url=srv.url + "/v1", api_key=k, max_retries=0, timeout=60)
-                for t, k in KEYS.items()}
         lengths = {}
         for tenant, words in (("alice", 24), ("bob", 2)):
             raw = made[tenant].chat.completions.with_raw_response.create(
@@ -243,10 +242,11 @@ def test_tenants_through_a_real_server(launcher, tmp_path):
                            headers={"Authorization": f"Bearer {KEYS['admin']}"}).json()
         assert sessions(status) == {f"{t}/shared-name": n for t, n in lengths.items()}
         assert status["store"]["disk"] is True and not list(absolute_paths(status))  # the disk tier is on
-        with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=srv.url + "/v1", api_key="nope", max_retries=0).models.list()
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="nope", max_retries=0) as stranger:
+            with pytest.raises(openai.AuthenticationError):
+                stranger.models.list()
+    finally:
         for client in made.values():
             client.close()
-    finally:
         launcher.stop(srv)
     assert not any(k in srv.log_path.read_text() for k in KEYS.values())
