@@ -8,6 +8,7 @@ encode what comes back. Every error a client meets is JSON in OpenAI's shape (er
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 import uuid
@@ -22,6 +23,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from . import wire
+from .admission import ABORT, Admission, Ticket
 from .errors import ApiError
 from .metrics import CONTENT_TYPE
 from .service import Service
@@ -40,7 +42,7 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
 
 
 def error_response(err: ApiError) -> Response:
-    return json_response(err.body(), err.status)
+    return json_response(err.body(), err.status, err.headers)
 
 
 def tenant_of(request: Request) -> Tenant:
@@ -96,34 +98,38 @@ def create_app(service: Service, root_path: str | None = None) -> Starlette:
     async def chat_completions(request: Request):
         req = _decode_openai(await read_body(request, body_limit), wire.ChatCompletionRequest, _info(request))
         info, tenant = _info(request), tenant_of(request)
-        plan = await service.prepare_chat(req, info["request_id"],
-                                          wire.session_header(request.headers.get("x-session-id")),
-                                          request.headers.get("x-router-class") or None, tenant=tenant)
-        info.update(session=plan.session_id, prompt_tokens=len(plan.prompt_ids), stream=req.stream)
-        tools_offered = bool(req.tools) and req.tool_choice != "none"
-        headers = {"x-session-id": tenant.shown(plan.session_id)}
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventStream(_note_output(service.chat_chunks(plan, tools_offered, include_usage), plan, info),
-                               headers)
-        answer = await service.chat_answer(plan, tools_offered)
-        info.update(output_tokens=plan.output_tokens, finish_reason=answer.choices[0].finish_reason)
-        return json_response(answer, headers=headers)
+        async with admitted(service.admission, info["request_id"]) as turn:
+            plan = await service.prepare_chat(req, info["request_id"],
+                                              wire.session_header(request.headers.get("x-session-id")),
+                                              request.headers.get("x-router-class") or None, tenant=tenant)
+            plan.ticket = turn.ticket
+            info.update(session=plan.session_id, prompt_tokens=len(plan.prompt_ids), stream=req.stream)
+            tools_offered = bool(req.tools) and req.tool_choice != "none"
+            headers = {"x-session-id": tenant.shown(plan.session_id)}
+            if req.stream:
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                return turn.stream(_note_output(service.chat_chunks(plan, tools_offered, include_usage), plan, info),
+                                   headers)
+            answer = await turn.answer(request, service.chat_answer(plan, tools_offered))
+            info.update(output_tokens=plan.output_tokens, finish_reason=answer.choices[0].finish_reason)
+            return json_response(answer, headers=headers)
 
     async def completions(request: Request):
         req = _decode_openai(await read_body(request, body_limit), wire.CompletionRequest, _info(request))
         info, tenant = _info(request), tenant_of(request)
-        plan = await service.prepare_completion(req, info["request_id"],
-                                                wire.session_header(request.headers.get("x-session-id")),
-                                                request.headers.get("x-router-class") or None, tenant=tenant)
-        info.update(session=plan.session_id, prompt_tokens=len(plan.prompt_ids), stream=req.stream)
-        headers = {"x-session-id": tenant.shown(plan.session_id)}
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventStream(_note_output(service.completion_chunks(plan, include_usage), plan, info), headers)
-        answer = await service.completion_answer(plan)
-        info.update(output_tokens=plan.output_tokens, finish_reason=plan.finish_reason)
-        return json_response(answer, headers=headers)
+        async with admitted(service.admission, info["request_id"]) as turn:
+            plan = await service.prepare_completion(req, info["request_id"],
+                                                    wire.session_header(request.headers.get("x-session-id")),
+                                                    request.headers.get("x-router-class") or None, tenant=tenant)
+            plan.ticket = turn.ticket
+            info.update(session=plan.session_id, prompt_tokens=len(plan.prompt_ids), stream=req.stream)
+            headers = {"x-session-id": tenant.shown(plan.session_id)}
+            if req.stream:
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                return turn.stream(_note_output(service.completion_chunks(plan, include_usage), plan, info), headers)
+            answer = await turn.answer(request, service.completion_answer(plan))
+            info.update(output_tokens=plan.output_tokens, finish_reason=plan.finish_reason)
+            return json_response(answer, headers=headers)
 
     async def models(request: Request):
         cards = [wire.ModelCard(id=name, object="model", created=service.created_s, owned_by="qse",
@@ -155,11 +161,13 @@ def create_app(service: Service, root_path: str | None = None) -> Starlette:
     async def metrics(request: Request):
         return Response(service.metrics.exposition(), media_type=CONTENT_TYPE)
 
-    async def healthz(request: Request):
-        return json_response({"status": "ok", "model": service.model_name})
+    async def health(request: Request):
+        status, body = service.health()
+        return json_response(body, status)
 
     routes = [
-        Route("/healthz", endpoint(healthz), methods=["GET"]),
+        Route("/health", endpoint(health), methods=["GET"]),
+        Route("/healthz", endpoint(health), methods=["GET"]),
         Route("/v1/models", endpoint(models), methods=["GET"]),
         Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
         Route("/v1/completions", endpoint(completions), methods=["POST"]),
@@ -207,6 +215,47 @@ def _decode_openai(body: bytes, kind: type, info: dict[str, Any]):
         if value:
             info[name] = value
     return req
+
+
+class AdmittedTurn:
+    """One request's place in admission, from the route to the end of its response (`admitted`)."""
+
+    def __init__(self, admission: Admission, ticket: Ticket):
+        self.admission = admission
+        self.ticket = ticket
+        self.is_handed_over = False  # a stream releases the ticket when it is over, not the route
+
+    def stream(self, events, headers: dict[str, str]) -> EventStream:
+        self.is_handed_over = True
+        ticket, admission = self.ticket, self.admission
+        return EventStream(events, headers, on_gone=lambda: admission.end(ticket, ABORT),
+                           on_close=lambda: admission.release(ticket))
+
+    async def answer(self, request: Request, work: Awaitable[Any]) -> Any:
+        """A non-streaming turn: a client that disconnects ends it at its next decode step (or in the queue)."""
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            self.admission.end(self.ticket, ABORT)
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        try:
+            return await work
+        finally:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+
+
+@asynccontextmanager
+async def admitted(admission: Admission, request_id: str):
+    """A ticket (429 past the queue, 503 while stopping), released when the route is done with it."""
+    turn = AdmittedTurn(admission, admission.admit(request_id))
+    try:
+        yield turn
+    finally:
+        if not turn.is_handed_over:
+            admission.release(turn.ticket)
 
 
 async def _note_output(chunks, plan, info: dict[str, Any]):

@@ -18,8 +18,9 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
+        self.headers = headers  # e.g. Retry-After on a 429
         self.status = status
         self.message = message
         self.param = param

@@ -23,13 +23,14 @@ import structlog
 from ..engine.grammar import ANY_JSON_OBJECT, Grammar, GrammarError, json_rule
 from ..engine.sampling import SampleRecord, SamplingParams
 from ..replay.usage import UsageRecord, append_usage
-from ..runtime.conductor import Conductor, GenerateRequest, TurnRecord
+from ..runtime.conductor import Conductor, ConductorStopped, GenerateRequest, TurnRecord
 from ..settings import SETTINGS, EngineSettings
 from ..shadow.reader import ShadowError, UnknownSession
 from . import wire
 from .errors import ApiError, bad_request
 from .metrics import ServerMetrics
 from .profiles import Profile
+from .admission import ABORT, SHUTDOWN, Admission, Ticket
 from .tenants import LONE, Tenant
 from .text import OutputText, Sections
 
@@ -57,6 +58,7 @@ class TurnPlan:
     n: int = 1  # choices, run one after another in the session (the later ones re-read only the tail)
     tools: list[dict[str, Any]] | None = None  # offered: the parser types each call's arguments by them
     echo: bool = False  # completions: the prompt's text before the answer's
+    ticket: Ticket | None = None  # its place in admission (Service.admit); shared by the choices
 
     def choice(self, index: int) -> "TurnPlan":
         """The plan of choice `index`: its own seed (seed + index) and its own record of logprobs."""
@@ -73,6 +75,13 @@ class Narration:
     position: int
     gpu_ms: float
     at_s: float = field(default_factory=time.time)
+
+
+def is_engine_failure(exc: BaseException) -> bool:
+    """Errors after which the engine cannot serve again: its executor is gone, or the device's context is lost."""
+    text = str(exc)
+    return ("cannot schedule new futures" in text or type(exc).__name__ == "AcceleratorError"
+            or text.startswith("CUDA error") or "illegal memory access" in text)
 
 
 def head_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -126,6 +135,10 @@ class Service:
         self.max_prompt_tokens = settings.get("QSE_MAX_PROMPT_TOKENS")
         self.max_output_tokens = settings.get("QSE_MAX_OUTPUT_TOKENS")
         self.max_question_tokens = settings.get("QSE_MAX_QUESTION_TOKENS")
+        self.admission = Admission(settings.get("QSE_MAX_RUNNING"), settings.get("QSE_MAX_WAITING"))
+        self._ended: dict[str, str] = {}  # request id -> why its turn ended early, for the turn's record
+        self.engine_error: str | None = None  # set once a turn failed in a way the engine cannot come back from
+        self.is_draining = False
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -143,6 +156,25 @@ class Service:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         await self.conductor.stop()
+
+    async def drain(self, grace_s: float) -> None:
+        """A planned stop's first part: refuse new turns (503), let the admitted ones run for up to `grace_s`,
+        then end them at their next decode step (a stream gets an error event and [DONE], an answer a 503)."""
+        self.is_draining = True
+        self.admission.refusal = ApiError(503, "the server is stopping; send the request again after the restart",
+                                          code="server_stopping")
+        if not await self.admission.wait_idle(grace_s):
+            self.admission.end_all(SHUTDOWN)
+            await self.admission.wait_idle(None)
+        log.info("server_drained", grace_s=grace_s)
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """(status, body) of /health: 200 ok, or 503 while stopping or once the engine failed."""
+        if self.engine_error is not None:
+            return 503, {"status": "error", "error": self.engine_error, "model": self.model_name}
+        if self.is_draining:
+            return 503, {"status": "stopping", "model": self.model_name}
+        return 200, {"status": "ok", "model": self.model_name}
 
     @property
     def shadow_on(self) -> bool:
@@ -303,21 +335,46 @@ class Service:
 
     # ---- the turn ------------------------------------------------------------------------------
     async def drive(self, plan: TurnPlan, out: OutputText) -> AsyncIterator[int]:
-        """Run the turn on the conductor; push each id into `out`, yield the count; stop at a stop string."""
+        """Run the turn on the conductor; push each id into `out`, yield the count; stop at a stop string.
+        With a ticket: wait for a running slot first, and end at the next decode step once the ticket has ended
+        (a client that left: finish_reason "abort"; a planned stop: "shutdown", then a 503)."""
         req = GenerateRequest(prompt_ids=plan.prompt_ids, max_tokens=plan.max_tokens, sampling=plan.sampling,
                               stop_ids=tuple(self.chat.stop_ids), session_id=plan.session_id,
                               request_id=plan.request_id, router_label=plan.router_label)
-        plan.finish_reason = "incomplete"  # stays so if the client leaves before the end
-        try:
-            async with aclosing(self.conductor.generate(req)) as tokens:
-                async for token in tokens:
-                    out.push(token)
-                    plan.output_tokens = out.num_ids
-                    yield out.num_ids
-                    if out.is_stopped:
-                        break
-        except ShadowError as exc:
-            raise bad_request(str(exc), None, "invalid_turn") from None
+        ticket = plan.ticket
+        plan.finish_reason = ABORT  # stays so if the consumer closes this before the end (a client that left)
+        if ticket is not None:
+            await self.admission.start(ticket)
+        if ticket is None or not ticket.ended:
+            try:
+                async with aclosing(self.conductor.generate(req)) as tokens:
+                    try:
+                        async for token in tokens:
+                            out.push(token)
+                            plan.output_tokens = out.num_ids
+                            yield out.num_ids
+                            if out.is_stopped or (ticket is not None and ticket.ended):
+                                if not out.is_stopped:
+                                    plan.finish_reason = self._ended[plan.request_id] = ticket.ended
+                                break
+                    except GeneratorExit:  # the consumer closed the turn: the client left (noted before the record)
+                        self._ended[plan.request_id] = ABORT
+                        raise
+            except ShadowError as exc:
+                raise bad_request(str(exc), None, "invalid_turn") from None
+            except ConductorStopped:
+                raise ApiError(503, "the server is stopping; send the request again after the restart",
+                               code="server_stopping") from None
+            except Exception as exc:
+                if is_engine_failure(exc):
+                    self._engine_failed(exc)
+                raise
+        if ticket is not None and ticket.ended:
+            plan.finish_reason = ticket.ended
+            if ticket.ended == SHUTDOWN:
+                raise ApiError(503, "the server stopped this turn at the end of its grace period "
+                               "(QSE_STOP_GRACE_S); send the request again after the restart", code="server_stopping")
+            return
         out.finish()
         record = plan.sampling.record
         if plan.sampling.grammar is not None and not out.is_stopped:
@@ -325,6 +382,11 @@ class Service:
             plan.finish_reason = "stop" if record is not None and record.grammar_done else "length"
         else:
             plan.finish_reason = "stop" if out.is_stopped or out.num_ids < plan.max_tokens else "length"
+
+    def _engine_failed(self, exc: BaseException) -> None:
+        self.engine_error = f"the engine failed ({type(exc).__name__}); restart the server"
+        self.admission.refusal = ApiError(503, self.engine_error, code="engine_failed")
+        log.error("engine_failed", error=repr(exc))
 
     def _usage(self, plan: TurnPlan, output_tokens: int | None = None) -> wire.Usage:
         n = len(plan.prompt_ids)
@@ -485,7 +547,9 @@ class Service:
         m = self.metrics
         m.prompt_tokens.inc(record.prompt_tokens)
         m.output_tokens.inc(record.output_tokens)
-        m.finished.labels(record.finish_reason).inc()
+        finish = self._ended.pop(record.request_id, record.finish_reason)  # the conductor counts a cut turn as length
+        m.finished.labels(finish).inc()
+        self.admission.note_turn(record.end_s - (record.start_s if record.start_s is not None else record.arrival_s))
         if record.first_token_s is not None:
             m.ttft_seconds.observe(max(0.0, record.first_token_s - record.arrival_s))
         if record.decode_tokens_per_s > 0:

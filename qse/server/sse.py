@@ -7,7 +7,7 @@ conductor's turn always releases the engine lock and feeds the reader what was g
 from __future__ import annotations
 
 from contextlib import aclosing
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import anyio
 import structlog
@@ -27,24 +27,33 @@ def frame(obj: Any) -> bytes:
 class EventStream:
     """An ASGI response that sends each object of `events` as one SSE frame."""
 
-    def __init__(self, events: AsyncIterator[Any], headers: dict[str, str] | None = None):
+    def __init__(self, events: AsyncIterator[Any], headers: dict[str, str] | None = None,
+                 on_gone: Callable[[], None] | None = None, on_close: Callable[[], None] | None = None):
+        """on_gone: called once the client left before the end (a turn still waiting for its slot leaves the
+        queue at once); on_close: called when the response is over, however it ended."""
         self.events = events
+        self.on_gone = on_gone
+        self.on_close = on_close
         self.headers = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache",
                         "x-accel-buffering": "no", **(headers or {})}
 
     async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(k.encode(), v.encode()) for k, v in self.headers.items()]})
-        state = {"gone": False, "done": False}
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(_watch_disconnect, receive, state)
-            # Shielded: the turn is never cancelled inside an await (the conductor must get to release
-            # the engine lock and feed the reader); a client that left stops it at the next event.
-            with anyio.CancelScope(shield=True):
-                await self._pump(scope, send, state)
-            tg.cancel_scope.cancel()
-        if state["gone"]:
-            scope.setdefault("qse", {})["client_gone"] = True
+        try:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(k.encode(), v.encode()) for k, v in self.headers.items()]})
+            state = {"gone": False, "done": False}
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_watch_disconnect, receive, state, self.on_gone)
+                # Shielded: the turn is never cancelled inside an await (the conductor must get to release
+                # the engine lock and feed the reader); a client that left stops it at the next event.
+                with anyio.CancelScope(shield=True):
+                    await self._pump(scope, send, state)
+                tg.cancel_scope.cancel()
+            if state["gone"]:
+                scope.setdefault("qse", {})["client_gone"] = True
+        finally:
+            if self.on_close is not None:
+                self.on_close()
 
     async def _pump(self, scope, send, state: dict) -> None:
         try:
@@ -64,9 +73,11 @@ class EventStream:
         await send({"type": "http.response.body", "body": DONE, "more_body": False})
 
 
-async def _watch_disconnect(receive, state: dict) -> None:
+async def _watch_disconnect(receive, state: dict, on_gone: Callable[[], None] | None) -> None:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             state["gone"] = not state.get("done")
+            if state["gone"] and on_gone is not None:
+                on_gone()
             return

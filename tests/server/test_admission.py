@@ -1,0 +1,184 @@
+"""Admission and early ends: 429 with Retry-After past QSE_MAX_RUNNING + QSE_MAX_WAITING; a client that leaves,
+streaming or not, ends its turn at the next decode step (or leaves the queue) and the next request runs; a
+drain ends the turns in flight cleanly (a stream: an error event and [DONE]; an answer: a JSON 503) with the
+finish reason recorded; /health says 503 "stopping" meanwhile.
+
+In process: the app called directly over ASGI, so that a test chooses when its client leaves. Tasks are ordered
+by waiting for the state they reach (the admission's counts, the conductor's running turn), never by time."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+
+from qse.runtime.conductor import Conductor, ConductorConfig, ShadowOptions
+from qse.server.app import create_app
+from qse.server.profiles import Profile, ShadowBlock
+from qse.server.service import Service
+from qse.settings import EngineSettings
+
+MODEL_ENV = {"QSE_MAX_OUTPUT_TOKENS": "100000"}
+
+
+def make_service(engine, tmp_path, **env: str) -> Service:
+    conductor = Conductor(engine, None, ShadowOptions(mode="off"), ConductorConfig(journal_dir=None))
+    settings = EngineSettings({"QSE_CACHE_DIR": str(tmp_path), "QSE_LEDGER": str(tmp_path / "usage.jsonl"),
+                               **MODEL_ENV, **env})
+    return Service(conductor, engine.chat, engine.name, Profile(shadow=ShadowBlock(mode="off")), settings,
+                   max_context_tokens=engine.cfg.max_position_embeddings)
+
+
+async def until(condition, steps: int = 200_000) -> None:
+    """Let the other tasks run until `condition()` holds (no clock involved)."""
+    for _ in range(steps):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the condition never held")
+
+
+class Call:
+    """One request driven over raw ASGI: the test decides when its client leaves."""
+
+    def __init__(self, app, path: str, body: dict):
+        self.app, self.path, self.body = app, path, body
+        self.leave = asyncio.Event()
+        self.status: int | None = None
+        self.headers: dict[str, str] = {}
+        self.chunks: list[bytes] = []
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        sent = False
+
+        async def receive():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": json.dumps(self.body).encode(), "more_body": False}
+            await self.leave.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                self.status = message["status"]
+                self.headers = {k.decode(): v.decode() for k, v in message["headers"]}
+            elif message["type"] == "http.response.body":
+                self.chunks.append(message.get("body", b""))
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": self.path, "raw_path": self.path.encode(), "root_path": "",
+                 "query_string": b"", "headers": [(b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 1), "server": ("test", 80)}
+        await self.app(scope, receive, send)
+
+    @property
+    def text(self) -> str:
+        return b"".join(self.chunks).decode()
+
+
+def chat(model: str, max_tokens: int, stream: bool = False) -> dict:
+    return {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+            "messages": [{"role": "user", "content": "Tell me a long story about a river."}]}
+
+
+def finished(service: Service) -> dict[str, float]:
+    text = service.metrics.exposition().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("qse_turns_finished_total{"):
+            reason = line.split('reason="')[1].split('"')[0]
+            out[reason] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def test_past_the_queue_is_a_429_with_retry_after(tiny_engine, tmp_path):
+    service = make_service(tiny_engine, tmp_path, QSE_MAX_RUNNING="1", QSE_MAX_WAITING="1")
+    await service.start()
+    app = create_app(service)
+    try:
+        running = Call(app, "/v1/chat/completions", chat(service.model_name, 5000))
+        await until(lambda: service.admission.num_running == 1 and service.conductor.status()["running"])
+        waiting = Call(app, "/v1/completions", {"model": service.model_name, "prompt": "x", "max_tokens": 2})
+        await until(lambda: service.admission.num_waiting == 1)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            r = await client.post("/v1/chat/completions", json=chat(service.model_name, 2))
+            assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+            error = r.json()["error"]
+            assert error["type"] == "rate_limit_error" and error["code"] == "server_busy"
+            assert "QSE_MAX_WAITING" in error["message"]
+            running.leave.set()  # the running client leaves: the waiting one runs
+            await waiting.task
+            assert waiting.status == 200 and json.loads(waiting.text)["usage"]["completion_tokens"] == 2
+            await running.task
+            assert service.admission.live == {} and service.admission.num_running == 0
+            assert (await client.post("/v1/chat/completions", json=chat(service.model_name, 1))).status_code == 200
+        assert finished(service).get("abort") == 1.0
+    finally:
+        await service.stop()
+
+
+async def test_a_client_that_leaves_frees_the_engine_streaming_or_not(tiny_engine, tmp_path):
+    service = make_service(tiny_engine, tmp_path)
+    records = []
+    on_turn = service.conductor.on_turn
+    service.conductor.on_turn = lambda r: (records.append(r), on_turn(r))
+    await service.start()
+    app = create_app(service)
+    try:
+        for stream in (False, True):
+            leaver = Call(app, "/v1/chat/completions", chat(service.model_name, 50_000, stream))
+            await until(lambda: service.conductor.status()["running"] is not None)
+            nxt = Call(app, "/v1/completions", {"model": service.model_name, "prompt": "next", "max_tokens": 2})
+            await until(lambda: service.admission.num_waiting == 1)
+            leaver.leave.set()
+            await asyncio.gather(nxt.task, leaver.task)
+            assert nxt.status == 200 and json.loads(nxt.text)["choices"][0]["finish_reason"] == "length"
+            cut = records[-2]
+            assert 0 < cut.output_tokens < 50_000  # ended at a decode step, long before its max_tokens
+        assert finished(service) == {"abort": 2.0, "length": 2.0}
+        # a client that leaves while it waits for its slot never reaches the engine
+        first = Call(app, "/v1/chat/completions", chat(service.model_name, 50_000))
+        await until(lambda: service.conductor.status()["running"] is not None)
+        queued = Call(app, "/v1/chat/completions", chat(service.model_name, 50_000))
+        await until(lambda: service.admission.num_waiting == 1)
+        turns = len(records)
+        queued.leave.set()
+        await queued.task
+        assert service.admission.num_waiting == 0 and len(service.admission.live) == 1
+        first.leave.set()
+        await first.task
+        assert len(records) == turns + 1  # only the first one's turn
+    finally:
+        await service.stop()
+
+
+async def test_a_drain_ends_turns_cleanly_and_health_says_stopping(tiny_engine, tmp_path):
+    service = make_service(tiny_engine, tmp_path, QSE_MAX_RUNNING="1", QSE_MAX_WAITING="4")
+    await service.start()
+    app = create_app(service)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            assert (await client.get("/health")).json()["status"] == "ok"
+            streamed = Call(app, "/v1/chat/completions", chat(service.model_name, 50_000, stream=True))
+            await until(lambda: service.conductor.status()["running"] is not None)
+            answer = Call(app, "/v1/chat/completions", chat(service.model_name, 50_000))
+            await until(lambda: service.admission.num_waiting == 1)
+            drain = asyncio.get_running_loop().create_task(service.drain(grace_s=0.0))
+            await until(lambda: service.is_draining)
+            for path in ("/health", "/healthz"):
+                r = await client.get(path)
+                assert r.status_code == 503 and r.json()["status"] == "stopping"
+            r = await client.post("/v1/chat/completions", json=chat(service.model_name, 1))
+            assert r.status_code == 503 and r.json()["error"]["code"] == "server_stopping"
+            await asyncio.gather(drain, streamed.task, answer.task)
+        frames = [f for f in streamed.text.split("\n\n") if f]
+        assert streamed.status == 200 and frames[-1] == "data: [DONE]"
+        error = json.loads(frames[-2][len("data: "):])["error"]
+        assert error["code"] == "server_stopping" and set(error) == {"message", "type", "param", "code"}
+        assert answer.status == 503 and json.loads(answer.text)["error"]["code"] == "server_stopping"
+        assert finished(service) == {"shutdown": 1.0}  # the waiting one never ran a turn
+    finally:
+        await service.stop()
