@@ -6,9 +6,18 @@ from pathlib import Path
 
 from qse.replay.simulator import SimResult
 
+INSTALL_HINT = "pip install 'qse[plot]' (or matplotlib) and run the same command again"
+
+
+class ChartUnavailable(RuntimeError):
+    """The chart cannot be drawn here (matplotlib is not installed); the report does not need it."""
+
 
 def write_chart(result: SimResult, out_dir: Path | str, name: str = "replay.png", title: str = "") -> Path:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ChartUnavailable(f"matplotlib is not installed, so no {name} was drawn; {INSTALL_HINT}") from None
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt

@@ -139,17 +139,22 @@ def main(argv: list[str] | None = None) -> int:
     report["read_model"] = read_model.to_json()["read_model"]
     report["engine_model"] = "one engine per session: each session replayed alone on its own served model and reader"
     if args.out is not None or args.chart is not None:
-        from qse.replay.chart import write_chart
+        from qse.replay.chart import ChartUnavailable, write_chart
 
         charts = []
         if args.out is not None:
             charts.append((args.out, "replay.png"))
         if args.chart is not None:
             charts.append((args.chart.parent, args.chart.name))
-        for out_dir, name in charts:
-            report["chart"] = str(write_chart(result, out_dir, name=name, title=args.ledger.name))
+        try:
+            for out_dir, name in charts:
+                report["chart"] = str(write_chart(result, out_dir, name=name, title=args.ledger.name))
+        except ChartUnavailable as exc:  # the report stands without its picture: write it, say how to draw it
+            report["chart"] = None
+            sys.stderr.write(f"qse replay: {exc}\n")
     text = json.dumps(report, indent=1, sort_keys=True) + "\n"
     if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "report.json").write_text(text)
     if args.json_out is not None:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)

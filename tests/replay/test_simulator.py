@@ -1,6 +1,7 @@
 """The simulator on hand-built ledgers with known answers (flat read model: 44.544 ms a 512 chunk)."""
 
 import json
+import sys
 
 import pytest
 
@@ -208,6 +209,21 @@ def test_cli_replay_writes_report_and_chart(tmp_path, capsys):
     assert report["read_model"]["points"] == [[0, 40.0], [8192, 50.0]]
     assert (out / "replay.png").stat().st_size > 0
     assert json.loads((out / "report.json").read_text())["fresh_share"] == report["fresh_share"]
+
+
+def test_cli_replay_out_without_matplotlib_writes_the_report_and_says_how_to_chart(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    ledger = tmp_path / "u.jsonl"
+    write_usage(ledger, [rec("a", 0.0, 1.0, 20.0, 8192, 0, 684), rec("a", 30.0, 30.5, 40.0, 9000, 8192, 300)])
+    out = tmp_path / "out"
+    assert main([str(ledger), "--out", str(out), "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["chart"] is None and report["num_turns"] == 2
+    assert json.loads((out / "report.json").read_text())["fresh_share"] == report["fresh_share"]
+    assert not (out / "replay.png").exists()
+    assert captured.err.startswith("qse replay: matplotlib is not installed") and "qse[plot]" in captured.err
+    assert captured.err.count("\n") == 1
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
