@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from ..linear import DenseLinear, FP8BlockLinear
 from .config import TextConfig
@@ -121,26 +122,34 @@ def load_weights(model_dir: Path, cfg: TextConfig, device: torch.device | str, d
     raw: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     skipped, mtp = [], []
-    for path in shard_files(Path(model_dir)):
+    shards = shard_files(Path(model_dir))
+    num_tensors = 0
+    for path in shards:  # the headers only: the bar's total
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                kind, canon = canonical_name(name)
-                if kind == "skip":
-                    skipped.append(name)
-                    continue
-                if kind == "mtp":
-                    mtp.append(name)
-                    continue
-                if kind == "unknown":
-                    raise CheckpointError(f"{path.name}: tensor {name!r} is not a Qwen3.5 text-model name")
-                if canon.endswith(FP8_SCALE_SUFFIX):
-                    scales[canon[: -len(FP8_SCALE_SUFFIX)]] = f.get_tensor(name)
-                    continue
-                if canon not in want:
-                    if canon == "lm_head.weight" and cfg.tie_word_embeddings:
-                        continue  # some tied checkpoints still carry a copy of the head
-                    raise CheckpointError(f"{path.name}: unexpected tensor {name!r} (canonical {canon!r})")
-                raw[canon] = f.get_tensor(name)
+            num_tensors += len(f.keys())
+    # one step a tensor read, on a terminal's stderr only (a real checkpoint takes a while to read)
+    with tqdm(total=num_tensors, desc=f"qse: loading {Path(model_dir).name}", unit="tensor", disable=None) as bar:
+        for path in shards:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    bar.update()
+                    kind, canon = canonical_name(name)
+                    if kind == "skip":
+                        skipped.append(name)
+                        continue
+                    if kind == "mtp":
+                        mtp.append(name)
+                        continue
+                    if kind == "unknown":
+                        raise CheckpointError(f"{path.name}: tensor {name!r} is not a Qwen3.5 text-model name")
+                    if canon.endswith(FP8_SCALE_SUFFIX):
+                        scales[canon[: -len(FP8_SCALE_SUFFIX)]] = f.get_tensor(name)
+                        continue
+                    if canon not in want:
+                        if canon == "lm_head.weight" and cfg.tie_word_embeddings:
+                            continue  # some tied checkpoints still carry a copy of the head
+                        raise CheckpointError(f"{path.name}: unexpected tensor {name!r} (canonical {canon!r})")
+                    raw[canon] = f.get_tensor(name)
     for name, shape in want.items():
         if name not in raw:
             raise CheckpointError(f"{model_dir}: missing tensor {name!r} (shape {shape})")

@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from filelock import FileLock
 from safetensors.torch import save_file
+from tqdm import tqdm
 
 from .chat import DATA_DIR, TEMPLATE_FILE
 from .config import TextConfig, parse_config
@@ -69,11 +71,13 @@ def embedded_config_dict() -> dict[str, Any]:
 
 
 def random_tensors(cfg: TextConfig, seed: int, device: torch.device | str = "cpu",
-                   dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Deterministic random weights of cfg's shapes (same seed, device kind and dtype -> same bytes)."""
+                   dtype: torch.dtype = torch.float32, progress: str | None = None) -> dict[str, torch.Tensor]:
+    """Deterministic random weights of cfg's shapes (same seed, device kind and dtype -> same bytes).
+    progress: a bar with this description on a terminal's stderr, one step a tensor."""
     gen = torch.Generator(device=device).manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
-    for name, shape in expected_shapes(cfg).items():
+    shapes = expected_shapes(cfg).items()
+    for name, shape in tqdm(shapes, desc=progress, unit="tensor", disable=None if progress else True):
         if name.endswith("A_log"):
             t = torch.empty(shape, device=device).uniform_(1.0, 16.0, generator=gen).log()
         elif name.endswith("dt_bias"):
@@ -125,12 +129,20 @@ def write_checkpoint(model_dir: Path, config: dict[str, Any], tensors: dict[str,
 
 
 def ensure_embedded(cache_dir: Path) -> Path:
-    """The embedded default checkpoint's dir, written on first use."""
+    """The embedded default checkpoint's dir, written on first use. Processes that start together (two
+    servers, parallel tests) take a file lock beside it: one writes, the others wait and then find it."""
     model_dir = Path(cache_dir) / "models" / f"{EMBEDDED_NAME}-v{EMBEDDED_VERSION}"
-    marker = model_dir / "QSE_EMBEDDED"
-    if marker.is_file() and (model_dir / "model.safetensors").is_file():
+
+    def written() -> bool:  # the marker is written last, inside the dir that os.replace publishes whole
+        return (model_dir / "QSE_EMBEDDED").is_file() and (model_dir / "model.safetensors").is_file()
+
+    if written():
         return model_dir
-    config = embedded_config_dict()
-    cfg = parse_config(config)
-    write_checkpoint(model_dir, config, random_tensors(cfg, EMBEDDED_SEED))
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(model_dir.parent / f"{model_dir.name}.lock"):
+        if written():  # another process wrote it while this one waited for the lock
+            return model_dir
+        config = embedded_config_dict()
+        tensors = random_tensors(parse_config(config), EMBEDDED_SEED, progress=f"qse: writing {model_dir.name}")
+        write_checkpoint(model_dir, config, tensors)
     return model_dir
