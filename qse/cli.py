@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .settings import SETTINGS, SettingError
+from .settings import SETTINGS, SHIPPED_CONFIG, SettingError
 
 
 def _emit(obj: dict[str, Any]) -> None:
@@ -31,7 +31,8 @@ def _load(spec: str, device: str, dtype: str):
 
 
 def cmd_settings(args: argparse.Namespace) -> int:
-    _emit({"settings": SETTINGS.table()})
+    # config_dir: the serve.env and profiles shipped with qse, to copy from when installed from a wheel
+    _emit({"settings": SETTINGS.table(), "config_dir": str(SHIPPED_CONFIG)})
     return 0
 
 

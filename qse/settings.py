@@ -55,6 +55,10 @@ class Setting:
             ) from None
 
 
+# The profiles and serve.env shipped inside the package (the checkout's config/ is a link to this dir)
+SHIPPED_CONFIG = Path(__file__).resolve().parent / "config"
+
+
 def default_cache_dir() -> Path:
     return Path(user_cache_dir("qse"))
 
@@ -162,17 +166,26 @@ SETTINGS = EngineSettings()
 
 
 def load_env_file(path: Path) -> dict[str, str]:
-    """Read a serve.env file (KEY=VALUE lines, # comments) and check every key is declared."""
+    """Read a serve.env file and check every key is declared and every value parses.
+
+    The syntax is python-dotenv's (the one of docker's --env-file and systemd's EnvironmentFile, mostly):
+    KEY=VALUE lines, `export KEY=VALUE`, single quotes (literal) or double quotes (with escapes), # comments
+    on their own lines or after a value. Values are taken as written: no ${VAR} expansion."""
+    from dotenv.parser import parse_stream
+
     values: dict[str, str] = {}
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        if "=" not in line:
-            raise SettingError(f"{path}:{lineno}: expected KEY=VALUE, got {line!r}")
-        key, value = (part.strip() for part in line.split("=", 1))
-        if key not in REGISTRY:
-            raise SettingError(f"{path}:{lineno}: unknown setting {key!r}")
-        REGISTRY[key].parse(value)  # fail now, naming the value, rather than at first read
-        values[key] = value
+    with open(path, encoding="utf-8") as f:
+        for binding in parse_stream(f):
+            where, line = f"{path}:{binding.original.line}", binding.original.string.strip()
+            if binding.error or (binding.key is not None and binding.value is None):
+                raise SettingError(f"{where}: expected KEY=VALUE (or export KEY=VALUE), got {line!r}")
+            if binding.key is None:  # a comment or a blank line
+                continue
+            if binding.key not in REGISTRY:
+                raise SettingError(f"{where}: unknown setting {binding.key!r}; `qse settings` lists the known ones")
+            try:  # fail now, naming the line and the value, rather than at first read
+                REGISTRY[binding.key].parse(binding.value)
+            except SettingError as exc:
+                raise SettingError(f"{where}: {exc}") from None
+            values[binding.key] = binding.value
     return values

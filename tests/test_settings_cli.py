@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -34,10 +35,55 @@ def test_env_file_is_checked(tmp_path):
         load_env_file(f)
 
 
+def test_env_file_takes_quotes_export_and_comments(tmp_path):
+    f = tmp_path / "serve.env"
+    f.write_text("# a comment\n"
+                 "export QSE_HOST=0.0.0.0\n"
+                 'QSE_API_KEY="two words # not a comment"\n'
+                 "QSE_ROOT_PATH='/qse/$HOME'\n"
+                 "QSE_SHADOW_GRID=256   # after the value\n"
+                 "QSE_MODEL=\n")
+    assert load_env_file(f) == {"QSE_HOST": "0.0.0.0", "QSE_API_KEY": "two words # not a comment",
+                                "QSE_ROOT_PATH": "/qse/$HOME", "QSE_SHADOW_GRID": "256", "QSE_MODEL": ""}
+
+
+@pytest.mark.parametrize("line, message", [
+    ("QSE_SHADOW_GRID", "serve.env:2: expected KEY=VALUE"),
+    ("not a setting line", "serve.env:2: expected KEY=VALUE"),
+    ("export QSE_SHADOW_GRID='big'", "serve.env:2: QSE_SHADOW_GRID='big' is not a valid int"),
+    ('QSE_TYPO="1"', "serve.env:2: unknown setting 'QSE_TYPO'"),
+], ids=["no-value", "no-equals", "bad-value", "unknown-key"])
+def test_env_file_errors_name_the_line(tmp_path, line, message):
+    f = tmp_path / "serve.env"
+    f.write_text(f"QSE_PORT=8000\n{line}\n")
+    with pytest.raises(SettingError, match=message):
+        load_env_file(f)
+
+
+def test_shipped_config_is_the_checkouts_and_holds_every_profile():
+    """The package's config dir (what a wheel ships) holds serve.env and the profiles; the checkout's config/
+    is the same files."""
+    from qse.settings import SHIPPED_CONFIG
+
+    checkout = Path(__file__).resolve().parents[1] / "config"
+    assert (SHIPPED_CONFIG / "serve.env").is_file() and load_env_file(SHIPPED_CONFIG / "serve.env")
+    assert {p.name for p in (SHIPPED_CONFIG / "profiles").glob("*.yaml")} >= {"default.yaml", "coding.yaml"}
+    assert checkout.resolve() == SHIPPED_CONFIG
+
+
+def test_profiles_load_from_the_package_without_a_config_dir(tmp_path, monkeypatch):
+    from qse.server.profiles import load_profile
+
+    monkeypatch.chdir(tmp_path)  # no ./config/profiles here
+    assert load_profile("coding").shadow.router == "shadow"
+
+
 def test_settings_command_prints_every_switch(capsys):
     assert main(["settings"]) == 0
-    rows = json.loads(capsys.readouterr().out)["settings"]
+    out = json.loads(capsys.readouterr().out)
+    rows = out["settings"]
     assert {r["name"] for r in rows} == set(REGISTRY)
+    assert (Path(out["config_dir"]) / "serve.env").is_file()
     assert all(r["doc"] for r in rows)
 
 

@@ -21,7 +21,9 @@ import msgspec
 import yaml
 from msgspec import Meta, Struct
 
-PROFILE_DIR = Path(__file__).resolve().parents[2] / "config" / "profiles"
+from ..settings import SHIPPED_CONFIG
+
+PROFILE_DIR = SHIPPED_CONFIG / "profiles"
 
 
 class ProfileError(ValueError):
@@ -77,7 +79,7 @@ def parse_profile(text: str, where: str) -> Profile:
 
 def load_profile(name_or_path: str, profile_dir: Path | None = None) -> Profile:
     """A profile by path, or by name: <profile_dir>/<name>.yaml, else ./config/profiles, else the
-    checkout's config/profiles. 'default' works with no file at all."""
+    profiles shipped in the package (the checkout's config/profiles). 'default' works with no file at all."""
     candidate = Path(name_or_path).expanduser()
     if candidate.suffix in (".yaml", ".yml") or candidate.is_file():
         dirs, path = [], candidate
