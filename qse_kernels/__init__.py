@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 # The Triton modules, one a kernel family; imported only by triton_ops(), so that importing this package
 # needs no Triton and no GPU.
-KERNEL_MODULES = ("norms", "fused", "conv1d", "gdn_chunk", "gdn_recurrent", "attention", "gemm", "gemv")
+KERNEL_MODULES = ("norms", "fused", "conv1d", "gdn_chunk", "gdn_recurrent", "attention", "gemm", "gemv", "fp8")
 
 # one-row projections (decode steps) through qse's GEMV instead of cuBLAS, and the logits head of one row;
 # pinned from benchmarks/gemv_bench.py on the H200 (see benchmarks/NOTES.md)
@@ -77,6 +77,7 @@ def triton_ops() -> SimpleNamespace:
         recurrent_gated_delta_rule_from_gates=mods["gdn_recurrent"].recurrent_gated_delta_rule_from_gates,
         attention=mods["attention"].attention,
         paged_attention=mods["attention"].paged_attention,
+        fp8_matmul=mods["fp8"].fp8_matmul,  # FP8 block weights (qse.models.linear.FP8BlockLinear) as stored
     )
     if GEMV_HEAD:
         ops.head_row = head_row
@@ -95,6 +96,7 @@ def invariant_ops() -> SimpleNamespace:
     ops.dense_matmul = gemm.dense_matmul
     ops.attention = attention.attention_invariant
     ops.paged_attention = attention.paged_attention_invariant
+    ops.fp8_matmul = importlib.import_module(f"{__name__}.fp8").fp8_gemm  # one row or many, the same GEMM
     return ops
 
 

@@ -267,6 +267,60 @@ def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
+FP8_SCALE_BLOCK = 128  # rows and columns of an FP8 block weight under one scale
+
+
+def fp8_dequantize(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """e4m3 w [N, K] with block scales [ceil(N/128), ceil(K/128)] -> fp32 [N, K]."""
+    n, k = w.shape
+    scale = scale_inv.float().repeat_interleave(FP8_SCALE_BLOCK, 0)[:n].repeat_interleave(FP8_SCALE_BLOCK, 1)[:, :k]
+    return w.float() * scale
+
+
+def _fp8_blocks(w: torch.Tensor, depth: int) -> tuple[torch.Tensor, int]:
+    """w as fp32 [N, KB, 128], zero past column `depth` (e4m3 widens to fp32 exactly), and KB."""
+    num_kb = -(-depth // FP8_SCALE_BLOCK)
+    wf = torch.zeros(w.shape[0], num_kb * FP8_SCALE_BLOCK, dtype=torch.float32, device=w.device)
+    wf[:, :depth] = w.float()
+    return wf.view(w.shape[0], num_kb, FP8_SCALE_BLOCK), num_kb
+
+
+def fp8_block_gemv(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """qse_kernels.fp8.fp8_gemv's arithmetic: 128 fp32 lanes a row; lane j adds (w * x) * scale over the column
+    blocks in order; then the lanes are summed in pairs (2i, 2i + 1), pairs of pairs, down to one."""
+    num_cols, depth = w.shape
+    wb, num_kb = _fp8_blocks(w, depth)
+    xf = torch.zeros(num_kb * FP8_SCALE_BLOCK, dtype=torch.float32, device=x.device)
+    xf[:depth] = x.reshape(-1).float()
+    scale = scale_inv.float().repeat_interleave(FP8_SCALE_BLOCK, 0)[:num_cols]  # [N, KB]: each row's
+    terms = (wb * xf.view(num_kb, FP8_SCALE_BLOCK)) * scale[:, :, None]
+    lanes = torch.zeros(num_cols, FP8_SCALE_BLOCK, dtype=torch.float32, device=x.device)
+    for kb in range(num_kb):
+        lanes = lanes + terms[:, kb]
+    while lanes.shape[-1] > 1:
+        pairs = lanes.view(num_cols, -1, 2)
+        lanes = pairs[..., 0] + pairs[..., 1]
+    return lanes.view(*x.shape[:-1], num_cols).to(x.dtype if out_dtype is None else out_dtype)
+
+
+def fp8_block_gemm(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """qse_kernels.fp8.fp8_gemm's arithmetic: for each 128-column block in order, the block's dot (exact, in
+    fp64, rounded once to fp32) times the block's scale, added to an fp32 accumulator; x's dtype out."""
+    num_cols, depth = w.shape
+    wb, num_kb = _fp8_blocks(w, depth)
+    x2 = x.reshape(-1, depth)
+    xf = torch.zeros(x2.shape[0], num_kb * FP8_SCALE_BLOCK, dtype=torch.float64, device=x.device)
+    xf[:, :depth] = x2.double()
+    scale = scale_inv.float().repeat_interleave(FP8_SCALE_BLOCK, 0)[:num_cols]  # [N, KB]
+    acc = torch.zeros(x2.shape[0], num_cols, dtype=torch.float32, device=x.device)
+    for kb in range(num_kb):
+        cols = slice(kb * FP8_SCALE_BLOCK, (kb + 1) * FP8_SCALE_BLOCK)
+        part = (xf[:, cols] @ wb[:, kb].double().T).float()
+        acc = acc + part * scale[:, kb]
+    return acc.view(*x.shape[:-1], num_cols).to(x.dtype)
+
+
 def gather_pages(pages: torch.Tensor, page_table: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Rows [0, num_rows) of a paged store [P, page_rows, ...] as one contiguous tensor."""
     page_rows = pages.shape[1]

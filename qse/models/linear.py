@@ -1,12 +1,13 @@
 """Weight formats behind one interface: a shape, the bytes read per use, and `matmul`.
 
-The model calls `w.matmul(x)` and never asks which format it holds. A new format is a new class
+The model calls `w.matmul(x, ops)` and never asks which format it holds; `ops` is the engine's op set, and a
+format whose kernel the set offers (`dense_matmul`, `fp8_matmul`) runs through it. A new format is a new class
 with these three members.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -20,8 +21,8 @@ class Linear(Protocol):
     @property
     def nbytes_per_use(self) -> int: ...
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x[..., in] -> [..., out] in x's dtype."""
+    def matmul(self, x: torch.Tensor, ops: Any = None) -> torch.Tensor:
+        """x[..., in] -> [..., out] in x's dtype; through `ops`' kernel for this format where it has one."""
         ...
 
 
@@ -38,8 +39,9 @@ class DenseLinear:
     def nbytes_per_use(self) -> int:
         return self.weight.numel() * self.weight.element_size()
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.weight)
+    def matmul(self, x: torch.Tensor, ops: Any = None) -> torch.Tensor:
+        kernel = getattr(ops, "dense_matmul", None)
+        return kernel(x, self.weight) if kernel is not None else torch.nn.functional.linear(x, self.weight)
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "DenseLinear":
         return DenseLinear(self.weight.to(device=device, dtype=dtype or self.weight.dtype))
@@ -49,8 +51,9 @@ class FP8BlockLinear:
     """FP8 e4m3 weights with one fp32 scale per 128x128 block (the layout of Qwen's FP8 checkpoints:
     `weight` [out, in] float8_e4m3fn and `weight_scale_inv` [ceil(out/128), ceil(in/128)]).
 
-    The reference path dequantises to the compute dtype at each use; a GPU kernel that reads the
-    FP8 bytes directly would plug in here without the model changing.
+    Without a kernel (the naive op set) the reference path dequantises to the compute dtype at each use;
+    with the engine's Triton kernels (`ops.fp8_matmul`, qse_kernels/fp8.py) the e4m3 bytes and the scales are
+    read as they are stored, and every row's result is independent of how many rows the call holds.
     """
 
     def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor, compute_dtype: torch.dtype = torch.float32):
@@ -76,7 +79,10 @@ class FP8BlockLinear:
         scale = self.scale_inv.repeat_interleave(FP8_BLOCK, 0)[:out_f].repeat_interleave(FP8_BLOCK, 1)[:, :in_f]
         return (self.weight.to(torch.float32) * scale).to(self.compute_dtype)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, ops: Any = None) -> torch.Tensor:
+        kernel = getattr(ops, "fp8_matmul", None)
+        if kernel is not None:
+            return kernel(x, self.weight, self.scale_inv)
         return torch.nn.functional.linear(x, self.dequantize().to(x.dtype))
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "FP8BlockLinear":

@@ -270,7 +270,7 @@ class Qwen35Model:
         lin = self.lin[name]
         if isinstance(lin, DenseLinear):
             return self.ops.dense_matmul(x, lin.weight)
-        return lin.matmul(x)
+        return lin.matmul(x, self.ops)
 
     def _mlp(self, p: str, h: torch.Tensor) -> torch.Tensor:
         fused = self.fused.get(p + "mlp.gate_up_proj")
