@@ -104,13 +104,12 @@ def create_app(service: Service, root_path: str | None = None) -> Starlette:
                                               request.headers.get("x-router-class") or None, tenant=tenant)
             plan.ticket = turn.ticket
             info.update(session=plan.session_id, prompt_tokens=len(plan.prompt_ids), stream=req.stream)
-            tools_offered = bool(req.tools) and req.tool_choice != "none"
             headers = {"x-session-id": tenant.shown(plan.session_id)}
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
-                return turn.stream(_note_output(service.chat_chunks(plan, tools_offered, include_usage), plan, info),
+                return turn.stream(_note_output(service.chat_chunks(plan, include_usage), plan, info),
                                    headers)
-            answer = await turn.answer(request, service.chat_answer(plan, tools_offered))
+            answer = await turn.answer(request, service.chat_answer(plan))
             info.update(output_tokens=plan.output_tokens, finish_reason=answer.choices[0].finish_reason)
             return json_response(answer, headers=headers)
 

@@ -32,7 +32,7 @@ from .metrics import ServerMetrics
 from .profiles import Profile
 from .admission import ABORT, SHUTDOWN, Admission, Ticket
 from .tenants import LONE, Tenant
-from .text import OutputText, Sections
+from .text import Deltas, OutputText, Sections
 
 log = structlog.get_logger("qse.server")
 
@@ -393,9 +393,19 @@ class Service:
         out = plan.output_tokens if output_tokens is None else output_tokens
         return wire.Usage(prompt_tokens=n, completion_tokens=out, total_tokens=n + out)
 
-    def _sections(self, plan: TurnPlan, stream_content: bool) -> Sections:
+    def _sections(self, plan: TurnPlan) -> Sections:
         prompt, tools = plan.prompt_text, plan.tools
-        return Sections(lambda text: self.chat.parse(text, prompt, tools), stream_content)
+        return Sections(lambda text, is_final: self.chat.parse(text, prompt, tools, is_final))
+
+    @staticmethod
+    def _chat_finish(plan: TurnPlan, sections: Sections) -> str:
+        """"tool_calls" when the turn ended on whole calls; a call cut off (the budget, a stop) keeps the
+        turn's own reason, and its arguments stay the unclosed JSON they were (as OpenAI's do)."""
+        if sections.is_call_cut:
+            log.warning("tool_call_cut", request=plan.request_id, finish_reason=plan.finish_reason,
+                        function=sections.tool_calls[-1]["function"]["name"])
+            return plan.finish_reason
+        return "tool_calls" if sections.tool_calls and plan.finish_reason != "length" else plan.finish_reason
 
     # ---- log-probabilities -------------------------------------------------------------------------
     def _token_text(self, token: int) -> tuple[str, list[int]]:
@@ -433,14 +443,13 @@ class Service:
         return wire.CompletionLogprobs(tokens, values, tops if plan.sampling.top_logprobs else None, offsets)
 
     # ---- chat ------------------------------------------------------------------------------------
-    async def chat_chunks(self, plan: TurnPlan, tools_offered: bool,
-                          include_usage: bool) -> AsyncIterator[wire.ChatCompletionChunk]:
+    async def chat_chunks(self, plan: TurnPlan, include_usage: bool) -> AsyncIterator[wire.ChatCompletionChunk]:
         """The n choices' chunks, one choice after another, each chunk naming its choice by index."""
         cid, created = f"chatcmpl-{plan.request_id}", int(time.time())
         total = 0
         for index in range(plan.n):
             choice = plan.choice(index)
-            async for chunk in self._choice_chunks(choice, index, cid, created, tools_offered):
+            async for chunk in self._choice_chunks(choice, index, cid, created):
                 yield chunk
             total += choice.output_tokens
             plan.output_tokens, plan.finish_reason = total, choice.finish_reason
@@ -448,8 +457,8 @@ class Service:
             yield wire.ChatCompletionChunk(id=cid, object="chat.completion.chunk", created=created,
                                            model=self.model_name, choices=[], usage=self._usage(plan, total))
 
-    async def _choice_chunks(self, plan: TurnPlan, index: int, cid: str, created: int,
-                             tools_offered: bool) -> AsyncIterator[wire.ChatCompletionChunk]:
+    async def _choice_chunks(self, plan: TurnPlan, index: int, cid: str,
+                             created: int) -> AsyncIterator[wire.ChatCompletionChunk]:
         def chunk(delta: wire.Delta, finish: str | None = None, logprobs=None) -> wire.ChatCompletionChunk:
             return wire.ChatCompletionChunk(id=cid, object="chat.completion.chunk", created=created,
                                             model=self.model_name,
@@ -457,41 +466,43 @@ class Service:
 
         yield chunk(wire.Delta(role="assistant", content=""))
         out = OutputText(self.chat.tokenizer.decode, plan.stops)
-        sections = self._sections(plan, stream_content=not tools_offered)
+        sections = self._sections(plan)
         sent_ids = 0  # output ids whose logprobs went out
         async for _ in self.drive(plan, out):
             d = sections.update(out.visible)
             if d:
                 lp = self._chat_logprobs(plan, sent_ids, out.num_ids)
                 sent_ids = out.num_ids
-                yield chunk(wire.Delta(content=d.content or None, reasoning_content=d.reasoning or None), None, lp)
+                yield chunk(self._delta(d), None, lp)
         d = sections.finish(out.text)
         lp = self._chat_logprobs(plan, sent_ids, out.num_ids)
-        if d.reasoning or d.content or (lp is not None and lp.content):
-            yield chunk(wire.Delta(content=d.content or None, reasoning_content=d.reasoning or None), None, lp)
-        if d.tool_calls:
-            yield chunk(wire.Delta(tool_calls=[
-                wire.ToolCallDelta(index=i, id=c["id"], type=c["type"], function=wire.FunctionCallOut(**c["function"]))
-                for i, c in enumerate(d.tool_calls)]))
-        yield chunk(wire.Delta(), "tool_calls" if d.tool_calls and plan.finish_reason != "length"
-                    else plan.finish_reason)
+        if d or (lp is not None and lp.content):
+            yield chunk(self._delta(d), None, lp)
+        yield chunk(wire.Delta(), self._chat_finish(plan, sections))
         self.after_chat(plan, sections.reasoning)
 
-    async def chat_answer(self, plan: TurnPlan, tools_offered: bool) -> wire.ChatCompletion:
+    @staticmethod
+    def _delta(d: Deltas) -> wire.Delta:
+        calls = [wire.ToolCallDelta(c["index"], wire.FunctionCallDelta(**c["function"]), c.get("id"), c.get("type"))
+                 for c in d.tool_calls]
+        return wire.Delta(content=d.content or None, reasoning_content=d.reasoning or None, tool_calls=calls or None)
+
+    async def chat_answer(self, plan: TurnPlan) -> wire.ChatCompletion:
         choices, total = [], 0
         for index in range(plan.n):
             choice = plan.choice(index)
             out = OutputText(self.chat.tokenizer.decode, choice.stops)
             async for _ in self.drive(choice, out):
                 pass
-            parsed = self._sections(choice, stream_content=True).finish(out.text)
+            sections = self._sections(choice)
+            sections.finish(out.text)
             calls = [wire.ToolCallOut(id=c["id"], type=c["type"], function=wire.FunctionCallOut(**c["function"]))
-                     for c in parsed.tool_calls]
-            content = parsed.content if (parsed.content or not calls) else None  # null beside tool calls, as OpenAI
+                     for c in sections.tool_calls]
+            content = sections.content if (sections.content or not calls) else None  # null beside tool calls
             message = wire.ChatMessageOut(role="assistant", content=content,
-                                          reasoning_content=parsed.reasoning or None, tool_calls=calls or None)
-            self.after_chat(choice, parsed.reasoning)
-            finish = "tool_calls" if calls and choice.finish_reason != "length" else choice.finish_reason
+                                          reasoning_content=sections.reasoning or None, tool_calls=calls or None)
+            self.after_chat(choice, sections.reasoning)
+            finish = self._chat_finish(choice, sections)
             choices.append(wire.ChatChoice(index, message, finish, self._chat_logprobs(choice, 0, out.num_ids)))
             total += choice.output_tokens
             plan.output_tokens, plan.finish_reason = total, finish

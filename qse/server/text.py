@@ -1,16 +1,17 @@
 """From token ids to what a client reads: text, stop strings, and reasoning / content / tool calls.
 
     ids --OutputText--> text (stop strings cut it; a suffix a stop string may still claim is held)
-        --Sections-->   reasoning deltas, content deltas, then tool calls at the end
+        --Sections-->   reasoning deltas, content deltas, tool-call deltas as each call forms
 
 Nothing here knows a model's markup: the chat format's own `parse` splits a text into reasoning,
 content and tool calls, and `Sections` re-parses the growing text and sends only what extends what
 it already sent, holding back a few characters of the open section because a marker being written
-(`</thi...`) is still part of it until it completes.
+(`</thi...`, `<tool_c...`) is still part of it until it completes.
 """
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -73,6 +74,9 @@ class OutputText:
 
 @dataclass
 class Deltas:
+    """What one step adds. tool_calls: OpenAI's streamed pieces: a call's first carries index, id, type and
+    function.name (and the arguments so far), later ones index and a function.arguments piece."""
+
     reasoning: str = ""
     content: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
@@ -82,43 +86,64 @@ class Deltas:
 
 
 class Sections:
-    """Reasoning and content deltas of a growing text, through the chat format's parse.
+    """Reasoning, content and tool-call deltas of a growing text, through the chat format's parse.
 
-    parse(text) -> object with .reasoning (str | None), .content (str), .tool_calls (list of dicts).
-    With tools offered, content waits for the end: a tool call cuts the content before it, and the
-    call's opening is not known here, so content sent early might have to be taken back.
+    parse(text, is_final) -> object with .reasoning (str | None), .content (str, the text before the first
+    tool call), .tool_calls (dicts {"type", "function": {"name", "arguments"}}: a call appears once its name
+    is written, its arguments a JSON text that only grows) and .is_call_cut (the last call never closed).
+    Not final, a call's head being written holds the content before it back; final, a head that never
+    named a function is content.
+
+    Invariant: the pieces sent join to what one parse of the whole text gives (the answer without a stream).
     """
 
-    def __init__(self, parse: Callable[[str], Any], stream_content: bool = True):
+    def __init__(self, parse: Callable[[str, bool], Any], new_call_id: Callable[[], str] | None = None):
         self._parse = parse
-        self.stream_content = stream_content
+        self._new_call_id = new_call_id or (lambda: f"call_{uuid.uuid4().hex[:24]}")
         self.reasoning = ""  # sent so far
         self.content = ""
-        self.tool_calls: list[dict[str, Any]] = []
-        self.parsed: Any = None
+        self.tool_calls: list[dict[str, Any]] = []  # with their ids and the arguments sent so far
+        self.is_call_cut = False  # set by finish
 
     def update(self, text: str) -> Deltas:
-        parsed = self._parse(text)
-        reasoning, content = parsed.reasoning or "", parsed.content
-        if content:  # the reasoning closed: it is final
-            out = Deltas(reasoning=_extension(self.reasoning, reasoning))
-            if self.stream_content:
-                out.content = _extension(self.content, content[:-HOLD_CHARS])
-        else:
-            out = Deltas(reasoning=_extension(self.reasoning, reasoning[:-HOLD_CHARS]))
-        self.reasoning += out.reasoning
-        self.content += out.content
-        return out
+        return self._step(self._parse(text, False), is_final=False)
 
     def finish(self, text: str) -> Deltas:
-        parsed = self._parse(text)
-        self.parsed = parsed
-        out = Deltas(reasoning=_extension(self.reasoning, parsed.reasoning or ""),
-                     content=_extension(self.content, parsed.content), tool_calls=list(parsed.tool_calls))
+        parsed = self._parse(text, True)
+        self.is_call_cut = bool(parsed.is_call_cut)
+        return self._step(parsed, is_final=True)
+
+    def _step(self, parsed: Any, is_final: bool) -> Deltas:
+        reasoning, content, calls = parsed.reasoning or "", parsed.content, parsed.tool_calls
+        if is_final:
+            out = Deltas(_extension(self.reasoning, reasoning), _extension(self.content, content))
+        elif content or calls:  # the reasoning closed: it is final; content before a named call is too
+            out = Deltas(_extension(self.reasoning, reasoning),
+                         _extension(self.content, content if calls else _held(content)))
+        else:
+            out = Deltas(_extension(self.reasoning, _held(reasoning)))
         self.reasoning += out.reasoning
         self.content += out.content
-        self.tool_calls = out.tool_calls
+        for index, call in enumerate(calls):
+            fn = call["function"]
+            if index == len(self.tool_calls):
+                self.tool_calls.append({"id": self._new_call_id(), "type": call["type"],
+                                        "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+                out.tool_calls.append({"index": index, **self.tool_calls[index]})
+                out.tool_calls[-1]["function"] = dict(self.tool_calls[index]["function"])
+                continue
+            sent = self.tool_calls[index]["function"]
+            piece = _extension(sent["arguments"], fn["arguments"])
+            if piece:
+                sent["arguments"] += piece
+                out.tool_calls.append({"index": index, "function": {"arguments": piece}})
         return out
+
+
+def _held(text: str) -> str:
+    """What of an open section may go now: not its last HOLD_CHARS (a marker may be being written) nor the
+    whitespace before them (a section's end drops it)."""
+    return text[:-HOLD_CHARS].rstrip()
 
 
 def _extension(sent: str, now: str) -> str:

@@ -235,11 +235,19 @@ class ToolCallOut(Struct):
     function: FunctionCallOut
 
 
-class ToolCallDelta(Struct):
+class FunctionCallDelta(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(Struct, omit_defaults=True):
+    """A streamed piece of a tool call: the first carries id, type and function.name; later ones only
+    function.arguments, to be appended (OpenAI's stream)."""
+
     index: int
-    id: str
-    type: str
-    function: FunctionCallOut
+    function: FunctionCallDelta
+    id: str | None = None
+    type: str | None = None
 
 
 class ChatMessageOut(Struct, omit_defaults=True):

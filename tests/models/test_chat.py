@@ -81,3 +81,69 @@ def test_parse_reasoning_and_tool_calls():
     assert call["name"] == "read_file" and json.loads(call["arguments"]) == {"path": "a.py", "lines": 10}
     plain = parse_output("just text", prompt_opened_think=False)
     assert plain.reasoning is None and plain.content == "just text" and plain.tool_calls == []
+
+
+# ---- the output as it streams (the server's Sections over this format's parse) ------------------------
+from qse.server.text import Sections  # noqa: E402
+
+TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object", "properties": {
+    "path": {"type": "string"}, "lines": {"type": "integer"}, "note": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "grep", "parameters": {"type": "object", "properties": {
+        "pattern": {"type": "string"}, "flags": {"type": "array"}}}}}]
+CALLS_TEXT = ("Look first.\n</think>\n\nI will read it, then search.\n\n<tool_call>\n<function=read_file>\n"
+              "<parameter=path>\n12345\n</parameter>\n<parameter=lines>\n10\n</parameter>\n<parameter=note>\n"
+              "a \"quoted\" line\nand </b> a tag\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+              "<function=grep>\n<parameter=pattern>\nTODO\n</parameter>\n<parameter=flags>\n[\"-i\"]\n"
+              "</parameter>\n</function>\n</tool_call>")
+
+
+def _stream(text: str, step: int, tools=TOOLS):
+    sections = Sections(lambda t, is_final: parse_output(t, tools=tools, is_final=is_final))
+    deltas = [sections.update(text[:end]) for end in range(step, len(text) + step, step)]
+    deltas.append(sections.finish(text))
+    return sections, deltas
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 13])
+def test_streamed_calls_join_to_the_parse_of_the_whole(step):
+    whole = parse_output(CALLS_TEXT, tools=TOOLS)
+    sections, deltas = _stream(CALLS_TEXT, step)
+    assert "".join(d.reasoning for d in deltas) == whole.reasoning == "Look first."
+    assert "".join(d.content for d in deltas) == whole.content == "I will read it, then search."
+    assert all("<" not in d.content for d in deltas)  # no markup leaks into the content
+    for index, call in enumerate(whole.tool_calls):
+        pieces = [c for d in deltas for c in d.tool_calls if c["index"] == index]
+        assert pieces[0]["function"]["name"] == call["function"]["name"] and pieces[0]["type"] == "function"
+        assert all("id" not in p and "name" not in p["function"] for p in pieces[1:])
+        assert "".join(p["function"]["arguments"] for p in pieces) == call["function"]["arguments"]
+        assert sections.tool_calls[index]["id"] == pieces[0]["id"]
+    args = [json.loads(c["function"]["arguments"]) for c in sections.tool_calls]
+    assert args == [{"path": "12345", "lines": 10, "note": "a \"quoted\" line\nand </b> a tag"},
+                    {"pattern": "TODO", "flags": ["-i"]}]
+    assert not sections.is_call_cut
+
+
+def test_a_string_argument_streams_as_it_is_written():
+    sections, deltas = _stream(CALLS_TEXT, 1)
+    pieces = [c["function"]["arguments"] for d in deltas for c in d.tool_calls if c["index"] == 0]
+    assert len(pieces) > 20  # the note's characters went one at a time, not in one piece at the close
+
+
+def test_content_before_a_call_streams_before_the_call_closes():
+    sections = Sections(lambda t, is_final: parse_output(t, tools=TOOLS, is_final=is_final))
+    named = CALLS_TEXT.index("<function=read_file>") + len("<function=read_file>")
+    d = sections.update(CALLS_TEXT[:named - 5])  # the call's head half written: the content's tail is held
+    assert "I will read" in sections.content and d.tool_calls == []
+    d = sections.update(CALLS_TEXT[:named])  # named: the content is whole, the call opens
+    assert sections.content == "I will read it, then search."
+    assert d.tool_calls[0]["function"] == {"name": "read_file", "arguments": "{"}
+
+
+def test_a_cut_call_is_reported_as_cut():
+    text = CALLS_TEXT[:CALLS_TEXT.index("and </b>")]
+    sections, deltas = _stream(text, 3)
+    assert sections.is_call_cut and len(sections.tool_calls) == 1
+    args = sections.tool_calls[0]["function"]["arguments"]
+    assert args == '{"path": "12345", "lines": 10, "note": "a \\"quoted\\" line'  # unclosed JSON, as far as it got
+    cut_head = parse_output("x</think>Hi.\n<tool_call>\n<func", tools=TOOLS)
+    assert cut_head.content == "Hi.\n<tool_call>\n<func" and cut_head.tool_calls == []  # no name: content

@@ -137,7 +137,7 @@ async def test_sse_framing_usage_and_headers(tiny_engine, tmp_path):
         assert known == {"sess-1": answer["usage"]["total_tokens"], "sess-2": answer["usage"]["total_tokens"]}
 
 
-async def test_tool_calls_stream_as_deltas_at_the_end(tiny_engine, tmp_path):
+async def test_tool_calls_stream_as_they_form(tiny_engine, tmp_path):
     service = scripted_service(tiny_engine, tmp_path)
     async with serving(service) as client:
         r = await client.post("/v1/chat/completions", json=body("scripted", stream=True, tools=TOOLS, max_tokens=64))
@@ -148,9 +148,14 @@ async def test_tool_calls_stream_as_deltas_at_the_end(tiny_engine, tmp_path):
         calls = [c for d in deltas for c in d.get("tool_calls", [])]
         assert reasoning == "The user wants the file read first."
         assert content == "I will read it."
-        assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["type"] == "function"
-        assert calls[0]["function"] == {"name": "read_file", "arguments": json.dumps({"path": "src/main.py"})}
-        assert calls[0]["id"].startswith("call_")
+        # the first piece names the call; the arguments follow in pieces, in later events, as they are written
+        assert calls[0]["index"] == 0 and calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+        assert calls[0]["function"]["name"] == "read_file"
+        assert len(calls) > 2 and all(c == {"index": 0, "function": {"arguments": c["function"]["arguments"]}}
+                                      for c in calls[1:])
+        assert "".join(c["function"]["arguments"] for c in calls) == json.dumps({"path": "src/main.py"})
+        first_call = next(i for i, d in enumerate(deltas) if d.get("tool_calls"))
+        assert "".join(d.get("content") or "" for d in deltas[:first_call + 1]) == content  # content went first
         assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
         # content never carries the call's markup, even part of it
         assert "<" not in content
@@ -160,6 +165,39 @@ async def test_tool_calls_stream_as_deltas_at_the_end(tiny_engine, tmp_path):
         assert message["content"] == "I will read it." and message["reasoning_content"] == reasoning
         assert message["tool_calls"][0]["function"]["name"] == "read_file"
         assert r.json()["choices"][0]["finish_reason"] == "tool_calls"
+
+
+async def test_content_streams_live_with_tools_offered(tiny_engine, tmp_path):
+    text = "plan\n</think>\n\n" + " ".join(f"word{i}" for i in range(40))
+    service = scripted_service(tiny_engine, tmp_path, text)
+    async with serving(service) as client:
+        r = await client.post("/v1/chat/completions", json=body("scripted", stream=True, tools=TOOLS, max_tokens=200))
+        events = sse_events(r.content)
+        pieces = [e["choices"][0]["delta"].get("content") for e in events[1:]]
+        pieces = [p for p in pieces if p]
+        assert "".join(pieces) == text.split("\n\n", 1)[1]
+        assert len(pieces) > 10  # sent as it came, not held to the end
+        assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_a_cut_tool_call_is_reported_as_cut(tiny_engine, tmp_path):
+    service = scripted_service(tiny_engine, tmp_path)
+    tok = tiny_engine.chat.tokenizer
+    budget = len(tok.encode(SCRIPT[:SCRIPT.index("main.py")]))  # the budget ends inside the path
+    async with serving(service) as client:
+        r = await client.post("/v1/chat/completions", json=body("scripted", tools=TOOLS, max_tokens=budget))
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "length"  # never "tool_calls" for a call that did not close
+        call = choice["message"]["tool_calls"][0]["function"]
+        assert call["name"] == "read_file" and call["arguments"].startswith('{"path": "src/')
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(call["arguments"])
+        r = await client.post("/v1/chat/completions", json=body("scripted", tools=TOOLS, max_tokens=budget,
+                                                                stream=True))
+        events = sse_events(r.content)
+        pieces = [c for e in events for c in e["choices"][0]["delta"].get("tool_calls", [])]
+        assert "".join(c["function"]["arguments"] for c in pieces) == call["arguments"]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
 
 
 async def test_content_streams_live_without_tools_and_stops_at_a_stop_string(tiny_engine, tmp_path):
@@ -290,7 +328,8 @@ async def test_the_openai_client_reads_tool_calls_streamed_and_whole(tiny_engine
                 usage = chunk.usage or usage
                 for choice in chunk.choices:
                     for call in choice.delta.tool_calls or []:
-                        names.append(call.function.name)
+                        if call.function.name:
+                            names.append(call.function.name)
                         arguments += call.function.arguments or ""
                     finish = choice.finish_reason or finish
             assert names == ["read_file"] and json.loads(arguments) == {"path": "src/main.py"}

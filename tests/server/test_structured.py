@@ -84,18 +84,29 @@ def test_a_named_function_is_called(server, oai, seed):
 def test_a_forced_call_streams_as_tool_call_deltas(server, oai):
     stream = oai.chat.completions.create(model=server.model, messages=USER, tools=TOOLS, tool_choice="required",
                                          temperature=1.0, seed=7, max_tokens=64, stream=True)
-    names, args, finish = [], {}, None
+    pieces, finish = {}, None
     for chunk in stream:
         for choice in chunk.choices:
             for delta in choice.delta.tool_calls or ():
-                if delta.function.name:
-                    names.append(delta.function.name)
-                args[delta.index] = args.get(delta.index, "") + (delta.function.arguments or "")
+                pieces.setdefault(delta.index, []).append(delta)
             finish = choice.finish_reason or finish
-    assert finish == "tool_calls" and names
-    for i, name in enumerate(names):
-        schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
-        jsonschema.validate(json.loads(args[i]), schema)
+    assert finish == "tool_calls" and pieces
+    for index, deltas in pieces.items():
+        head = deltas[0]  # OpenAI's shape: the first names the call, the rest append to its arguments
+        assert head.id.startswith("call_") and head.type == "function" and head.function.name
+        assert len(deltas) >= 2 and all(d.id is None and d.function.name is None for d in deltas[1:])
+        schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == head.function.name)
+        jsonschema.validate(json.loads("".join(d.function.arguments or "" for d in deltas)), schema)
+
+
+def test_content_streams_live_with_tools_offered(server, oai):
+    kwargs = dict(model=server.model, messages=USER, tools=TOOLS, temperature=1.0, seed=11, max_tokens=48,
+                  extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    whole = oai.chat.completions.create(**kwargs).choices[0]
+    pieces = [c.choices[0].delta.content for c in oai.chat.completions.create(stream=True, **kwargs)
+              if c.choices and c.choices[0].delta.content]
+    assert whole.message.content and "".join(pieces) == whole.message.content
+    assert len(pieces) > 3  # sent as the tokens came, not in one piece at the end
 
 
 def test_logprobs_and_n(server, oai):

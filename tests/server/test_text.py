@@ -60,43 +60,58 @@ def test_visible_never_shows_what_a_stop_string_may_claim():
 
 
 class Parsed:
-    def __init__(self, reasoning, content, tool_calls=()):
+    def __init__(self, reasoning, content, tool_calls=(), is_call_cut=False):
         self.reasoning, self.content, self.tool_calls = reasoning, content, list(tool_calls)
+        self.is_call_cut = is_call_cut
 
 
-def think_parse(text: str) -> Parsed:
-    """A toy format: reasoning until </r>, then content; '<call>' at the end of content is a call."""
+def toy_parse(text: str, is_final: bool) -> Parsed:
+    """A toy format: reasoning until </r>, then content; then '<call>NAME|ARGUMENTS</call>', the arguments
+    growing as they are written; a head without its '|' yet holds the content (or is content, once final)."""
     if "</r>" not in text:
         return Parsed(text.strip("\n") or None, "")
     reasoning, content = text.split("</r>", 1)
-    content = content.lstrip("\n")
-    if content.endswith("</call>") and "<call>" in content:
-        head, call = content.split("<call>", 1)
-        return Parsed(reasoning.strip("\n"), head.rstrip(), [{"id": "c1", "type": "function",
-                      "function": {"name": call[:-len("</call>")], "arguments": "{}"}}])
-    return Parsed(reasoning.strip("\n"), content)
+    reasoning, content = reasoning.strip("\n"), content.lstrip("\n")
+    if "<call>" not in content:
+        return Parsed(reasoning, content)
+    head, call = content.split("<call>", 1)
+    if "|" not in call:
+        return Parsed(reasoning, content if is_final else head.rstrip())
+    name, args = call.split("|", 1)
+    is_closed = args.endswith("</call>")
+    args = args[:-len("</call>")] if is_closed else args.split("<")[0]  # a "</call>" being written is held
+    return Parsed(reasoning, head.rstrip(), [{"type": "function", "function": {"name": name, "arguments": args}}],
+                  not is_closed)
 
 
-def stream(text: str, stream_content: bool, step: int = 3):
-    sections = Sections(think_parse, stream_content)
-    reasoning, content = "", ""
+def ids():
+    n = iter(range(100))
+    return lambda: f"call_{next(n)}"
+
+
+def stream(text: str, step: int = 3):
+    """Feed `text` in pieces of `step` characters; what the deltas join to and the deltas themselves."""
+    sections = Sections(toy_parse, ids())
+    reasoning, content, deltas = "", "", []
     for end in range(step, len(text) + step, step):
         d = sections.update(text[:end])
         reasoning += d.reasoning
         content += d.content
+        deltas.append(d)
     final = sections.finish(text)
-    return sections, reasoning + final.reasoning, content + final.content, final.tool_calls
+    deltas.append(final)
+    return sections, reasoning + final.reasoning, content + final.content, deltas
 
 
 def test_sections_stream_equals_one_parse():
     text = "thinking about the problem at length\n</r>\n\nThe answer is forty-two, as always."
-    sections, reasoning, content, calls = stream(text, stream_content=True)
-    parsed = think_parse(text)
-    assert reasoning == parsed.reasoning and content == parsed.content and calls == []
+    sections, reasoning, content, deltas = stream(text)
+    parsed = toy_parse(text, True)
+    assert reasoning == parsed.reasoning and content == parsed.content and sections.tool_calls == []
 
 
 def test_sections_hold_back_a_marker_being_written():
-    sections = Sections(think_parse, True)
+    sections = Sections(toy_parse)
     first = sections.update("x" * 40 + "</")
     assert first.reasoning == "x" * (42 - HOLD_CHARS)  # "</" is never sent as reasoning
     second = sections.update("x" * 40 + "</r>\nhello")
@@ -104,9 +119,33 @@ def test_sections_hold_back_a_marker_being_written():
     assert second.content == ""  # the open content is held back
 
 
-def test_sections_with_tools_send_content_only_at_the_end():
-    text = "plan\n</r>\nLet me call it.<call>read_file</call>"
-    sections, reasoning, content, calls = stream(text, stream_content=False)
-    assert reasoning == "plan"
-    assert content == "Let me call it."
-    assert [c["function"]["name"] for c in calls] == ["read_file"]
+def test_sections_stream_content_before_a_call_and_the_call_as_it_forms():
+    text = "plan\n</r>\nLet me call the tool that reads files now.\n\n<call>read_file|{\"path\": \"a.py\"}</call>"
+    sections, reasoning, content, deltas = stream(text, step=2)
+    assert reasoning == "plan" and content == "Let me call the tool that reads files now."
+    first_call = next(i for i, d in enumerate(deltas) if d.tool_calls)
+    assert "Let me call" in "".join(d.content for d in deltas[:first_call])  # content went before the call
+    pieces = [c for d in deltas for c in d.tool_calls]
+    head, rest = pieces[0], pieces[1:]
+    assert head == {"index": 0, "id": "call_0", "type": "function", "function": {"name": "read_file",
+                                                                                   "arguments": ""}}
+    assert len(rest) > 3 and all(set(p) == {"index", "function"} and set(p["function"]) == {"arguments"}
+                                 for p in rest)
+    assert "".join(p["function"]["arguments"] for p in pieces) == '{"path": "a.py"}'
+    assert sections.tool_calls == [{"id": "call_0", "type": "function",
+                                    "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}}]
+    assert not sections.is_call_cut
+    assert all("<call" not in d.content and "<" not in d.content for d in deltas)
+
+
+def test_sections_report_a_cut_call():
+    sections, _, content, deltas = stream("p</r>Calling.<call>grep|{\"pattern\": \"fo", step=4)
+    assert content == "Calling." and sections.is_call_cut
+    assert sections.tool_calls[0]["function"] == {"name": "grep", "arguments": '{"pattern": "fo'}
+
+
+def test_sections_a_head_that_never_named_a_call_is_content():
+    text = "p</r>Look: <call>"
+    sections, _, content, deltas = stream(text, step=1)
+    assert content == "Look: <call>" and sections.tool_calls == [] and not sections.is_call_cut
+    assert "<call>" in deltas[-1].content  # held while it might have become a call, sent at the end

@@ -41,9 +41,10 @@ class ChatFormat:
     def render(self, messages, tools=None, add_generation_prompt=True, enable_thinking=None) -> str:
         return self.template.render(messages, tools, add_generation_prompt, enable_thinking)
 
-    def parse(self, text: str, prompt: str, tools=None):
-        """Reasoning, content and tool calls (arguments typed by the offered `tools`' schemas)."""
-        return parse_output(text, prompt_opened_think=prompt.endswith("<think>\n"), tools=tools)
+    def parse(self, text: str, prompt: str, tools=None, is_final: bool = True):
+        """Reasoning, content and tool calls (arguments typed by the offered `tools`' schemas); `is_final`
+        False: of an output still growing (see parse_output)."""
+        return parse_output(text, prompt_opened_think=prompt.endswith("<think>\n"), tools=tools, is_final=is_final)
 
     def answer_grammar(self, prompt: str, answer_rules: str, think_tokens: int) -> str:
         """A whole output's Lark grammar: the reasoning the prompt opened (bounded), then `answer`."""

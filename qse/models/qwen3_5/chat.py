@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -134,15 +133,30 @@ def normalize_message(message: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---- output parsing --------------------------------------------------------------------------
-_TOOL_CALL = re.compile(r"<tool_call>\s*<function=([^>\s]+)>(.*?)</function>\s*</tool_call>", re.S)
+#
+#   content  <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n...</function>\n</tool_call>
+#
+# A call is read as it forms: its name once `<function=NAME>` is written, its arguments as a JSON text that
+# only grows ("{", then one `"KEY": VALUE` a closed parameter, a string parameter's value character by
+# character, "}" at `</function>`), so a stream can send each piece once and the pieces join to the answer's.
+TOOL_CALL_OPEN = "<tool_call>"
+FUNCTION_OPEN = "<function="
+_NAME = re.compile(r"<function=([^>\s]+)>")
 _PARAM = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.S)
+_PARAM_OPEN = re.compile(r"<parameter=([^>\s]+)>")
+PARAM_END = "</parameter>"
 
 
 @dataclass
 class ParsedOutput:
+    """content: the text before the first tool call; tool_calls: OpenAI dicts ({"type", "function": {"name",
+    "arguments"}}, no id: the caller names each call once); is_call_cut: the last call's arguments never
+    closed (the text ended inside it)."""
+
     content: str
     reasoning: str | None = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    is_call_cut: bool = False
 
 
 def _param_value(raw: str, schema: Any = None) -> Any:
@@ -166,22 +180,86 @@ def _param_schemas(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, An
     return out
 
 
-def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[dict[str, Any]]]:
-    """Split Qwen's XML tool calls out of `text`: (the text before the first call, OpenAI tool_calls).
-    With the offered `tools`, each argument is typed by its parameter's schema."""
-    calls = []
+def _pair(key: str, value: Any) -> str:
+    # as json.dumps writes one item of a dict, so the joined pairs are json.dumps(args)
+    return f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
+
+
+def _open_string(key: str, raw: str) -> str:
+    """The part of an open text parameter's pair that no later character changes: a `</parameter>` being
+    written and the newlines before it are held (the closed value drops them)."""
+    raw = raw.lstrip("\n")
+    for k in range(min(len(PARAM_END), len(raw)), 0, -1):
+        if raw.endswith(PARAM_END[:k]):
+            raw = raw[:-k]
+            break
+    raw = raw.rstrip("\n")
+    return _pair(key, raw)[:-1]  # JSON escapes one character at a time: drop only the closing quote
+
+
+def _arguments(body: str, props: dict[str, Any], is_closed: bool) -> str:
+    """The call's arguments as JSON text: whole when `is_closed`, else the part already fixed."""
+    pairs, end = [], 0
+    for match in _PARAM.finditer(body):
+        pairs.append(_pair(match.group(1), _param_value(match.group(2), props.get(match.group(1)))))
+        end = match.end()
+    text = "{" + ", ".join(pairs)
+    if is_closed:
+        return text + "}"
+    opened = _PARAM_OPEN.search(body, end)
+    if opened is not None and is_text_schema(props.get(opened.group(1))):
+        text += (", " if pairs else "") + _open_string(opened.group(1), body[opened.end():])
+    return text
+
+
+def _call_head(text: str, start: int) -> tuple[str, int] | None | bool:
+    """After `<tool_call>` at `start`: (name, where its body starts); None while the head is still being
+    written; False if what follows is not a call's head."""
+    i = start + len(TOOL_CALL_OPEN)
+    while i < len(text) and text[i].isspace():
+        i += 1
+    rest = text[i:]
+    if len(rest) < len(FUNCTION_OPEN):
+        return None if FUNCTION_OPEN.startswith(rest) else False
+    match = _NAME.match(text, i)
+    if match is not None:
+        return match.group(1), match.end()
+    if not rest.startswith(FUNCTION_OPEN):
+        return False
+    name = rest[len(FUNCTION_OPEN):]
+    return None if not any(c.isspace() or c == ">" for c in name) else False
+
+
+def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None,
+                     is_final: bool = True) -> tuple[str, list[dict[str, Any]], bool]:
+    """Split Qwen's XML tool calls out of `text`: (the text before the first call, OpenAI calls without ids,
+    whether the last call is cut). With the offered `tools`, each argument is typed by its parameter's schema.
+    A call's head still being written holds the content before it; once `is_final`, a head that never
+    named a function is content."""
+    first = text.find(TOOL_CALL_OPEN)
+    if first < 0:
+        return text, [], False
     schemas = _param_schemas(tools)
-    for match in _TOOL_CALL.finditer(text):
-        props = schemas.get(match.group(1), {})
-        args = {name: _param_value(value, props.get(name)) for name, value in _PARAM.findall(match.group(2))}
-        calls.append({
-            "id": f"call_{uuid.uuid4().hex[:24]}",
-            "type": "function",
-            "function": {"name": match.group(1), "arguments": json.dumps(args, ensure_ascii=False)},
-        })
+    calls, start, is_cut = [], first, False
+    while start >= 0:
+        head = _call_head(text, start)
+        if head is None and not is_final and not calls:
+            return text[:first].rstrip(), [], False  # a call's head being written: hold what follows
+        if not head:
+            break
+        name, body_start = head
+        close = text.find("</function>", body_start)
+        is_closed = close >= 0
+        body = text[body_start:close] if is_closed else text[body_start:]
+        calls.append({"type": "function",
+                      "function": {"name": name, "arguments": _arguments(body, schemas.get(name, {}), is_closed)}})
+        if not is_closed:
+            is_cut = True
+            break
+        start = text.find(TOOL_CALL_OPEN, close)
     if not calls:
-        return text, []
-    return text[: text.index("<tool_call>")].rstrip(), calls
+        return text, [], False
+    return text[:first].rstrip(), calls, is_cut
 
 
 def split_reasoning(text: str, prompt_opened_think: bool = True) -> tuple[str | None, str]:
@@ -196,11 +274,13 @@ def split_reasoning(text: str, prompt_opened_think: bool = True) -> tuple[str | 
     return None, text
 
 
-def parse_output(text: str, prompt_opened_think: bool = True,
-                 tools: list[dict[str, Any]] | None = None) -> ParsedOutput:
+def parse_output(text: str, prompt_opened_think: bool = True, tools: list[dict[str, Any]] | None = None,
+                 is_final: bool = True) -> ParsedOutput:
+    """Reasoning, content and tool calls of an output; `is_final` False: of an output still growing (a call's
+    head being written holds back the content before it instead of counting as content)."""
     reasoning, content = split_reasoning(text, prompt_opened_think)
-    content, calls = parse_tool_calls(content, tools)
-    return ParsedOutput(content=content, reasoning=reasoning, tool_calls=calls)
+    content, calls, is_cut = parse_tool_calls(content, tools, is_final)
+    return ParsedOutput(content=content, reasoning=reasoning, tool_calls=calls, is_call_cut=is_cut)
 
 
 # ---- grammars of the output (structured outputs, forced tool calls) ---------------------------------
