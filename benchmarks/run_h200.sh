@@ -6,13 +6,13 @@
 # (weka_cc_sessions_dev.csv, hf_reader_baseline.py) and a pytest.ini without the asyncio plugin's
 # options. Results land in $OUT; copy them to benchmarks/results/ and commit.
 #
-#   bash benchmarks/run_h200.sh [tests|gemv|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abl|invariant|grammar ...]   (default: all, ~12 minutes)
+#   bash benchmarks/run_h200.sh [tests|gemv|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abl|invariant|grammar ...]   (default: all, ~12 minutes)
 #   PRESETS=qwen3.5-0.8b bash benchmarks/run_h200.sh measure                       (measure fewer presets)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export QSE_CACHE_DIR=/tmp/qsecache PYTHONUNBUFFERED=1
-steps=${*:-tests gemv attention configs check check2b measure gaps ab abl invariant}
+steps=${*:-tests gemv fp8 attention configs check check2b measure gaps ab abl invariant}
 session() {  # a 57k-token agent session shaped from the weka trace (10 turns, 5 re-renders)
   [ -f /tmp/s12.jsonl ] || python3 scripts/make_session.py --trace .devcarry/weka_cc_sessions_dev.csv \
     --session trace_0012 --out /tmp/s12.jsonl --max-tokens 60000 >/dev/null
@@ -24,6 +24,8 @@ for step in $steps; do
         2>&1 | tail -8 | tee "$OUT/gpu-tests.txt" ;;
     gemv)  # one-row projections and head: cuBLAS against qse's GEMV, 0.8B and 9B shapes
       timeout 120 python3 benchmarks/gemv_bench.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-300 ;;
+    fp8)  # FP8 block weights against BF16 at the 9B's projections: one row (GEMV) and a 512-row chunk (GEMM)
+      timeout 180 python3 benchmarks/fp8_bench.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-600 ;;
     attention)  # the attention kernel's tile shapes and softmax forms for chunks and questions, at 32k and 64k
       timeout 240 python3 benchmarks/attention_configs.py --out "$OUT" --variants "${VARIANTS:-}" 2>&1 | grep '^{' | cut -c1-700 ;;
     attnws)  # the attention loop under Triton's warp specialisation, in a process of its own (a compiler crash stays there)

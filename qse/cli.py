@@ -117,6 +117,22 @@ def cmd_router_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quality_gate(args: argparse.Namespace) -> int:
+    from .models.quality import default_text, run_quality_gate, thresholds_for
+
+    if not args.reference:
+        return _fail("--reference is empty: give the BF16 checkpoint the FP8 weights were made from")
+    thresholds, source = thresholds_for(args.model, args.max_kl, args.min_top1)
+    quantised = _load(args.model, args.device, args.dtype)
+    reference = _load(args.reference, args.device, args.dtype)
+    text = Path(args.text).read_text() if args.text else default_text()
+    ids = quantised.chat.tokenizer.encode(text)[: args.positions]
+    report = run_quality_gate(quantised, reference, ids, thresholds, args.chunk)
+    _emit({"model": quantised.name, "reference": reference.name, "kernels": quantised.kernels,
+           "text": args.text or "qse/data", "threshold_source": source, **report})
+    return 0 if report["pass"] else 1
+
+
 def cmd_serve(args: list[str]) -> int:
     from .server.cli import serve_main
 
@@ -180,6 +196,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--grid", type=int, default=0, help="rows per chunk (default QSE_SHADOW_GRID: the live reader's)")
     e.add_argument("--pool-gb", type=float, default=0.0, help="KV pool size; default fits the longest session")
     e.set_defaults(fn=cmd_router_eval)
+
+    q = sub.add_parser("quality-gate", help="FP8 weights against the weights they were made from: KL and top-1 "
+                                            "agreement, teacher-forced; exit 1 below the weight set's thresholds")
+    model_args(q)
+    q.add_argument("--reference", default="", help="the checkpoint the FP8 weights were made from (BF16)")
+    q.add_argument("--text", default="", help="a text file to read teacher-forced (default: qse's data files)")
+    q.add_argument("--positions", type=int, default=1024)
+    q.add_argument("--chunk", type=int, default=256, help="positions a forward")
+    q.add_argument("--max-kl", type=float, default=None, help="mean KL allowed, nats (default: the weight set's)")
+    q.add_argument("--min-top1", type=float, default=None, help="top-1 agreement required (default: the weight set's)")
+    q.set_defaults(fn=cmd_quality_gate)
     return p
 
 

@@ -109,8 +109,8 @@ def test_the_kernels_are_in_the_triton_op_sets():
     assert "fp8" in qse_kernels.KERNEL_MODULES
 
 
-# 9B projections (N, K): q/gate+k+v fused inputs of attention, the MLP's gate/up and down, a GDN input
-MODEL_SHAPES = {"9b-o": (4096, 4096), "9b-up": (12288, 4096), "9b-down": (4096, 12288), "9b-gdn-in": (12352, 4096)}
+# 9B projections (N, K): the attention output, the MLP's up and down, the GDN qkv input
+MODEL_SHAPES = {"9b-o": (4096, 4096), "9b-up": (12288, 4096), "9b-down": (4096, 12288), "9b-gdn-qkv": (8192, 4096)}
 
 
 @pytest.mark.gpu
@@ -123,3 +123,23 @@ def test_model_shapes_on_the_gpu(num_cols, depth, rel):
     whole = fp8.fp8_gemm(x, w, scale)
     assert rel(whole, naive.fp8_block_gemm(x, w, scale)) < 1e-2
     assert torch.equal(fp8.fp8_gemm(x[64:100], w, scale), whole[64:100])
+
+
+def test_the_h200_benchmark_runs_tiny_on_the_cpu(tmp_path, interpreted):
+    """benchmarks/fp8_bench.py --tiny: the same measurements at small shapes, interpreted; its JSON has every
+    figure and the GEMV equals its twin."""
+    if not interpreted:
+        pytest.skip("the tiny run is the CPU's (the device runs the full one)")
+    import json as json_
+
+    from benchmarks.fp8_bench import main as bench
+
+    assert bench(["--tiny", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("fp8_bench-*-cpu.json")
+    result = json_.loads(path.read_text())
+    assert list(result)[:4] == ["command", "date", "device", "versions"] and len(result["rows"]) == 2
+    for row in result["rows"]:
+        assert row["fp8_gemv_equals_twin"] is True
+        assert row["fp8_gemm_rel_diff_twin"] == 0.0  # interpreted: the exact block dots
+        assert row["fp8_vs_bf16_rel_diff"] < 0.1  # the weights' FP8 rounding
+        assert all(row[k] > 0 for k in row if k.endswith("_us"))
