@@ -143,6 +143,9 @@ class TurnRecord:
     # wall time the decode waited on the reader's slices: their device time plus every host step around it
     # (what the served model loses to the ration is this, not reader_ration_ms)
     reader_ration_wall_ms: float = 0.0
+    # ids of the prompt's kept prefix (what it shares with the session's ids before it) the reader had not read
+    # at the turn's start; None for a session's first turn or without a reader (the replay's freshness)
+    reader_behind_tokens: int | None = None
 
 
 @dataclass
@@ -162,6 +165,7 @@ class _Turn:
     # exact arithmetic is skipped before it (decode rounds are ~7 ms apart; the arithmetic cost ~30 us)
     slice_not_before: dict[Window, tuple[tuple, float]] = field(default_factory=dict)
     ration_wall_s: float = 0.0  # wall time of the reader's slices between rounds
+    reader_behind_tokens: int | None = None  # set by _turn_start (TurnRecord says what it is)
 
     @property
     def num_known(self) -> int:
@@ -361,7 +365,14 @@ class Conductor:
         if self.reader is None or sid is None:
             return
         prompt = list(turn.req.prompt_ids)
-        await self.reader_exec.run(self.reader.feed, sid, prompt, len(prompt))
+
+        def feed() -> int | None:
+            before = self.reader.sessions.get(sid)
+            kept = common_prefix(before.ids, prompt) if before is not None and before.ids else None
+            report = self.reader.feed(sid, prompt, len(prompt))
+            return None if kept is None else max(0, kept - report.position)
+
+        turn.reader_behind_tokens = await self.reader_exec.run(feed)
         self._session_prompts[sid] = prompt
         self._note_backlog(sid)
         self._maybe_queue_router(sid, turn.req)
@@ -425,7 +436,7 @@ class Conductor:
             decode_tokens_per_s=(n_decode / (decode_ms / 1e3)) if decode_ms > 0 else 0.0,
             reader_share=(ration_ms / decode_ms) if decode_ms > 0 else 0.0,
             narrator_ms=balance.gpu_ms(Role.NARRATOR) if balance else 0.0, start_s=turn.start_s,
-            reader_ration_wall_ms=turn.ration_wall_s * 1e3,
+            reader_ration_wall_ms=turn.ration_wall_s * 1e3, reader_behind_tokens=turn.reader_behind_tokens,
         )
         log.info("turn", **asdict(record))
         if self.on_turn is not None:

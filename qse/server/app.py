@@ -329,7 +329,7 @@ class RequestContext:
             seconds = time.perf_counter() - t0
             path = route_path(scope)
             route = path if path in self.known else "other"
-            self.service.metrics.request_seconds.labels(route, str(status["code"])).observe(seconds)
+            self.service.metrics.observe_request(route, status["code"], seconds)
             client = scope.get("client")
             log.info("request", method=scope["method"], path=path, status=status["code"], ms=round(seconds * 1e3, 3),
                      client=client[0] if client else None, scheme=scope.get("scheme"),

@@ -118,7 +118,8 @@ class Service:
         self.max_context_tokens = max_context_tokens
         self.created_s = int(time.time())
         self.ledger_path = ledger_path or settings.get("QSE_LEDGER") or settings.cache_dir() / "usage.jsonl"
-        self.metrics = ServerMetrics(self.status)
+        self.metrics = ServerMetrics(self.status, lambda: (self.admission.num_running, self.admission.num_waiting),
+                                     self.model_name)
         self.narrations: dict[str, Narration] = {}
         self._background: set[asyncio.Task] = set()
         # the conductor's clock (monotonic) -> wall seconds, so one ledger file spans restarts
@@ -348,8 +349,13 @@ class Service:
         if ticket is None or not ticket.ended:
             try:
                 async with aclosing(self.conductor.generate(req)) as tokens:
+                    last_s = None  # when the previous id came: the gaps are the inter-token latencies
                     try:
                         async for token in tokens:
+                            now_s = time.monotonic()
+                            if last_s is not None:
+                                self.metrics.itl_seconds.observe(now_s - last_s)
+                            last_s = now_s
                             out.push(token)
                             plan.output_tokens = out.num_ids
                             yield out.num_ids
@@ -559,10 +565,14 @@ class Service:
         m.prompt_tokens.inc(record.prompt_tokens)
         m.output_tokens.inc(record.output_tokens)
         finish = self._ended.pop(record.request_id, record.finish_reason)  # the conductor counts a cut turn as length
-        m.finished.labels(finish).inc()
+        m.note_finished(finish)
         self.admission.note_turn(record.end_s - (record.start_s if record.start_s is not None else record.arrival_s))
         if record.first_token_s is not None:
             m.ttft_seconds.observe(max(0.0, record.first_token_s - record.arrival_s))
+            m.decode_seconds.inc(max(0.0, record.end_s - record.first_token_s))
+            m.reader_ration_wall_seconds.inc(record.reader_ration_wall_ms / 1e3)
+        if record.reader_behind_tokens is not None and self.conductor.reader is not None:
+            m.note_turn_start(record.reader_behind_tokens, self.conductor.reader.grid)
         if record.decode_tokens_per_s > 0:
             m.decode_tokens_per_second.observe(record.decode_tokens_per_s)
             m.reader_share.observe(record.reader_share)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -307,9 +308,51 @@ async def test_every_turn_is_a_ledger_record_and_metrics_count_it(tiny_engine, t
         assert records[0].model == service.model_name and records[0].arrival_s > 1e9  # wall-clock seconds
         text = (await client.get("/metrics")).text
         for name in ("qse_request_seconds_bucket", "qse_ttft_seconds_count", "qse_decode_tokens_per_second_count",
-                     'qse_device_ms_total{role="served_decode"}', "qse_shadow_read_position_tokens",
-                     "qse_shadow_backlog_tokens_sum", "qse_output_tokens_total 6.0"):
+                     'qse_device_ms_total{role="served_decode"}', "qse_shadow_sessions_caught_up",
+                     "qse_shadow_backlog_tokens_sum", f'qse_output_tokens_total{{model_name="{service.model_name}"}} 6.0'):
             assert name in text, name
+
+
+async def test_metrics_a_dashboard_can_use(tiny_engine, tmp_path):
+    parser = pytest.importorskip("prometheus_client.parser")
+    service = real_service(tiny_engine, tmp_path)
+    model = service.model_name
+    async with serving(service) as client:
+        gaps = 0
+        for session in ("dash-1", "dash-1", "dash-2"):
+            r = await client.post("/v1/chat/completions", headers={"X-Session-Id": session},
+                                  json=body(model, "Count to ten, slowly. " * 8, max_tokens=4, temperature=0))
+            assert r.status_code == 200
+            gaps += r.json()["usage"]["completion_tokens"] - 1
+        families = {f.name: f for f in parser.text_string_to_metric_families((await client.get("/metrics")).text)}
+
+    def samples(name: str, suffix: str = "") -> dict[tuple, float]:
+        return {tuple(sorted(s.labels.items())): s.value for s in families[name].samples if s.name == name + suffix}
+
+    assert not [s for f in families.values() for s in f.samples if "session" in s.labels]  # sessions churn
+    assert families["qse_itl_seconds"].type == "histogram"
+    assert samples("qse_itl_seconds", "_count") == {(("model_name", model),): gaps}  # one a token after the first
+    for name in ("qse_requests_running", "qse_requests_waiting"):
+        assert families[name].type == "gauge" and samples(name) == {(("model_name", model),): 0}
+    for name in ("qse_ttft_seconds", "qse_request_seconds", "qse_decode_tokens_per_second"):
+        assert all(dict(labels)["model_name"] == model for labels in samples(name, "_count")), name
+    # the second turn of dash-1 is the only follow-up turn start; the reader had not read its prompt yet
+    starts = samples("qse_shadow_turn_starts", "_total")
+    assert sum(starts.values()) == 1 and set(starts) == {(("fresh", f), ("model_name", model)) for f in
+                                                         ("true", "false")}
+    assert samples("qse_shadow_behind_at_turn_start_tokens", "_count") == {(("model_name", model),): 1}
+    for name in ("qse_decode_seconds", "qse_reader_ration_wall_seconds"):
+        assert families[name].type == "counter" and name + "_total" in {s.name for s in families[name].samples}
+    assert samples("qse_shadow_sessions") == {(): 2}
+    # every series the Grafana dashboard charts is one this server writes
+    dashboard = json.loads((Path(__file__).resolve().parents[2] / "deploy/grafana/qse.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
+    written = {s.name for f in families.values() for s in f.samples}
+    charted = {name for e in exprs for name in re.findall(r"\bqse_\w+", e)}
+    assert len(charted) > 10 and charted <= written, charted - written
+    assert {"qse_itl_seconds_bucket", "qse_ttft_seconds_bucket", "qse_reader_ration_wall_seconds_total",
+            "qse_shadow_turn_starts_total"} <= charted
 
 
 async def test_the_openai_client_reads_tool_calls_streamed_and_whole(tiny_engine, tmp_path):

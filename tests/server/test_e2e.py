@@ -266,8 +266,10 @@ def test_metrics_and_models(server, oai, http):
     assert [m.id for m in models.data] == [server.model]
     text = http.get("/metrics").text
     for name in ("qse_request_seconds_bucket", "qse_ttft_seconds_count", "qse_decode_tokens_per_second_count",
-                 'qse_device_ms_total{role="reader_idle"}', "qse_shadow_read_position_tokens{",
-                 "qse_shadow_behind_tokens{", 'qse_shadow_store{stat="parks"}', 'qse_shadow_store{stat="restores"}',
-                 "qse_prompt_tokens_total"):
+                 'qse_device_ms_total{role="reader_idle"}', "qse_shadow_behind_tokens_sum",
+                 "qse_shadow_behind_at_turn_start_tokens_bucket", 'qse_shadow_store{stat="parks"}',
+                 'qse_shadow_store{stat="restores"}', "qse_prompt_tokens_total", "qse_itl_seconds_bucket",
+                 f'qse_requests_running{{model_name="{server.model}"}}', "qse_requests_waiting"):
         assert name in text, name
+    assert "session=" not in text
     assert oai.api_key == server.api_key
