@@ -70,7 +70,8 @@ _DECLARED: list[Setting] = [
     Setting("QSE_DEVICE", str, "auto", "torch device for the engines: auto (cuda if present), cpu, cuda, cuda:N"),
     Setting("QSE_DTYPE", str, "auto", "compute dtype: auto (bf16 on cuda, fp32 on cpu), bfloat16, float32"),
     # the shadow reader
-    Setting("QSE_SHADOW_MODEL", str, "", "reader model dir or preset; empty: the served model's weights"),
+    Setting("QSE_SHADOW_MODEL", str, "embedded", "reader model: a checkpoint dir, a preset, or embedded (qse's own "
+            "small model); empty: no reader (nothing of it is loaded)"),
     Setting("QSE_SHADOW_DIR", Path, None, "root of the shadow journal (shadow.jsonl); default: <cache>/shadow"),
     Setting("QSE_SHADOW_GB", float, 4.0, "cap on resident reader state, GiB (KV, recurrent, conv, checkpoints)"),
     Setting("QSE_SHADOW_GRID", int, 512, "rows per grid chunk: state advances only in whole chunks at k x grid"),

@@ -20,6 +20,7 @@ FAMILIES: dict[str, str] = {
     "qwen3_5": "qse.models.qwen3_5",
 }
 DEFAULT_FAMILY = "qwen3_5"
+EMBEDDED = "embedded"  # the embedded default's name as a spec (the empty spec names it too)
 
 
 class ModelSpecError(ValueError):
@@ -92,10 +93,16 @@ def weights_id_of_dir(model_dir: Path) -> str:
     return h.hexdigest()
 
 
+def same_spec(a: str | None, b: str | None) -> bool:
+    """Whether two specs name the same weights as spelt (the embedded default has two spellings)."""
+    a, b = ("" if x in (None, EMBEDDED) else str(x) for x in (a, b))
+    return a == b
+
+
 def resolve(spec: str | Path | None, device: torch.device, dtype: torch.dtype, cache_dir: Path,
             seed: int = 0) -> ResolvedModel:
     spec = "" if spec is None else str(spec)
-    if spec == "":
+    if spec in ("", EMBEDDED):
         module = family_module(DEFAULT_FAMILY)
         model_dir = module.ensure_embedded(cache_dir)
         return ResolvedModel(module.load(model_dir, device, dtype), module.ChatFormat(model_dir), model_dir.name,

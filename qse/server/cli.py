@@ -24,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="address to bind (QSE_HOST, 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to bind (QSE_PORT, 8000)")
     p.add_argument("--model", help="checkpoint dir or preset; empty: the embedded default (QSE_MODEL)")
-    p.add_argument("--shadow-model", help="the reader's model; empty: the served model's weights (QSE_SHADOW_MODEL)")
+    p.add_argument("--shadow-model", help="the reader's model: a dir, a preset or embedded; empty: no reader "
+                   "(QSE_SHADOW_MODEL)")
     p.add_argument("--profile", help="profile name in config/profiles, or a path to a .yaml (QSE_PROFILE)")
     p.add_argument("--grid", type=int, help="reader grid rows (QSE_SHADOW_GRID)")
     p.add_argument("--root-path", help="prefix the app is served under behind a proxy (QSE_ROOT_PATH)")
@@ -47,26 +48,29 @@ def apply_env_file(path: Path) -> dict[str, str]:
     return applied
 
 
-def build_service(model: str = "", shadow_model: str = "", profile: str = "default", grid: int | None = None,
+def build_service(model: str = "", shadow_model: str | None = None, profile: str = "default", grid: int | None = None,
                   device: str = "auto", dtype: str = "auto", settings: EngineSettings = SETTINGS,
                   served_names: list[str] | None = None) -> Service:
-    """Models, reader, store and conductor, as the profile asks. The reader reuses the served Engine
-    when it would load the same weights."""
+    """Models, reader, store and conductor, as the profile asks. shadow_model None: QSE_SHADOW_MODEL; empty: no
+    reader (its model, store and disk tier are not loaded). The reader reuses the served Engine when it would
+    load the same weights."""
     from ..engine.engine import Engine
-    from ..models import pick_device, pick_dtype, resolve
-    from ..core.plan import check_group
+    from ..models import pick_device, pick_dtype, resolve, same_spec
     from ..runtime.conductor import Conductor, ConductorConfig, ShadowOptions
-    from ..shadow.reader import ShadowReader, checkpoint_options
-    from ..store import GIB, ShadowStore
 
     prof = load_profile(profile)
+    shadow_model = settings.get("QSE_SHADOW_MODEL") if shadow_model is None else shadow_model
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     cache = settings.cache_dir()
     served = Engine(resolve(model, dev, dt, cache))
     reader = store = None
-    if prof.shadow.mode == "on":
-        engine = served if shadow_model in ("", model) else Engine(resolve(shadow_model, dev, dt, cache))
+    if prof.shadow.mode == "on" and shadow_model != "":
+        from ..core.plan import check_group
+        from ..shadow.reader import ShadowReader, checkpoint_options
+        from ..store import GIB, ShadowStore
+
+        engine = served if same_spec(shadow_model, model) else Engine(resolve(shadow_model, dev, dt, cache))
         store = ShadowStore.from_settings(settings)
         # the chunk groups the idle window may launch are captured by warm() below, with the single chunk's
         # graph (none beyond it at the default of one chunk a launch)
@@ -76,7 +80,8 @@ def build_service(model: str = "", shadow_model: str = "", profile: str = "defau
                               chunk_group=settings.get("QSE_SHADOW_IDLE_GROUP"), **checkpoint_options(settings))
         store.attach(reader)
     s = prof.shadow
-    options = ShadowOptions(mode=s.mode, narrator=s.narrator, router=s.router, router_min_tokens=s.router_min_tokens)
+    options = ShadowOptions(mode=s.mode if reader is not None else "off", narrator=s.narrator, router=s.router,
+                            router_min_tokens=s.router_min_tokens)
     conductor = Conductor(served, reader, options, ConductorConfig.from_settings(settings))
     # capture the graphs (the reader's chunk, the served decode step) before the first request, not in it
     if reader is not None:
@@ -98,7 +103,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         configure_logging(level)
         service = build_service(
             model=settings.get("QSE_MODEL") if args.model is None else args.model,
-            shadow_model=settings.get("QSE_SHADOW_MODEL") if args.shadow_model is None else args.shadow_model,
+            shadow_model=args.shadow_model,
             profile=args.profile or settings.get("QSE_PROFILE"), grid=args.grid,
             device=args.device or settings.get("QSE_DEVICE"), dtype=args.dtype or settings.get("QSE_DTYPE"),
             settings=settings, served_names=args.served_model_name)

@@ -1,6 +1,6 @@
 """Profiles: config/profiles/<name>.yaml decoded into typed Structs; an unknown key is an error naming it.
 
-    shadow:                 # the reader beside the served model (absent: the defaults below)
+    shadow:                 # the reader beside the served model (absent: off; present: the defaults below)
       mode: on              # off | on
       narrator: off         # off | on: summarize a turn's reasoning on the reader after the turn
       router: off           # off | shadow: ask the router's class question of the reader, journal it
@@ -47,7 +47,7 @@ class GenerationBlock(Struct, forbid_unknown_fields=True):
 class Profile(Struct, forbid_unknown_fields=True):
     name: str = "default"
     description: str = ""
-    shadow: ShadowBlock = msgspec.field(default_factory=ShadowBlock)
+    shadow: ShadowBlock = msgspec.field(default_factory=lambda: ShadowBlock(mode="off"))  # no block: no reader
     generation: GenerationBlock = msgspec.field(default_factory=GenerationBlock)
 
 
