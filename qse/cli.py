@@ -88,10 +88,37 @@ def cmd_shadow_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parked_ids(sessions_dir: str) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Every parked session's ids by session id (qse/store/disk.py's files; only the ids, checked against their
+    hash: another reader's fingerprints do not matter to router-eval), and the unreadable files by reason."""
+    from collections import Counter
+
+    from .store import disk
+
+    root = Path(sessions_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"no parked sessions at {root}: give the reader's disk tier (QSE_SHADOW_DISK)")
+    ids_of: dict[str, list[int]] = {}
+    misses: Counter = Counter()
+    for path in sorted(root.iterdir()):
+        if not path.name.endswith(disk.SUFFIX) or disk.is_temp_name(path.name):
+            continue
+        try:
+            header = disk.read_header(path)
+            ids = disk.read_tensors(header, ["ids"])["ids"]
+            if disk.tensor_sha256(ids) != header.meta.get("ids_sha256"):
+                raise disk.FileMiss("checksum", "the ids do not match their hash")
+        except disk.FileMiss as miss:
+            misses[miss.reason] += 1
+            continue
+        ids_of[header.meta.get("session_id", path.name)] = [int(i) for i in ids.tolist()]
+    return ids_of, dict(misses)
+
+
 def cmd_router_eval(args: argparse.Namespace) -> int:
     from .runtime.conductor import ROUTER_CLASSES, ROUTER_QUESTION
     from .shadow.reader import ShadowReader
-    from .shadow.router_eval import Question, evaluate, parse_mapping, question_ids, read_journal, read_parked_ids
+    from .shadow.router_eval import Question, evaluate, parse_mapping, question_ids, read_journal
 
     if args.question and not args.classes:
         return _fail("--question needs --classes: the classes its letters A, B, ... stand for")
@@ -102,7 +129,7 @@ def cmd_router_eval(args: argparse.Namespace) -> int:
         question = Question.listing(ROUTER_QUESTION.split(" Classes: ")[0], classes)
     mapping = parse_mapping(args.map)
     entries = read_journal(args.journal)
-    ids_of, misses = read_parked_ids(args.sessions)
+    ids_of, misses = _parked_ids(args.sessions)
     engine = _load(args.model, args.device, args.dtype)
     grid = args.grid or SETTINGS.get("QSE_SHADOW_GRID")
     longest = max((len(ids) for ids in ids_of.values()), default=0)
@@ -112,7 +139,7 @@ def cmd_router_eval(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     out = evaluate(reader, question, question_ids(engine.chat, question), entries, ids_of, mapping)
     _emit({"model": engine.name, "grid": grid, "journal": str(args.journal), "sessions": str(args.sessions),
-           "parked_files": len(ids_of), "file_misses": dict(misses), "question": question.text, **out,
+           "parked_files": len(ids_of), "file_misses": misses, "question": question.text, **out,
            "wall_s": round(time.perf_counter() - t0, 3)})
     return 0
 

@@ -2,7 +2,7 @@
 
 The live reader answers the router's class question in shadow mode at each long turn's insertion point and
 journals it (`<journal dir>/shadow.jsonl`: session, position, label, router_label, ...). A planned stop parks
-every session in one file (qse/store/disk.py), ids included. Here each journaled question is asked again over
+every session in one file (qse/store/disk.py), ids included; the caller reads the ids (`qse router-eval` does). Here each journaled question is asked again over
 the parked ids, at the same position and on the same grid as the live reader asked it (the reader stands on
 the grid line at or below the position; the rest is read on the fork), by whatever reader and question are
 given: a larger model, a checkpoint, three classes instead of nine.
@@ -21,7 +21,6 @@ The report (one JSON object):
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -104,31 +103,6 @@ def read_journal(path: Path | str) -> list[JournalEntry]:
         entries.append(JournalEntry(str(obj["session"]), position, str(obj["label"]),
                                     obj.get("router_label") or None, obj.get("request_id")))
     return entries
-
-
-def read_parked_ids(sessions_dir: Path | str) -> tuple[dict[str, list[int]], Counter]:
-    """Every parked session's ids by session id, and the files that could not be read by reason. Only the ids
-    are read (checked against their hash): another reader's fingerprints do not matter here."""
-    from ..store import disk
-
-    sessions_dir = Path(sessions_dir)
-    if not sessions_dir.is_dir():
-        raise RouterEvalError(f"no parked sessions at {sessions_dir}: give the reader's disk tier (QSE_SHADOW_DISK)")
-    ids_of: dict[str, list[int]] = {}
-    misses: Counter = Counter()
-    for name in sorted(os.listdir(sessions_dir)):
-        if not name.endswith(disk.SUFFIX) or disk.is_temp_name(name):
-            continue
-        try:
-            header = disk.read_header(sessions_dir / name)
-            ids = disk.read_tensors(header, ["ids"])["ids"]
-            if disk.tensor_sha256(ids) != header.meta.get("ids_sha256"):
-                raise disk.FileMiss("checksum", "the ids do not match their hash")
-        except disk.FileMiss as miss:
-            misses[miss.reason] += 1
-            continue
-        ids_of[header.meta.get("session_id", name)] = [int(i) for i in ids.tolist()]
-    return ids_of, misses
 
 
 def parse_mapping(spec: str | None) -> dict[str, str]:
@@ -234,4 +208,4 @@ def report(question: Question, answers: list[Answer], skipped: Counter) -> dict[
 
 
 __all__ = ["Answer", "JournalEntry", "Question", "RouterEvalError", "evaluate", "parse_mapping", "question_ids",
-           "read_journal", "read_parked_ids", "report"]
+           "read_journal", "report"]

@@ -114,3 +114,12 @@ async def test_another_reader_from_a_checkpoint_dir(journaled, capsys, tmp_path)
     assert report["model"] == "other-reader" and report["questions"] == 5
     assert [a["position"] for a in report["answers"]] == [e.position for e in read_journal(journal)]
     assert report["vs_live"]["n"] == 5 and report["vs_router"]["n"] == 5
+
+
+async def test_an_unreadable_parked_file_is_counted_and_its_questions_skipped(journaled, capsys):
+    journal, disk_dir = journaled
+    files = sorted(disk_dir.glob("*.safetensors"))
+    files[0].write_bytes(files[0].read_bytes()[:100])  # torn
+    report = _router_eval(capsys, journal, disk_dir)
+    assert report["parked_files"] == 1 and report["file_misses"] == {"truncated": 1}
+    assert report["questions"] + report["skipped"]["no_parked_file"] == 5
