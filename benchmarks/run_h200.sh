@@ -6,13 +6,13 @@
 # (weka_cc_sessions_dev.csv, hf_reader_baseline.py) and a pytest.ini without the asyncio plugin's
 # options. Results land in $OUT; copy them to benchmarks/results/ and commit.
 #
-#   bash benchmarks/run_h200.sh [tests|gemv|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abl|invariant|grammar ...]   (default: all, ~12 minutes)
+#   bash benchmarks/run_h200.sh [tests|gemv|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abl|invariant|grammar|rounds ...]   (default: all, ~13 minutes)
 #   PRESETS=qwen3.5-0.8b bash benchmarks/run_h200.sh measure                       (measure fewer presets)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export QSE_CACHE_DIR=/tmp/qsecache PYTHONUNBUFFERED=1
-steps=${*:-tests gemv fp8 attention configs check check2b measure gaps ab abl invariant}
+steps=${*:-tests gemv fp8 attention configs check check2b measure gaps ab abl invariant rounds}
 session() {  # a 57k-token agent session shaped from the weka trace (10 turns, 5 re-renders)
   [ -f /tmp/s12.jsonl ] || python3 scripts/make_session.py --trace .devcarry/weka_cc_sessions_dev.csv \
     --session trace_0012 --out /tmp/s12.jsonl --max-tokens 60000 >/dev/null
@@ -67,6 +67,8 @@ for step in $steps; do
     grammar)  # a json_schema answer's decode speed against the same request without a grammar, 9B (goal >= 0.95)
       timeout 300 python3 benchmarks/grammar_decode.py --model qwen3.5-9b --tokens 256 --pairs 5 --out "$OUT" \
         2>&1 | grep '^{' | tail -2 ;;
+    rounds)  # batched decode rounds of the served 9B: device ms a round at 1, 8 and 32 sequences of 6k tokens
+      timeout 300 python3 benchmarks/round_step.py --preset "${ROUND_PRESET:-qwen3.5-9b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-400 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

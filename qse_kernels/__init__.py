@@ -78,6 +78,10 @@ def triton_ops() -> SimpleNamespace:
         attention=mods["attention"].attention,
         paged_attention=mods["attention"].paged_attention,
         fp8_matmul=mods["fp8"].fp8_matmul,  # FP8 block weights (qse.models.linear.FP8BlockLinear) as stored
+        qk_norm_rotary_paged_rows=mods["fused"].qk_norm_rotary_paged_rows,
+        paged_decode_attention=mods["attention"].paged_decode_attention,
+        causal_conv1d_slots=mods["conv1d"].causal_conv1d_slots,
+        recurrent_gated_delta_rule_slots=mods["gdn_recurrent"].recurrent_gated_delta_rule_slots,
     )
     if GEMV_HEAD:
         ops.head_row = head_row
@@ -91,12 +95,17 @@ def invariant_ops() -> SimpleNamespace:
     ops = triton_ops()
     if hasattr(ops, "head_row"):
         del ops.head_row  # the model's own head: one row or many, the same GEMM
+    import torch
+
     gemm = importlib.import_module(f"{__name__}.gemm")
     attention = importlib.import_module(f"{__name__}.attention")
     ops.dense_matmul = gemm.dense_matmul
     ops.attention = attention.attention_invariant
     ops.paged_attention = attention.paged_attention_invariant
     ops.fp8_matmul = importlib.import_module(f"{__name__}.fp8").fp8_gemm  # one row or many, the same GEMM
+    ops.paged_decode_attention = attention.paged_decode_attention_invariant
+    # a batched decode's fp32 logits through the same GEMM (torch's head picks its algorithm by the row count)
+    ops.head_rows = lambda x, w: gemm.dense_matmul(x, w, torch.float32)
     return ops
 
 

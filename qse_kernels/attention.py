@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .fused import _sigmoid_gated, check_page_table
+from .fused import _sigmoid_gated, check_page_table, check_page_tables
 
 # split-K sizing: at most this many programs (two waves of the H200's 132 SMs), with splits of at least
 # MIN_ROWS rows. A chunk's program holds 192 KB of shared memory, so one runs on an SM at a time: rounding
@@ -185,13 +185,27 @@ def _attn_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, table_ptr, start_ptr, o_ptr, part_ptr, lse_ptr, gate_ptr,
     num_q, num_heads, page_rows, forced_rows, scale_log2,
     stride_qt, stride_qh, stride_kp, stride_kl, stride_kh, stride_vp, stride_vl, stride_vh, stride_ot, stride_oh,
-    stride_gt, stride_gh,
+    stride_gt, stride_gh, stride_tb,
     G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     WANT: tl.constexpr, MIN_ROWS: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
     TMA: tl.constexpr, GATE: tl.constexpr, LAZY: tl.constexpr = 0, FUSED: tl.constexpr = False,
-    WS: tl.constexpr = False,
+    WS: tl.constexpr = False, BATCHED: tl.constexpr = False,
 ):
     i_m, i_hk, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    part_rows = num_q  # rows of the split parts' layout [splits, rows, H, D]
+    if BATCHED:
+        # decode rounds: program row i_b is the one query (num_q == 1) of sequence i_b, with its own start and
+        # page-table row; its query, output and gate are row i_b, its split parts row i_b of B
+        i_b = i_m
+        i_m = 0
+        part_rows = tl.num_programs(0)
+        start_ptr = start_ptr + i_b
+        table_ptr = table_ptr + i_b * stride_tb
+        q_ptr = q_ptr + i_b * stride_qt
+        o_ptr = o_ptr + i_b * stride_ot
+        gate_ptr = gate_ptr + i_b * stride_gt
+        part_ptr = part_ptr + i_b * num_heads * D
+        lse_ptr = lse_ptr + i_b * num_heads
     q_start = tl.load(start_ptr)
     num_rows = q_start + num_q
     if forced_rows > 0:
@@ -249,7 +263,7 @@ def _attn_kernel(
         b_has = b_l > 0.0
         b_part = b_acc / tl.where(b_has, b_l, 1.0)[:, None]
         b_lse = tl.where(b_has, b_m + tl.log2(tl.where(b_has, b_l, 1.0)), float("-inf"))
-        o_row = (i_s * num_q + o_t) * num_heads + o_head
+        o_row = (i_s * part_rows + o_t) * num_heads + o_head
         tl.store(part_ptr + o_row[:, None] * D + o_d[None, :], b_part, mask=m_out)
         tl.store(lse_ptr + o_row, b_lse, mask=m_m)
     else:
@@ -324,6 +338,38 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
                    descriptors=None if fixed_tiles else _page_descriptors(k_pages, v_pages, bn), gate=gate)
 
 
+def paged_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_tables: torch.Tensor,
+                           positions: torch.Tensor, max_rows: int | None = None, scale: float | None = None,
+                           gate: torch.Tensor | None = None, rows_per_split: int = 0,
+                           fixed_tiles: bool = False) -> torch.Tensor:
+    """Triton twin of naive.paged_decode_attention: B sequences of one query each in one launch, q [B, H, D],
+    row b at position positions[b] (int32 [B], on the device) over rows [0, positions[b]] of the pages
+    page_tables[b] (int32 [B, >= pages used]). Row b has the bits of paged_attention of that query alone
+    (the same tiles, split size and combine; a program a sequence, head group and split). max_rows, scale,
+    rows_per_split, fixed_tiles, gate: as paged_attention."""
+    if q.dim() != 3 or k_pages.dim() != 4 or v_pages.shape != k_pages.shape or k_pages.shape[3] != q.shape[2]:
+        raise ValueError(f"q must be [B, H, D] and k, v pages [P, rows, Hkv, D]; got {tuple(q.shape)}, "
+                         f"{tuple(k_pages.shape)}, {tuple(v_pages.shape)}")
+    check_page_tables(page_tables, positions, q.shape[0])
+    page_rows = k_pages.shape[1]
+    group = q.shape[1] // max(1, k_pages.shape[2])
+    cfg = _config(1, group, q.shape[2], fixed_tiles)
+    if page_rows % cfg["BN"] or group > cfg["BM"]:
+        raise ValueError(f"page_rows must be a multiple of {cfg['BN']} and the query heads of a KV head at most "
+                         f"{cfg['BM']}; got {page_rows}, {group}")
+    num_splits = None
+    if max_rows is not None:
+        num_splits = splits_for(1, q.shape[1], k_pages.shape[2], q.shape[2], max_rows, rows_per_split)
+    return _launch(q, k_pages, v_pages, page_rows, k_pages.stride()[:3], v_pages.stride()[:3], page_tables, positions,
+                   num_splits, scale, rows_per_split, fixed_tiles, gate=gate, batched=True)
+
+
+def paged_decode_attention_invariant(q, k_pages, v_pages, page_tables, positions, max_rows=None, scale=None, gate=None):
+    """paged_decode_attention, grid-invariant: the arithmetic of paged_attention_invariant for each row."""
+    return paged_decode_attention(q, k_pages, v_pages, page_tables, positions, max_rows, scale, gate,
+                                  INVARIANT_SPLIT_ROWS, True)
+
+
 def _page_descriptors(k_pages: torch.Tensor, v_pages: torch.Tensor, bn: int):
     """TMA descriptors of the pages seen as [P, rows, Hkv * D], one [1, BN, D] tile a load; None where
     TMA_LOADS is off or the layout does not allow them (a power-of-two D, a contiguous row of heads)."""
@@ -343,10 +389,12 @@ def _page_descriptors(k_pages: torch.Tensor, v_pages: torch.Tensor, bn: int):
 
 
 def _launch(q, k, v, page_rows, k_strides, v_strides, page_table, start, num_splits, scale, rows_per_split,
-            fixed_tiles=False, descriptors=None, gate=None):
+            fixed_tiles=False, descriptors=None, gate=None, batched=False):
     """k_strides, v_strides: (page, row, head) element strides; the last dimension is contiguous. gate: None,
-    or [T, H, D] multiplied in by sigmoid in the epilogue."""
-    num_q, num_heads, head_dim = q.shape
+    or [T, H, D] multiplied in by sigmoid in the epilogue. batched: q's rows are B sequences of one query each,
+    start [B] and page_table [B, pages] (paged_decode_attention)."""
+    num_rows_q, num_heads, head_dim = q.shape
+    num_q = 1 if batched else num_rows_q  # queries of one sequence
     num_kv = k.shape[-2]
     if num_heads % num_kv:
         raise ValueError(f"query heads {num_heads} must be a multiple of KV heads {num_kv}")
@@ -361,8 +409,8 @@ def _launch(q, k, v, page_rows, k_strides, v_strides, page_table, start, num_spl
         if gate.shape != q.shape or gate.dtype != q.dtype:
             raise ValueError(f"gate must match q {tuple(q.shape)} {q.dtype}; got {tuple(gate.shape)} {gate.dtype}")
         gate = gate if gate.stride(-1) == 1 else gate.contiguous()
-    out = torch.empty(num_q, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    if num_q == 0:
+    out = torch.empty(num_rows_q, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if num_rows_q == 0:
         return out
     scale = head_dim ** -0.5 if scale is None else scale
     want = max_splits(num_q, num_heads, num_kv, head_dim)
@@ -371,27 +419,28 @@ def _launch(q, k, v, page_rows, k_strides, v_strides, page_table, start, num_spl
     splits = want if num_splits is None else num_splits
     is_split = splits > 1
     if is_split:
-        part = torch.empty(splits, num_q, num_heads, head_dim, dtype=torch.float32, device=q.device)
-        lse = torch.empty(splits, num_q, num_heads, dtype=torch.float32, device=q.device)
+        part = torch.empty(splits, num_rows_q, num_heads, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(splits, num_rows_q, num_heads, dtype=torch.float32, device=q.device)
     else:
         part = lse = out  # unused
     block_d = max(16, triton.next_power_of_2(head_dim))
-    grid = (triton.cdiv(num_q * group, cfg["BM"]), num_kv, splits)
+    grid = (num_rows_q if batched else triton.cdiv(num_q * group, cfg["BM"]), num_kv, splits)
     k_desc, v_desc = (None, None) if descriptors is None or _decode_tiles(num_q, group, fixed_tiles) else descriptors
     gate_args = (out, 0, 0) if gate is None else (gate, gate.stride(0), gate.stride(1))  # (out: unread)
     _attn_kernel[grid](
         q, k, v, k_desc, v_desc, page_table, start, out, part, lse, gate_args[0],
         num_q, num_heads, page_rows, rows_per_split, scale * LOG2_E,
         q.stride(0), q.stride(1), *k_strides, *v_strides, out.stride(0), out.stride(1), *gate_args[1:],
+        page_table.stride(0) if batched else 0,
         G=group, D=head_dim, BD=block_d, BM=cfg["BM"], BN=cfg["BN"], WANT=want, MIN_ROWS=cfg["MIN_ROWS"],
         SPLIT=is_split, DOT_FP32=interpreting() and q.dtype != torch.float32, TMA=k_desc is not None,
         GATE=gate is not None, LAZY=LAZY_RESCALE_LOG2, FUSED=FUSED_SCALE, WS=WARP_SPECIALIZE and k_desc is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BATCHED=batched, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if is_split:
-        combine_d = min(block_d, COMBINE_BLOCK_D) if num_q < COMBINE_SPLIT_D_BELOW_ROWS else block_d
-        _attn_combine_kernel[(num_q, num_heads, triton.cdiv(head_dim, combine_d))](
-            part, lse, out, gate_args[0], splits, num_q, num_heads, out.stride(0), out.stride(1), *gate_args[1:],
+        combine_d = min(block_d, COMBINE_BLOCK_D) if num_rows_q < COMBINE_SPLIT_D_BELOW_ROWS else block_d
+        _attn_combine_kernel[(num_rows_q, num_heads, triton.cdiv(head_dim, combine_d))](
+            part, lse, out, gate_args[0], splits, num_rows_q, num_heads, out.stride(0), out.stride(1), *gate_args[1:],
             D=head_dim, BD=combine_d, BS=COMBINE_BLOCK_SPLITS, GATE=gate is not None, num_warps=4,
         )
     return out
@@ -439,4 +488,4 @@ def attention_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: 
 
 
 __all__ = ["INVARIANT_SPLIT_ROWS", "attention", "attention_invariant", "attention_split", "max_splits",
-           "paged_attention", "paged_attention_invariant", "split_rows", "splits_for"]
+           "paged_attention", "paged_attention_invariant", "paged_decode_attention", "paged_decode_attention_invariant", "split_rows", "splits_for"]

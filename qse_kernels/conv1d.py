@@ -4,6 +4,10 @@ Grid (T / BT, C / BC). Row t of the output reads seq[t .. t+K-1] of seq = cat(st
 to x's dtype, as the twin does) and accumulates in fp32 over the taps in order 0..K-1. The programs of
 the first row block also write the new state, the last K-1 rows of seq, so prefill (any T) and the T = 1
 update are one launch each.
+
+causal_conv1d_slots steps B sequences by one input each in one launch, grid (B, C / BC): program row b runs
+the T = 1 update of sequence b (x row b, state slot slots[b] of a slot stack, in place), the same code as a
+T = 1 launch of causal_conv1d on that sequence alone.
 """
 
 from __future__ import annotations
@@ -32,9 +36,18 @@ def _seq_rows(x_ptr, state_ptr, o_src, o_c, m_rows, m_c, stride_xt, stride_st, W
 def _conv_kernel(
     x_ptr, w_ptr, state_ptr, y_ptr, new_state_ptr,
     num_tokens, num_channels, stride_xt, stride_wc, stride_wk, stride_st, stride_yt, stride_nt,
-    WIDTH: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr,
+    slots_ptr, stride_slot,
+    WIDTH: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, SLOTS: tl.constexpr = False,
 ):
     i_t, i_c = tl.program_id(0), tl.program_id(1)
+    if SLOTS:  # program row i_b: the one new input of sequence i_b (num_tokens == 1), its state in slot slots[i_b]
+        i_b = i_t
+        i_t = 0
+        i_slot = tl.load(slots_ptr + i_b).to(tl.int64)
+        x_ptr = x_ptr + i_b * stride_xt
+        y_ptr = y_ptr + i_b * stride_yt
+        state_ptr = state_ptr + i_slot * stride_slot
+        new_state_ptr = new_state_ptr + i_slot * stride_slot
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < num_tokens
     o_c = i_c * BC + tl.arange(0, BC)
@@ -83,8 +96,33 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
     _conv_kernel[grid](
         x, weight, state, y, new_state,
         num_tokens, num_channels, x.stride(0), weight.stride(0), weight.stride(1), state.stride(0), y.stride(0),
-        new_state.stride(0),
+        new_state.stride(0), y, 0,
         WIDTH=width, BT=CONV_BLOCK_T, BC=CONV_BLOCK_C, BS=triton.next_power_of_2(width - 1),
         num_warps=CONV_NUM_WARPS,
     )
     return y, new_state
+
+
+def causal_conv1d_slots(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Triton twin of naive.causal_conv1d_slots: x [B, C] one new input per sequence, weight [C, K], states
+    [S, K-1, C] (slot slots[b], a long [B] on the device, is sequence b's state, stepped in place). Returns y [B, C]."""
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
+        raise ValueError(f"x must be [B, C] and weight [C, K]; got {tuple(x.shape)}, {tuple(weight.shape)}")
+    num_rows, num_channels = x.shape
+    width = weight.shape[1]
+    if width < 2 or states.dim() != 3 or states.shape[1:] != (width - 1, num_channels) or states.stride(2) != 1:
+        raise ValueError(f"states must be [S, K-1, C] = [*, {width - 1}, {num_channels}] with K >= 2 and unit column "
+                         f"stride; got {tuple(states.shape)}")
+    if slots.shape != (num_rows,) or slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slots must be an integer tensor [{num_rows}]; got {slots.dtype} {tuple(slots.shape)}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    y = torch.empty(num_rows, num_channels, dtype=x.dtype, device=x.device)
+    if num_rows:
+        _conv_kernel[(num_rows, triton.cdiv(num_channels, CONV_BLOCK_C))](
+            x, weight, states, y, states,
+            1, num_channels, x.stride(0), weight.stride(0), weight.stride(1), states.stride(1), y.stride(0),
+            states.stride(1), slots, states.stride(0),
+            WIDTH=width, BT=CONV_BLOCK_T, BC=CONV_BLOCK_C, BS=triton.next_power_of_2(width - 1), SLOTS=True,
+            num_warps=CONV_NUM_WARPS,
+        )
+    return y

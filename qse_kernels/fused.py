@@ -126,12 +126,14 @@ def _qk_norm_rotary_kernel(
     v_ptr, kp_ptr, vp_ptr, table_ptr, start_ptr, page_rows,
     num_q_rows, num_k_rows, num_q_heads, num_k_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_c, eps,
-    stride_vt, stride_vh, stride_kpp, stride_kpr, stride_kph, stride_vpp, stride_vpr, stride_vph,
+    stride_vt, stride_vh, stride_kpp, stride_kpr, stride_kph, stride_vpp, stride_vpr, stride_vph, stride_tb,
     D: tl.constexpr, BD: tl.constexpr, RD: tl.constexpr, BR: tl.constexpr, PAGED: tl.constexpr,
+    BATCHED: tl.constexpr = False,
 ):
     """The first programs take q's rows, the rest k's: one launch for both. PAGED: a k program stores its
     rows, and the same rows of v as they are, at sequence rows start.. of the paged KV (start read here,
-    on the device, so a captured graph serves every position) instead of into ko."""
+    on the device, so a captured graph serves every position) instead of into ko. BATCHED: token t is the
+    one new token of sequence t, at position start[t] of the pages in table row t (decode rounds)."""
     pid = tl.program_id(0)
     q_programs = tl.cdiv(num_q_rows, BR)
     if pid < q_programs:
@@ -143,8 +145,12 @@ def _qk_norm_rotary_kernel(
         if PAGED:
             m_r = o_r < num_k_rows
             o_t, o_h = o_r // num_k_heads, o_r % num_k_heads
-            o_pos = tl.load(start_ptr) + o_t
-            i_page = tl.load(table_ptr + o_pos // page_rows, mask=m_r, other=0).to(tl.int64)
+            if BATCHED:
+                o_pos = tl.load(start_ptr + o_t, mask=m_r, other=0)
+                i_page = tl.load(table_ptr + o_t * stride_tb + o_pos // page_rows, mask=m_r, other=0).to(tl.int64)
+            else:
+                o_pos = tl.load(start_ptr) + o_t
+                i_page = tl.load(table_ptr + o_pos // page_rows, mask=m_r, other=0).to(tl.int64)
             i_row = (o_pos % page_rows).to(tl.int64)
             p_k = kp_ptr + i_page * stride_kpp + i_row * stride_kpr + o_h * stride_kph
             _norm_rotary_rows(k_ptr, wk_ptr, p_k, cos_ptr, sin_ptr, o_r, num_k_rows, num_k_heads,
@@ -241,16 +247,48 @@ def qk_norm_rotary_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_we
     page_table and start int32, start [1] on the device). One launch instead of the norm and two scatters."""
     q, k = _check_qk(q, k, q_weight, k_weight, cos, sin)
     v = _heads_view(v, "v")
+    _check_pages(k, v, k_pages, v_pages)
+    check_page_table(page_table, start)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _launch_qk(q, k, q_weight, k_weight, cos, sin, eps, q_out, None, (v, k_pages, v_pages, page_table, start))
+    return q_out
+
+
+def _check_pages(k, v, k_pages, v_pages) -> None:
+    """v like k, and the pages [P, page_rows, Hkv, D] of k's heads and dtype with contiguous rows."""
     if v.shape != k.shape or v.dtype != k.dtype:
         raise ValueError(f"v must match k {tuple(k.shape)} {k.dtype}; got {tuple(v.shape)} {v.dtype}")
     if (k_pages.dim() != 4 or v_pages.shape != k_pages.shape or k_pages.shape[2:] != k.shape[1:]
             or k_pages.dtype != k.dtype or v_pages.dtype != k.dtype or k_pages.stride(3) != 1 or v_pages.stride(3) != 1):
         raise ValueError(f"k, v pages must be [P, page_rows, {k.shape[1]}, {k.shape[2]}] in {k.dtype} with contiguous "
                          f"rows; got {tuple(k_pages.shape)} {k_pages.dtype}, {tuple(v_pages.shape)} {v_pages.dtype}")
-    check_page_table(page_table, start)
+
+
+def qk_norm_rotary_paged_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
+                              k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                              k_pages: torch.Tensor, v_pages: torch.Tensor, page_tables: torch.Tensor,
+                              positions: torch.Tensor) -> torch.Tensor:
+    """Triton twin of naive.qk_norm_rotary_paged_rows: qk_norm_rotary_paged for B sequences of one token each
+    in one launch, row b's k and v stored at position positions[b] (int32 [B]) of the pages page_tables[b]
+    (int32 [B, >= pages used]). Every row has the arithmetic of qk_norm_rotary_paged; returns q."""
+    q, k = _check_qk(q, k, q_weight, k_weight, cos, sin)
+    v = _heads_view(v, "v")
+    _check_pages(k, v, k_pages, v_pages)
+    check_page_tables(page_tables, positions, q.shape[0])
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _launch_qk(q, k, q_weight, k_weight, cos, sin, eps, q_out, None, (v, k_pages, v_pages, page_table, start))
+    _launch_qk(q, k, q_weight, k_weight, cos, sin, eps, q_out, None, (v, k_pages, v_pages, page_tables, positions),
+               batched=True)
     return q_out
+
+
+def check_page_tables(page_tables: torch.Tensor, positions: torch.Tensor, num_rows: int) -> None:
+    """B sequences' page tables and positions as the batched kernels read them on the device: int32 [B, pages]
+    (rows of unit stride) and int32 [B]."""
+    if (page_tables.dtype != torch.int32 or positions.dtype != torch.int32 or page_tables.dim() != 2
+            or page_tables.shape[0] != num_rows or positions.shape != (num_rows,) or page_tables.stride(1) != 1):
+        raise ValueError(f"page_tables must be int32 [{num_rows}, pages] (contiguous rows) and positions int32 "
+                         f"[{num_rows}]; got {page_tables.dtype} {tuple(page_tables.shape)}, {positions.dtype} "
+                         f"{tuple(positions.shape)}")
 
 
 def check_page_table(page_table: torch.Tensor, start: torch.Tensor) -> None:
@@ -275,8 +313,9 @@ def _check_qk(q, k, q_weight, k_weight, cos, sin) -> tuple[torch.Tensor, torch.T
     return q, k
 
 
-def _launch_qk(q, k, q_weight, k_weight, cos, sin, eps, q_out, k_out, paged):
-    """paged: None (k into k_out), or (v, k_pages, v_pages, page_table, start)."""
+def _launch_qk(q, k, q_weight, k_weight, cos, sin, eps, q_out, k_out, paged, batched=False):
+    """paged: None (k into k_out), or (v, k_pages, v_pages, page_table, start); batched: a page-table row and a
+    start for each token (qk_norm_rotary_paged_rows)."""
     num_tokens, num_q_heads, dim = q.shape
     cos, sin = cos.contiguous(), sin.contiguous()
     block_d, block_r = _row_blocks(dim)
@@ -296,9 +335,11 @@ def _launch_qk(q, k, q_weight, k_weight, cos, sin, eps, q_out, k_out, paged):
         v, k_pages, v_pages, page_table, start, page_rows,
         num_q_rows, num_k_rows, num_q_heads, k.shape[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), eps,
-        *v_strides, *page_strides,
-        D=dim, BD=block_d, RD=cos.shape[-1], BR=block_r, PAGED=paged is not None, num_warps=NORM_NUM_WARPS,
+        *v_strides, *page_strides, page_table.stride(0) if batched else 0,
+        D=dim, BD=block_d, RD=cos.shape[-1], BR=block_r, PAGED=paged is not None, BATCHED=batched,
+        num_warps=NORM_NUM_WARPS,
     )
 
 
-__all__ = ["add_rms_norm", "qk_norm_rotary", "qk_norm_rotary_paged", "sigmoid_gate", "silu_mul"]
+__all__ = ["add_rms_norm", "check_page_tables", "qk_norm_rotary", "qk_norm_rotary_paged", "qk_norm_rotary_paged_rows",
+           "sigmoid_gate", "silu_mul"]

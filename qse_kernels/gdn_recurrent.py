@@ -6,6 +6,10 @@ registers and walks the tokens in order (T is 1 in decode; any T works):
     S <- e^g S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q
 q and k are L2-normalised in fp32 (q also scaled by Dk^-1/2) per token, as the twin does.
 recurrent_gated_delta_rule_from_gates gates the raw projections a, b in the same kernel (see gdn_chunk).
+
+recurrent_gated_delta_rule_slots steps B sequences by one token each in one launch, grid (Hv, Dv / BV, B):
+program b runs the one-token step of sequence b on its state, slot slots[b] of a slot stack (in place), the
+same code as the launch of that sequence alone.
 """
 
 from __future__ import annotations
@@ -25,10 +29,22 @@ def _recurrent_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, state_ptr, new_state_ptr, o_ptr,
     num_tokens, heads_per_key, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, stride_oh,
+    stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, stride_oh, slots_ptr, stride_slot,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATES: tl.constexpr,
+    SLOTS: tl.constexpr = False,
 ):
     i_h, i_v = tl.program_id(0), tl.program_id(1)
+    if SLOTS:  # program i_b: the one token (num_tokens == 1) of sequence i_b, its state in slot slots[i_b]
+        i_b = tl.program_id(2)
+        i_slot = tl.load(slots_ptr + i_b).to(tl.int64)
+        q_ptr = q_ptr + i_b * stride_qt
+        k_ptr = k_ptr + i_b * stride_kt
+        v_ptr = v_ptr + i_b * stride_vt
+        g_ptr = g_ptr + i_b * stride_gt
+        beta_ptr = beta_ptr + i_b * stride_bt
+        o_ptr = o_ptr + i_b * stride_ot
+        state_ptr = state_ptr + i_slot * stride_slot
+        new_state_ptr = new_state_ptr + i_slot * stride_slot
     i_kh = i_h // heads_per_key
     o_k = tl.arange(0, BK)
     m_k = o_k < DK
@@ -89,8 +105,37 @@ def _recurrent_rule(q, k, v, g, beta, gates, state, out_state, shapes):
         q, k, v, g, beta, a_log, dt_bias, state, new_state, out,
         num_tokens, num_v_heads // num_k_heads, dk ** -0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1), out, 0,
         DK=dk, DV=dv, BK=block_k, BV=block_v, GATES=gates is not None,
         num_warps=RECURRENT_NUM_WARPS,
     )
     return out, new_state
+
+
+def recurrent_gated_delta_rule_slots(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+    dt_bias: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+) -> torch.Tensor:
+    """Triton twin of naive.recurrent_gated_delta_rule_slots: B sequences of one token each, q, k [B, Hk, Dk],
+    v [B, Hv, Dv], raw gates a, b [B, Hv]; states [S, Hv, Dk, Dv] fp32 contiguous, slot slots[b] (an integer
+    tensor [B] on the device) stepped in place. Returns o [B, Hv, Dv] in v's dtype."""
+    if states.dim() != 4 or not len(states) or states.dtype != torch.float32 or not states.is_contiguous():
+        raise ValueError(f"states must be a contiguous float32 [S, Hv, Dk, Dv], S >= 1; got {states.dtype} "
+                         f"{tuple(states.shape)}, strides {states.stride()}")
+    num_rows, num_k_heads, num_v_heads, dk, dv = _check_gdn_shapes(q, k, v, a, b, states[0], "a and b")
+    a_log, dt_bias = _check_gates(a, b, a_log, dt_bias, num_v_heads)
+    if slots.shape != (num_rows,) or slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slots must be an integer tensor [{num_rows}]; got {slots.dtype} {tuple(slots.shape)}")
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    out = torch.empty(num_rows, num_v_heads, dv, dtype=v.dtype, device=v.device)
+    if num_rows:
+        block_v = min(RECURRENT_BLOCK_V, triton.next_power_of_2(dv))
+        _recurrent_kernel[(num_v_heads, triton.cdiv(dv, block_v), num_rows)](
+            q, k, v, a, b, a_log, dt_bias, states, states, out,
+            1, num_v_heads // num_k_heads, dk ** -0.5,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), slots, states.stride(0),
+            DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block_v, GATES=True, SLOTS=True,
+            num_warps=RECURRENT_NUM_WARPS,
+        )
+    return out

@@ -58,8 +58,8 @@ def _gemm_kernel(
     tl.store(p_y, acc.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
-def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ w[N, K]^T -> [..., N] in x's dtype (fp32 accumulation)."""
+def dense_matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., K] @ w[N, K]^T -> [..., N] in out_dtype (default x's dtype; fp32 accumulation either way)."""
     if w.dim() != 2 or x.shape[-1] != w.shape[1]:
         raise ValueError(f"x [..., K] and w [N, K] must share K; got {tuple(x.shape)} and {tuple(w.shape)}")
     if x.dtype != w.dtype:
@@ -70,7 +70,7 @@ def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     w = w if w.stride(-1) == 1 else w.contiguous()
     num_rows, depth = x2.shape
     num_cols = w.shape[0]
-    y = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
+    y = torch.empty(num_rows, num_cols, dtype=out_dtype or x.dtype, device=x.device)
     if num_rows:
         grid = (triton.cdiv(num_rows, BLOCK_M) * triton.cdiv(num_cols, BLOCK_N),)
         _gemm_kernel[grid](

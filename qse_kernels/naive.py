@@ -2,7 +2,8 @@
 
 These are the correct reference: the model's torch path runs on them, and every Triton kernel in
 this package is tested against them. They take one sequence (no batch axis): one session per launch
-is part of the exactness contract, since a result must depend on nothing but its own inputs.
+is part of the exactness contract, since a result must depend on nothing but its own inputs. The batched
+decode twins at the end take B sequences of one token each, and loop over them.
 
 Shapes use: T new tokens, L context rows, H / Hkv attention heads, D head dim, Hk / Hv GDN key and
 value heads, Dk / Dv their dims, C conv channels, K conv width.
@@ -344,7 +345,65 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     return out if gate is None else sigmoid_gate(out, gate)
 
 
+# ---- batched decode: B sequences, one new token each, every one at its own position -----------------
+# The twins loop over the sequences and call the one-sequence twins above, so row b has the bits of that
+# sequence decoded alone (the Triton kernels take the batch in one launch and keep each row's arithmetic).
+# A sequence's GDN state is row slots[b] of a slot stack [S, ...] (updated in place); its KV rows live in
+# the pages page_tables[b] (int32 [B, >= pages used]). Rows that share a slot (padding) run one after the
+# other here and race in the kernels: what they leave in that slot is undefined.
+
+
+def qk_norm_rotary_paged_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
+                              k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                              k_pages: torch.Tensor, v_pages: torch.Tensor, page_tables: torch.Tensor,
+                              positions: torch.Tensor) -> torch.Tensor:
+    """qk_norm_rotary_paged for B sequences of one token: q [B, H, D], k, v [B, Hkv, D], cos, sin [B, RD];
+    row b's k and v go to position positions[b] (int32 [B]) of the pages page_tables[b]. Returns q."""
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        out[b:b + 1] = qk_norm_rotary_paged(q[b:b + 1], k[b:b + 1], v[b:b + 1], q_weight, k_weight, cos[b:b + 1],
+                                            sin[b:b + 1], eps, k_pages, v_pages, page_tables[b], positions[b:b + 1])
+    return out
+
+
+def paged_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_tables: torch.Tensor,
+                           positions: torch.Tensor, max_rows: int | None = None, scale: float | None = None,
+                           gate: torch.Tensor | None = None) -> torch.Tensor:
+    """paged_attention for B sequences of one query each: q [B, H, D], row b at position positions[b] over
+    rows [0, positions[b]] of the pages page_tables[b]; gate [B, H, D] or None. Returns [B, H, D]."""
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        out[b:b + 1] = paged_attention(q[b:b + 1], k_pages, v_pages, page_tables[b], positions[b:b + 1], max_rows,
+                                       scale, None if gate is None else gate[b:b + 1])
+    return out
+
+
+def causal_conv1d_slots(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """causal_conv1d of one new input per sequence: x [B, C], weight [C, K], states [S, K-1, C] (row slots[b]
+    is sequence b's state, updated in place). Returns y [B, C]."""
+    y = torch.empty_like(x)
+    for b, slot in enumerate(slots.tolist()):
+        y[b:b + 1], _ = causal_conv1d(x[b:b + 1], weight, states[slot], out_state=states[slot])
+    return y
+
+
+def recurrent_gated_delta_rule_slots(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+    dt_bias: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+) -> torch.Tensor:
+    """recurrent_gated_delta_rule_from_gates of one token per sequence: q, k [B, Hk, Dk], v [B, Hv, Dv], the raw
+    gates a, b [B, Hv]; states [S, Hv, Dk, Dv] fp32 (row slots[b] is sequence b's, updated in place).
+    Returns o [B, Hv, Dv] in v's dtype."""
+    out = torch.empty_like(v)
+    for i, slot in enumerate(slots.tolist()):
+        out[i:i + 1], _ = recurrent_gated_delta_rule_from_gates(
+            q[i:i + 1], k[i:i + 1], v[i:i + 1], a[i:i + 1], b[i:i + 1], a_log, dt_bias, states[slot],
+            out_state=states[slot])
+    return out
+
+
 __all__ = [
+    "causal_conv1d_slots", "paged_decode_attention", "qk_norm_rotary_paged_rows", "recurrent_gated_delta_rule_slots",
     "dense_matmul", "gather_pages", "paged_attention", "rms_norm", "gated_rms_norm", "qk_norm_rotary_paged", "rotary_cos_sin", "apply_rotary", "causal_conv1d", "gdn_gating",
     "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "chunk_gated_delta_rule_from_gates",
     "recurrent_gated_delta_rule_from_gates", "attention", "sdpa_attention", "l2norm",

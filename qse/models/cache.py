@@ -95,3 +95,33 @@ class SequenceCache:
             recurrent, conv = (t.clone() for t in self.stacked)
             return list(recurrent.unbind(0)), list(conv.unbind(0))
         return [t.clone() for t in self.recurrent], [t.clone() for t in self.conv]
+
+
+@dataclass
+class SlotStates:
+    """The GDN state of up to S sequences at once, one slot each: what a batched decode step reads and
+    updates in place (row slot of every layer's stack). Rows of one tensor a kind, so a sequence's whole state
+    moves in or out in two copies. Who uses which slot is the owner's business (qse.engine.rounds)."""
+
+    recurrent: torch.Tensor  # [GDN layers, S, Hv, Dk, Dv] fp32
+    conv: torch.Tensor  # [GDN layers, S, K-1, C] in the model dtype
+
+    @property
+    def num_slots(self) -> int:
+        return self.recurrent.shape[1]
+
+    def load(self, slot: int, cache: SequenceCache) -> None:
+        """Slot := the cache's GDN state."""
+        if cache.stacked is not None:
+            self.recurrent[:, slot].copy_(cache.stacked[0])
+            self.conv[:, slot].copy_(cache.stacked[1])
+        else:
+            torch._foreach_copy_([*self.recurrent[:, slot].unbind(0), *self.conv[:, slot].unbind(0)], cache.state_tensors())
+
+    def store(self, slot: int, cache: SequenceCache) -> None:
+        """The cache's GDN state := the slot's."""
+        if cache.stacked is not None:
+            cache.stacked[0].copy_(self.recurrent[:, slot])
+            cache.stacked[1].copy_(self.conv[:, slot])
+        else:
+            cache.set_state(list(self.recurrent[:, slot].unbind(0)), list(self.conv[:, slot].unbind(0)))

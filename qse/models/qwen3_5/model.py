@@ -5,6 +5,12 @@ Layers come in a 3 : 1 pattern: Gated DeltaNet (GDN) layers carry a recurrent st
 tokens at absolute positions [pos, pos + T) on top of a SequenceCache and updates it in place.
 T == 1 takes the recurrent step (decode); any other T takes the chunked rule (chunk 64).
 
+`decode_step` is the batched decode: B sequences, one new token each at its own position, in one forward.
+The GEMMs run over [B, hidden]; each GDN layer steps B states (slots of a SlotStates) and each attention
+layer attends each row over its own sequence's pages. Every op in it is row-wise or per sequence, so a
+row's result is the one it would get alone wherever the op set's GEMMs are row-invariant (the invariant
+kernels; cuBLAS and torch's CPU matmul choose their algorithm by the row count).
+
 The per-op functions come from an `ops` namespace: the naive torch twins by default, Triton
 kernels on the engine's fast path. Both give the same result up to rounding; the exactness
 contract (replay == fresh prefill) needs only that one path is used on both sides.
@@ -21,7 +27,7 @@ import torch.nn.functional as F
 
 import qse_kernels.naive as naive_ops
 
-from ..cache import ContiguousKV, SequenceCache
+from ..cache import ContiguousKV, SequenceCache, SlotStates
 from ..linear import DenseLinear
 from .config import TextConfig
 from .layout import LoadedWeights
@@ -53,6 +59,19 @@ class Step:
     logit_row_host: int | None = None  # logit_row on the host (eager), for a contiguous KV store
 
 
+@dataclass
+class DecodeBatch:
+    """What one batched decode step reads besides the ids, on the device (a CUDA graph captured per batch
+    size holds these buffers): row b is the next token of a sequence at position positions[b], whose GDN
+    state is slot slots[b] of the SlotStates and whose KV rows live in the pool's pages tables[b]."""
+
+    positions: torch.Tensor  # int32 [B]
+    slots: torch.Tensor  # long [B]; distinct for real rows (padding rows may share one)
+    tables: torch.Tensor  # int32 [B, pages]: each row's page ids, as many as the longest sequence needs
+    pool: "object"  # the KVPool: .k, .v [P, slots, page_rows, Hkv, D]
+    max_rows: int  # a bound on positions + 1 (sizes the attention launch)
+
+
 class InputError(ValueError):
     """Bad ids or positions handed to the model."""
 
@@ -72,6 +91,10 @@ def default_ops() -> SimpleNamespace:
         attention=naive_ops.attention,
         paged_attention=naive_ops.paged_attention,
         dense_matmul=naive_ops.dense_matmul,
+        qk_norm_rotary_paged_rows=naive_ops.qk_norm_rotary_paged_rows,
+        paged_decode_attention=naive_ops.paged_decode_attention,
+        causal_conv1d_slots=naive_ops.causal_conv1d_slots,
+        recurrent_gated_delta_rule_slots=naive_ops.recurrent_gated_delta_rule_slots,
     )
 
 
@@ -141,6 +164,15 @@ class Qwen35Model:
         conv = torch.zeros(n, cfg.linear_conv_kernel_dim - 1, cfg.gdn_conv_dim, dtype=self.dtype, device=self.device)
         return SequenceCache(kv=kv, recurrent=list(recurrent.unbind(0)), conv=list(conv.unbind(0)), length=0,
                              stacked=(recurrent, conv))
+
+    def new_slot_states(self, num_slots: int) -> SlotStates:
+        """Zeroed GDN state for num_slots sequences (what decode_step steps in place)."""
+        cfg, n = self.cfg, len(self.cfg.gdn_layers)
+        recurrent = torch.zeros(n, num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                cfg.linear_value_head_dim, dtype=torch.float32, device=self.device)
+        conv = torch.zeros(n, num_slots, cfg.linear_conv_kernel_dim - 1, cfg.gdn_conv_dim, dtype=self.dtype,
+                           device=self.device)
+        return SlotStates(recurrent, conv)
 
     def check_ids(self, ids: torch.Tensor) -> None:
         if ids.dim() != 1:
@@ -245,6 +277,70 @@ class Qwen35Model:
         elif keep is None and logits == "row":
             h = h.index_select(0, step.logit_row)
         return self._logits(h)  # [T or 1, vocab]
+
+    @torch.inference_mode()
+    def decode_step(self, ids: torch.Tensor, states: SlotStates, batch: DecodeBatch) -> torch.Tensor:
+        """One new token for each of B sequences: ids [B] at batch.positions, on the GDN states in slots
+        batch.slots of `states` and the KV pages batch.tables, both written in place. Returns the logits
+        fp32 [B, vocab]. Device work only, no host reads, no checks (what a CUDA graph captures per batch
+        size); the layers run as in forward_layers for T = 1, the attention and GDN ops per sequence."""
+        eps, last = self.cfg.rms_norm_eps, len(self.cfg.layer_types) - 1
+        x = F.embedding(ids, self.embed)  # [B, h]
+        emb = batch.positions.long().to(torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((emb, emb), dim=-1)
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)  # [B, rotary_dim]: a position a row
+        h = self.ops.rms_norm(x, self.w["layers.0.input_layernorm.weight"], eps)
+        for layer, kind in enumerate(self.cfg.layer_types):
+            p = f"layers.{layer}."
+            if kind == "full_attention":
+                h = self._attention_rows(layer, h, batch, cos, sin)
+            else:
+                h = self._gdn_rows(layer, h, states, batch.slots)
+            x, h = self.ops.add_rms_norm(x, h, self.w[p + "post_attention_layernorm.weight"], eps)
+            m = self._mlp(p, h)
+            next_norm = f"layers.{layer + 1}.input_layernorm.weight" if layer < last else "norm.weight"
+            x, h = self.ops.add_rms_norm(x, m, self.w[next_norm], eps)
+        head_rows = getattr(self.ops, "head_rows", None)  # the op set's row-invariant fp32 head, where it has one
+        if head_rows is not None:
+            return head_rows(h, self.lm_head.weight)
+        return self._logits(h)  # [B, vocab]
+
+    def _attention_rows(self, layer: int, h: torch.Tensor, batch: DecodeBatch, cos: torch.Tensor,
+                        sin: torch.Tensor) -> torch.Tensor:
+        """_attention of one token per sequence on a paged KV: row b's k and v go to its own position and
+        pages, and its query attends over its own rows [0, positions[b]]."""
+        cfg, a = self.cfg, f"layers.{layer}.self_attn."
+        num_rows, num_heads, num_kv, head_dim = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qg, k, v = self._projections(layer, "self_attn.qkv_proj", h)
+        qg = qg.view(num_rows, num_heads, 2 * head_dim)
+        q, gate = qg[..., :head_dim], qg[..., head_dim:]
+        k = k.view(num_rows, num_kv, head_dim)
+        v = v.view(num_rows, num_kv, head_dim)
+        slot = self.attn_slot[layer]
+        k_pages, v_pages = batch.pool.k[:, slot], batch.pool.v[:, slot]  # [P, page_rows, Hkv, D]
+        q = self.ops.qk_norm_rotary_paged_rows(q, k, v, self.w[a + "q_norm.weight"], self.w[a + "k_norm.weight"], cos,
+                                               sin, cfg.rms_norm_eps, k_pages, v_pages, batch.tables, batch.positions)
+        out = self.ops.paged_decode_attention(q, k_pages, v_pages, batch.tables, batch.positions,
+                                              max_rows=batch.max_rows, gate=gate)
+        return self._mm(a + "o_proj.weight", out.reshape(num_rows, num_heads * head_dim))
+
+    def _gdn_rows(self, layer: int, h: torch.Tensor, states: SlotStates, slots: torch.Tensor) -> torch.Tensor:
+        """_gdn of one token per sequence, sequence b's conv and recurrent state in slot slots[b]."""
+        cfg, g_ = self.cfg, f"layers.{layer}.linear_attn."
+        num_rows = h.shape[0]
+        i = self.gdn_slot[layer]
+        hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        qkv, z, b, a = self._projections(layer, "linear_attn.in_proj", h)
+        z = z.view(num_rows, hv, dv)
+        qkv = self.ops.causal_conv1d_slots(qkv, self.w[g_ + "conv1d.weight"][:, 0, :], states.conv[i], slots)
+        kd = cfg.gdn_key_dim
+        q = qkv[:, :kd].reshape(num_rows, hk, dk)
+        k = qkv[:, kd : 2 * kd].reshape(num_rows, hk, dk)
+        v = qkv[:, 2 * kd :].reshape(num_rows, hv, dv)
+        o = self.ops.recurrent_gated_delta_rule_slots(q, k, v, a, b, self.w[g_ + "A_log"], self.w[g_ + "dt_bias"],
+                                                      states.recurrent[i], slots)
+        o = self.ops.gated_rms_norm(o, z, self.w[g_ + "norm.weight"], cfg.rms_norm_eps)
+        return self._mm(g_ + "out_proj.weight", o.reshape(num_rows, hv * dv))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """The head in fp32 output: bf16 logits would round to ~0.03 at the usual magnitudes, and

@@ -1,0 +1,117 @@
+#!/usr/bin/env python
+"""Device time of one decode round (qse/engine/rounds.py) at B = 1, 8 and 32 running sequences, each at
+--context tokens of its own, on a preset's random weights (default the served 9B), under the CUDA graph of
+the round's bucket. Each sequence's KV rows are filled with random values instead of a prefill (decode cost
+does not depend on the values); rounds are launched back to back, each taking the previous round's
+on-device argmax as its tokens (no read-back between rounds), as a greedy conductor would.
+
+    python benchmarks/round_step.py [--preset qwen3.5-9b] [--batches 1,8,32] [--context 6000] [--out DIR]
+    python benchmarks/round_step.py --preset embedded --context 40 --rounds 3      (the tiny model, on CPU)
+
+Writes benchmarks/results/round_step-<date>-<device>.json: per batch size the device ms a round (CUDA events
+around --rounds rounds), the host's wall ms a round, and tokens/s over the round's rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.results_io import result_header, write_result  # noqa: E402
+from qse.engine.engine import DeviceClock, Engine  # noqa: E402
+from qse.engine.kv import KVPool, PagedKV  # noqa: E402
+from qse.engine.rounds import DecodeRounds  # noqa: E402
+from qse.models import resolve  # noqa: E402
+
+PAGE_ROWS = 512  # the served path's page size (qse.engine.serving.PAGE_ROWS)
+WARM_ROUNDS = 3
+
+
+def measure(rounds: DecodeRounds, slots: list[int], first: torch.Tensor, num_rounds: int) -> dict:
+    """num_rounds rounds of `slots` launched back to back; device ms (events) and wall ms per round."""
+    clock = DeviceClock(rounds.device)
+    ids = first
+    for _ in range(WARM_ROUNDS):
+        ids = rounds.run(slots, ids).argmax(-1)
+    rounds.engine.synchronize()
+    t0 = time.perf_counter()
+    start = clock.mark()
+    for _ in range(num_rounds):
+        ids = rounds.run(slots, ids).argmax(-1)
+    end = clock.mark()
+    device_ms = clock.ms(start, end)
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    num_rows = len(slots)
+    per_round = device_ms / num_rounds
+    return {"batch": num_rows, "bucket": rounds.bucket(num_rows), "rounds": num_rounds,
+            "device_ms_per_round": round(per_round, 4), "wall_ms_per_round": round(wall_ms / num_rounds, 4),
+            "tokens_per_s": round(num_rows * 1e3 / per_round, 1)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="qwen3.5-9b", help="preset, checkpoint dir, or embedded (the tiny model)")
+    p.add_argument("--batches", default="1,8,32", help="running sequences a round, comma separated")
+    p.add_argument("--context", type=int, default=6000, help="tokens each sequence holds when the timing starts")
+    p.add_argument("--rounds", type=int, default=50, help="timed rounds a batch size")
+    p.add_argument("--kernels", default="auto", help="naive, triton, invariant, auto (triton on cuda)")
+    p.add_argument("--graphs", default="auto", choices=["auto", "static"],
+                   help="auto: CUDA graphs where the device and kernels allow; static: the same flow uncaptured")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = p.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cache_dir = Path(os.environ.get("QSE_CACHE_DIR", "/tmp/qse-bench-cache"))
+    spec = "" if args.preset in ("", "embedded") else args.preset
+    engine = Engine(resolve(spec, device, dtype, cache_dir), kernels=args.kernels)
+    cfg = engine.cfg
+    max_running = max(batches)
+    length = args.context + WARM_ROUNDS + args.rounds + 1
+    pages_each = -(-length // PAGE_ROWS)
+    pool = KVPool(max_running * pages_each + 1, PAGE_ROWS, len(cfg.attention_layers), cfg.num_key_value_heads,
+                  cfg.head_dim, dtype, device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    for t in (pool.k, pool.v):
+        t.normal_(0.0, 0.5, generator=gen)
+    rounds = DecodeRounds(engine, pool, max_running, graphs=None if args.graphs == "auto" else "static")
+    t0 = time.perf_counter()
+    rounds.warm()
+    warm_s = time.perf_counter() - t0
+    caches = []
+    for _ in range(max_running):
+        cache = engine.new_cache(kv=PagedKV(pool))
+        assert cache.kv.ensure(args.context)
+        cache.length = args.context
+        for t in cache.stacked:
+            t.normal_(0.0, 0.1, generator=gen)
+        caches.append(cache)
+    rows = []
+    for num_rows in batches:
+        for cache in caches[:num_rows]:  # every batch size starts at the same context
+            cache.length = args.context
+        slots = [rounds.admit(cache) for cache in caches[:num_rows]]
+        first = torch.randint(0, cfg.vocab_size, (num_rows,), device=device, generator=gen)
+        row = measure(rounds, slots, first, args.rounds)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        for slot in slots:
+            rounds.release(slot)
+    result = {**result_header("triton", device=None if device.type == "cuda" else "cpu"),
+              "preset": args.preset, "kernels": engine.kernels, "graphs": rounds.capture, "context": args.context,
+              "page_rows": PAGE_ROWS, "buckets": list(rounds.buckets), "warm_s": round(warm_s, 3), "rows": rows}
+    write_result(result, args.out, "round_step")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,292 @@
+"""Batched decode rounds: the next token of every running sequence in one forward, replayed from a CUDA graph
+captured per batch-size bucket.
+
+    rounds = DecodeRounds(engine, pool, max_running)
+    rounds.warm()                                  capture every bucket now (else on first use)
+    slot = rounds.admit(cache)                     the sequence's GDN state into a free slot (None: all taken)
+    logits = rounds.run([s0, s1, ...], tokens)     one round; row i is slot s_i's next token, fp32 [B, vocab]
+    cache = rounds.release(slot)                   the slot's state back into the cache; the slot is free
+
+Who owns what
+- The caller (the conductor) owns the sequences: each one's SequenceCache and the pages of its PagedKV in
+  `pool`, sampling, and the choice of which slots run in a round. A round takes a new page for a row that
+  crosses a page line (kv.ensure); `can_run` says beforehand whether the pool has the pages.
+- While a sequence is admitted this object owns its GDN state and its length: the slot holds the one live
+  copy of the state (the cache's own state tensors are stale until `store` or `release`), and `run` advances
+  cache.length by one a round. Nothing else may forward that cache, truncate its pages or write its rows.
+- This object owns the slot states (SlotStates, one slot a running sequence and one for padding), each slot's
+  row of the device page table, the staged inputs, the graphs, and one scratch page of `pool` (padding rows
+  write there).
+
+Invariants
+- Row i of a round is the token at position cache.length of the sequence in slot slots[i]: its K/V go to that
+  row of its pages, it attends over its rows [0, length], its slot's state steps once. Slots in a round are
+  distinct and admitted.
+- A round of B rows runs the graph of the smallest bucket >= B (1, 2, 4, ... up to max_running). The rows past
+  B are padding: slot `pad_slot`, position 0, the scratch page. They touch no sequence's state or rows. Where
+  the op set's GEMMs are row-invariant (QSE_KERNELS=invariant) a row's logits are the same bits whatever the
+  round holds; elsewhere (cuBLAS, torch's CPU matmul pick their algorithm by the row count) the bucket can
+  change the rounding, and greedy tokens agree except on near-ties.
+- `run` never waits on the device: its host inputs go up by an asynchronous copy from pinned memory, and the
+  tokens may be a device tensor (the previous round's on-device argmax), so round n+1 can be launched before
+  round n's tokens are read back. The logits returned are a view of a buffer the next `run` overwrites: read
+  them, or queue device work on them (stream order keeps that safe), before then.
+- Time a round with the engine's DeviceClock marks around `run` (same stream; no synchronisation added).
+- graphs=None captures where the device is CUDA and the kernels are qse's; otherwise (and with "static") the
+  same buffers, copies and calls run without capturing: the CPU rehearsal of the graph path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..models.cache import SequenceCache
+from ..models.qwen3_5.model import DecodeBatch, InputError
+from .engine import Engine
+from .graphs import _Entry, capture_mode
+from .kv import KVPool, PagedKV
+
+# staged inputs, one row each of a [3, bucket] long buffer (one host-to-device copy a round)
+IDS, POSITIONS, SLOTS = 0, 1, 2
+# pinned staging buffers in turn: the host may stage round n+1 while round n's copy is still queued
+STAGING_RING = 2
+
+
+def buckets_for(max_running: int) -> tuple[int, ...]:
+    """Powers of two below max_running, then max_running itself: a round pads to at most twice its rows."""
+    out, n = [], 1
+    while n < max_running:
+        out.append(n)
+        n *= 2
+    return (*out, max_running)
+
+
+class DecodeRounds:
+    def __init__(self, engine: Engine, pool: KVPool, max_running: int, graphs: bool | str | None = None,
+                 buckets: Sequence[int] | None = None):
+        """graphs: None = CUDA graphs where the device is CUDA and the kernels are Triton's; True; False or
+        "static" (the same flow without capturing). buckets: the batch sizes with a graph of their own (default
+        buckets_for(max_running)); the largest must hold max_running rows."""
+        if max_running < 1:
+            raise ValueError(f"max_running must be at least 1; got {max_running}")
+        self.buckets = tuple(sorted(set(buckets))) if buckets else buckets_for(max_running)
+        if self.buckets[0] < 1 or self.buckets[-1] < max_running:
+            raise ValueError(f"buckets {self.buckets} must be positive and reach max_running={max_running}")
+        self.engine, self.model, self.pool = engine, engine.model, pool
+        self.device = pool.k.device
+        self.capture = capture_mode(engine, graphs, "decode rounds") is True
+        self.max_running = max_running
+        self.pad_slot = max_running  # the last slot: padding rows only
+        self.states = self.model.new_slot_states(max_running + 1)
+        scratch = pool.allocate(1)
+        if scratch is None:
+            raise MemoryError(f"the KV pool ({pool.num_pages} pages) has no free page for the rounds' padding rows")
+        self._scratch = scratch
+        # row s: slot s's page ids (entries past its pages are stale and never read: a row attends below its length)
+        self.tables = torch.zeros(max_running + 1, pool.num_pages, dtype=torch.int32, device=self.device)
+        self.tables[self.pad_slot, 0] = scratch[0]
+        self.max_rows = pool.num_pages * pool.page_rows  # what an attention launch is sized for
+        self._free = list(range(max_running - 1, -1, -1))  # pop() hands out low slots first
+        self._caches: dict[int, SequenceCache] = {}
+        self._pages_up: dict[int, int] = {}  # how many of each slot's pages its table row holds
+        width = self.buckets[-1]
+        self._inputs = torch.zeros(3, width, dtype=torch.long, device=self.device)
+        cuda = self.device.type == "cuda"
+        self._host = [torch.zeros(3, width, dtype=torch.long, pin_memory=cuda) for _ in range(STAGING_RING)]
+        self._sent: list[Any] = [None] * STAGING_RING  # the event after the last copy out of each host buffer
+        self._turn = 0
+        self._entries: dict[int, _Entry] = {}
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
+
+    # ---- sequences in and out ----------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def running(self) -> list[int]:
+        """The admitted slots, in slot order."""
+        return sorted(self._caches)
+
+    def admit(self, cache: SequenceCache) -> int | None:
+        """A free slot now holding the cache's GDN state (its KV rows stay in its pages of `pool`); None when
+        every slot is taken."""
+        kv = cache.kv
+        if not isinstance(kv, PagedKV) or kv.pool is not self.pool:
+            raise ValueError("a sequence joins a round with its KV rows in the rounds' own pool (a PagedKV of it)")
+        if any(c is cache for c in self._caches.values()):
+            raise ValueError("this cache is already admitted")
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self.states.load(slot, cache)
+        self._caches[slot] = cache
+        self._pages_up[slot] = 0
+        self._upload_pages(slot, kv)
+        return slot
+
+    def store(self, slot: int) -> SequenceCache:
+        """The slot's state copied into its cache (which stays admitted); returns the cache."""
+        cache = self._cache(slot)
+        self.states.store(slot, cache)
+        return cache
+
+    def release(self, slot: int, keep: bool = True) -> SequenceCache:
+        """Free the slot; keep: its state is copied back into the cache first (else the cache's state is stale).
+        Returns the cache; its pages stay the caller's."""
+        cache = self._cache(slot)
+        if keep:
+            self.states.store(slot, cache)
+        del self._caches[slot], self._pages_up[slot]
+        self._free.append(slot)
+        return cache
+
+    def _cache(self, slot: int) -> SequenceCache:
+        cache = self._caches.get(slot)
+        if cache is None:
+            raise ValueError(f"slot {slot} holds no sequence; admitted: {self.running}")
+        return cache
+
+    # ---- rounds ------------------------------------------------------------------------------
+    def bucket(self, num_rows: int) -> int:
+        """The batch size whose graph runs a round of num_rows rows."""
+        if not 1 <= num_rows <= self.max_running:
+            raise ValueError(f"a round holds 1..{self.max_running} rows; got {num_rows}")
+        return next(size for size in self.buckets if size >= num_rows)
+
+    def pages_needed(self, slots: Sequence[int]) -> int:
+        """Pages the pool must hand out for a round of these slots (rows crossing a page line)."""
+        need = 0
+        for slot in slots:
+            kv = self._cache(slot).kv
+            need += max(0, kv.pages_for(self._caches[slot].length + 1) - len(kv.pages))
+        return need
+
+    def can_run(self, slots: Sequence[int]) -> bool:
+        return self.pages_needed(slots) <= self.pool.num_free
+
+    def run(self, slots: Sequence[int], tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """One round: row i reads tokens[i] as the next token of the sequence in slots[i]. tokens: host ids, or
+        a long tensor [B] on the device (e.g. the previous round's argmax, never read back here). Returns the
+        logits fp32 [B, vocab] (a view of the bucket's output buffer, valid until the next run); each row's
+        cache.length has advanced by one."""
+        num_rows = len(slots)
+        size = self.bucket(num_rows)
+        if len(set(slots)) != num_rows:
+            raise ValueError(f"a slot runs at most once a round; got {list(slots)}")
+        caches = [self._cache(slot) for slot in slots]
+        window = self.model.cfg.max_position_embeddings
+        for slot, cache in zip(slots, caches):
+            if cache.length + 1 > window:
+                raise InputError(f"slot {slot}: position {cache.length + 1} exceeds the model window {window}")
+        self._check_tokens(tokens, num_rows)
+        need = self.pages_needed(slots)
+        if need > self.pool.num_free:
+            raise MemoryError(f"the KV pool has {self.pool.num_free} free pages; this round needs {need}")
+        for slot, cache in zip(slots, caches):
+            cache.kv.ensure(cache.length + 1)
+            self._upload_pages(slot, cache.kv)
+        entry = self._prepare(size)
+        self._stage(slots, [c.length for c in caches], tokens, size)
+        out = entry.replay()
+        out = entry.out if self.capture else out
+        for cache in caches:
+            cache.length += 1
+        return out[:num_rows]
+
+    def warm(self) -> None:
+        """Capture every bucket's graph now rather than in the rounds that first need them."""
+        for size in self.buckets:
+            self._prepare(size)
+
+    def release_all(self) -> None:
+        """Drop the graphs and give the scratch page back (admitted caches are the caller's to release)."""
+        self._entries.clear()
+        if self._scratch:
+            self.pool.release(self._scratch)
+            self._scratch = []
+
+    def _check_tokens(self, tokens: Sequence[int] | torch.Tensor, num_rows: int) -> None:
+        if isinstance(tokens, torch.Tensor):
+            if tokens.shape != (num_rows,) or tokens.dtype != torch.long or tokens.device != self.device:
+                raise ValueError(f"device tokens must be a long tensor [{num_rows}] on {self.device}; got "
+                                 f"{tokens.dtype} {tuple(tokens.shape)} on {tokens.device}")
+            return
+        if len(tokens) != num_rows:
+            raise ValueError(f"{num_rows} slots but {len(tokens)} tokens")
+        vocab = self.model.cfg.vocab_size
+        for token in tokens:
+            if not 0 <= token < vocab:
+                raise InputError(f"token id {token} is outside the vocabulary [0, {vocab})")
+
+    def _upload_pages(self, slot: int, kv: PagedKV) -> None:
+        """New pages of the slot's sequence into its table row (pages only grow while it is admitted)."""
+        have, now = self._pages_up[slot], len(kv.pages)
+        if now < have:
+            raise RuntimeError(f"slot {slot}'s pages went from {have} to {now} while it was admitted")
+        if now > have:
+            new = torch.tensor(kv.pages[have:], dtype=torch.int32)
+            if self.device.type == "cuda":
+                new = new.pin_memory()  # asynchronous; the caching host allocator keeps it until the copy ran
+            self.tables[slot, have:now].copy_(new, non_blocking=True)
+            self._pages_up[slot] = now
+
+    def _stage(self, slots: Sequence[int], positions: list[int], tokens: Sequence[int] | torch.Tensor,
+               size: int) -> None:
+        """The round's ids, positions and slots (padding rows past B) into the buffers the graph reads."""
+        num_rows, pad = len(slots), size - len(slots)
+        host_ids = [0] * num_rows if isinstance(tokens, torch.Tensor) else list(tokens)
+        rows = torch.tensor([host_ids + [0] * pad, positions + [0] * pad, list(slots) + [self.pad_slot] * pad],
+                            dtype=torch.long)
+        if self.device.type == "cuda":
+            turn = self._turn
+            self._turn = (turn + 1) % STAGING_RING
+            host = self._host[turn]
+            if self._sent[turn] is not None:
+                self._sent[turn].synchronize()  # its last copy has left (two rounds ago)
+            else:
+                self._sent[turn] = torch.cuda.Event()
+            host[:, :size].copy_(rows)
+            self._inputs[:, :size].copy_(host[:, :size], non_blocking=True)
+            self._sent[turn].record()
+        else:
+            self._inputs[:, :size].copy_(rows)
+        if isinstance(tokens, torch.Tensor):
+            self._inputs[IDS, :num_rows].copy_(tokens)
+
+    def _prepare(self, size: int) -> _Entry:
+        entry = self._entries.get(size)
+        if entry is None:
+            inputs = self._inputs[:, :size]
+
+            def forward() -> torch.Tensor:
+                slots = inputs[SLOTS]
+                batch = DecodeBatch(inputs[POSITIONS].to(torch.int32), slots, self.tables.index_select(0, slots),
+                                    self.pool, self.max_rows)
+                return self.model.decode_step(inputs[IDS], self.states, batch)
+
+            entry = self._capture(forward, size) if self.capture else _Entry(forward)
+            entry.holds = inputs
+            self._entries[size] = entry
+        return entry
+
+    def _capture(self, forward: Callable[[], torch.Tensor], size: int) -> _Entry:
+        """forward captured as a graph; its warm-up and capture run padding rows only (the scratch page and
+        the padding slot), so sequences running meanwhile are not touched."""
+        self._inputs[:, :size].copy_(torch.tensor([[0], [0], [self.pad_slot]]).expand(3, size))
+        stream = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(stream)
+        with torch.cuda.stream(side), torch.inference_mode():
+            for _ in range(2):  # compiles the kernels, sizes cuBLAS's workspace
+                forward()
+        stream.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+            out = forward()
+        return _Entry(graph.replay, out)
+
+
+__all__ = ["DecodeRounds", "buckets_for"]

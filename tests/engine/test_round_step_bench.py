@@ -1,0 +1,22 @@
+"""benchmarks/round_step.py end to end on the tiny model on CPU: it writes the result JSON it promises."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks import round_step  # noqa: E402
+
+
+def test_round_step_writes_a_row_per_batch_size(tmp_path, cache_dir):
+    assert round_step.main(["--preset", "embedded", "--batches", "1,2,3", "--context", "40", "--rounds", "2",
+                            "--kernels", "naive", "--graphs", "static", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("round_step-*-cpu.json")
+    result = json.loads(path.read_text())
+    assert list(result)[:4] == ["command", "date", "device", "versions"] and result["device"] == "cpu"
+    assert result["buckets"] == [1, 2, 3] and result["graphs"] is False
+    assert [(r["batch"], r["bucket"], r["rounds"]) for r in result["rows"]] == [(1, 1, 2), (2, 2, 2), (3, 3, 2)]
+    assert all(r["device_ms_per_round"] > 0 and r["tokens_per_s"] > 0 for r in result["rows"])

@@ -1,0 +1,84 @@
+"""Decode rounds on the whole model over qse's Triton kernels (interpreted on CPU, the graph path's static
+form): where every op is row-invariant (QSE_KERNELS=invariant, whose batched head is its own GEMM) a
+sequence's logits are the same bits decoded in a round of three (one padding row) and alone in a round of
+one, and its tokens those of Engine.forward one token at a time; on the triton op set a round of one is the
+single-sequence path bit for bit (one row takes the same GEMVs either way)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qse.engine.engine import Engine
+from qse.engine.kv import KVPool, PagedKV
+from qse.engine.rounds import DecodeRounds
+from qse.models import resolve
+
+PAGE_ROWS = 64  # the attention kernels' key block divides a page
+PROMPTS = [list(range(100, 110)), list(range(200, 263)), [31, 32, 33] * 9]  # the second crosses a page line
+ROUNDS = 2
+
+
+def _engine(kernels: str, model_dir, cache_dir) -> Engine:
+    """The tiny checkpoint transformers writes (a 512-token vocabulary: the interpreted head stays small)."""
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    engine = Engine(resolve(str(model_dir), torch.device(device), dtype, cache_dir), kernels=kernels)
+    assert engine.kernels == kernels
+    return engine
+
+
+def _pool(engine) -> KVPool:
+    cfg = engine.cfg
+    return KVPool(16, PAGE_ROWS, len(cfg.attention_layers), cfg.num_key_value_heads, cfg.head_dim, engine.dtype,
+                  engine.device)
+
+
+def _decode(engine, prompts, max_running: int) -> list[list[torch.Tensor]]:
+    """Each prompt's logits rows over ROUNDS rounds of all of them together (greedy tokens)."""
+    pool = _pool(engine)
+    rounds = DecodeRounds(engine, pool, max_running=max_running, graphs="static")
+    slots, tokens, rows = [], [], [[] for _ in prompts]
+    for prompt in prompts:
+        cache = engine.new_cache(kv=PagedKV(pool))
+        logits, _ = engine.forward(cache, engine.ids_tensor(prompt), "last")
+        slots.append(rounds.admit(cache))
+        tokens.append(int(logits[-1].argmax()))
+    for _ in range(ROUNDS):
+        logits = rounds.run(slots, tokens)
+        for i in range(len(prompts)):
+            rows[i].append(logits[i].clone())
+        tokens = logits.argmax(-1).tolist()
+    return rows
+
+
+def _single(engine, prompt) -> list[torch.Tensor]:
+    """The same through Engine.forward one token at a time (a paged cache: the same attention kernel)."""
+    cache = engine.new_cache(kv=PagedKV(_pool(engine)))
+    logits, _ = engine.forward(cache, engine.ids_tensor(prompt), "last")
+    rows = []
+    for _ in range(ROUNDS):
+        logits, _ = engine.forward(cache, engine.ids_tensor([int(logits[-1].argmax())]), "last")
+        rows.append(logits[-1].clone())
+    return rows
+
+
+def test_invariant_rounds_give_every_row_the_bits_it_gets_alone(hf_tiny_dir, cache_dir):
+    engine = _engine("invariant", hf_tiny_dir, cache_dir)
+    together = _decode(engine, PROMPTS, max_running=4)  # three rows in the bucket of four: one padding row
+    for i, prompt in enumerate(PROMPTS):
+        alone = _decode(engine, [prompt], max_running=1)[0]
+        assert all(torch.equal(a, b) for a, b in zip(together[i], alone))
+    # the single-sequence path's head is torch's (not row-invariant): the same tokens, logits to rounding
+    single = _single(engine, PROMPTS[1])
+    assert [int(r.argmax()) for r in together[1]] == [int(r.argmax()) for r in single]
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(together[1], single))
+
+
+@pytest.mark.parametrize("kernels", ["triton"])
+def test_a_round_of_one_is_the_single_sequence_path(hf_tiny_dir, cache_dir, kernels):
+    engine = _engine(kernels, hf_tiny_dir, cache_dir)
+    prompt = PROMPTS[1]
+    alone = _decode(engine, [prompt], max_running=1)[0]
+    assert all(torch.equal(a, b) for a, b in zip(alone, _single(engine, prompt)))
