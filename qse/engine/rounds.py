@@ -196,6 +196,11 @@ class DecodeRounds:
             cache.length += 1
         return out[:num_rows]
 
+    @property
+    def num_graphs(self) -> int:
+        """Buckets captured so far (0 in the static flow)."""
+        return len(self._entries) if self.capture else 0
+
     def warm(self) -> None:
         """Capture every bucket's graph now rather than in the rounds that first need them."""
         for size in self.buckets:

@@ -82,3 +82,43 @@ def test_a_round_of_one_is_the_single_sequence_path(hf_tiny_dir, cache_dir, kern
     prompt = PROMPTS[1]
     alone = _decode(engine, [prompt], max_running=1)[0]
     assert all(torch.equal(a, b) for a, b in zip(alone, _single(engine, prompt)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels", ["triton", "invariant"])
+def test_rounds_under_cuda_graphs_equal_the_static_flow(cache_dir, kernels):
+    """The same script of rounds (sequences joining and leaving, buckets 1 to 4, device tokens launched
+    ahead, a page line crossed) captured and uncaptured: the same logits bit for bit, and each graph
+    captured once."""
+    torch.manual_seed(0)
+    engine = Engine(resolve("", torch.device("cuda"), torch.bfloat16, cache_dir), kernels=kernels)
+    prompts = [list(range(300, 300 + n)) for n in (60, 130, 7, 200)]
+    out = {}
+    for graphs in (True, "static"):
+        pool = _pool(engine)
+        rounds = DecodeRounds(engine, pool, max_running=4, graphs=graphs)
+        assert rounds.capture == (graphs is True)
+        rounds.warm()
+        live, rows = {}, []
+
+        def join(i):
+            cache = engine.new_cache(kv=PagedKV(pool))
+            logits, _ = engine.forward(cache, engine.ids_tensor(prompts[i]), "last")
+            live[i] = (rounds.admit(cache), logits[-1].argmax().view(1))
+
+        for step, event in enumerate([("join", 0), ("join", 1), None, ("join", 2), ("join", 3), None,
+                                      ("leave", 1), None, ("leave", 0), None, None]):
+            if event and event[0] == "join":
+                join(event[1])
+            elif event:
+                rounds.release(live.pop(event[1])[0]).kv.release_all()
+            names = sorted(live)
+            ids = torch.cat([live[n][1] for n in names])  # on the device: never read back between rounds
+            logits = rounds.run([live[n][0] for n in names], ids)
+            rows.append(logits.clone())
+            for row, name in enumerate(names):
+                live[name] = (live[name][0], logits[row].argmax().view(1))
+        out[graphs] = rows
+        if graphs is True:
+            assert rounds.num_graphs == len(rounds.buckets)
+    assert all(torch.equal(a, b) for a, b in zip(out[True], out["static"]))
