@@ -362,3 +362,63 @@ class ApiKeys:
             scope.setdefault("qse", {})["tenant"] = tenant.name or None
             return await self.app(scope, receive, send)
         await error_response(err)(scope, receive, send)
+
+
+class LoadingApp:
+    """The server while the model loads, then the app over it: the port is bound before the model loads.
+
+    Loading: /health and /healthz answer 503 {"status": "loading"}, every other route a 503 in OpenAI's shape
+    (code "loading"). `load` runs on a worker thread once the server runs; then the service starts and every
+    request goes to create_app's app. A failed load is kept in `error` and `on_failure` is called (qse serve
+    stops). The lifespan is this object's: it starts and stops the service itself.
+    """
+
+    def __init__(self, load: Callable[[], Service], root_path: str | None = None,
+                 on_failure: Callable[[BaseException], None] | None = None):
+        self.load = load
+        self.root_path = root_path
+        self.on_failure = on_failure
+        self.service: Service | None = None
+        self.app: Any = None
+        self.error: BaseException | None = None
+        self._loading: asyncio.Task | None = None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            return await self._lifespan(receive, send)
+        if self.app is not None:
+            return await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return
+        if scope["path"].rstrip("/").endswith(("/health", "/healthz")):
+            body = {"status": "error" if self.error else "loading"}
+            return await json_response(body, 503)(scope, receive, send)
+        err = ApiError(503, "the model is still loading; /health answers 200 once it is ready", code="loading")
+        await error_response(err)(scope, receive, send)
+
+    async def _lifespan(self, receive, send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                self._loading = asyncio.get_running_loop().create_task(self._load(), name="qse-load")
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if self._loading is not None:
+                    await asyncio.gather(self._loading, return_exceptions=True)
+                if self.service is not None:
+                    await self.service.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _load(self) -> None:
+        try:
+            service = await asyncio.to_thread(self.load)
+            await service.start()
+        except Exception as exc:
+            self.error = exc
+            log.error("load_failed", error=repr(exc))
+            if self.on_failure is not None:
+                self.on_failure(exc)
+            return
+        self.service = service
+        self.app = create_app(service, root_path=self.root_path)

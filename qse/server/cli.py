@@ -1,4 +1,5 @@
-"""`qse serve`: load the served model (and the reader's), build the conductor, run the app under uvicorn.
+"""`qse serve`: bind the port, then load the served model (and the reader's) and build the conductor while the
+app answers /health 503 "loading"; serve under uvicorn; on SIGTERM drain, then stop.
 
     qse serve                          the embedded default model on 127.0.0.1:8000, profile 'default'
     qse serve --model DIR --profile coding --port 8001 --env-file config/serve.env
@@ -9,13 +10,18 @@ Flags win over QSE_* switches; --env-file fills switches the environment does no
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import socket
 import sys
 from pathlib import Path
+
+import uvicorn
 
 from ..settings import SETTINGS, EngineSettings, SettingError, load_env_file
 from .profiles import ProfileError, load_profile
 from .service import Service
+from .tenants import Keyring
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,6 +97,23 @@ def build_service(model: str = "", shadow_model: str | None = None, profile: str
                    max_context_tokens=served.cfg.max_position_embeddings, served_names=served_names or ())
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything loads: a port in use fails at once."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+class ServeError(Exception):
+    """qse serve cannot start: one line for the user."""
+
+
 def serve_main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -101,28 +124,65 @@ def serve_main(argv: list[str] | None = None) -> int:
         from .logs import configure_logging, uvicorn_log_config
 
         configure_logging(level)
-        service = build_service(
-            model=settings.get("QSE_MODEL") if args.model is None else args.model,
-            shadow_model=args.shadow_model,
-            profile=args.profile or settings.get("QSE_PROFILE"), grid=args.grid,
-            device=args.device or settings.get("QSE_DEVICE"), dtype=args.dtype or settings.get("QSE_DTYPE"),
-            settings=settings, served_names=args.served_model_name)
-    except (ProfileError, SettingError, ValueError, FileNotFoundError, MemoryError) as exc:
+        profile = args.profile or settings.get("QSE_PROFILE")
+        load_profile(profile)  # a bad profile or keys file stops qse serve before it binds or loads
+        Keyring.from_settings(settings)
+        grace_s = settings.get("QSE_STOP_GRACE_S")
+        host = args.host or settings.get("QSE_HOST")
+        port = settings.get("QSE_PORT") if args.port is None else args.port
+        sock = bind_socket(host, port)
+    except (ProfileError, SettingError, ServeError, ValueError, FileNotFoundError) as exc:
         sys.stderr.write(f"qse serve: error: {exc}\n")
         return 2
 
-    import uvicorn
+    from .app import LoadingApp
 
-    from .app import create_app
+    def load() -> Service:
+        return build_service(
+            model=settings.get("QSE_MODEL") if args.model is None else args.model,
+            shadow_model=args.shadow_model, profile=profile, grid=args.grid, device=args.device or settings.get("QSE_DEVICE"),
+            dtype=args.dtype or settings.get("QSE_DTYPE"), settings=settings, served_names=args.served_model_name)
 
-    app = create_app(service, root_path=args.root_path)
+    app = LoadingApp(load, root_path=args.root_path)
     config = uvicorn.Config(
-        app, host=args.host or settings.get("QSE_HOST"),
-        port=settings.get("QSE_PORT") if args.port is None else args.port,
-        proxy_headers=True, forwarded_allow_ips=settings.get("QSE_FORWARDED_ALLOW_IPS"),
+        app, host=host, port=port, proxy_headers=True, forwarded_allow_ips=settings.get("QSE_FORWARDED_ALLOW_IPS"),
         log_config=uvicorn_log_config(level), access_log=False, lifespan="on", server_header=False,
-        timeout_graceful_shutdown=30,
+        # a last resort: the drain ends every turn after grace_s, and each ends within one decode step
+        timeout_graceful_shutdown=grace_s + 30,
     )
-    server = uvicorn.Server(config)
-    server.run()
+    server = DrainingServer(config, app, grace_s)
+    app.on_failure = lambda exc: setattr(server, "should_exit", True)
+    server.run(sockets=[sock])
+    if app.error is not None:
+        sys.stderr.write(f"qse serve: error: {app.error}\n")
+        return 2
     return 0 if server.started else 1
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, but the first SIGTERM (or Ctrl-C) drains first (Service.drain: /health says
+    stopping, new turns get 503, the turns in flight end within the grace period), then shuts down as
+    uvicorn does. A second signal, or one while the model loads, stops at once as uvicorn would."""
+
+    def __init__(self, config, app, grace_s: float):
+        super().__init__(config)
+        self.qse_app = app
+        self.grace_s = grace_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        service = self.qse_app.service
+        if self._draining or self.should_exit or self._loop is None or service is None:
+            return super().handle_exit(sig, frame)
+        self._draining = True
+        self._captured_signals.append(sig)  # uvicorn raises it again once it has stopped
+        self._loop.call_soon_threadsafe(self._drain, service)
+
+    def _drain(self, service) -> None:
+        task = self._loop.create_task(service.drain(self.grace_s), name="qse-drain")
+        task.add_done_callback(lambda _: setattr(self, "should_exit", True))

@@ -680,6 +680,7 @@ class Service:
         under the ids it uses (None: everything, for /metrics). No absolute paths."""
         out = _retry(self.conductor.status)
         out["profile"] = self.profile.name
+        out["queue"] = {"running": self.admission.num_running, "waiting": self.admission.num_waiting}
         if self.store is not None:
             parked = _retry(lambda: list(self.store.parked.values()))
             out["parked"] = [{"session": p.session_id, "bytes": p.nbytes, "written_s": p.written_s,
