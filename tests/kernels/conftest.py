@@ -28,6 +28,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# The model the interpreted whole-model tests run: the embedded default's widths (GQA on both layer kinds)
+# with every layer kind twice in four layers and a vocabulary that is not a multiple of any block size
+# (the GEMV head's masked tail). Under the interpreter the real 248,320-row head cost ~100 s a question.
+SMALL_VOCAB = 1000
+SMALL_SHAPE = dict(num_hidden_layers=4, full_attention_interval=2, vocab_size=SMALL_VOCAB, eos_token_id=SMALL_VOCAB - 2)
+
+
+@pytest.fixture(scope="session")
+def small_model_dir(tmp_path_factory):
+    from qse.models.qwen3_5 import parse_config, presets
+
+    config = {**presets.embedded_config_dict(), **SMALL_SHAPE}
+    model_dir = tmp_path_factory.mktemp("small-model") / "small-qwen3.5"
+    presets.write_checkpoint(model_dir, config, presets.random_tensors(parse_config(config), presets.EMBEDDED_SEED))
+    return model_dir
+
+
 @pytest.fixture
 def device() -> str:
     return "cuda" if IS_CUDA else "cpu"

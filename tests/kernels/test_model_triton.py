@@ -1,5 +1,7 @@
 """The whole model on the Triton kernels (interpreted on CPU): the exactness contract and the graph
-path's bits, on the same kernels the H200 runs."""
+path's bits, on the same kernels the H200 runs. The tests that run on CPU read a four-layer model with a
+1,000-token vocabulary (conftest's small_model_dir): every kernel path, each layer kind twice, in minutes
+of interpreter time rather than a quarter of an hour; the GPU tests keep the embedded default."""
 
 from __future__ import annotations
 
@@ -13,22 +15,37 @@ from qse.shadow.reader import ShadowReader
 GRID = 64
 
 
-@pytest.fixture(scope="module")
-def triton_engine(cache_dir):
+def _engine(model: str, cache_dir, kernels: str) -> Engine:
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    engine = Engine(resolve("", torch.device(device), dtype, cache_dir), kernels="triton")
-    assert engine.kernels == "triton"
+    engine = Engine(resolve(model, torch.device(device), dtype, cache_dir), kernels=kernels)
+    assert engine.kernels == kernels
     return engine
 
 
-def test_triton_graph_path_reads_and_answers_the_same_bits(triton_engine):
+@pytest.fixture(scope="module")
+def triton_engine(cache_dir):
+    """The embedded default (the GPU tests)."""
+    return _engine("", cache_dir, "triton")
+
+
+@pytest.fixture(scope="module")
+def small_triton_engine(small_model_dir, cache_dir):
+    engine = _engine(str(small_model_dir), cache_dir, "triton")
+    assert engine.model.cfg.layer_types == ("linear_attention", "full_attention") * 2
+    return engine
+
+
+def test_triton_graph_path_reads_and_answers_the_same_bits(small_triton_engine):
     """The paged kernel through the page table and the device-side position, the working-state copies:
-    the same bits as the eager forward. (Interpreted kernels are slow: two chunks and one question.)"""
-    ids = list(range(4000, 4000 + 2 * GRID + 17))
-    eager = ShadowReader(triton_engine, grid=GRID, pool_bytes=8 << 20, page_rows=GRID, graphs=False)
-    static = ShadowReader(triton_engine, grid=GRID, pool_bytes=8 << 20, page_rows=GRID, graphs="static")
+    the same bits as the eager forward. (Interpreted kernels are slow: two chunks and one question; the graph
+    path's attention launch covers the whole pool, so the pool is kept to 512 rows.)"""
+    ids = list(range(400, 400 + 2 * GRID + 17))
+    pool_bytes = 512 * small_triton_engine.state_bytes_per_token()
+    eager = ShadowReader(small_triton_engine, grid=GRID, pool_bytes=pool_bytes, page_rows=GRID, graphs=False)
+    static = ShadowReader(small_triton_engine, grid=GRID, pool_bytes=pool_bytes, page_rows=GRID, graphs="static")
+    assert static.graphs.capacity <= 512
     for reader in (eager, static):
         reader.feed("s", ids)
         reader.read_all("s")
@@ -41,16 +58,16 @@ def test_triton_graph_path_reads_and_answers_the_same_bits(triton_engine):
     assert all(eager.state_equal(eager.get("s"), static.get("s")).values())
 
 
-def test_one_row_logits_on_the_paged_kernels(triton_engine, rel):
+def test_one_row_logits_on_the_paged_kernels(small_triton_engine, rel):
     """One row's logits (the last layer run for that row alone, its query at start + row through the page
     table) agree with that row of the whole forward; the KV rows written are the same bits."""
-    ids = list(range(9000, 9000 + GRID + 20))
-    reader = ShadowReader(triton_engine, grid=GRID, pool_bytes=8 << 20, page_rows=GRID, graphs=False)
+    ids = list(range(900, 900 + GRID + 20))
+    reader = ShadowReader(small_triton_engine, grid=GRID, pool_bytes=8 << 20, page_rows=GRID, graphs=False)
     for sid in ("one", "all"):
         reader.feed(sid, ids[:GRID])
         reader.read_all(sid)
-    model = triton_engine.model
-    tail = triton_engine.ids_tensor(ids[GRID:])
+    model = small_triton_engine.model
+    tail = small_triton_engine.ids_tensor(ids[GRID:])
     one = model.forward(tail, reader.get("one").cache, "row", logit_row=11)
     every = model.forward(tail, reader.get("all").cache, "all")
     assert rel(one[0], every[11]) < (1e-4 if one.dtype == torch.float32 and model.dtype == torch.float32 else 2e-2)
@@ -103,25 +120,22 @@ def test_served_decode_under_a_cuda_graph_equals_eager(triton_engine):
     assert all(torch.equal(x, y) for x, y in zip(out["eager"][1], out["graph"][1]))
 
 
-def test_invariant_kernels_read_the_same_state_on_any_grid(cache_dir):
-    """QSE_KERNELS=invariant: a session read on grid 64 and on grid 128 holds the same bits, and a question
-    asked over a different committed length (and so a different fork) gets the same answer."""
-    torch.manual_seed(0)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    engine = Engine(resolve("", torch.device(device), dtype, cache_dir), kernels="invariant")
-    assert engine.kernels == "invariant"
+def test_invariant_kernels_read_the_same_state_on_any_grid(small_model_dir, cache_dir):
+    """QSE_KERNELS=invariant: a session read on grid 64 (two chunks) and on grid 128 (one) holds the same
+    bits, and a question asked over a different committed length (64 rows and a tail of 36 against no rows
+    and a tail of 100, so a different fork) gets the same answer."""
+    engine = _engine(str(small_model_dir), cache_dir, "invariant")
     fine = ShadowReader(engine, grid=64, pool_bytes=8 << 20, graphs=False)
     coarse = ShadowReader(engine, grid=128, pool_bytes=8 << 20, graphs=False)
-    ids = list(range(6000, 6000 + 256))
+    ids = list(range(600, 600 + 128))
     for reader in (fine, coarse):
         reader.feed("a", ids)
         reader.read_all("a")
-    assert fine.get("a").stats.chunks_read == 4 and coarse.get("a").stats.chunks_read == 2
+    assert fine.get("a").stats.chunks_read == 2 and coarse.get("a").stats.chunks_read == 1
     assert all(fine.state_equal(fine.get("a"), coarse.get("a")).values())
     for reader in (fine, coarse):
-        reader.feed("b", ids[:200])
+        reader.feed("b", ids[:100])
         reader.read_all("b")
-    assert (fine.get("b").committed, coarse.get("b").committed) == (192, 128)
+    assert (fine.get("b").committed, coarse.get("b").committed) == (64, 0)
     question = list(range(70, 90))
     assert fine.ask("b", question, ["A", "B"]).distribution == coarse.ask("b", question, ["A", "B"]).distribution
