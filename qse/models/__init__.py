@@ -100,22 +100,26 @@ def same_spec(a: str | None, b: str | None) -> bool:
 
 
 def resolve(spec: str | Path | None, device: torch.device, dtype: torch.dtype, cache_dir: Path,
-            seed: int = 0) -> ResolvedModel:
+            seed: int = 0, chat_template: Path | None = None) -> ResolvedModel:
+    """chat_template: a template file that replaces the checkpoint's (--chat-template)."""
     spec = "" if spec is None else str(spec)
     if spec in ("", EMBEDDED):
         module = family_module(DEFAULT_FAMILY)
         model_dir = module.ensure_embedded(cache_dir)
-        return ResolvedModel(module.load(model_dir, device, dtype), module.ChatFormat(model_dir), model_dir.name,
+        chat = module.ChatFormat(model_dir, chat_template)
+        return ResolvedModel(module.load(model_dir, device, dtype), chat, model_dir.name,
                              "embedded", DEFAULT_FAMILY, weights_id_of_dir(model_dir))
     path = Path(spec).expanduser()
     if path.is_dir():
         family = family_of_dir(path)
         module = family_module(family)
-        return ResolvedModel(module.load(path, device, dtype), module.ChatFormat(path), path.name, str(path),
+        chat = module.ChatFormat(path, chat_template)  # before the weights: a tokenizer that does not fit fails fast
+        return ResolvedModel(module.load(path, device, dtype), chat, path.name, str(path),
                              family, weights_id_of_dir(path))
     for family, module_name in FAMILIES.items():
         module = importlib.import_module(module_name)
         if module.is_preset(spec):
-            return ResolvedModel(module.build_preset(spec, device, dtype, seed), module.ChatFormat(None), spec.lower(),
+            chat = module.ChatFormat(None, chat_template)
+            return ResolvedModel(module.build_preset(spec, device, dtype, seed), chat, spec.lower(),
                                  "preset", family, f"preset:{spec.lower()}:seed{seed}:{dtype}")
     raise ModelSpecError(f"--model {spec!r} is neither a checkpoint directory nor a preset name")

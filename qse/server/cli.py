@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", help="log level (QSE_LOG_LEVEL)")
     p.add_argument("--served-model-name", nargs="+", help="the names clients use for the model; the first is the "
                    "one answers carry (default: the model's own name)")
+    p.add_argument("--chat-template", type=Path, help="a jinja chat template file that replaces the checkpoint's "
+                   "(default: its chat_template.jinja, else tokenizer_config.json's chat_template, else the "
+                   "family's built-in template)")
     p.add_argument("--env-file", type=Path, help="a serve.env file (KEY=VALUE) of QSE_* switches, checked first")
     return p
 
@@ -56,10 +59,10 @@ def apply_env_file(path: Path) -> dict[str, str]:
 
 def build_service(model: str = "", shadow_model: str | None = None, profile: str = "default", grid: int | None = None,
                   device: str = "auto", dtype: str = "auto", settings: EngineSettings = SETTINGS,
-                  served_names: list[str] | None = None) -> Service:
+                  served_names: list[str] | None = None, chat_template: Path | None = None) -> Service:
     """Models, reader, store and conductor, as the profile asks. shadow_model None: QSE_SHADOW_MODEL; empty: no
     reader (its model, store and disk tier are not loaded). The reader reuses the served Engine when it would
-    load the same weights."""
+    load the same weights. chat_template: a template file over the checkpoint's (--chat-template)."""
     from ..engine.engine import Engine
     from ..models import pick_device, pick_dtype, resolve, same_spec
     from ..runtime.conductor import Conductor, ConductorConfig, ShadowOptions
@@ -69,7 +72,7 @@ def build_service(model: str = "", shadow_model: str | None = None, profile: str
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     cache = settings.cache_dir()
-    served = Engine(resolve(model, dev, dt, cache))
+    served = Engine(resolve(model, dev, dt, cache, chat_template=chat_template))
     reader = store = None
     if prof.shadow.mode == "on" and shadow_model != "":
         from ..core.plan import check_group
@@ -141,7 +144,8 @@ def serve_main(argv: list[str] | None = None) -> int:
         return build_service(
             model=settings.get("QSE_MODEL") if args.model is None else args.model,
             shadow_model=args.shadow_model, profile=profile, grid=args.grid, device=args.device or settings.get("QSE_DEVICE"),
-            dtype=args.dtype or settings.get("QSE_DTYPE"), settings=settings, served_names=args.served_model_name)
+            dtype=args.dtype or settings.get("QSE_DTYPE"), settings=settings, served_names=args.served_model_name,
+            chat_template=args.chat_template)
 
     app = LoadingApp(load, root_path=args.root_path)
     config = uvicorn.Config(

@@ -8,8 +8,11 @@
       narrator_max_tokens: 48
     generation:             # what a request that names nothing gets
       max_tokens: 4096
-      temperature: 0.6
-      top_p: 0.95
+      temperature: 0.6      # these and top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty:
+      top_p: 0.95           # left out, the checkpoint's generation_config.json value, else SAMPLING_DEFAULTS
+
+A request's own value wins over the profile's, the profile's over the checkpoint's generation_config.json,
+and that over SAMPLING_DEFAULTS (effective_generation).
 """
 
 from __future__ import annotations
@@ -39,9 +42,33 @@ class ShadowBlock(Struct, forbid_unknown_fields=True):
 
 
 class GenerationBlock(Struct, forbid_unknown_fields=True):
+    """A profile's generation defaults; a sampling value left out (None) falls to the checkpoint's."""
+
     max_tokens: Annotated[int, Meta(ge=1)] = 4096  # capped by QSE_MAX_OUTPUT_TOKENS
-    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 0.6
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.95
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=0)] | None = None  # 0: off
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
+
+
+class SamplingDefaults(Struct, forbid_unknown_fields=True):
+    """What a request that names no sampling value gets: every value filled."""
+
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)]
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)]
+    top_k: Annotated[int, Meta(ge=0)]
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)]
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)]
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)]
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)]
+
+
+# below a profile's and a checkpoint's values: the embedded model's family's recommended sampling, no penalties
+SAMPLING_DEFAULTS = {"temperature": 0.6, "top_p": 0.95, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+                     "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
 class Profile(Struct, forbid_unknown_fields=True):
@@ -73,6 +100,27 @@ def parse_profile(text: str, where: str) -> Profile:
         raw["shadow"] = {k: (_on_off(v) if k in ("mode", "narrator", "router") else v) for k, v in shadow.items()}
     try:
         return msgspec.convert(raw, type=Profile)
+    except msgspec.ValidationError as exc:
+        raise ProfileError(f"{where}: {exc}") from None
+
+
+def effective_generation(block: GenerationBlock, checkpoint: dict[str, float],
+                         where: str = "generation_config.json") -> tuple[SamplingDefaults, dict[str, str]]:
+    """The sampling defaults: the profile's value where it sets one, else the checkpoint's (`checkpoint`, from
+    `where`), else SAMPLING_DEFAULTS; and for each value which of the three it came from."""
+    values, sources = {}, {}
+    for key, fallback in SAMPLING_DEFAULTS.items():
+        mine = getattr(block, key)
+        if mine is not None:
+            values[key], sources[key] = mine, "profile"
+        elif checkpoint.get(key) is not None:
+            values[key], sources[key] = checkpoint[key], where
+        else:
+            values[key], sources[key] = fallback, "default"
+    if sources["top_k"] == where and values["top_k"] < 0:  # transformers and vLLM write "off" as -1 too
+        values["top_k"] = 0
+    try:
+        return msgspec.convert(values, type=SamplingDefaults, strict=False), sources
     except msgspec.ValidationError as exc:
         raise ProfileError(f"{where}: {exc}") from None
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
+import msgspec
 import structlog
 
 from ..engine.grammar import ANY_JSON_OBJECT, Grammar, GrammarError, json_rule
@@ -29,7 +30,7 @@ from ..shadow.reader import ShadowError, UnknownSession
 from . import wire
 from .errors import ApiError, bad_request
 from .metrics import ServerMetrics
-from .profiles import Profile
+from .profiles import Profile, effective_generation
 from .admission import ABORT, SHUTDOWN, Admission, Ticket
 from .tenants import LONE, Tenant
 from .text import Deltas, OutputText, Sections
@@ -113,6 +114,9 @@ class Service:
         self.model_names = list(served_names) or [model_name]
         self.model_name = self.model_names[0]
         self.profile = profile
+        # a request's values over these: the profile's, else the checkpoint's generation_config.json, else defaults
+        self.generation, self.generation_sources = effective_generation(
+            profile.generation, getattr(chat, "generation_defaults", {}))
         self.settings = settings
         self.store = store
         self.max_context_tokens = max_context_tokens
@@ -149,7 +153,8 @@ class Service:
         log.info("server_ready", model=self.model_name, profile=self.profile.name, shadow=self.profile.shadow.mode,
                  ledger=str(self.ledger_path), served_mode=status.get("served_mode"), reader_model=slot.get("model"),
                  reader_device=slot.get("device"), reader_kernels=slot.get("kernels"), reader_mode=slot.get("mode"),
-                 reader_pool_pages=slot.get("pool_pages"))
+                 reader_pool_pages=slot.get("pool_pages"), chat=getattr(self.chat, "sources", None),
+                 generation=msgspec.structs.asdict(self.generation), generation_sources=self.generation_sources)
 
     async def stop(self) -> None:
         for task in list(self._background):
@@ -197,14 +202,18 @@ class Service:
     def _sampling(self, req: wire.ChatCompletionRequest | wire.CompletionRequest, prompt_ids: list[int],
                   top_logprobs: int | None, grammar: Grammar | None = None) -> SamplingParams:
         """The request's knobs over the profile's defaults; a knob left out is off (or the profile's)."""
-        g = self.profile.generation
-        repetition = req.repetition_penalty or 1.0
+        g = self.generation
+
+        def pick(asked, default):
+            return default if asked is None else asked
+
+        repetition = pick(req.repetition_penalty, g.repetition_penalty)
         try:
             return SamplingParams(
-                temperature=g.temperature if req.temperature is None else req.temperature,
-                top_p=g.top_p if req.top_p is None else req.top_p, seed=req.seed,
-                top_k=max(0, req.top_k or 0), min_p=req.min_p or 0.0, repetition_penalty=repetition,
-                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                temperature=pick(req.temperature, g.temperature), top_p=pick(req.top_p, g.top_p), seed=req.seed,
+                top_k=max(0, pick(req.top_k, g.top_k)), min_p=pick(req.min_p, g.min_p), repetition_penalty=repetition,
+                presence_penalty=pick(req.presence_penalty, g.presence_penalty),
+                frequency_penalty=pick(req.frequency_penalty, g.frequency_penalty),
                 logit_bias=wire.check_logit_bias(req.logit_bias, self.chat.tokenizer.vocab_size),
                 top_logprobs=top_logprobs, prompt_ids=tuple(prompt_ids) if repetition != 1.0 else (),
                 grammar=grammar, record=SampleRecord())

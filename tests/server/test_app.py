@@ -71,7 +71,7 @@ def settings_for(tmp_path: Path, **env: str) -> EngineSettings:
 
 
 def real_service(engine, tmp_path: Path, profile: Profile | None = None, **env: str) -> Service:
-    profile = profile or Profile()
+    profile = profile or Profile(shadow=ShadowBlock())  # a shadow block: the reader on
     s = profile.shadow
     reader = ShadowReader(engine, grid=64, pool_bytes=16 << 20) if s.mode == "on" else None
     conductor = Conductor(engine, reader, ShadowOptions(s.mode, s.narrator, s.router, s.router_min_tokens),

