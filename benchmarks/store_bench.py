@@ -35,7 +35,7 @@ from qse.engine.engine import Engine  # noqa: E402
 from qse.models import resolve  # noqa: E402
 from qse.settings import SETTINGS  # noqa: E402
 from qse.shadow.reader import ShadowReader  # noqa: E402
-from qse.shadow.session import Checkpoint, ShadowSession  # noqa: E402
+from qse.sessions.session import Checkpoint, GridSession as ShadowSession  # noqa: E402
 from qse.store import ShadowStore, disk  # noqa: E402
 
 NOTE = ("state filled with random data of the model's shapes (KV rows, GDN recurrent and conv state, "

@@ -1,76 +1,33 @@
-"""The shadow reader: every session's exact state, read one grid chunk per step.
+"""The shadow reader: grid sessions of a small model, and questions about them on forks.
 
-`feed` tells the reader what a session now holds (a new prompt, or the prompt plus output so far);
-it never reads. `read_step` reads exactly one grid chunk of one session, so a scheduler can stop
-between any two chunks; `launch_step` and `finish_step` split it in two, so that the next chunk is
-launched while the device still runs the one before (`read_all`, and the conductor's windows).
-Questions (`ask`, `summarize`) run on a fork: the pending tail and the question are read above the
-committed rows, and the state is put back afterwards.
+The sessions' state on the grid (feeding, reading chunk by chunk, checkpoints, rollback, residency)
+is the engine-neutral machinery of qse/sessions/grid.py; this module adds what only the reader does:
+questions (`ask`) and summaries (`summarize`), each on a fork: the pending tail and the question are
+read above the committed rows, and the state is put back afterwards.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
 
 import torch
 
-from ..core.plan import check_group, group_size
-from ..core.prefix import common_prefix
-from ..engine.engine import DeviceClock, Engine, Stopwatch
-from ..engine.graphs import ForwardGraphs, capture_mode
-from ..engine.kv import KVPool, PagedKV
+from ..engine.engine import DeviceClock, Stopwatch
+from ..sessions.grid import (ChunkReport, DropLRU, FeedReport, GridSessions, PendingChunk, Residency, SessionError,
+                             UnknownSession, checkpoint_options)
+from ..sessions.session import GridSession
 from ..settings import SETTINGS
-from .session import DIVERGENCE, PROMPT, RECENT, Checkpoint, ShadowSession
+
+# the reader's errors are the session book's (the server maps both to 4xx answers)
+ShadowError = SessionError
+ShadowSession = GridSession
 
 
 # forks are read padded to a multiple of this many rows, eager or graphed alike, so that an answer never
 # depends on the mode (and the graphs need one shape per 64 rows, not one per length)
 FORK_ALIGN = 64
 PAD_ID = 0
-
-
-class ShadowError(ValueError):
-    """Bad input to the reader (unknown session, bad choices, a question over the window)."""
-
-
-class UnknownSession(ShadowError, KeyError):
-    def __str__(self) -> str:  # KeyError quotes its message otherwise
-        return str(self.args[0])
-
-
-@dataclass
-class ChunkReport:
-    session_id: str
-    position: int  # committed rows after the chunk
-    backlog: int  # whole-chunk ids still to read
-    gpu_ms: float
-    context: int  # rows the chunk attended over before it (its start position)
-    chunks: int = 1  # grid chunks this launch read (a chunk group: gpu_ms is theirs together)
-
-
-@dataclass
-class PendingChunk:
-    """A chunk launched on the device, not yet read back (`ShadowReader.launch_step`)."""
-
-    session: "ShadowSession"
-    start: int  # the chunk's first row
-    marks: tuple | None = None  # (start, end) device marks until finish_step reads them
-    gpu_ms: float = 0.0
-    chunks: int = 1  # grid chunks launched together (a chunk group)
-
-
-@dataclass
-class FeedReport:
-    session_id: str
-    position: int
-    backlog: int
-    tail: int
-    rolled_back_to: int | None  # grid line the reader went back to, if a rollback happened
-    first_diff: int | None
-
 
 @dataclass
 class AskResult:
@@ -95,387 +52,13 @@ class SummaryResult:
     ms_per_token: float
 
 
-class Residency(Protocol):
-    """What the reader asks of the residency manager (qse/store). The default drops LRU sessions.
+class ShadowReader(GridSessions):
+    """The shadow reader: a GridSessions over the reader's engine, with questions on forks."""
 
-    make_room is asked before every growth of a session's KV pages (not only when the pool is
-    short), so a manager can keep a byte cap as sessions are read; True means the pages are free.
-    """
-
-    def make_room(self, reader: "ShadowReader", pages: int, keep: ShadowSession) -> bool: ...
-
-    def bring_back(self, reader: "ShadowReader", session: ShadowSession) -> bool: ...
-
-    def after_feed(self, reader: "ShadowReader", session: ShadowSession) -> None: ...
-
-    def forget(self, reader: "ShadowReader", session: ShadowSession) -> None: ...
-
-
-class DropLRU:
-    """No disk: past the pool, the least recently fed session is dropped and later read again."""
-
-    def make_room(self, reader: "ShadowReader", pages: int, keep: ShadowSession) -> bool:
-        while not reader.pool.can_allocate(pages):
-            victims = [s for s in reader.sessions.values() if s.is_resident and s is not keep and s.kv.pages]
-            if not victims:
-                return False
-            reader.drop_state(min(victims, key=lambda s: s.last_fed_s))
-        return True
-
-    def bring_back(self, reader: "ShadowReader", session: ShadowSession) -> bool:
-        return False
-
-    def after_feed(self, reader: "ShadowReader", session: ShadowSession) -> None:
-        return None
-
-    def forget(self, reader: "ShadowReader", session: ShadowSession) -> None:
-        return None
-
-
-@dataclass
-class ReaderStats:
-    chunks: int = 0
-    gpu_ms: float = 0.0
-    asks: int = 0
-    summaries: int = 0
-    drops: int = 0
-    restarts: int = 0
-    last_answers: list[dict] = field(default_factory=list)
-
-
-def checkpoint_options(settings=SETTINGS) -> dict[str, int]:
-    """The checkpoint counts a reader takes from the settings (`qse serve`, and the benchmarks that mirror it)."""
-    return dict(max_checkpoints=settings.get("QSE_SHADOW_CHECKPOINTS"),
-                recent_checkpoints=settings.get("QSE_SHADOW_RECENT_CHECKPOINTS"),
-                divergence_checkpoints=settings.get("QSE_SHADOW_DIVERGENCE_CHECKPOINTS"))
-
-
-class ShadowReader:
-    def __init__(self, engine: Engine, grid: int = 512, pool_bytes: int = 4 << 30, max_checkpoints: int = 6,
-                 page_rows: int | None = None, residency: Residency | None = None, clock=time.monotonic,
-                 graphs: bool | str | None = None, recent_checkpoints: int = 0, divergence_checkpoints: int = 0,
-                 chunk_group: int = 1):
-        """graphs: True/False, None for QSE_SHADOW_GRAPHS (CUDA graphs where the device is CUDA and the
-        kernels are Triton's), or "static": the graph path's buffers and flow without capturing (CPU tests).
-
-        Checkpoints beside the prompt ends' (`max_checkpoints`): the newest `recent_checkpoints` grid lines
-        read, and the lines of the newest `divergence_checkpoints` places where a prompt re-rendered.
-        Both are 0 here; `qse serve` passes the settings (QSE_SHADOW_RECENT_CHECKPOINTS, 4 by default, and
-        QSE_SHADOW_DIVERGENCE_CHECKPOINTS, 0): in the weka replay 4 recent lines took fresh turn starts from
-        95.5 % to 97.6 %, for up to 4 more states (19.5 MB each on the 0.8B) a session.
-
-        chunk_group: the chunks `read_all` launches together where they fit (see launch_step), on the graph
-        path; 1 reads one chunk a launch."""
-        if grid < 1:
-            raise ShadowError(f"grid must be a positive number of rows, got {grid}")
-        self.engine = engine
-        self.grid = grid
-        self.max_checkpoints = max_checkpoints
-        for name, value in (("max_checkpoints", max_checkpoints), ("recent_checkpoints", recent_checkpoints),
-                            ("divergence_checkpoints", divergence_checkpoints)):
-            if not isinstance(value, int) or value < 0:
-                raise ShadowError(f"{name} must be a whole number >= 0, got {value!r}")
-        _check_chunks(chunk_group, "chunk_group")
-        self.chunk_group = chunk_group
-        self.caps = {PROMPT: max_checkpoints, RECENT: recent_checkpoints, DIVERGENCE: divergence_checkpoints}
-        cfg = engine.cfg
-        page_rows = page_rows or grid
-        if grid % page_rows:
-            raise ShadowError(f"the grid ({grid}) must be a multiple of the KV page size ({page_rows})")
-        self.pool = KVPool.for_budget(pool_bytes, page_rows, len(cfg.attention_layers), cfg.num_key_value_heads,
-                                      cfg.head_dim, engine.dtype, engine.device)
-        self.sessions: dict[str, ShadowSession] = {}
-        self.residency: Residency = residency or DropLRU()
-        self.clock = clock
-        self.stats = ReaderStats()
-        self.graphs = self._make_graphs(graphs)
-        self._device_clock = DeviceClock(engine.device)
-        self.mode = "graph" if self.graphs is not None else "eager"
-
-    def _make_graphs(self, graphs: bool | str | None) -> ForwardGraphs | None:
+    def __init__(self, engine, *args, graphs: bool | str | None = None, **kwargs):
         if graphs is None and not SETTINGS.get("QSE_SHADOW_GRAPHS"):
             graphs = False
-        capture = capture_mode(self.engine, graphs, "the reader", ShadowError)
-        if capture is None:
-            return None
-        return ForwardGraphs(self.engine.model, self.pool, capture=capture, max_tokens=max(1024, self.grid))
-
-    def warm(self) -> None:
-        """Capture the grid chunk's graph now rather than on the first read (a capture takes a few
-        hundred ms; a server does it before it takes requests)."""
-        if self.graphs is not None:
-            self.graphs.prepare(self.grid, "none")
-            count = 2
-            while count <= self.chunk_group:  # every group size a launch may take
-                self.graphs.prepare_group(count, self.grid)
-                count *= 2
-
-    # ---- sessions ----------------------------------------------------------------------------
-    def get(self, session_id: str) -> ShadowSession:
-        session = self.sessions.get(session_id)
-        if session is None:
-            raise UnknownSession(f"unknown session {session_id!r}")
-        return session
-
-    def open(self, session_id: str) -> ShadowSession:
-        session = self.sessions.get(session_id)
-        if session is None:
-            session = ShadowSession(session_id, self.grid, self._new_cache(), mode=self.mode)
-            self.sessions[session_id] = session
-        return session
-
-    def _new_cache(self):
-        return self.engine.new_cache(kv=PagedKV(self.pool))
-
-    def close(self, session_id: str) -> None:
-        session = self.get(session_id)
-        self.residency.forget(self, session)
-        self.drop_state(session)
-        del self.sessions[session_id]
-
-    def drop_state(self, session: ShadowSession) -> None:
-        """Forget the state (not the ids): the session is read again from row 0 when fed."""
-        if session.cache is not None:
-            session.kv.release_all()
-        session.cache = None
-        session.committed = 0
-        session.checkpoints.clear()
-        self.stats.drops += 1
-
-    def ensure_resident(self, session: ShadowSession) -> None:
-        """The session's state in memory: as it was (parked state brought back), or empty, to be read
-        again from row 0."""
-        if session.cache is not None:
-            return
-        if self.residency.bring_back(self, session):
-            return
-        session.cache = self._new_cache()
-        session.committed = 0
-        session.checkpoints.clear()
-        session.mode = self.mode
-
-    # ---- feeding -----------------------------------------------------------------------------
-    def feed(self, session_id: str, ids: list[int], prompt_end: int | None = None, now: float | None = None) -> FeedReport:
-        """The session now holds `ids` (the whole session so far). Reads nothing."""
-        self._check_ids(ids)
-        session = self.open(session_id)
-        session.last_fed_s = self.clock() if now is None else now
-        rolled_back, first_diff = None, None
-        if session.cache is not None and session.committed:
-            first_diff = common_prefix(session.ids, ids, session.committed)
-            if first_diff < session.committed:
-                rolled_back = self._rollback(session, first_diff)
-        session.ids = list(ids)
-        if prompt_end is not None:
-            if not 0 <= prompt_end <= len(ids):
-                raise ShadowError(f"prompt_end {prompt_end} is outside [0, {len(ids)}]")
-            line = (prompt_end // self.grid) * self.grid
-            if line > 0:
-                session.checkpoint_lines.add(line)
-        session.checkpoint_lines = {p for p in session.checkpoint_lines if p <= len(ids)}
-        if (prompt_end is not None and session.cache is not None and 0 < session.committed == line
-                and line not in session.checkpoint_positions(PROMPT)):
-            # the reader already stands on this prompt's line (it read into the output last turn and the
-            # new prompt re-rendered at or above the line): the state is here now, keep it (the replay of
-            # the weka trace: 94.06 -> 95.00 % fresh turn starts)
-            self._take_checkpoint(session, PROMPT)
-        session.behind_at_turn_start = session.behind
-        self.residency.after_feed(self, session)
-        return FeedReport(session_id, session.committed, session.backlog, len(ids) - session.readable_end,
-                          rolled_back, first_diff)
-
-    def append(self, session_id: str, new_ids: list[int], now: float | None = None) -> FeedReport:
-        """`feed` of what the session holds plus new_ids, checking only the new ids (nothing read can
-        differ, so there is nothing to roll back): what a decode round costs the reader's host time."""
-        session = self.get(session_id)
-        self._check_ids(new_ids)
-        session.ids.extend(new_ids)
-        session.last_fed_s = self.clock() if now is None else now
-        session.behind_at_turn_start = session.behind
-        self.residency.after_feed(self, session)
-        return FeedReport(session_id, session.committed, session.backlog, len(session.ids) - session.readable_end, None, None)
-
-    def _check_ids(self, ids: list[int]) -> None:
-        if not isinstance(ids, (list, tuple)):
-            raise ShadowError(f"ids must be a list of token ids, got {type(ids).__name__}")
-        vocab = self.engine.cfg.vocab_size
-        for i in ids:
-            if not isinstance(i, int) or not 0 <= i < vocab:
-                raise ShadowError(f"token id {i!r} is outside the vocabulary [0, {vocab})")
-
-    def _rollback(self, session: ShadowSession, first_diff: int) -> int:
-        usable = [c for c in session.checkpoints if c.position <= first_diff]  # of any kind
-        target = max(usable, key=lambda c: c.position) if usable else None
-        position = target.position if target else 0
-        cache = session.cache
-        assert cache is not None
-        if target is None:
-            for t in cache.recurrent:
-                t.zero_()
-            for t in cache.conv:
-                t.zero_()
-            session.stats.restarts += 1
-            self.stats.restarts += 1
-        else:
-            cache.set_state(target.recurrent, target.conv)
-        session.kv.truncate(position)
-        session.stats.ids_reread += session.committed - position
-        session.stats.rollbacks += 1
-        cache.length = position
-        session.committed = position
-        session.checkpoints = [c for c in session.checkpoints if c.position <= position]
-        cap = self.caps[DIVERGENCE]
-        line = (first_diff // self.grid) * self.grid
-        if cap and line > 0:  # the next re-render at this place finds the state here
-            session.divergence_lines = ([p for p in session.divergence_lines if p != line] + [line])[-cap:]
-            self._drop_kind(session, DIVERGENCE, keep=set(session.divergence_lines))
-        return position
-
-    # ---- reading -----------------------------------------------------------------------------
-    def read_step(self, session_id: str) -> ChunkReport | None:
-        """Read one whole grid chunk of the session; None if it has no whole chunk waiting."""
-        pending = self.launch_step(session_id)
-        return None if pending is None else self.finish_step(pending)
-
-    def launch_step(self, session_id: str, chunks: int = 1) -> "PendingChunk | None":
-        """Launch the session's next whole grid chunk without waiting for the device; None if it has no
-        whole chunk waiting. The session's rows advance at once (the next launch reads the chunk after),
-        and the device runs the launches in order. Every pending chunk must go through `finish_step`, in
-        launch order, before anything else of the reader runs.
-
-        chunks > 1 (graph path): up to that many chunks in one replay, a chunk group (ForwardGraphs.
-        prepare_group: one chunk's second half of the layers beside the next one's first half), the same
-        bits as one at a time. A group is a power of two of chunks, never more than are waiting, and ends
-        at the first prompt or divergence line inside it, so its checkpoints fall on its end (recent ones
-        are taken at a launch's end, one a group)."""
-        session = self.get(session_id)
-        self.ensure_resident(session)
-        if session.backlog < self.grid:
-            return None
-        start = session.committed
-        count = self._group_size(session, chunks)
-        if count > 1:
-            try:  # captured on first use; no room for the capture's scratch pages or its memory: one chunk
-                self.graphs.prepare_group(count, self.grid)
-            except (MemoryError, torch.cuda.OutOfMemoryError):
-                count = 1
-        while True:  # a group the pool has no room for reads one chunk instead
-            rows = count * self.grid
-            pages = session.kv.pages_for(start + rows) - len(session.kv.pages)
-            if pages <= 0 or self.residency.make_room(self, pages, session):
-                break
-            if count == 1:
-                raise MemoryError(f"the shadow KV pool ({self.pool.num_pages} pages) cannot hold session {session_id!r} at {start + rows} rows")
-            count = 1
-        ids = session.ids[start : start + rows]
-        begin = None
-        if self.graphs is not None:
-            begin = self._launch_graph_chunk(session, ids, start, count)
-            pending = PendingChunk(session, start, chunks=count)
-        else:  # eager: the engine measures (and waits for) the forward itself
-            _, gpu_ms = self.engine.forward(session.cache, self.engine.ids_tensor(ids), logits="none")
-            pending = PendingChunk(session, start, gpu_ms=gpu_ms)
-        session.committed = start + rows
-        session.stats.chunks_read += count
-        session.stats.ids_read += rows
-        self._checkpoints_after_chunk(session)  # device copies, in order after the chunk
-        if begin is not None:  # the chunk's device time includes its checkpoint copies
-            pending.marks = (begin, self._device_clock.mark())
-        return pending
-
-    def _group_size(self, session: ShadowSession, chunks: int) -> int:
-        """How many chunks the next launch reads: 1 without graphs or when asked for 1; else the largest
-        power of two up to `chunks` that are all waiting and hold no prompt or divergence line inside."""
-        _check_chunks(chunks, "chunks")
-        if chunks == 1 or self.graphs is None:
-            return 1
-        return group_size(session.committed, min(chunks, session.backlog // self.grid), self.grid,
-                          session.checkpoint_lines, session.divergence_lines)
-
-    def finish_step(self, pending: "PendingChunk") -> ChunkReport:
-        """Wait for a launched chunk (or group); its report, with the device time it took."""
-        if pending.marks is not None:  # (ms waits for the end mark)
-            pending.gpu_ms = self._device_clock.ms(*pending.marks)
-            pending.marks = None
-        session, gpu_ms, end = pending.session, pending.gpu_ms, pending.start + pending.chunks * self.grid
-        session.stats.last_chunk_ms = gpu_ms / pending.chunks
-        session.stats.total_chunk_ms += gpu_ms
-        self.stats.chunks += pending.chunks
-        self.stats.gpu_ms += gpu_ms
-        return ChunkReport(session.session_id, end, max(0, session.readable_end - end), gpu_ms, pending.start,
-                           pending.chunks)
-
-    def _launch_graph_chunk(self, session: ShadowSession, ids: list[int], start: int, chunks: int = 1) -> Any:
-        """Launch the chunk's (or the group's) replay; the device mark before it."""
-        graphs, cache = self.graphs, session.cache
-        entry = graphs.prepare(len(ids), "none") if chunks == 1 else graphs.prepare_group(chunks, self.grid)
-        if not session.kv.ensure(start + len(ids)):
-            raise MemoryError(f"the shadow KV pool cannot hold session {session.session_id!r} at {start + len(ids)} rows")
-        # the mark goes down first: with a chunk still in flight it stamps when the device comes to this one
-        begin = self._device_clock.mark()
-        graphs.stage(ids, start)  # first: the host's share goes out before the device's
-        graphs.load(cache)
-        graphs.replay(entry)
-        graphs.store(cache)
-        cache.length = start + len(ids)
-        return begin
-
-    def read_all(self, session_id: str, lookahead: int = 1, group: int | None = None) -> list[ChunkReport]:
-        """Every whole chunk waiting, `lookahead` launches ahead of the one being read back (the host's
-        launch then overlaps the device's work), `group` chunks a launch where they fit (None: the reader's
-        chunk_group); the bits equal reading them one at a time."""
-        group = self.chunk_group if group is None else group
-        reports: list[ChunkReport] = []
-        in_flight: deque[PendingChunk] = deque()
-        try:
-            while (pending := self.launch_step(session_id, group)) is not None:
-                in_flight.append(pending)
-                while len(in_flight) > lookahead:
-                    reports.append(self.finish_step(in_flight.popleft()))
-        finally:
-            while in_flight:
-                reports.append(self.finish_step(in_flight.popleft()))
-        return reports
-
-    def _checkpoints_after_chunk(self, session: ShadowSession) -> None:
-        row = session.committed
-        if row in session.checkpoint_lines:
-            self._take_checkpoint(session, PROMPT)
-        if row in session.divergence_lines and row not in session.checkpoint_positions(DIVERGENCE):
-            self._take_checkpoint(session, DIVERGENCE)
-        if self.caps[RECENT]:
-            self._take_checkpoint(session, RECENT)
-
-    def chunk_may_checkpoint(self, session: ShadowSession) -> bool:
-        """Whether the session's next chunk may take a checkpoint (what a byte cap must leave room for)."""
-        end = session.committed + self.grid
-        return end in session.checkpoint_lines or end in session.divergence_lines or self.caps[RECENT] > 0
-
-    def _take_checkpoint(self, session: ShadowSession, kind: str) -> None:
-        """The state at the committed row, held (also) for `kind`; that kind's lowest rows past its cap go."""
-        cache = session.cache
-        assert cache is not None
-        row = session.committed
-        held = next((c for c in session.checkpoints if c.position == row), None)
-        if held is None:
-            held = Checkpoint(row, *cache.clone_state(), set())
-            session.checkpoints.append(held)
-            session.checkpoints.sort(key=lambda c: c.position)
-        held.kinds.add(kind)
-        rows = session.checkpoint_positions(kind)
-        self._drop_kind(session, kind, keep=set(rows[max(0, len(rows) - self.caps[kind]):]))
-
-    @staticmethod
-    def _drop_kind(session: ShadowSession, kind: str, keep: set[int]) -> None:
-        for c in session.checkpoints:
-            if kind in c.kinds and c.position not in keep:
-                c.kinds.discard(kind)
-        session.checkpoints = [c for c in session.checkpoints if c.kinds]
-
-    def sessions_with_backlog(self) -> list[ShadowSession]:
-        """Sessions with a whole chunk to read, least behind first (cheapest to make fresh)."""
-        ready = [s for s in self.sessions.values() if s.backlog >= self.grid]
-        return sorted(ready, key=lambda s: (s.backlog, s.last_fed_s))
+        super().__init__(engine, *args, graphs=graphs, who="the reader", **kwargs)
 
     # ---- forks -------------------------------------------------------------------------------
     def _fork_logits(self, session: ShadowSession, extra: list[int], upto: int | None):
@@ -519,19 +102,6 @@ class ShadowReader:
             self._end_fork(session)
         session.stats.forks += 1
         return logits, gpu_ms, total, len(ids)
-
-    def _fork_pages(self, session: ShadowSession, rows: int, forwarded: int) -> None:
-        pages = session.kv.pages_for(rows) - len(session.kv.pages)
-        if pages > 0 and not self.residency.make_room(self, pages, session):
-            raise MemoryError(f"the shadow KV pool cannot hold a fork of {forwarded} ids on session {session.session_id!r}")
-        if not session.kv.ensure(rows):
-            raise MemoryError(f"the shadow KV pool cannot hold session {session.session_id!r} at {rows} rows")
-
-    @staticmethod
-    def _end_fork(session: ShadowSession) -> None:
-        """KV pages above the committed rows given back; the length back at the committed rows."""
-        session.kv.truncate(session.committed)
-        session.cache.length = session.committed
 
     def letter_ids(self, choices: list[str]) -> list[int]:
         if not isinstance(choices, list) or not choices:
@@ -666,44 +236,6 @@ class ShadowReader:
                 break
         return out_ids, clock.ms(start, last) if steps else 0.0, steps
 
-    # ---- exactness ---------------------------------------------------------------------------
-    def fresh_prefill(self, ids: list[int], session_id: str = "__fresh__", group: int | None = None) -> ShadowSession:
-        """A new session holding ids, read chunk by chunk on this reader's grid (for checks); group: chunks a
-        launch (None: the reader's chunk_group; 1: one at a time, the contract's own definition)."""
-        if session_id in self.sessions:
-            self.close(session_id)
-        self.feed(session_id, ids)
-        self.read_all(session_id, group=group)
-        return self.get(session_id)
-
-    def state_equal(self, a: ShadowSession, b: ShadowSession) -> dict[str, bool]:
-        """Bit equality of committed length, every KV row, the recurrent and the conv state."""
-        assert a.cache is not None and b.cache is not None
-        out = {"committed": a.committed == b.committed}
-        if not out["committed"]:
-            return {**out, "kv": False, "recurrent": False, "conv": False}
-        kv_equal = True
-        for slot in range(len(self.engine.cfg.attention_layers)):
-            ka, va = a.kv.read(slot, a.committed) if a.committed else (None, None)
-            kb, vb = b.kv.read(slot, b.committed) if b.committed else (None, None)
-            if ka is not None and not (torch.equal(ka, kb) and torch.equal(va, vb)):
-                kv_equal = False
-        out["kv"] = kv_equal
-        out["recurrent"] = all(torch.equal(x, y) for x, y in zip(a.cache.recurrent, b.cache.recurrent))
-        out["conv"] = all(torch.equal(x, y) for x, y in zip(a.cache.conv, b.cache.conv))
-        return out
-
-    def resident_nbytes(self) -> int:
-        return sum(s.nbytes for s in self.sessions.values())
-
-
-def _check_chunks(value: int, name: str) -> None:
-    """core's check of a chunk count, as the reader's own error."""
-    try:
-        check_group(value, name)
-    except ValueError as exc:
-        raise ShadowError(str(exc)) from None
-
 
 __all__ = ["AskResult", "ChunkReport", "DropLRU", "FeedReport", "Residency", "ShadowError", "ShadowReader",
-           "SummaryResult", "UnknownSession"]
+           "SummaryResult", "UnknownSession", "checkpoint_options"]

@@ -5,7 +5,7 @@
     no disk, or the write failed     --drop: the state is forgotten; the ids stay, read again from row 0
 
 Invariants:
-  * after `after_feed` and `make_room` return, the resident bytes (ShadowSession.nbytes: KV pages in
+  * after `after_feed` and `make_room` return, the resident bytes (GridSession.nbytes: KV pages in
     use, recurrent, conv, checkpoints) plus what the caller is about to add are at most `cap_nbytes`,
     unless the kept session alone is larger than the cap;
   * the session being fed or read (`keep`) is never evicted;
@@ -36,8 +36,8 @@ from ..engine.kv import PagedKV
 from ..models.state import ModelState, StateMismatch
 from ..settings import SETTINGS, EngineSettings
 from ..core.prefix import common_prefix
-from ..shadow.reader import ShadowReader
-from ..shadow.session import KINDS, PROMPT, Checkpoint, SessionStats, ShadowSession
+from ..sessions.grid import GridSessions
+from ..sessions.session import KINDS, PROMPT, Checkpoint, GridSession, SessionStats
 from . import disk
 from .disk import FileHeader, FileMiss, Fingerprint
 from .policy import ParkedFile, Resident, plan_room, plan_sweep
@@ -99,7 +99,7 @@ class ShadowStore:
         self.events: deque[tuple[str, str]] = deque(maxlen=256)  # (verb, session id), newest last
         self._dir_ready = False
         self._over_cap: set[str] = set()
-        self._reader: ShadowReader | None = None
+        self._reader: GridSessions | None = None
         self._fingerprint: Fingerprint | None = None
 
     @classmethod
@@ -115,14 +115,14 @@ class ShadowStore:
                    settings.get("QSE_SHADOW_DISK_TTL_S"))
 
     # ---- the Residency protocol ----------------------------------------------------------------
-    def make_room(self, reader: ShadowReader, pages: int, keep: ShadowSession) -> bool:
+    def make_room(self, reader: GridSessions, pages: int, keep: GridSession) -> bool:
         """Free `pages` pool pages and keep the cap with them (and the checkpoint the chunk may take)."""
         need_nbytes = pages * reader.pool.page_nbytes
         if keep.is_resident and reader.chunk_may_checkpoint(keep):
             need_nbytes += reader.engine.recurrent_nbytes()
         return self._fit(reader, keep, pages, need_nbytes)
 
-    def bring_back(self, reader: ShadowReader, session: ShadowSession) -> bool:
+    def bring_back(self, reader: GridSessions, session: GridSession) -> bool:
         """Restore a parked session exactly; False (a miss, or never parked) means read it again."""
         if self._restore(reader, session):
             return True
@@ -130,7 +130,7 @@ class ShadowStore:
         self._fit(reader, session, 0, reader.engine.recurrent_nbytes())
         return False
 
-    def _restore(self, reader: ShadowReader, session: ShadowSession) -> bool:
+    def _restore(self, reader: GridSessions, session: GridSession) -> bool:
         entry = self.parked.pop(session.session_id, None)
         if entry is None:
             return False
@@ -169,7 +169,7 @@ class ShadowStore:
         # the session may have been fed other ids while parked: go back as a resident one would
         first_diff = common_prefix(record.ids, session.ids, session.committed)
         if first_diff < session.committed:
-            reader._rollback(session, first_diff)
+            reader.rollback(session, first_diff)
         reader.engine.synchronize()
         t_done = time.perf_counter()
         self.counts.restores += 1
@@ -181,18 +181,18 @@ class ShadowStore:
                  ms=round((t_done - t0) * 1e3, 3), rolled_back_to=session.committed if first_diff < state.length else None)
         return True
 
-    def after_feed(self, reader: ShadowReader, session: ShadowSession) -> None:
+    def after_feed(self, reader: GridSessions, session: GridSession) -> None:
         self._fit(reader, session, 0, 0)
         if self.parked:
             self.sweep(reader)
 
-    def forget(self, reader: ShadowReader, session: ShadowSession) -> None:
+    def forget(self, reader: GridSessions, session: GridSession) -> None:
         entry = self.parked.pop(session.session_id, None)
         if entry is not None:
             self._unlink(entry.path)
 
     # ---- parking -------------------------------------------------------------------------------
-    def park(self, reader: ShadowReader, session: ShadowSession) -> bool:
+    def park(self, reader: GridSessions, session: GridSession) -> bool:
         """Write a resident session to disk and free its state; False (it stays resident) if it cannot."""
         if not session.is_resident or not self._disk_ready():
             return False
@@ -234,7 +234,7 @@ class ShadowStore:
                  ms=round((t_done - t0) * 1e3, 3))
         return True
 
-    def park_all(self, reader: ShadowReader) -> dict:
+    def park_all(self, reader: GridSessions) -> dict:
         """Planned stop: write every resident session, least recently fed first (so the disk cap keeps
         the newest). Sessions that cannot be written stay resident and are reported."""
         t0 = time.perf_counter()
@@ -247,7 +247,7 @@ class ShadowStore:
         log.info("store_park_all", **report)
         return report
 
-    def attach(self, reader: ShadowReader) -> dict:
+    def attach(self, reader: GridSessions) -> dict:
         """At start: register every usable file's session as parked (ids known, state on disk), so it
         resumes without reading again; remove torn temporaries and unusable files (misses)."""
         self._bind(reader)
@@ -293,7 +293,7 @@ class ShadowStore:
                     self._unlink(path)  # the resident state is newer than any file
                 continue
             if existing is None:
-                session = ShadowSession(session_id, reader.grid, None, ids=ids, checkpoint_lines=lines, stats=stats)
+                session = GridSession(session_id, reader.grid, None, ids=ids, checkpoint_lines=lines, stats=stats)
                 reader.sessions[session_id] = session
             else:  # known but dropped: keep what it was fed since; bring_back goes back where ids differ
                 session = existing
@@ -309,7 +309,7 @@ class ShadowStore:
         log.info("store_attach", **report)
         return report
 
-    def sweep(self, reader: ShadowReader, now: float | None = None, incoming_nbytes: int = 0) -> list[str]:
+    def sweep(self, reader: GridSessions, now: float | None = None, incoming_nbytes: int = 0) -> list[str]:
         """Remove files past the time-to-live, then the oldest until the disk cap holds (with room
         for a file of `incoming_nbytes`); their sessions are read again when fed. Returns their ids."""
         now = self.wall_clock() if now is None else now
@@ -360,12 +360,12 @@ class ShadowStore:
         }
 
     # ---- internals -----------------------------------------------------------------------------
-    def _bind(self, reader: ShadowReader) -> None:
+    def _bind(self, reader: GridSessions) -> None:
         if self._reader is not reader:
             self._reader = reader
             self._fingerprint = None
 
-    def _fingerprint_of(self, reader: ShadowReader) -> Fingerprint:
+    def _fingerprint_of(self, reader: GridSessions) -> Fingerprint:
         if self._fingerprint is None:
             engine = reader.engine
             self._fingerprint = Fingerprint(engine.resolved.weights_id, reader.grid, engine.state_signature(),
@@ -373,7 +373,7 @@ class ShadowStore:
                                                                     getattr(engine, "model", None)))
         return self._fingerprint
 
-    def _fit(self, reader: ShadowReader, keep: ShadowSession, pages: int, need_nbytes: int) -> bool:
+    def _fit(self, reader: GridSessions, keep: GridSession, pages: int, need_nbytes: int) -> bool:
         self._bind(reader)
         others = [Resident(s.session_id, s.last_fed_s, s.nbytes, len(s.kv.pages))
                   for s in reader.sessions.values() if s.is_resident and s is not keep]
@@ -388,7 +388,7 @@ class ShadowStore:
             self._over_cap.discard(keep.session_id)
         return reader.pool.can_allocate(pages)
 
-    def _evict(self, reader: ShadowReader, session: ShadowSession) -> None:
+    def _evict(self, reader: GridSessions, session: GridSession) -> None:
         self.counts.evictions += 1
         if self.park(reader, session):
             return
@@ -409,7 +409,7 @@ class ShadowStore:
             self._dir_ready = True
         return True
 
-    def _load(self, reader: ShadowReader, path: Path, session_id: str) -> "_Record":
+    def _load(self, reader: GridSessions, path: Path, session_id: str) -> "_Record":
         fp = self._fingerprint_of(reader)
         header = disk.read_header(path)
         fp.check(header.meta)
@@ -424,7 +424,7 @@ class ShadowStore:
         self._unlink(path)
         log.warning("store_miss", session=session_id, reason=miss.reason, detail=miss.detail, path=str(path))
 
-    def _count_write_miss(self, session: ShadowSession, miss: FileMiss) -> None:
+    def _count_write_miss(self, session: GridSession, miss: FileMiss) -> None:
         self.misses[miss.reason] += 1
         self.events.append(("miss:" + miss.reason, session.session_id))
         log.warning("store_miss", session=session.session_id, reason=miss.reason, detail=miss.detail,
@@ -457,7 +457,7 @@ class _Record:
     divergence_lines: list[int]
 
 
-def _session_tensors(session: ShadowSession, state: ModelState) -> dict[str, torch.Tensor]:
+def _session_tensors(session: GridSession, state: ModelState) -> dict[str, torch.Tensor]:
     out = {"ids": torch.tensor(session.ids, dtype=torch.int32)}
     for i, c in enumerate(session.checkpoints):
         for j, t in enumerate(c.recurrent):
@@ -471,7 +471,7 @@ def _session_tensors(session: ShadowSession, state: ModelState) -> dict[str, tor
     return out
 
 
-def _session_meta(session: ShadowSession, state: ModelState) -> dict[str, str]:
+def _session_meta(session: GridSession, state: ModelState) -> dict[str, str]:
     return {
         "session_id": session.session_id,
         "committed": str(state.length),
@@ -536,7 +536,7 @@ def _same_layout(tensors: list[torch.Tensor], sections: dict[str, torch.Tensor],
     return all(r is not None and r.shape == t.shape and r.dtype == t.dtype for r, t in zip(refs, tensors))
 
 
-def _decode(header: FileHeader, tensors: dict[str, torch.Tensor], reader: ShadowReader) -> _Record:
+def _decode(header: FileHeader, tensors: dict[str, torch.Tensor], reader: GridSessions) -> _Record:
     meta = header.meta
     committed = _meta_int(meta, "committed")
     positions = [int(p) for p in _meta_json(meta, "checkpoints")]

@@ -9,7 +9,7 @@ import torch
 
 from qse.engine.engine import Engine
 from qse.shadow.reader import ShadowReader
-from qse.shadow.session import ShadowSession
+from qse.sessions.session import GridSession as ShadowSession
 from qse.store import ShadowStore
 from qse.store import disk
 

@@ -1,4 +1,4 @@
-"""One session of the shadow reader: its exact state on the grid.
+"""One grid session (the reader's or the served model's): its exact state on the grid.
 
     ids (everything known of the session: prompts and outputs)
     |<------------------ committed (k x grid) ------------------>|<-- tail (< grid, or backlog) -->|
@@ -58,7 +58,7 @@ class SessionStats:
 
 
 @dataclass
-class ShadowSession:
+class GridSession:
     session_id: str
     grid: int
     cache: SequenceCache | None  # None while parked or dropped (state lives elsewhere or nowhere)
