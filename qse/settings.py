@@ -88,7 +88,10 @@ _DECLARED: list[Setting] = [
     Setting("QSE_SHADOW_LOOKAHEAD", int, 1, "grid chunks the reader launches ahead of the one it reads back (0: one at a time; 1 hides the host's launch)"),
     Setting("QSE_SHADOW_LAUNCH_LEAD_MS", float, 1.0, "in the idle window, launch the next chunk only this long before the one in flight should end (an arriving request waits at most one chunk and this)"),
     Setting("QSE_SERVED_GRAPHS", bool, True, "decode the served model under a CUDA graph on cuda devices with triton kernels"),
-    Setting("QSE_SERVED_KV_GB", float, 8.0, "the served model's paged KV pool (graph decode), GiB"),
+    Setting("QSE_SERVED_KV_GB", float, 8.0, "the served model's paged KV pool (its sessions' KV pages and a turn's rows), GiB"),
+    Setting("QSE_SERVED_CACHE_GB", float, 6.0, "cap on resident served-session state, GiB (KV, GDN state, checkpoints); past it the least recently fed go to the host tier"),
+    Setting("QSE_SERVED_GRID", int, 512, "rows per grid chunk of the served sessions: a turn reuses state up to the last line below the common prefix"),
+    Setting("QSE_HOST_CACHE_GB", float, 8.0, "pinned host memory for sessions moved off the device (served and reader, each its own), GiB; past it the oldest go to disk; 0: no host tier"),
     Setting("QSE_GC_FREEZE", bool, True, "move what exists at start out of Python's collector (no 80 ms full collections mid-turn)"),
     # the conductor
     Setting("QSE_SHADOW_RATION", float, 0.02, "reader share of the served model's time from QSE_SHADOW_RATION_AFTER_S past its first token"),

@@ -30,6 +30,7 @@ class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
     shared_prefix_tokens: int
     output_tokens: int
     model: str = ""
+    cached_tokens: int = 0  # prompt ids whose served state the cache reused (0: read cold, or a trace)
 
     def problem(self) -> str | None:
         """What is inconsistent in this record, or None."""
@@ -42,6 +43,8 @@ class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
             return f"negative token count (prompt {self.prompt_tokens}, output {self.output_tokens})"
         if not (0 <= self.shared_prefix_tokens <= self.prompt_tokens):
             return f"shared_prefix_tokens {self.shared_prefix_tokens} not in [0, prompt_tokens {self.prompt_tokens}]"
+        if not (0 <= self.cached_tokens <= self.prompt_tokens):
+            return f"cached_tokens {self.cached_tokens} not in [0, prompt_tokens {self.prompt_tokens}]"
         return None
 
 

@@ -41,7 +41,8 @@ from ..core.prefix import common_prefix
 from ..core.ration import RationSlice, TurnRation
 from ..engine.engine import Engine
 from ..engine.sampling import Sampler, SamplingParams
-from ..engine.serving import ServedPath, ServedSequence
+from ..sessions.grid import GridSessions
+from ..sessions.served import ServedSessions, ServedTurn
 from ..settings import SETTINGS, EngineSettings
 from ..shadow.reader import AskResult, ShadowError, ShadowReader
 from .executor import EngineExecutor
@@ -84,7 +85,10 @@ class ConductorConfig:
     journal_dir: Path | None = None
     chunk_prior_ms: float = 50.0  # a chunk's cost before the reader measured one
     served_graphs: bool = True  # decode under a CUDA graph where the served engine can (cuda, triton kernels)
-    served_kv_gb: float = 8.0
+    served_kv_gb: float = 8.0  # the served model's KV pool (its sessions' pages), GiB
+    served_grid: int = 512  # rows per grid chunk of the served sessions
+    served_checkpoints: int = 6  # prompt-end checkpoints a served session keeps
+    served_recent_checkpoints: int = 4  # and the newest grid lines read
     gc_freeze: bool = True  # freeze the Python objects that exist at start (see start())
     reader_lookahead: int = 1  # chunks launched ahead of the one read back (qse/runtime/reading.py)
     launch_lead_ms: float = 1.0  # idle window: the next chunk goes this long before the one in flight ends
@@ -99,6 +103,9 @@ class ConductorConfig:
             idle_poll_s=settings.get("QSE_SHADOW_IDLE_POLL_S"),
             served_graphs=settings.get("QSE_SERVED_GRAPHS"),
             served_kv_gb=settings.get("QSE_SERVED_KV_GB"),
+            served_grid=settings.get("QSE_SERVED_GRID"),
+            served_checkpoints=settings.get("QSE_SHADOW_CHECKPOINTS"),
+            served_recent_checkpoints=settings.get("QSE_SHADOW_RECENT_CHECKPOINTS"),
             gc_freeze=settings.get("QSE_GC_FREEZE"),
             idle_burst_s=settings.get("QSE_SHADOW_IDLE_BURST_S"),
             narrator_share=settings.get("QSE_NARRATOR_SHARE"),
@@ -119,6 +126,9 @@ class GenerateRequest:
     session_id: str | None = None  # explicit (X-Session-Id); else mapped by longest common prefix
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     router_label: str | None = None  # the served router's own class for this turn, if a proxy passes it
+    # written by the conductor when the turn starts (the server's usage reads it): prompt ids whose state the
+    # served session reused
+    cached_tokens: int | None = None
 
 
 @dataclass
@@ -146,6 +156,8 @@ class TurnRecord:
     # ids of the prompt's kept prefix (what it shares with the session's ids before it) the reader had not read
     # at the turn's start; None for a session's first turn or without a reader (the replay's freshness)
     reader_behind_tokens: int | None = None
+    cached_tokens: int = 0  # prompt ids whose served state was reused (not read this turn)
+    cache_tier: str | None = None  # where that state came from: device, host, disk
 
 
 @dataclass
@@ -166,6 +178,8 @@ class _Turn:
     slice_not_before: dict[Window, tuple[tuple, float]] = field(default_factory=dict)
     ration_wall_s: float = 0.0  # wall time of the reader's slices between rounds
     reader_behind_tokens: int | None = None  # set by _turn_start (TurnRecord says what it is)
+    cached_tokens: int = 0
+    cache_tier: str | None = None
 
     @property
     def num_known(self) -> int:
@@ -178,9 +192,10 @@ class _Turn:
 class Conductor:
     def __init__(self, served: Engine, reader: ShadowReader | None, options: ShadowOptions | None = None,
                  config: ConductorConfig | None = None, on_turn: Callable[[TurnRecord], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic, serving: ServedPath | None = None):
-        """serving: the served model's prefill/decode path (one is made from the config when None; a
-        benchmark that makes many conductors passes one, so its pool and graphs are made once)."""
+                 clock: Callable[[], float] = time.monotonic, serving: ServedSessions | None = None):
+        """serving: the served model's sessions (made from the config when None, without a disk or host
+        tier; `qse serve` passes one with its store, and a benchmark that makes many conductors passes one,
+        so its pool and graphs are made once)."""
         self.served = served
         self.options = options or ShadowOptions()
         self.reader = reader if self.options.mode == "on" else None
@@ -194,8 +209,7 @@ class Conductor:
         self.idle = IdleWindow(cfg.idle_poll_s, cfg.idle_burst_s)
         self.ration = TurnRation(cfg.ration, cfg.slice_ms, Window.RATION, cfg.ration_after_s)
         self.narrator_ration = TurnRation(cfg.narrator_share, cfg.slice_ms, Window.NARRATOR)
-        self.serving = serving or ServedPath(served, graphs=None if cfg.served_graphs else False,
-                                             pool_bytes=int(cfg.served_kv_gb * (1 << 30)))
+        self.serving = serving or served_sessions(served, cfg)
         # before the executors' threads start: it checks the reader's lookahead and lead
         self.runner = (ChunkRunner(self.reader, self.estimator, self.ledger, clock, lookahead=cfg.reader_lookahead,
                                    launch_lead_ms=cfg.launch_lead_ms, idle_group=cfg.idle_group)
@@ -255,7 +269,12 @@ class Conductor:
                 park_all = getattr(self.reader.residency, "park_all", None) if self.reader is not None else None
                 if park_all is not None:
                     parked = await self.reader_exec.run(park_all, self.reader)
-                    log.info("conductor_parked", result=parked if isinstance(parked, dict) else None)
+                    log.info("conductor_parked", book="reader", result=parked if isinstance(parked, dict) else None)
+                book = self.serving.book
+                park_served = getattr(book.residency, "park_all", None)
+                if park_served is not None:
+                    parked = await self.served_exec.run(park_served, book)
+                    log.info("conductor_parked", book="served", result=parked if isinstance(parked, dict) else None)
         finally:
             self._stopped = True
             self.served_exec.shutdown()
@@ -276,19 +295,19 @@ class Conductor:
         else a new id in `namespace`. The prompt continues the session with which it shares the longest common
         prefix when that prefix is at least one grid chunk and longer than `head_tokens`: the caller's measure
         of what two separate conversations may share (a system prompt and a first user turn), so that sharing
-        only a head never joins them. `namespace` is the server's tenant boundary: mapping never crosses it."""
-        if self.reader is None:
-            return explicit
+        only a head never joins them. `namespace` is the server's tenant boundary: mapping never crosses it.
+        The reader's sessions are searched when it is on, else the served model's."""
         if explicit:
             return explicit
+        book = self.reader if self.reader is not None else self.serving.book
         best, best_len = None, 0
-        for sid, session in self.reader.sessions.items():
+        for sid, session in list(book.sessions.items()):
             if not sid.startswith(namespace):
                 continue
             n = common_prefix(session.ids, prompt_ids)
             if n > best_len:
                 best, best_len = sid, n
-        if best is not None and best_len >= self.reader.grid and best_len > head_tokens:
+        if best is not None and best_len >= book.grid and best_len > head_tokens:
             return best
         return f"{namespace}s-{uuid.uuid4().hex[:16]}"
 
@@ -305,7 +324,7 @@ class Conductor:
         """Stream the served model's token ids for one request; the reader follows the turn."""
         arrival = self.clock()
         self._check_prompt(req.prompt_ids)
-        session_id = self.map_session(req.prompt_ids, req.session_id)
+        session_id = self.map_session(req.prompt_ids, req.session_id) or f"s-{uuid.uuid4().hex[:16]}"
         turn = _Turn(req, f"{req.request_id}#{next(self._turn_seq)}", session_id, arrival,
                      self._shared_prefix(session_id, req.prompt_ids))
         async with self.board.engine_lock(Priority.SERVED, HeldLocks()):
@@ -313,12 +332,14 @@ class Conductor:
             turn.start_s = self.clock()
             self.ledger.open_turn(turn.turn_id)
             self._turn = turn
-            seq: ServedSequence | None = None
+            seq: ServedTurn | None = None
             try:
                 await self._turn_start(turn)
                 # plan, run, account, emit: one decode round at a time, the reader's slices between rounds
-                seq, sampler, token, ms = await self.served_exec.run(self._prefill_on_thread, req)
+                seq, sampler, token, ms = await self.served_exec.run(self._prefill_on_thread, req, session_id)
                 self.ledger.record(Role.SERVED_PREFILL, ms, turn_id=turn.turn_id)
+                turn.cached_tokens, turn.cache_tier = seq.start.cached_tokens, seq.start.tier
+                req.cached_tokens = seq.start.cached_tokens
                 turn.first_token_s = self.clock()
                 while True:
                     if token in req.stop_ids:
@@ -350,12 +371,20 @@ class Conductor:
         prev = self._session_prompts.get(session_id or "")
         return common_prefix(prev, ids) if prev else 0
 
-    def _prefill_on_thread(self, req: GenerateRequest):
+    def _prefill_on_thread(self, req: GenerateRequest, session_id: str):
+        """The served session's turn starts: the reused state, the rest of the prompt on the grid, the tail."""
         sampler = Sampler(req.sampling, vocab_limit=self.served.chat.tokenizer.vocab_size)
-        seq, logits, ms = self.serving.prefill(req.prompt_ids)
-        return seq, sampler, sampler(logits[-1]), ms
+        seq, logits = self.serving.begin(session_id, req.prompt_ids)
+        try:
+            token = sampler(logits[-1])
+        except BaseException:
+            self.serving.finish(seq)
+            raise
+        log.info("served_turn_start", session=session_id, request_id=req.request_id, **{
+            k: v for k, v in asdict(seq.start).items() if k != "session_id"})
+        return seq, sampler, token, seq.start.gpu_ms
 
-    def _decode_on_thread(self, seq: ServedSequence, sampler: Sampler, token: int) -> tuple[int, float]:
+    def _decode_on_thread(self, seq: ServedTurn, sampler: Sampler, token: int) -> tuple[int, float]:
         logits, ms = self.serving.decode(seq, token)
         return sampler(logits[-1]), ms
 
@@ -437,6 +466,8 @@ class Conductor:
             reader_share=(ration_ms / decode_ms) if decode_ms > 0 else 0.0,
             narrator_ms=balance.gpu_ms(Role.NARRATOR) if balance else 0.0, start_s=turn.start_s,
             reader_ration_wall_ms=turn.ration_wall_s * 1e3, reader_behind_tokens=turn.reader_behind_tokens,
+            cached_tokens=turn.cached_tokens,
+            cache_tier=turn.cache_tier,
         )
         log.info("turn", **asdict(record))
         if self.on_turn is not None:
@@ -652,11 +683,24 @@ class Conductor:
                 f.write(json.dumps(entry) + "\n")
 
     # ---- status ------------------------------------------------------------------------------
+    def served_cache_status(self) -> dict[str, Any]:
+        """The served sessions' cache: queries and hits in tokens, hits per tier, the store's tiers."""
+        serving = self.serving
+        book = serving.book
+        out: dict[str, Any] = {"grid": book.grid, "sessions": len(book.sessions),
+                               "resident_sessions": sum(1 for s in list(book.sessions.values()) if s.is_resident),
+                               "resident_bytes": book.resident_nbytes(), **serving.counts}
+        stats = getattr(book.residency, "stats", None)
+        if callable(stats):
+            out["store"] = stats()
+        return out
+
     def status(self) -> dict[str, Any]:
         turn = self._turn
         out: dict[str, Any] = {
             "served_model": self.served.name,
             "served_mode": self.serving.mode,
+            "served_cache": self.served_cache_status(),
             "shadow": self.options.mode,
             "turns": self.turns,
             "ledger_ms": {k: round(v, 3) for k, v in self.ledger.total_ms.items()},
@@ -690,3 +734,12 @@ class Conductor:
         if callable(stats):
             out["store"] = stats()
         return out
+
+
+def served_sessions(engine: Engine, config: ConductorConfig, residency=None) -> ServedSessions:
+    """The served model's sessions as the config sizes them (residency: the store with its host and disk
+    tiers; None drops least recently fed sessions past the pool)."""
+    book = GridSessions(engine, grid=config.served_grid, pool_bytes=int(config.served_kv_gb * (1 << 30)),
+                        max_checkpoints=config.served_checkpoints, recent_checkpoints=config.served_recent_checkpoints,
+                        residency=residency, graphs=None if config.served_graphs else False, who="the served model")
+    return ServedSessions(book)

@@ -65,7 +65,8 @@ def build_service(model: str = "", shadow_model: str | None = None, profile: str
     load the same weights. chat_template: a template file over the checkpoint's (--chat-template)."""
     from ..engine.engine import Engine
     from ..models import pick_device, pick_dtype, resolve, same_spec
-    from ..runtime.conductor import Conductor, ConductorConfig, ShadowOptions
+    from ..runtime.conductor import Conductor, ConductorConfig, ShadowOptions, served_sessions
+    from ..store import ShadowStore
 
     prof = load_profile(profile)
     shadow_model = settings.get("QSE_SHADOW_MODEL") if shadow_model is None else shadow_model
@@ -77,7 +78,7 @@ def build_service(model: str = "", shadow_model: str | None = None, profile: str
     if prof.shadow.mode == "on" and shadow_model != "":
         from ..core.plan import check_group
         from ..shadow.reader import ShadowReader, checkpoint_options
-        from ..store import GIB, ShadowStore
+        from ..store import GIB
 
         engine = served if same_spec(shadow_model, model) else Engine(resolve(shadow_model, dev, dt, cache))
         store = ShadowStore.from_settings(settings)
@@ -91,12 +92,17 @@ def build_service(model: str = "", shadow_model: str | None = None, profile: str
     s = prof.shadow
     options = ShadowOptions(mode=s.mode if reader is not None else "off", narrator=s.narrator, router=s.router,
                             router_min_tokens=s.router_min_tokens)
-    conductor = Conductor(served, reader, options, ConductorConfig.from_settings(settings))
+    config = ConductorConfig.from_settings(settings)
+    # the served sessions' own store: device cap, host tier, disk tier (the reader's is separate)
+    served_store = ShadowStore.for_served(settings)
+    serving = served_sessions(served, config, residency=served_store)
+    served_store.attach(serving.book)
+    conductor = Conductor(served, reader, options, config, serving=serving)
     # capture the graphs (the reader's chunk, the served decode step) before the first request, not in it
     if reader is not None:
         reader.warm()
     conductor.serving.warm()
-    return Service(conductor, served.chat, served.name, prof, settings, store=store,
+    return Service(conductor, served.chat, served.name, prof, settings, store=store, served_store=served_store,
                    max_context_tokens=served.cfg.max_position_embeddings, served_names=served_names or ())
 
 

@@ -120,12 +120,21 @@ class ServerMetrics:
         self.prompt_tokens = Counter("qse_prompt_tokens", "prompt tokens served", m, registry=r).labels(model_name)
         self.output_tokens = Counter("qse_output_tokens", "output tokens served", m, registry=r).labels(model_name)
         self._finished = Counter("qse_turns_finished", "turns by finish reason", m + ["reason"], registry=r)
+        self.prefix_cache_queries = Counter("qse_prefix_cache_queries_tokens", "prompt tokens looked up in the served "
+                                            "sessions' cache", m, registry=r).labels(model_name)
+        self.prefix_cache_hits = Counter("qse_prefix_cache_hits_tokens", "prompt tokens whose served state was reused",
+                                         m, registry=r).labels(model_name)
+        self._prefix_cache_tier_hits = Counter("qse_prefix_cache_tier_hits", "turns that reused served state, by the "
+                                               "tier it came from", m + ["tier"], registry=r)
         self.asks = Counter("qse_shadow_asks", "questions asked of the reader over HTTP", registry=r)
         self.narrations = Counter("qse_narrations", "narrator summaries written", registry=r)
         r.register(ConductorCollector(status, queue, model_name))
 
     def observe_request(self, route: str, status: int | str, seconds: float) -> None:
         self._request_seconds.labels(self.model_name, route, str(status)).observe(seconds)
+
+    def note_cache_hit(self, tier: str) -> None:
+        self._prefix_cache_tier_hits.labels(self.model_name, tier).inc()
 
     def note_finished(self, reason: str) -> None:
         self._finished.labels(self.model_name, reason).inc()

@@ -60,6 +60,7 @@ class TurnPlan:
     tools: list[dict[str, Any]] | None = None  # offered: the parser types each call's arguments by them
     echo: bool = False  # completions: the prompt's text before the answer's
     ticket: Ticket | None = None  # its place in admission (Service.admit); shared by the choices
+    cached_tokens: int = 0  # prompt ids whose served state was reused (usage's prompt_tokens_details)
 
     def choice(self, index: int) -> "TurnPlan":
         """The plan of choice `index`: its own seed (seed + index) and its own record of logprobs."""
@@ -105,7 +106,8 @@ def _retry(fn: Callable[[], Any], attempts: int = 5) -> Any:
 class Service:
     def __init__(self, conductor: Conductor, chat: Any, model_name: str, profile: Profile,
                  settings: EngineSettings = SETTINGS, ledger_path: Path | None = None, store: Any = None,
-                 max_context_tokens: int | None = None, served_names: list[str] | tuple[str, ...] = ()):
+                 max_context_tokens: int | None = None, served_names: list[str] | tuple[str, ...] = (),
+                 served_store: Any = None):
         """served_names: the names clients use for the model (--served-model-name); the first is the one
         answers carry. None given: the model's own name."""
         self.conductor = conductor
@@ -119,6 +121,7 @@ class Service:
             profile.generation, getattr(chat, "generation_defaults", {}))
         self.settings = settings
         self.store = store
+        self.served_store = served_store  # the served sessions' host and disk tiers
         self.max_context_tokens = max_context_tokens
         self.created_s = int(time.time())
         self.ledger_path = ledger_path or settings.get("QSE_LEDGER") or settings.cache_dir() / "usage.jsonl"
@@ -365,6 +368,7 @@ class Service:
                             if last_s is not None:
                                 self.metrics.itl_seconds.observe(now_s - last_s)
                             last_s = now_s
+                            plan.cached_tokens = req.cached_tokens or 0
                             out.push(token)
                             plan.output_tokens = out.num_ids
                             yield out.num_ids
@@ -406,7 +410,8 @@ class Service:
     def _usage(self, plan: TurnPlan, output_tokens: int | None = None) -> wire.Usage:
         n = len(plan.prompt_ids)
         out = plan.output_tokens if output_tokens is None else output_tokens
-        return wire.Usage(prompt_tokens=n, completion_tokens=out, total_tokens=n + out)
+        return wire.Usage(prompt_tokens=n, completion_tokens=out, total_tokens=n + out,
+                          prompt_tokens_details=wire.PromptTokensDetails(cached_tokens=plan.cached_tokens))
 
     def _sections(self, plan: TurnPlan) -> Sections:
         prompt, tools = plan.prompt_text, plan.tools
@@ -572,6 +577,10 @@ class Service:
         """Every finished turn: one usage-ledger line and the turn's metrics."""
         m = self.metrics
         m.prompt_tokens.inc(record.prompt_tokens)
+        m.prefix_cache_queries.inc(record.prompt_tokens)
+        m.prefix_cache_hits.inc(record.cached_tokens)
+        if record.cache_tier is not None:
+            m.note_cache_hit(record.cache_tier)
         m.output_tokens.inc(record.output_tokens)
         finish = self._ended.pop(record.request_id, record.finish_reason)  # the conductor counts a cut turn as length
         m.note_finished(finish)
@@ -590,7 +599,8 @@ class Service:
         usage = UsageRecord(session=record.session_id or "", arrival_s=round(record.arrival_s + wall, 6),
                             first_token_s=round(first + wall, 6), end_s=round(record.end_s + wall, 6),
                             prompt_tokens=record.prompt_tokens, shared_prefix_tokens=record.shared_prefix_tokens,
-                            output_tokens=record.output_tokens, model=record.model)
+                            output_tokens=record.output_tokens, model=record.model,
+                            cached_tokens=record.cached_tokens)
         try:
             Path(self.ledger_path).parent.mkdir(parents=True, exist_ok=True)
             append_usage(self.ledger_path, usage)

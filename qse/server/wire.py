@@ -218,10 +218,15 @@ class SummarizeRequest(Struct, forbid_unknown_fields=True):
 # ---- responses --------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0  # prompt tokens whose state the served session reused (OpenAI's and vLLM's field)
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class FunctionCallOut(Struct):

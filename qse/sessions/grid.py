@@ -253,6 +253,9 @@ class GridSessions:
             self._take_checkpoint(session, PROMPT)
         session.behind_at_turn_start = session.behind
         self.residency.after_feed(self, session)
+        note_ids = getattr(self.residency, "note_ids", None)  # a residency with a durable ids journal
+        if note_ids is not None:
+            note_ids(self, session)
         return FeedReport(session_id, session.committed, session.backlog, len(ids) - session.readable_end,
                           rolled_back, first_diff)
 
@@ -311,7 +314,7 @@ class GridSessions:
         pending = self.launch_step(session_id)
         return None if pending is None else self.finish_step(pending)
 
-    def launch_step(self, session_id: str, chunks: int = 1) -> "PendingChunk | None":
+    def launch_step(self, session_id: str, chunks: int = 1, limit: int | None = None) -> "PendingChunk | None":
         """Launch the session's next whole grid chunk without waiting for the device; None if it has no
         whole chunk waiting. The session's rows advance at once (the next launch reads the chunk after),
         and the device runs the launches in order. Every pending chunk must go through `finish_step`, in
@@ -324,10 +327,11 @@ class GridSessions:
         are taken at a launch's end, one a group)."""
         session = self.get(session_id)
         self.ensure_resident(session)
-        if session.backlog < self.grid:
+        backlog = self._backlog(session, limit)
+        if backlog < self.grid:
             return None
         start = session.committed
-        count = self._group_size(session, chunks)
+        count = self._group_size(session, chunks, backlog)
         if count > 1:
             try:  # captured on first use; no room for the capture's scratch pages or its memory: one chunk
                 self.graphs.prepare_group(count, self.grid)
@@ -357,13 +361,18 @@ class GridSessions:
             pending.marks = (begin, self._device_clock.mark())
         return pending
 
-    def _group_size(self, session: GridSession, chunks: int) -> int:
+    def _backlog(self, session: GridSession, limit: int | None) -> int:
+        """Whole-chunk ids waiting below `limit` (a row; None: every whole chunk known)."""
+        end = session.readable_end if limit is None else min(session.readable_end, limit)
+        return max(0, end - session.committed)
+
+    def _group_size(self, session: GridSession, chunks: int, backlog: int) -> int:
         """How many chunks the next launch reads: 1 without graphs or when asked for 1; else the largest
         power of two up to `chunks` that are all waiting and hold no prompt or divergence line inside."""
         _check_chunks(chunks, "chunks")
         if chunks == 1 or self.graphs is None:
             return 1
-        return group_size(session.committed, min(chunks, session.backlog // self.grid), self.grid,
+        return group_size(session.committed, min(chunks, backlog // self.grid), self.grid,
                           session.checkpoint_lines, session.divergence_lines)
 
     def finish_step(self, pending: "PendingChunk") -> ChunkReport:
@@ -394,7 +403,8 @@ class GridSessions:
         cache.length = start + len(ids)
         return begin
 
-    def read_all(self, session_id: str, lookahead: int = 1, group: int | None = None) -> list[ChunkReport]:
+    def read_all(self, session_id: str, lookahead: int = 1, group: int | None = None,
+                 limit: int | None = None) -> list[ChunkReport]:
         """Every whole chunk waiting, `lookahead` launches ahead of the one being read back (the host's
         launch then overlaps the device's work), `group` chunks a launch where they fit (None: the reader's
         chunk_group); the bits equal reading them one at a time."""
@@ -402,7 +412,7 @@ class GridSessions:
         reports: list[ChunkReport] = []
         in_flight: deque[PendingChunk] = deque()
         try:
-            while (pending := self.launch_step(session_id, group)) is not None:
+            while (pending := self.launch_step(session_id, group, limit)) is not None:
                 in_flight.append(pending)
                 while len(in_flight) > lookahead:
                     reports.append(self.finish_step(in_flight.popleft()))
@@ -451,7 +461,9 @@ class GridSessions:
         ready = [s for s in self.sessions.values() if s.backlog >= self.grid]
         return sorted(ready, key=lambda s: (s.backlog, s.last_fed_s))
 
-    def _fork_pages(self, session: GridSession, rows: int, forwarded: int) -> None:
+    def reserve_rows(self, session: GridSession, rows: int, forwarded: int) -> None:
+        """KV pages for `rows` rows of a session (a fork above its committed rows), room made through the
+        residency manager; MemoryError if the pool cannot hold them."""
         pages = session.kv.pages_for(rows) - len(session.kv.pages)
         if pages > 0 and not self.residency.make_room(self, pages, session):
             raise MemoryError(f"{self.who}'s KV pool cannot hold a fork of {forwarded} ids on session {session.session_id!r}")
@@ -459,7 +471,7 @@ class GridSessions:
             raise MemoryError(f"{self.who}'s KV pool cannot hold session {session.session_id!r} at {rows} rows")
 
     @staticmethod
-    def _end_fork(session: GridSession) -> None:
+    def end_fork(session: GridSession) -> None:
         """KV pages above the committed rows given back; the length back at the committed rows."""
         session.kv.truncate(session.committed)
         session.cache.length = session.committed

@@ -79,7 +79,7 @@ class ShadowReader(GridSessions):
             raise ShadowError(f"the fork would reach position {total}, past the model window {window}")
         padded = min(-(-len(ids) // FORK_ALIGN) * FORK_ALIGN, window - session.committed)
         ids_padded = ids + [PAD_ID] * (padded - len(ids))
-        self._fork_pages(session, session.committed + padded, len(ids))
+        self.reserve_rows(session, session.committed + padded, len(ids))
         graphs = self.graphs
         try:
             if graphs is not None and graphs.supports(padded):
@@ -99,7 +99,7 @@ class ShadowReader(GridSessions):
                     cache.set_state(*saved)
                 logits = out[0]
         finally:
-            self._end_fork(session)
+            self.end_fork(session)
         session.stats.forks += 1
         return logits, gpu_ms, total, len(ids)
 
@@ -161,7 +161,7 @@ class ShadowReader(GridSessions):
         out_ids: list[int] = []
         watch = Stopwatch(self.engine.device)
         decode_ms = 0.0
-        self._fork_pages(session, end + max_tokens, len(ids))
+        self.reserve_rows(session, end + max_tokens, len(ids))
         saved = None
         try:
             if graphs is not None:
@@ -194,7 +194,7 @@ class ShadowReader(GridSessions):
         finally:
             if saved is not None:
                 cache.set_state(*saved)
-            self._end_fork(session)
+            self.end_fork(session)
         self.stats.summaries += 1
         return SummaryResult(session_id, out_ids, self.engine.chat.tokenizer.decode(out_ids),
                              end, prefill_ms + decode_ms, decode_ms / max(1, steps))

@@ -288,8 +288,11 @@ def _header_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) ->
     return header + b" " * (-len(header) % 8)
 
 
-def write_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+def write_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], sync: bool = True) -> int:
     """Write tensors and metadata to `path` atomically (temp name, fsync, rename, fsync dir).
+
+    sync=False leaves out both fsyncs: the file survives a killed process (the page cache has it) and
+    is never torn (the rename is atomic), but a power loss may lose the newest write.
 
     Returns the file's size. Raises OSError when the disk refuses; the temporary file is removed
     then, and whatever was at `path` before is untouched.
@@ -315,7 +318,8 @@ def write_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str,
         digest = _checksum(prefix + header, futures).encode()
         if os.pwrite(fd, digest, digest_at) != len(digest):
             raise OSError(errno.EIO, "short write of the checksum")
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
     except BaseException:
         os.close(fd)
         try:
@@ -332,7 +336,8 @@ def write_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str,
         except OSError:
             pass
         raise
-    _fsync_dir(path.parent)
+    if sync:
+        _fsync_dir(path.parent)
     return size
 
 

@@ -1,15 +1,19 @@
-"""The reader's residency manager: resident states under a byte cap, the rest parked on disk.
+"""A session book's residency manager: resident states under a byte cap, then pinned host memory, then disk.
 
-    resident (cache in the KV pool)  --park: past the cap, least recently fed-->  parked (one file)
-                                     <--bring_back: fed or asked again, exact--
-    no disk, or the write failed     --drop: the state is forgotten; the ids stay, read again from row 0
+    resident (cache in the KV pool) --evict: past the cap, least recently fed--> host (pinned buffers)
+        host, past its own cap, oldest first --spill--> disk (one file a session)
+        <--bring_back: fed or asked again, exact, from whichever tier holds it--
+    no host room and no disk, or the write failed --drop: the state is forgotten; the ids stay, read
+                                                     again from row 0
+    ids journal: every feed writes the session's ids (one small file a session), so a killed process
+                 still knows every session that was fed; its state is read again from them
 
 Invariants:
   * after `after_feed` and `make_room` return, the resident bytes (GridSession.nbytes: KV pages in
     use, recurrent, conv, checkpoints) plus what the caller is about to add are at most `cap_nbytes`,
     unless the kept session alone is larger than the cap;
   * the session being fed or read (`keep`) is never evicted;
-  * a session is resident or parked, never both: its file is removed once it is back;
+  * a session is resident, on the host or parked, one at a time: its file is removed once it is back;
   * a parked session keeps its ids and committed length in memory (the conductor maps requests by
     ids; the status shows the position), its state and checkpoints are only on disk;
   * a file that cannot be used is a miss: logged with its reason, counted, removed, and the session
@@ -59,10 +63,23 @@ class Parked:
 
 
 @dataclass
+class HostEntry:
+    """A session whose state is in pinned host memory."""
+
+    session_id: str
+    record: "_Record"  # ids, state and checkpoints as of the move, on the host
+    nbytes: int
+    moved_s: float  # monotonic, for the host tier's least-recently-moved order
+
+
+@dataclass
 class StoreCounts:
     evictions: int = 0  # resident sessions pushed out by the cap or the pool (parked or dropped)
     parks: int = 0  # files written (evictions and park_all)
     restores: int = 0  # files read back into the pool
+    host_moves: int = 0  # resident states moved to pinned host memory
+    host_restores: int = 0  # host states brought back into the pool
+    host_spills: int = 0  # host states written to disk to keep the host cap
     drops: int = 0  # states forgotten by the store (no disk, write failed, file expired or evicted)
     expired: int = 0  # files removed by the time-to-live
     disk_evictions: int = 0  # files removed by the disk cap
@@ -85,10 +102,15 @@ class ShadowStore:
     """
 
     def __init__(self, cap_nbytes: int, disk_dir: Path | str | None = None, disk_cap_nbytes: int = 64 * GIB,
-                 ttl_s: float = 48 * 3600.0, wall_clock: Callable[[], float] = time.time):
-        if cap_nbytes < 0 or disk_cap_nbytes < 0 or ttl_s < 0:
-            raise ValueError(f"store caps and ttl must be >= 0, got cap={cap_nbytes} disk_cap={disk_cap_nbytes} ttl={ttl_s}")
+                 ttl_s: float = 48 * 3600.0, wall_clock: Callable[[], float] = time.time, host_cap_nbytes: int = 0,
+                 journal: bool = False):
+        if cap_nbytes < 0 or disk_cap_nbytes < 0 or ttl_s < 0 or host_cap_nbytes < 0:
+            raise ValueError(f"store caps and ttl must be >= 0, got cap={cap_nbytes} disk_cap={disk_cap_nbytes} "
+                             f"host_cap={host_cap_nbytes} ttl={ttl_s}")
         self.cap_nbytes = int(cap_nbytes)
+        self.host_cap_nbytes = int(host_cap_nbytes)
+        self.host: dict[str, HostEntry] = {}
+        self.journal = journal  # write each fed session's ids beside the parked files (needs a disk tier)
         self.disk_dir = Path(disk_dir).expanduser() if disk_dir is not None else None
         self.disk_cap_nbytes = int(disk_cap_nbytes)
         self.ttl_s = float(ttl_s)
@@ -112,7 +134,31 @@ class ShadowStore:
         else:
             disk_dir = Path(raw).expanduser()
         return cls(int(settings.get("QSE_SHADOW_GB") * GIB), disk_dir, int(settings.get("QSE_SHADOW_DISK_GB") * GIB),
-                   settings.get("QSE_SHADOW_DISK_TTL_S"))
+                   settings.get("QSE_SHADOW_DISK_TTL_S"), host_cap_nbytes=int(settings.get("QSE_HOST_CACHE_GB") * GIB),
+                   journal=True)
+
+    @classmethod
+    def for_served(cls, settings: EngineSettings = SETTINGS) -> "ShadowStore":
+        """The served model's own store: its device cap, the same host cap, a disk directory of its own
+        (its files carry the served weights' fingerprint, so the two books never read each other's)."""
+        raw = settings.get("QSE_SHADOW_DISK").strip()
+        if raw.lower() == "off":
+            disk_dir = None
+        elif raw.lower() in ("", "auto"):
+            disk_dir = settings.cache_dir() / "served-disk"
+        else:
+            disk_dir = Path(raw).expanduser() / "served"
+        return cls(int(settings.get("QSE_SERVED_CACHE_GB") * GIB), disk_dir, int(settings.get("QSE_SHADOW_DISK_GB") * GIB),
+                   settings.get("QSE_SHADOW_DISK_TTL_S"), host_cap_nbytes=int(settings.get("QSE_HOST_CACHE_GB") * GIB),
+                   journal=True)
+
+    def tier_of(self, session_id: str) -> str | None:
+        """Where a non-resident session's state is: "host", "disk", or None (nowhere: read again)."""
+        if session_id in self.host:
+            return "host"
+        if session_id in self.parked:
+            return "disk"
+        return None
 
     # ---- the Residency protocol ----------------------------------------------------------------
     def make_room(self, reader: GridSessions, pages: int, keep: GridSession) -> bool:
@@ -131,17 +177,26 @@ class ShadowStore:
         return False
 
     def _restore(self, reader: GridSessions, session: GridSession) -> bool:
+        self._bind(reader)
+        held = self.host.pop(session.session_id, None)
+        if held is not None:
+            return self._bring_in(reader, session, held.record, None, held.nbytes, time.perf_counter(), time.perf_counter())
         entry = self.parked.pop(session.session_id, None)
         if entry is None:
             return False
-        self._bind(reader)
         t0 = time.perf_counter()
         try:
             record = self._load(reader, entry.path, session.session_id)
         except (FileMiss, *_BAD_FIELD) as exc:
             self._miss(entry.path, session.session_id, _as_miss(exc))
             return False
-        t_read = time.perf_counter()
+        return self._bring_in(reader, session, record, entry.path, entry.nbytes, t0, time.perf_counter())
+
+    def _bring_in(self, reader: GridSessions, session: GridSession, record: "_Record", path: Path | None, nbytes: int,
+                  t0: float, t_read: float) -> bool:
+        """A record (from the host tier, or a file at `path`) into the pool; False is a miss."""
+        tier = "disk" if path is not None else "host"
+        where = path if path is not None else Path(session.session_id)
         state = record.state
         pages = -(-state.length // reader.pool.page_rows)
         need = pages * reader.pool.page_nbytes + sum(t.numel() * t.element_size() for t in state.sections.values())
@@ -152,11 +207,12 @@ class ShadowStore:
             cache = reader.engine.restore_cache(state, kv)
         except StateMismatch as exc:
             kv.release_all()
-            self._miss(entry.path, session.session_id, FileMiss("signature", str(exc)))
+            self._miss(where, session.session_id, FileMiss("signature", str(exc)), unlink=path is not None)
             return False
         if cache is None:
             kv.release_all()
-            self._miss(entry.path, session.session_id, FileMiss("no_room", f"the pool has {reader.pool.num_free} free pages, the state needs {pages}"))
+            self._miss(where, session.session_id, FileMiss("no_room", f"the pool has {reader.pool.num_free} free pages, the state needs {pages}"),
+                       unlink=path is not None)
             return False
         device = reader.engine.device
         session.cache = cache
@@ -165,19 +221,23 @@ class ShadowStore:
                                           set(c.kinds)) for c in record.checkpoints]
         session.divergence_lines = record.divergence_lines
         session.mode = record.mode
-        self._unlink(entry.path)
+        if path is not None:
+            self._unlink(path)
         # the session may have been fed other ids while parked: go back as a resident one would
         first_diff = common_prefix(record.ids, session.ids, session.committed)
         if first_diff < session.committed:
             reader.rollback(session, first_diff)
         reader.engine.synchronize()
         t_done = time.perf_counter()
-        self.counts.restores += 1
-        self.counts.restore_nbytes += entry.nbytes
-        self.events.append(("restore", session.session_id))
+        if tier == "disk":
+            self.counts.restores += 1
+            self.counts.restore_nbytes += nbytes
+        else:
+            self.counts.host_restores += 1
+        self.events.append(("restore" if tier == "disk" else "host_restore", session.session_id))
         self.counts.last_restore_ms = {"read_ms": (t_read - t0) * 1e3, "restore_ms": (t_done - t_read) * 1e3,
-                                       "total_ms": (t_done - t0) * 1e3, "nbytes": entry.nbytes}
-        log.info("store_restore", session=session.session_id, position=session.committed, nbytes=entry.nbytes,
+                                       "total_ms": (t_done - t0) * 1e3, "nbytes": nbytes, "tier": tier}
+        log.info("store_restore", session=session.session_id, tier=tier, position=session.committed, nbytes=nbytes,
                  ms=round((t_done - t0) * 1e3, 3), rolled_back_to=session.committed if first_diff < state.length else None)
         return True
 
@@ -187,9 +247,30 @@ class ShadowStore:
             self.sweep(reader)
 
     def forget(self, reader: GridSessions, session: GridSession) -> None:
+        self.host.pop(session.session_id, None)
         entry = self.parked.pop(session.session_id, None)
         if entry is not None:
             self._unlink(entry.path)
+        if self.disk_dir is not None:
+            self._unlink(self.disk_dir / _ids_name(session.session_id))
+
+    def note_ids(self, reader: GridSessions, session: GridSession) -> None:
+        """Journal the session's ids (a feed): one small file a session, replaced whole by a rename, so a
+        killed process still knows the session and reads its state again from these ids."""
+        if not self.journal or not self._disk_ready():
+            return
+        self._bind(reader)
+        assert self.disk_dir is not None
+        ids = torch.tensor(session.ids, dtype=torch.int32)
+        meta = {"format": disk.FORMAT, "version": str(disk.VERSION), **self._fingerprint_of(reader).metadata(),
+                "content": "ids", "session_id": session.session_id, "ids_sha256": disk.tensor_sha256(ids),
+                "checkpoint_lines": json.dumps(sorted(session.checkpoint_lines)), "written_s": repr(self.wall_clock())}
+        try:
+            disk.write_file(self.disk_dir / _ids_name(session.session_id), {"ids": ids}, meta, sync=False)
+        except OSError as exc:
+            if isinstance(exc, FileNotFoundError):
+                self._dir_ready = False
+            self._count_write_miss(session, FileMiss(disk.write_reason(exc), exc.strerror or str(exc)))
 
     # ---- parking -------------------------------------------------------------------------------
     def park(self, reader: GridSessions, session: GridSession) -> bool:
@@ -197,19 +278,39 @@ class ShadowStore:
         if not session.is_resident or not self._disk_ready():
             return False
         self._bind(reader)
-        fp = self._fingerprint_of(reader)
-        assert self.disk_dir is not None
         t0 = time.perf_counter()
-        state = reader.engine.cache_state(session.cache)
-        tensors = _session_tensors(session, state)
+        record = _Record(list(session.ids), reader.engine.cache_state(session.cache), session.checkpoints, session.mode,
+                         list(session.divergence_lines))
+        nbytes = self._write(reader, session, record)
+        if nbytes is None:
+            return False
+        t_done = time.perf_counter()
+        session.kv.release_all()
+        session.cache = None
+        session.checkpoints = []
+        self.counts.parks += 1
+        self.counts.park_nbytes += nbytes
+        self.events.append(("park", session.session_id))
+        self.counts.last_park_ms = {"total_ms": (t_done - t0) * 1e3, "nbytes": nbytes}
+        log.info("store_park", session=session.session_id, position=session.committed, nbytes=nbytes,
+                 ms=round((t_done - t0) * 1e3, 3))
+        return True
+
+    def _write(self, reader: GridSessions, session: GridSession, record: "_Record") -> int | None:
+        """One session's file from `record` (its ids, state and checkpoints as of when it was taken); the
+        file's size, or None (nothing written, counted as a miss) if it cannot be written."""
+        if not self._disk_ready():
+            return None
+        assert self.disk_dir is not None
+        fp = self._fingerprint_of(reader)
+        tensors = _session_tensors(record)
         estimate = sum(t.numel() * t.element_size() for t in tensors.values()) + 64 * 1024
         if estimate > self.disk_cap_nbytes:
             self._count_write_miss(session, FileMiss("disk_cap", f"{estimate} bytes, the disk cap is {self.disk_cap_nbytes}"))
-            return False
+            return None
         self.sweep(reader, incoming_nbytes=estimate)
-        t_export = time.perf_counter()
         written_s = self.wall_clock()
-        meta = {"format": disk.FORMAT, "version": str(disk.VERSION), **fp.metadata(), **_session_meta(session, state),
+        meta = {"format": disk.FORMAT, "version": str(disk.VERSION), **fp.metadata(), **_session_meta(session, record),
                 "model": reader.engine.name, "written_s": repr(written_s),
                 "ids_sha256": disk.tensor_sha256(tensors["ids"])}
         path = self.disk_dir / disk.file_name(session.session_id)
@@ -219,20 +320,54 @@ class ShadowStore:
             if isinstance(exc, FileNotFoundError):
                 self._dir_ready = False  # the directory went away: make it again next time
             self._count_write_miss(session, FileMiss(disk.write_reason(exc), exc.strerror or str(exc)))
+            return None
+        self.parked[session.session_id] = Parked(session.session_id, path, nbytes, written_s, record.state.length)
+        return nbytes
+
+    # ---- the host tier -------------------------------------------------------------------------
+    def move_to_host(self, reader: GridSessions, session: GridSession) -> bool:
+        """A resident session's state into pinned host memory, its pool pages freed; older host states
+        spill to disk (or are dropped) to keep the host cap. False (it stays resident) if it cannot fit."""
+        self._bind(reader)
+        if not session.is_resident or session.nbytes > self.host_cap_nbytes:
             return False
-        t_done = time.perf_counter()
-        self.parked[session.session_id] = Parked(session.session_id, path, nbytes, written_s, session.committed)
+        t0 = time.perf_counter()
+        record = _host_record(reader, session)
+        nbytes = _record_nbytes(record)
         session.kv.release_all()
         session.cache = None
         session.checkpoints = []
-        self.counts.parks += 1
-        self.counts.park_nbytes += nbytes
-        self.events.append(("park", session.session_id))
-        self.counts.last_park_ms = {"export_ms": (t_export - t0) * 1e3, "write_ms": (t_done - t_export) * 1e3,
-                                    "total_ms": (t_done - t0) * 1e3, "nbytes": nbytes}
-        log.info("store_park", session=session.session_id, position=session.committed, nbytes=nbytes,
-                 ms=round((t_done - t0) * 1e3, 3))
+        self.host[session.session_id] = HostEntry(session.session_id, record, nbytes, time.monotonic())
+        self.counts.host_moves += 1
+        self.events.append(("host", session.session_id))
+        log.info("store_host_move", session=session.session_id, position=session.committed, nbytes=nbytes,
+                 ms=round((time.perf_counter() - t0) * 1e3, 3))
+        self._keep_host_cap(reader)
         return True
+
+    def host_nbytes(self) -> int:
+        return sum(e.nbytes for e in self.host.values())
+
+    def _keep_host_cap(self, reader: GridSessions) -> None:
+        while self.host and self.host_nbytes() > self.host_cap_nbytes:
+            oldest = min(self.host.values(), key=lambda e: e.moved_s)
+            self._spill(reader, oldest)
+
+    def _spill(self, reader: GridSessions, entry: HostEntry) -> bool:
+        """A host state to disk (dropped if it cannot be written); True if it was written."""
+        del self.host[entry.session_id]
+        session = reader.sessions.get(entry.session_id)
+        if session is None:
+            return False
+        if self._write(reader, session, entry.record) is not None:
+            self.counts.host_spills += 1
+            self.counts.parks += 1
+            self.events.append(("spill", entry.session_id))
+            return True
+        reader.drop_state(session)
+        self.counts.drops += 1
+        self.events.append(("drop", entry.session_id))
+        return False
 
     def park_all(self, reader: GridSessions) -> dict:
         """Planned stop: write every resident session, least recently fed first (so the disk cap keeps
@@ -240,6 +375,8 @@ class ShadowStore:
         t0 = time.perf_counter()
         resident = sorted((s for s in reader.sessions.values() if s.is_resident), key=lambda s: s.last_fed_s)
         parked, failed = [], []
+        for entry in sorted(self.host.values(), key=lambda e: e.moved_s):
+            (parked if self._spill(reader, entry) else failed).append(entry.session_id)
         for s in resident:
             (parked if self.park(reader, s) else failed).append(s.session_id)
         report = {"parked": len(parked), "failed": failed, "files": len(self.parked),
@@ -261,6 +398,11 @@ class ShadowStore:
         except OSError as exc:
             log.warning("store_attach_failed", dir=str(self.disk_dir), error=exc.strerror or str(exc))
             return {"sessions": 0, "misses": {}, "disk": str(self.disk_dir)}
+        journals = {}
+        for name in names:
+            if name.endswith(".ids" + disk.SUFFIX):
+                journals[name] = self.disk_dir / name
+        names = [n for n in names if n not in journals]
         for name in names:
             path = self.disk_dir / name
             if disk.is_temp_name(name):
@@ -303,11 +445,42 @@ class ShadowStore:
             session.checkpoints = []
             self.parked[session_id] = Parked(session_id, path, header.size, written_s, committed)
             found += 1
+        known = self._attach_journals(reader, journals, fp, misses)
         self.sweep(reader)
-        report = {"sessions": found, "misses": dict(misses), "disk": str(self.disk_dir),
+        report = {"sessions": found, "journaled": known, "misses": dict(misses), "disk": str(self.disk_dir),
                   "parked_bytes": sum(p.nbytes for p in self.parked.values())}
         log.info("store_attach", **report)
         return report
+
+    def _attach_journals(self, reader: GridSessions, journals: dict[str, Path], fp: Fingerprint, misses: Counter) -> int:
+        """Sessions the ids journal knows: a session with a state file takes the journal's newer ids (its
+        state rolls back where they differ when it comes back); one without is known with no state and is
+        read again from row 0. Returns how many sessions the journal brought that no state file had."""
+        known = 0
+        for name, path in journals.items():
+            try:
+                header = disk.read_header(path)
+                fp.check(header.meta)
+                session_id = header.meta.get("session_id", "")
+                if _ids_name(session_id) != name:
+                    raise FileMiss("session_id", f"file {name} holds session {session_id!r}")
+                ids = _read_ids(header, reader.engine.cfg.vocab_size)
+                lines = {int(x) for x in _meta_json(header.meta, "checkpoint_lines")}
+            except (FileMiss, *_BAD_FIELD) as exc:
+                miss = _as_miss(exc)
+                misses[miss.reason] += 1
+                self._miss(path, None, miss)
+                continue
+            session = reader.sessions.get(session_id)
+            if session is None:
+                session = GridSession(session_id, reader.grid, None, ids=ids, checkpoint_lines=lines)
+                reader.sessions[session_id] = session
+                known += 1
+            elif not session.is_resident:
+                session.ids = ids
+                session.checkpoint_lines |= {p for p in lines if p <= len(ids)}
+            session.checkpoint_lines = {p for p in session.checkpoint_lines if p <= len(session.ids)}
+        return known
 
     def sweep(self, reader: GridSessions, now: float | None = None, incoming_nbytes: int = 0) -> list[str]:
         """Remove files past the time-to-live, then the oldest until the disk cap holds (with room
@@ -341,6 +514,12 @@ class ShadowStore:
             "resident_bytes": reader.resident_nbytes() if reader is not None else 0,
             "resident_sessions": len(resident),
             "parked_sessions": len(self.parked),
+            "host_sessions": len(self.host),
+            "host_bytes": self.host_nbytes(),
+            "host_cap_bytes": self.host_cap_nbytes,
+            "host_moves": c.host_moves,
+            "host_restores": c.host_restores,
+            "host_spills": c.host_spills,
             "parked_bytes": sum(p.nbytes for p in list(self.parked.values())),
             "files": len(self.parked),
             "disk_dir": str(self.disk_dir) if self.disk_dir is not None else None,
@@ -383,13 +562,16 @@ class ShadowStore:
         if not room.fits_cap and keep.session_id not in self._over_cap:
             self._over_cap.add(keep.session_id)  # once a session: it warns again only after it fitted
             log.warning("store_over_cap", session=keep.session_id, nbytes=keep.nbytes + need_nbytes, cap=self.cap_nbytes,
-                        hint="QSE_SHADOW_GB is smaller than this one session; it stays resident alone")
+                        hint="the resident cap (QSE_SHADOW_GB or QSE_SERVED_CACHE_GB) is smaller than this one session; it "
+                             "stays resident alone")
         elif room.fits_cap:
             self._over_cap.discard(keep.session_id)
         return reader.pool.can_allocate(pages)
 
     def _evict(self, reader: GridSessions, session: GridSession) -> None:
         self.counts.evictions += 1
+        if self.host_cap_nbytes and self.move_to_host(reader, session):
+            return
         if self.park(reader, session):
             return
         reader.drop_state(session)
@@ -418,10 +600,11 @@ class ShadowStore:
         tensors = disk.read_tensors(header, device=reader.engine.device)  # verifies the checksum
         return _decode(header, tensors, reader)
 
-    def _miss(self, path: Path, session_id: str | None, miss: FileMiss) -> None:
+    def _miss(self, path: Path, session_id: str | None, miss: FileMiss, unlink: bool = True) -> None:
         self.misses[miss.reason] += 1
         self.events.append(("miss:" + miss.reason, session_id or path.name))
-        self._unlink(path)
+        if unlink:
+            self._unlink(path)
         log.warning("store_miss", session=session_id, reason=miss.reason, detail=miss.detail, path=str(path))
 
     def _count_write_miss(self, session: GridSession, miss: FileMiss) -> None:
@@ -457,9 +640,10 @@ class _Record:
     divergence_lines: list[int]
 
 
-def _session_tensors(session: GridSession, state: ModelState) -> dict[str, torch.Tensor]:
-    out = {"ids": torch.tensor(session.ids, dtype=torch.int32)}
-    for i, c in enumerate(session.checkpoints):
+def _session_tensors(record: _Record) -> dict[str, torch.Tensor]:
+    state = record.state
+    out = {"ids": torch.tensor(record.ids, dtype=torch.int32)}
+    for i, c in enumerate(record.checkpoints):
         for j, t in enumerate(c.recurrent):
             out[f"ckpt.{i}.recurrent.{j}"] = t
         for j, t in enumerate(c.conv):
@@ -471,19 +655,50 @@ def _session_tensors(session: GridSession, state: ModelState) -> dict[str, torch
     return out
 
 
-def _session_meta(session: GridSession, state: ModelState) -> dict[str, str]:
+def _session_meta(session: GridSession, record: _Record) -> dict[str, str]:
+    state, checkpoints = record.state, record.checkpoints
     return {
         "session_id": session.session_id,
         "committed": str(state.length),
-        "num_ids": str(len(session.ids)),
-        "checkpoints": json.dumps([c.position for c in session.checkpoints]),
-        "checkpoint_counts": json.dumps([[len(c.recurrent), len(c.conv)] for c in session.checkpoints]),
-        "checkpoint_kinds": json.dumps([sorted(c.kinds) for c in session.checkpoints]),
-        "divergence_lines": json.dumps(session.divergence_lines),
+        "num_ids": str(len(record.ids)),
+        "checkpoints": json.dumps([c.position for c in checkpoints]),
+        "checkpoint_counts": json.dumps([[len(c.recurrent), len(c.conv)] for c in checkpoints]),
+        "checkpoint_kinds": json.dumps([sorted(c.kinds) for c in checkpoints]),
+        "divergence_lines": json.dumps(record.divergence_lines),
         "checkpoint_lines": json.dumps(sorted(session.checkpoint_lines)),
-        "mode": session.mode,
+        "mode": record.mode,
         "stats": json.dumps(dataclasses.asdict(session.stats)),
     }
+
+
+def _host_record(reader: GridSessions, session: GridSession) -> _Record:
+    """The session's state and checkpoints copied to the host: pinned buffers on CUDA (the copies go out
+    asynchronously and are waited for once), plain ones elsewhere."""
+    pin = reader.engine.device.type == "cuda"
+
+    def to_host(t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+        out.copy_(t, non_blocking=pin)
+        return out
+
+    state = reader.engine.cache_state(session.cache)
+    host_state = ModelState(sections={k: to_host(v) for k, v in state.sections.items()},
+                            views={k: to_host(v) for k, v in state.views.items()}, length=state.length)
+    checkpoints = [Checkpoint(c.position, [to_host(x) for x in c.recurrent], [to_host(x) for x in c.conv], set(c.kinds))
+                   for c in session.checkpoints]
+    reader.engine.synchronize()
+    return _Record(list(session.ids), host_state, checkpoints, session.mode, list(session.divergence_lines))
+
+
+def _record_nbytes(record: _Record) -> int:
+    state = record.state
+    tensors = [*state.sections.values(), *state.views.values()]
+    tensors += [x for c in record.checkpoints for x in (*c.recurrent, *c.conv)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _ids_name(session_id: str) -> str:
+    return disk.file_name(session_id)[: -len(disk.SUFFIX)] + ".ids" + disk.SUFFIX
 
 
 def _meta_int(meta: dict[str, str], key: str) -> int:
@@ -570,4 +785,4 @@ def _decode(header: FileHeader, tensors: dict[str, torch.Tensor], reader: GridSe
                    div_lines)
 
 
-__all__ = ["GIB", "Parked", "ShadowStore", "StoreCounts"]
+__all__ = ["GIB", "HostEntry", "Parked", "ShadowStore", "StoreCounts"]

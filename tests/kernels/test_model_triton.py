@@ -101,20 +101,21 @@ def test_cuda_graphs_read_and_answer_the_same_bits_as_eager(triton_engine):
 
 
 @pytest.mark.gpu
-def test_served_decode_under_a_cuda_graph_equals_eager(triton_engine):
-    from qse.engine.serving import ServedPath
+def test_served_turn_under_a_cuda_graph_equals_eager(triton_engine):
+    from qse.sessions.grid import GridSessions
+    from qse.sessions.served import ServedSessions
 
     prompt = list(range(300, 300 + 509))  # the decode crosses a page line
     out = {}
     for name, graphs in (("eager", False), ("graph", True)):
-        path = ServedPath(triton_engine, graphs=graphs, pool_bytes=64 << 20)
-        seq, logits, _ = path.prefill(prompt)
+        served = ServedSessions(GridSessions(triton_engine, grid=128, pool_bytes=64 << 20, graphs=graphs))
+        turn, logits = served.begin("s", prompt)
         tokens, rows = [], []
         for _ in range(8):
             tokens.append(int(torch.argmax(logits[-1])))
             rows.append(logits[-1].clone())
-            logits, _ = path.decode(seq, tokens[-1])
-        path.finish(seq)
+            logits, _ = served.decode(turn, tokens[-1])
+        served.finish(turn)
         out[name] = (tokens, rows)
     assert out["eager"][0] == out["graph"][0]
     assert all(torch.equal(x, y) for x, y in zip(out["eager"][1], out["graph"][1]))

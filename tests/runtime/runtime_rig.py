@@ -55,6 +55,7 @@ class Probe:
         self.clock = clock
         self.script_ms = script_ms or {}
         self.calls: list[Call] = []
+        self.served_pool = None  # the served sessions' KV pool: its calls are the served model's
         self.holds: list[_Hold] = []
         self._lock = threading.Lock()
 
@@ -64,7 +65,10 @@ class Probe:
         real = engine.forward
 
         def forward(cache, ids, logits="last", logit_row=None):
-            if isinstance(cache.kv, PagedKV):
+            pool = getattr(cache.kv, "pool", None)
+            if pool is not None and pool is self.served_pool:  # the served session's grid chunks, tail, decode
+                kind = "prefill" if (logits == "none" or ids.numel() > 1) else "decode"
+            elif isinstance(cache.kv, PagedKV):
                 kind = "chunk" if logits == "none" else "fork"
             else:
                 kind = "prefill" if cache.length == 0 else "decode"

@@ -1,0 +1,224 @@
+"""Served sessions: every turn's first token equals a cold prefill of the same prompt, bit for bit, whichever
+tier the reused state came from; the kept state equals the cold one; caps hold; bad files are misses."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from qse.sessions.grid import GridSessions, SessionError
+from qse.sessions.served import ServedSessions
+from qse.store import ShadowStore
+
+GRID = 32
+VOCAB = 248000
+
+
+def _served(engine, store=None, graphs=False, pool_bytes=16 << 20, recent=2) -> ServedSessions:
+    book = GridSessions(engine, grid=GRID, pool_bytes=pool_bytes, residency=store, graphs=graphs,
+                        recent_checkpoints=recent, who="the served model")
+    return ServedSessions(book)
+
+
+def _ids(gen: torch.Generator, n: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=gen).tolist()
+
+
+def _turn(served: ServedSessions, sid: str, prompt: list[int], steps: int = 3):
+    """A greedy turn: the first token's logits (a copy), the tokens, and what the turn start found."""
+    turn, logits = served.begin(sid, prompt)
+    first = logits[-1].clone()
+    tokens = []
+    try:
+        for _ in range(steps):
+            tokens.append(int(torch.argmax(logits[-1])))
+            logits, _ = served.decode(turn, tokens[-1])
+    finally:
+        served.finish(turn)
+    return first, tokens, turn.start
+
+
+def _cold(engine, prompt: list[int], steps: int = 3, graphs=False):
+    cold = _served(engine, graphs=graphs)
+    first, tokens, start = _turn(cold, "cold", prompt, steps)
+    assert start.cached_tokens == 0
+    return first, tokens, cold
+
+
+def _agent_turns(gen: torch.Generator, num_turns: int) -> list[list[int]]:
+    """Prompts of an agent: each turn resends the last prompt with the output and new ids; turn 3 re-renders
+    the middle (a rollback)."""
+    prompt = _ids(gen, 2 * GRID + 7)
+    turns = [prompt]
+    for n in range(1, num_turns):
+        prompt = prompt + _ids(gen, 5 + 11 * n)
+        if n == 3:
+            cut = len(prompt) // 2
+            prompt = prompt[:cut] + _ids(gen, 3) + prompt[cut + 3:]
+        turns.append(prompt)
+    return turns
+
+
+@pytest.mark.parametrize("graphs", [False, "static"], ids=["eager", "static-graph"])
+def test_every_turn_equals_a_cold_prefill_bit_for_bit(tiny_engine, graphs):
+    gen = torch.Generator().manual_seed(7)
+    served = _served(tiny_engine, graphs=graphs)
+    rolled = 0
+    for i, prompt in enumerate(_agent_turns(gen, 5)):
+        first, tokens, start = _turn(served, "agent", prompt)
+        cold_first, cold_tokens, cold = _cold(tiny_engine, prompt, graphs=graphs)
+        assert torch.equal(first, cold_first), f"turn {i}"
+        assert tokens == cold_tokens
+        # the kept state: every KV row below the committed line, the recurrent and the conv state
+        assert served.book.state_equal(served.book.get("agent"), cold.book.get("cold")) == {
+            "committed": True, "kv": True, "recurrent": True, "conv": True}
+        if i:
+            assert start.cached_tokens > 0 and start.tier == "device"
+        rolled += start.rolled_back_to is not None
+        assert start.cached_tokens + start.chunks_read * GRID + start.tail_tokens == len(prompt)
+        assert 1 <= start.tail_tokens <= GRID
+    assert rolled == 1  # the re-rendered middle went back to a checkpoint
+    assert served.counts["hit_tokens"] > 0 and served.counts["hits_device"] == 4
+
+
+def test_a_prompt_ending_on_a_grid_line_keeps_a_whole_chunk_as_its_tail(tiny_engine):
+    gen = torch.Generator().manual_seed(3)
+    prompt = _ids(gen, 3 * GRID)
+    served = _served(tiny_engine)
+    first, _, start = _turn(served, "s", prompt, steps=1)
+    assert (start.chunks_read, start.tail_tokens) == (2, GRID)
+    assert served.book.get("s").committed == 2 * GRID
+    cold_first, _, _ = _cold(tiny_engine, prompt, steps=1)
+    assert torch.equal(first, cold_first)
+
+
+def test_the_turns_rows_are_dropped_and_pages_come_back(tiny_engine):
+    gen = torch.Generator().manual_seed(4)
+    served = _served(tiny_engine)
+    prompt = _ids(gen, GRID + 5)
+    _turn(served, "s", prompt, steps=GRID + 3)  # the decode crosses page lines
+    session = served.book.get("s")
+    assert session.cache.length == session.committed == GRID
+    assert len(session.kv.pages) == 1
+    assert served.book.pool.num_free == served.book.pool.num_pages - 1
+
+
+def _tiered(tiny_engine, tmp_path, cap_pages: float, host_pages: float):
+    """A store whose device cap holds about `cap_pages` sessions' worth and host cap `host_pages`."""
+    probe = _served(tiny_engine)
+    gen = torch.Generator().manual_seed(11)
+    _turn(probe, "p", _ids(gen, 3 * GRID + 1), steps=1)
+    one = probe.book.get("p").nbytes
+    store = ShadowStore(int(one * cap_pages), tmp_path / "served", host_cap_nbytes=int(one * host_pages), journal=True)
+    served = _served(tiny_engine, store=store)
+    store.attach(served.book)
+    return served, store
+
+
+def test_every_tier_gives_back_the_cold_prefills_bits(tiny_engine, tmp_path):
+    """Four sessions take turns under a device cap of about one session and a host cap of about two: each
+    turn's state comes back from the device, the host or the disk, and every turn equals a cold prefill."""
+    served, store = _tiered(tiny_engine, tmp_path, cap_pages=1.5, host_pages=2.5)
+    gen = torch.Generator().manual_seed(5)
+    prompts = {sid: _agent_turns(gen, 4) for sid in "abcd"}
+    turns = {sid: 0 for sid in prompts}
+    tiers = []
+    for sid in "abaacdab":  # a from the host (b came between), then the device; b spilled to disk by c and d
+        prompt = prompts[sid][turns[sid]]
+        turns[sid] += 1
+        first, tokens, start = _turn(served, sid, prompt)
+        cold_first, cold_tokens, cold = _cold(tiny_engine, prompt)
+        assert torch.equal(first, cold_first), (sid, start.tier)
+        assert tokens == cold_tokens
+        assert served.book.state_equal(served.book.get(sid), cold.book.get("cold")) == {
+            "committed": True, "kv": True, "recurrent": True, "conv": True}
+        tiers.append(start.tier)
+        # the caps hold after every turn (one session alone may be over the device cap)
+        resident = [s for s in served.book.sessions.values() if s.is_resident]
+        assert len(resident) == 1 or served.book.resident_nbytes() <= store.cap_nbytes
+        assert store.host_nbytes() <= store.host_cap_nbytes
+    assert tiers == [None, None, "host", "device", None, None, "host", "disk"], tiers
+    assert (served.counts["hits_device"], served.counts["hits_host"], served.counts["hits_disk"]) == (1, 2, 1)
+    stats = store.stats()
+    assert stats["host_restores"] == 2 and stats["restores"] == 1 and stats["host_spills"] >= 1
+
+
+def test_a_torn_or_foreign_served_file_is_a_miss_and_a_cold_read(tiny_engine, tmp_path):
+    served, store = _tiered(tiny_engine, tmp_path, cap_pages=0.5, host_pages=0)
+    gen = torch.Generator().manual_seed(6)
+    a, b = _agent_turns(gen, 2), _agent_turns(gen, 2)
+    _turn(served, "a", a[0])
+    _turn(served, "b", b[0])  # "a" is parked on disk to make room
+    assert store.tier_of("a") == "disk"
+    path = store.parked["a"].path
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a flipped byte in the body
+    path.write_bytes(bytes(data))
+    first, _, start = _turn(served, "a", a[1])
+    assert start.cached_tokens == 0 and start.tier is None
+    assert store.misses["checksum"] == 1
+    cold_first, _, _ = _cold(tiny_engine, a[1])
+    assert torch.equal(first, cold_first)
+    # a foreign file (another session's state under this one's name) is a miss too
+    c = _agent_turns(gen, 1)[0]
+    _turn(served, "b", b[1])  # "a" parked again
+    _turn(served, "c", c)  # "b" parked
+    assert store.tier_of("a") == store.tier_of("b") == "disk"
+    os.replace(store.parked["a"].path, store.parked["b"].path)
+    first, _, start = _turn(served, "b", b[1] + [5, 6, 7])
+    assert start.cached_tokens == 0 and store.misses["session_id"] == 1
+    cold_first, _, _ = _cold(tiny_engine, b[1] + [5, 6, 7])
+    assert torch.equal(first, cold_first)
+
+
+def test_a_restart_knows_every_fed_session_from_the_ids_journal(tiny_engine, tmp_path):
+    """A killed process (nothing parked at the end): the journal still knows each session's ids, and its next
+    turn equals a cold prefill; a parked then fed session keeps its newest ids."""
+    served, store = _tiered(tiny_engine, tmp_path, cap_pages=0.5, host_pages=0)
+    gen = torch.Generator().manual_seed(8)
+    a, b = _agent_turns(gen, 3), _agent_turns(gen, 3)
+    _turn(served, "a", a[0])
+    _turn(served, "b", b[0])  # "a" parked
+    _turn(served, "a", a[1])  # "a" restored (its file removed), "b" parked
+    # the process dies here: no park_all
+    again = ShadowStore(store.cap_nbytes, tmp_path / "served", journal=True)
+    restarted = _served(tiny_engine, store=again)
+    report = again.attach(restarted.book)
+    assert set(restarted.book.sessions) == {"a", "b"}
+    assert report["journaled"] == 1  # "a" had no state file left: known from its ids alone
+    assert restarted.book.get("a").ids == a[1] and restarted.book.get("b").ids == b[0]
+    for sid, prompt in (("a", a[2]), ("b", b[2])):
+        first, _, _ = _turn(restarted, sid, prompt)
+        cold_first, _, _ = _cold(tiny_engine, prompt)
+        assert torch.equal(first, cold_first)
+
+
+def test_a_planned_stop_writes_every_session_and_a_restart_resumes_them(tiny_engine, tmp_path):
+    served, store = _tiered(tiny_engine, tmp_path, cap_pages=1.5, host_pages=1.5)
+    gen = torch.Generator().manual_seed(9)
+    prompts = {sid: _agent_turns(gen, 2) for sid in ("a", "b", "c")}
+    for sid, p in prompts.items():
+        _turn(served, sid, p[0])
+    report = store.park_all(served.book)
+    assert report["failed"] == [] and report["files"] == 3 and not store.host
+    again = ShadowStore(store.cap_nbytes, tmp_path / "served", journal=True)
+    restarted = _served(tiny_engine, store=again)
+    assert again.attach(restarted.book)["sessions"] == 3
+    for sid, p in prompts.items():
+        first, _, start = _turn(restarted, sid, p[1])
+        assert start.tier == "disk" and start.cached_tokens > 0
+        cold_first, _, _ = _cold(tiny_engine, p[1])
+        assert torch.equal(first, cold_first)
+
+
+def test_bad_prompts_are_refused_by_name(tiny_engine):
+    served = _served(tiny_engine)
+    with pytest.raises(SessionError, match="empty prompt"):
+        served.begin("s", [])
+    with pytest.raises(SessionError, match="outside the vocabulary"):
+        served.begin("s", [1, 2, VOCAB + 10_000])
+    window = tiny_engine.cfg.max_position_embeddings
+    with pytest.raises(SessionError, match="window"):
+        served.begin("s", [1] * window)
