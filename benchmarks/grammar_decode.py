@@ -1,7 +1,7 @@
 """Decode speed with a grammar on the logits against the same request without one (issue 19's goal: a
 json_schema answer at >= 95 % of the plain request's tokens/s on the 9B).
 
-The served model's own turn path (ServedPath prefill + decode, CUDA graphs where it can) with the server's
+The served model's own turn path (a served session's turn + decode, CUDA graphs where it can) with the server's
 Sampler, temperature 0.7, the same seed on both sides; pairs alternate plain / grammar. tokens/s counts every
 step of the turn: the forward, the mask (a worker thread, overlapped with the step) and the draw.
 
@@ -31,7 +31,7 @@ def run_turn(engine, serving, ids: list[int], params, max_tokens: int, device) -
     from qse.engine.sampling import Sampler
 
     sampler = Sampler(params, vocab_limit=engine.chat.tokenizer.vocab_size)
-    seq, logits, _ = serving.prefill(ids)
+    seq, logits = serving.begin("bench", ids)
     token = sampler(logits[-1])
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -65,13 +65,13 @@ def main(argv: list[str] | None = None) -> dict:
     from qse.engine.engine import Engine
     from qse.engine.grammar import Grammar, json_rule
     from qse.engine.sampling import SamplingParams
-    from qse.engine.serving import ServedPath
+    from qse.runtime.conductor import ConductorConfig, served_sessions
     from qse.models import pick_device, pick_dtype, resolve
     from qse.settings import SETTINGS
 
     device = pick_device(args.device)
     engine = Engine(resolve(args.model, device, pick_dtype(args.dtype, device), SETTINGS.cache_dir()))
-    serving = ServedPath(engine)
+    serving = served_sessions(engine, ConductorConfig.from_settings(SETTINGS))
     serving.warm()
     chat = engine.chat
     prompt = chat.render([{"role": "user", "content": "List the build's parts as JSON."}], None, True, False)

@@ -32,7 +32,7 @@ from qse.engine.kv import KVPool, PagedKV  # noqa: E402
 from qse.engine.rounds import DecodeRounds  # noqa: E402
 from qse.models import resolve  # noqa: E402
 
-PAGE_ROWS = 512  # the served path's page size (qse.engine.serving.PAGE_ROWS)
+PAGE_ROWS = 512  # the served sessions' page size (their grid, QSE_SERVED_GRID)
 WARM_ROUNDS = 3
 
 

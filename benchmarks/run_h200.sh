@@ -6,7 +6,7 @@
 # (weka_cc_sessions_dev.csv, hf_reader_baseline.py) and a pytest.ini without the asyncio plugin's
 # options. Results land in $OUT; copy them to benchmarks/results/ and commit.
 #
-#   bash benchmarks/run_h200.sh [tests|gemv|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abl|invariant|grammar|rounds ...]   (default: all, ~13 minutes)
+#   bash benchmarks/run_h200.sh [tests|gemv|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abl|invariant|grammar|rounds|served|cache ...]   (default: all, ~13 minutes)
 #   PRESETS=qwen3.5-0.8b bash benchmarks/run_h200.sh measure                       (measure fewer presets)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -67,6 +67,17 @@ for step in $steps; do
     grammar)  # a json_schema answer's decode speed against the same request without a grammar, 9B (goal >= 0.95)
       timeout 300 python3 benchmarks/grammar_decode.py --model qwen3.5-9b --tokens 256 --pairs 5 --out "$OUT" \
         2>&1 | grep '^{' | tail -2 ;;
+    served)  # served sessions: TTFT with the cache and cold on a >= 60k agent session, per tier; 9B and 27B
+      python3 scripts/make_session.py --trace .devcarry/weka_cc_sessions_dev.csv --session trace_0012 \
+        --out /tmp/s12long.jsonl --max-tokens 66000 >/dev/null
+      timeout 500 python3 benchmarks/served_sessions.py --session /tmp/s12long.jsonl \
+        --presets "${SERVED_PRESETS:-qwen3.5-9b,qwen3.5-27b}" --out "$OUT" 2>&1 | grep '^{' | grep -v '"turn"' | cut -c1-600 ;;
+    cache)  # qse cache-check: the served turns across the three tiers against a cold prefill, 0.8B and 9B
+      session
+      for m in qwen3.5-0.8b qwen3.5-9b; do
+        QSE_KERNELS=triton timeout 240 python3 -m qse.cli cache-check --model $m --device cuda --dtype bfloat16 \
+          --session /tmp/s12.jsonl --grid 512 > "$OUT/cache-check-$m.json"; head -c 300 "$OUT/cache-check-$m.json"; echo
+      done ;;
     rounds)  # batched decode rounds of the served 9B: device ms a round at 1, 8 and 32 sequences of 6k tokens
       timeout 300 python3 benchmarks/round_step.py --preset "${ROUND_PRESET:-qwen3.5-9b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-400 ;;
     *) echo "unknown step $step"; exit 2 ;;

@@ -37,10 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from qse.engine.engine import Engine  # noqa: E402
-from qse.engine.serving import ServedPath  # noqa: E402
 from qse.engine.sampling import SamplingParams  # noqa: E402
 from qse.models import resolve  # noqa: E402
-from qse.runtime.conductor import Conductor, ConductorConfig, GenerateRequest, ShadowOptions  # noqa: E402
+from qse.runtime.conductor import served_sessions, Conductor, ConductorConfig, GenerateRequest, ShadowOptions  # noqa: E402
 from qse.settings import SETTINGS  # noqa: E402
 from qse.shadow.reader import ShadowReader, checkpoint_options  # noqa: E402
 from benchmarks.results_io import versions  # noqa: E402
@@ -95,10 +94,11 @@ async def main_async(args) -> dict:
     reader = ShadowReader(reader_engine, grid=args.grid, pool_bytes=per_token * (2 * args.prompt_tokens + 8192),
                           **checkpoint_options(SETTINGS))
     reader.warm()
-    serving = ServedPath(served, graphs=None if args.served_graphs else False)
-    serving.warm()
     gen = torch.Generator().manual_seed(0)
-    config = dataclasses.replace(ConductorConfig.from_settings(SETTINGS), journal_dir=None)
+    config = dataclasses.replace(ConductorConfig.from_settings(SETTINGS), journal_dir=None,
+                                 served_graphs=args.served_graphs)
+    serving = served_sessions(served, config)  # each run is a new session: every turn is read cold
+    serving.warm()
     if args.ration is not None:
         config.ration = args.ration
     if args.ration_after_s is not None:

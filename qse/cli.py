@@ -88,6 +88,15 @@ def cmd_shadow_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cache_check(args: argparse.Namespace) -> int:
+    from .sessions.check import run_cache_check
+
+    engine = _load(args.model, args.device, args.dtype)
+    grid = args.grid or SETTINGS.get("QSE_SERVED_GRID")
+    _emit(run_cache_check(engine, Path(args.session), grid, decode_tokens=args.decode_tokens))
+    return 0
+
+
 def _parked_ids(sessions_dir: str) -> tuple[dict[str, list[int]], dict[str, int]]:
     """Every parked session's ids by session id (qse/store/disk.py's files; only the ids, checked against their
     hash: another reader's fingerprints do not matter to router-eval), and the unreadable files by reason."""
@@ -211,6 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "KL between the two dtypes: the rounding noise the grid's KL compares with")
     s.set_defaults(fn=cmd_shadow_check)
 
+    c = sub.add_parser("cache-check", help="feed a session through the served model's turns across the cache's "
+                       "tiers; every turn's first token and kept state against a cold prefill")
+    model_args(c)
+    c.add_argument("--session", required=True, help="JSONL, one turn a line (the format of shadow-check)")
+    c.add_argument("--grid", type=int, default=0, help="default QSE_SERVED_GRID")
+    c.add_argument("--decode-tokens", type=int, default=4, help="greedy tokens compared after the first")
+    c.set_defaults(fn=cmd_cache_check)
+
     e = sub.add_parser("router-eval", help="ask the journaled router questions again with another reader or question")
     model_args(e)
     e.set_defaults(model=SETTINGS.get("QSE_SHADOW_MODEL") or SETTINGS.get("QSE_MODEL"))
@@ -244,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "replay":
         return cmd_replay(argv[1:])
     args = build_parser().parse_args(argv)
+    import structlog
+
+    # stdout carries the command's one JSON object: log events (the store's, the reader's) go to stderr
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=sys.stderr))
     try:
         return args.fn(args)
     except (ValueError, KeyError, FileNotFoundError, SettingError, MemoryError) as exc:

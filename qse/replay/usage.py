@@ -21,7 +21,7 @@ from typing import Iterable
 import msgspec
 
 
-class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
+class UsageRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     session: str
     arrival_s: float
     first_token_s: float | None

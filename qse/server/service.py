@@ -704,9 +704,9 @@ class Service:
             parked = _retry(lambda: list(self.store.parked.values()))
             out["parked"] = [{"session": p.session_id, "bytes": p.nbytes, "written_s": p.written_s,
                               "committed": p.committed} for p in parked]
-        store = out.get("store")
-        if isinstance(store, dict) and "disk_dir" in store:
-            store["disk"] = store.pop("disk_dir") is not None  # where it is is the operator's business
+        for store in (out.get("store"), (out.get("served_cache") or {}).get("store")):
+            if isinstance(store, dict) and "disk_dir" in store:
+                store["disk"] = store.pop("disk_dir") is not None  # where it is is the operator's business
         out["narrations"] = {sid: {"text": n.text, "tokens": n.tokens, "position": n.position, "at_s": n.at_s}
                              for sid, n in list(self.narrations.items())[-32:]}
         return out if tenant is None else tenant_view(out, tenant)

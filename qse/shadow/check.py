@@ -14,6 +14,7 @@ import torch
 from ..engine.engine import Engine
 from ..models import ResolvedModel
 from ..settings import SETTINGS
+from ..sessions.check import load_turns
 from .reader import ShadowError, ShadowReader
 
 PROBES = [
@@ -26,34 +27,6 @@ PROBES = [
     "Summarise the last turn in three words.",
     "Which tool was called most recently?",
 ]
-
-
-def load_turns(path: Path, engine: Engine) -> list[dict[str, list[int]]]:
-    """JSONL turns: {"prompt_ids": [...]} | {"prompt": text} | {"messages": [...]}, optional "output_ids"."""
-    turns = []
-    chat = engine.chat
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ShadowError(f"{path}:{lineno}: not valid JSON ({exc})") from None
-        if "prompt_ids" in obj:
-            prompt = list(obj["prompt_ids"])
-        elif "prompt" in obj:
-            prompt = chat.tokenizer.encode(obj["prompt"])
-        elif "messages" in obj:
-            prompt = chat.tokenizer.encode(chat.render(obj["messages"], obj.get("tools")))
-        else:
-            raise ShadowError(f"{path}:{lineno}: a turn needs prompt_ids, prompt or messages")
-        output = list(obj.get("output_ids") or [])
-        if "output" in obj and not output:
-            output = chat.tokenizer.encode(obj["output"])
-        turns.append({"prompt_ids": prompt, "output_ids": output})
-    if not turns:
-        raise ShadowError(f"{path}: no turns")
-    return turns
 
 
 def _probe_logits(reader: ShadowReader, session_id: str, question_ids: list[int]) -> torch.Tensor:

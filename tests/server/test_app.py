@@ -132,7 +132,8 @@ async def test_sse_framing_usage_and_headers(tiny_engine, tmp_path):
         answer = r.json()
         assert answer["choices"][0]["message"]["reasoning_content"] == streamed  # greedy: the same turn
         assert answer["usage"] == {"prompt_tokens": events[-1]["usage"]["prompt_tokens"], "completion_tokens": 6,
-                                   "total_tokens": events[-1]["usage"]["total_tokens"]}
+                                   "total_tokens": events[-1]["usage"]["total_tokens"],
+                                   "prompt_tokens_details": {"cached_tokens": 0}}  # a prompt under one grid chunk
         status = (await client.get("/v1/conductor/shadow/status")).json()
         known = {s["session"]: s["known"] for s in status["sessions"]}
         assert known == {"sess-1": answer["usage"]["total_tokens"], "sess-2": answer["usage"]["total_tokens"]}

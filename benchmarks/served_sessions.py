@@ -1,0 +1,161 @@
+#!/usr/bin/env python
+"""Served sessions on an agent's turns: time to the first token with the session cache and cold (today's
+path before the cache: the whole prompt read again) in the same run, per tier the reused state came from,
+and the time to bring a long session back from the host and from the disk.
+
+    python benchmarks/served_sessions.py --session s.jsonl --presets qwen3.5-9b,qwen3.5-27b --out DIR
+    python benchmarks/served_sessions.py --tiny --out DIR        (the embedded model on CPU: a smoke run)
+
+The session file is shadow-check's format (scripts/make_session.py shapes one from the agent traces). Between
+turns the session's state stays on the device, moves to pinned host memory, or is parked on disk (round robin),
+so each turn's first token measures one tier. TTFT here is the wall time of the turn's start on the served
+executor (reuse, the chunks read, the tail, the first token's logits and its argmax), synchronised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.results_io import result_header, write_result  # noqa: E402
+from qse.engine.engine import Engine  # noqa: E402
+from qse.models import resolve  # noqa: E402
+from qse.runtime.conductor import ConductorConfig, served_sessions  # noqa: E402
+from qse.sessions.check import load_turns  # noqa: E402
+from qse.settings import SETTINGS  # noqa: E402
+from qse.store import ShadowStore  # noqa: E402
+
+SCHEDULE = ("device", "host", "disk")
+
+
+def ttft_s(served, sid: str, prompt: list[int]) -> tuple[float, object]:
+    served.engine.synchronize()
+    t0 = time.perf_counter()
+    turn, logits = served.begin(sid, prompt)
+    int(torch.argmax(logits[-1]))  # the first token on the host
+    elapsed = time.perf_counter() - t0
+    served.finish(turn)
+    return elapsed, turn.start
+
+
+def restore_s(served, store: ShadowStore, sid: str, tier: str) -> dict:
+    book = served.book
+    session = book.get(sid)
+    nbytes = session.nbytes
+    moved = store.move_to_host(book, session) if tier == "host" else store.park(book, session)
+    if not moved:
+        return {"tier": tier, "moved": False}
+    served.engine.synchronize()
+    t0 = time.perf_counter()
+    book.ensure_resident(session)
+    served.engine.synchronize()
+    return {"tier": tier, "moved": True, "ms": round((time.perf_counter() - t0) * 1e3, 3), "nbytes": nbytes,
+            "committed": session.committed}
+
+
+def run_preset(spec: str, turns: list[dict], device: torch.device, dtype: torch.dtype, grid: int, disk: Path,
+               min_prompt: int) -> dict:
+    engine = Engine(resolve(spec, device, dtype, SETTINGS.cache_dir()))
+    longest = max(len(t["prompt_ids"]) for t in turns)
+    config = ConductorConfig.from_settings(SETTINGS)
+    config.served_grid = grid
+    # room for the live session, a cold one and a turn's rows
+    config.served_kv_gb = engine.state_bytes_per_token() * (2 * longest + 8 * grid) / (1 << 30)
+    store = ShadowStore(1 << 62, disk / engine.name.replace("/", "_"), host_cap_nbytes=1 << 62, journal=True)
+    served = served_sessions(engine, config, residency=store)
+    store.attach(served.book)
+    served.warm()
+    ttft_s(served, "warm", turns[0]["prompt_ids"][: 2 * grid + 5])  # first calls compile and capture
+    served.book.close("warm")
+    rows = []
+    for n, turn in enumerate(turns):
+        prompt = turn["prompt_ids"]
+        where = SCHEDULE[n % len(SCHEDULE)] if n else "device"
+        if n and "live" in served.book.sessions:
+            session = served.book.get("live")
+            if where == "host":
+                store.move_to_host(served.book, session)
+            elif where == "disk":
+                store.park(served.book, session)
+        cached, start = ttft_s(served, "live", prompt)
+        cold, _ = ttft_s(served, "cold", prompt)
+        served.book.close("cold")
+        rows.append({"turn": n, "prompt_tokens": len(prompt), "tier": start.tier, "cached_tokens": start.cached_tokens,
+                     "chunks_read": start.chunks_read, "tail": start.tail_tokens,
+                     "rolled_back_to": start.rolled_back_to, "ttft_cached_ms": round(cached * 1e3, 3),
+                     "ttft_cold_ms": round(cold * 1e3, 3)})
+        print(json.dumps({"preset": spec, **rows[-1]}), flush=True)
+    restores = [restore_s(served, store, "live", tier) for tier in ("host", "disk", "host", "disk")]
+    long_rows = [r for r in rows if r["prompt_tokens"] >= min_prompt and r["turn"] > 0]
+    out = {"preset": spec, "model": engine.name, "kernels": engine.kernels, "mode": served.mode, "grid": grid,
+           "turns": rows, "restores": restores, "long_turns": len(long_rows), "min_prompt_tokens": min_prompt}
+    if long_rows:
+        cached = [r["ttft_cached_ms"] for r in long_rows]
+        cold = [r["ttft_cold_ms"] for r in long_rows]
+        out["ttft_cached_p50_ms"] = statistics.median(cached)
+        out["ttft_cold_p50_ms"] = statistics.median(cold)
+        out["ratio_p50"] = round(out["ttft_cached_p50_ms"] / out["ttft_cold_p50_ms"], 4)
+        for tier in SCHEDULE:
+            of = [r["ttft_cached_ms"] for r in long_rows if r["tier"] == tier]
+            if of:
+                out[f"ttft_{tier}_p50_ms"] = statistics.median(of)
+    del served, store, engine
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def tiny_session(path: Path, grid: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 248000, (3 * grid + 7,), generator=gen).tolist()
+    lines = []
+    for n in range(4):
+        prompt = prompt + torch.randint(0, 248000, (grid // 2 + n,), generator=gen).tolist()
+        lines.append(json.dumps({"prompt_ids": prompt}))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--session", help="JSONL turns (shadow-check's format)")
+    p.add_argument("--presets", default="qwen3.5-9b,qwen3.5-27b")
+    p.add_argument("--grid", type=int, default=512)
+    p.add_argument("--min-prompt", type=int, default=55000, help="turns at least this long make the p50s")
+    p.add_argument("--tiny", action="store_true", help="the embedded model on CPU, a generated session")
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="qse-served-bench-") as tmp:
+        if args.tiny:
+            device, dtype, grid, presets = torch.device("cpu"), torch.float32, 32, [""]
+            session = Path(tmp) / "tiny.jsonl"
+            tiny_session(session, grid)
+            min_prompt = 0
+        else:
+            device, dtype, grid, presets = torch.device("cuda"), torch.bfloat16, args.grid, args.presets.split(",")
+            session, min_prompt = Path(args.session), args.min_prompt
+        probe = Engine(resolve(presets[0], device, dtype, SETTINGS.cache_dir())) if args.tiny else None
+        turns = load_turns(session, probe) if probe is not None else None
+        results = []
+        for spec in presets:
+            if turns is None:
+                engine_for_turns = Engine(resolve("", torch.device("cpu"), torch.float32, SETTINGS.cache_dir()))
+                turns = load_turns(session, engine_for_turns)
+            results.append(run_preset(spec, turns, device, dtype, grid, Path(tmp) / "disk", min_prompt))
+            print(json.dumps({k: v for k, v in results[-1].items() if k not in ("turns", "restores")}), flush=True)
+    result = {**result_header(device=None if device.type == "cuda" else "cpu"), "session": str(args.session),
+              "presets": results}
+    write_result(result, args.out, "served_sessions" + ("-tiny" if args.tiny else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
