@@ -71,6 +71,19 @@ def test_shipped_config_is_the_checkouts_and_holds_every_profile():
     assert checkout.resolve() == SHIPPED_CONFIG
 
 
+def test_the_wheel_ships_every_config_file():
+    """pyproject's package data names every file of the package's config dir (a wheel install has no checkout)."""
+    import fnmatch
+
+    from qse.settings import SHIPPED_CONFIG
+
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parents[1]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["qse"]
+    files = [p.relative_to(SHIPPED_CONFIG.parent).as_posix() for p in SHIPPED_CONFIG.rglob("*") if p.is_file()]
+    assert files and all(any(fnmatch.fnmatch(f, g) for g in globs) for f in files), (files, globs)
+
+
 def test_profiles_load_from_the_package_without_a_config_dir(tmp_path, monkeypatch):
     from qse.server.profiles import load_profile
 
