@@ -20,7 +20,8 @@ ROUNDS = 2
 
 
 def _engine(kernels: str, model_dir, cache_dir) -> Engine:
-    """The tiny checkpoint transformers writes (a 512-token vocabulary: the interpreted head stays small)."""
+    """conftest's small model (four layers, each kind twice; a 1,000-token vocabulary: the interpreted head and
+    the one-row projections stay cheap)."""
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -64,8 +65,8 @@ def _single(engine, prompt) -> list[torch.Tensor]:
     return rows
 
 
-def test_invariant_rounds_give_every_row_the_bits_it_gets_alone(hf_tiny_dir, cache_dir):
-    engine = _engine("invariant", hf_tiny_dir, cache_dir)
+def test_invariant_rounds_give_every_row_the_bits_it_gets_alone(small_model_dir, cache_dir):
+    engine = _engine("invariant", small_model_dir, cache_dir)
     together = _decode(engine, PROMPTS, max_running=4)  # three rows in the bucket of four: one padding row
     for i, prompt in enumerate(PROMPTS):
         alone = _decode(engine, [prompt], max_running=1)[0]
@@ -77,8 +78,8 @@ def test_invariant_rounds_give_every_row_the_bits_it_gets_alone(hf_tiny_dir, cac
 
 
 @pytest.mark.parametrize("kernels", ["triton"])
-def test_a_round_of_one_is_the_single_sequence_path(hf_tiny_dir, cache_dir, kernels):
-    engine = _engine(kernels, hf_tiny_dir, cache_dir)
+def test_a_round_of_one_is_the_single_sequence_path(small_model_dir, cache_dir, kernels):
+    engine = _engine(kernels, small_model_dir, cache_dir)
     prompt = PROMPTS[1]
     alone = _decode(engine, [prompt], max_running=1)[0]
     assert all(torch.equal(a, b) for a, b in zip(alone, _single(engine, prompt)))
