@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     import structlog
 
     # stdout carries the command's one JSON object: log events (the store's, the reader's) go to stderr
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=sys.stderr))
+    structlog.configure(logger_factory=lambda *args: structlog.PrintLogger(sys.stderr))  # sys.stderr of the moment
     try:
         return args.fn(args)
     except (ValueError, KeyError, FileNotFoundError, SettingError, MemoryError) as exc:

@@ -109,7 +109,7 @@ _DECLARED: list[Setting] = [
     Setting("QSE_API_KEY", str, "", "if set, every route but /health and /healthz needs 'Authorization: Bearer <key>' (one tenant)", secret=True),
     Setting("QSE_API_KEYS_FILE", Path, None, "tenants' keys, one 'TENANT KEY' a line: a session belongs to its tenant; tenant admin sees all (instead of QSE_API_KEY)"),
     Setting("QSE_METRICS_PUBLIC", bool, False, "serve /metrics without an API key"),
-    Setting("QSE_MAX_RUNNING", int, 1, "requests the served model runs at once (one until rounds batch them)"),
+    Setting("QSE_MAX_RUNNING", int, 8, "turns the served model decodes together, one batched round a token (decode slots; the server admits this many)"),
     Setting("QSE_MAX_WAITING", int, 64, "requests that may wait for the served model; past that, 429 with Retry-After"),
     Setting("QSE_STOP_GRACE_S", float, 30.0, "on SIGTERM, how long requests in flight may run on before they end with a 503"),
     Setting("QSE_MAX_BODY_BYTES", int, 8 * 1024 * 1024, "largest request body accepted, bytes"),

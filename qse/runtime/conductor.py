@@ -25,6 +25,7 @@ import json
 import math
 import time
 import uuid
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
@@ -89,6 +90,7 @@ class ConductorConfig:
     served_grid: int = 512  # rows per grid chunk of the served sessions
     served_checkpoints: int = 6  # prompt-end checkpoints a served session keeps
     served_recent_checkpoints: int = 4  # and the newest grid lines read
+    max_running: int = 8  # turns decoding together in one round (the rounds' slots)
     gc_freeze: bool = True  # freeze the Python objects that exist at start (see start())
     reader_lookahead: int = 1  # chunks launched ahead of the one read back (qse/runtime/reading.py)
     launch_lead_ms: float = 1.0  # idle window: the next chunk goes this long before the one in flight ends
@@ -104,6 +106,7 @@ class ConductorConfig:
             served_graphs=settings.get("QSE_SERVED_GRAPHS"),
             served_kv_gb=settings.get("QSE_SERVED_KV_GB"),
             served_grid=settings.get("QSE_SERVED_GRID"),
+            max_running=settings.get("QSE_MAX_RUNNING"),
             served_checkpoints=settings.get("QSE_SHADOW_CHECKPOINTS"),
             served_recent_checkpoints=settings.get("QSE_SHADOW_RECENT_CHECKPOINTS"),
             gc_freeze=settings.get("QSE_GC_FREEZE"),
@@ -189,6 +192,22 @@ class _Turn:
         return list(self.req.prompt_ids) + self.out_ids
 
 
+_END = object()  # a turn's stream is over
+
+
+@dataclass(eq=False)
+class _Running:
+    """A turn in the round loop: what the loop hands its generator, and what the next round feeds it."""
+
+    turn: _Turn
+    out: asyncio.Queue  # ids, then _END (or an exception)
+    done: asyncio.Future  # set once the loop has finished the turn (its slot free, its record emitted)
+    seq: ServedTurn | None = None
+    sampler: Sampler | None = None
+    token: int | None = None  # the next round's input: the last id sampled
+    closed: bool = False  # the consumer left: end at the next round
+
+
 class Conductor:
     def __init__(self, served: Engine, reader: ShadowReader | None, options: ShadowOptions | None = None,
                  config: ConductorConfig | None = None, on_turn: Callable[[TurnRecord], None] | None = None,
@@ -223,7 +242,11 @@ class Conductor:
         self._session_prompts: dict[str, list[int]] = {}
         self._unread_since: dict[str, float] = {}  # session -> when its oldest unread chunk became known
         self._narrator_waiting: dict[str, int] = {}  # sessions whose summary waits for the engine lock
-        self._turn: _Turn | None = None
+        self._waiting: deque[_Running] = deque()  # turns waiting for the round loop, first come first served
+        self._running: list[_Running] = []  # turns in the rounds
+        self._round_task: asyncio.Task | None = None
+        self._waiting_changed = asyncio.Event()
+        self._session_locks: dict[str, asyncio.Lock] = {}
         self._turn_seq = itertools.count()
         self._stopping = False
         self._stopped = False
@@ -319,45 +342,152 @@ class Conductor:
         else:
             self._unread_since.pop(session_id, None)
 
-    # ---- the served turn ---------------------------------------------------------------------
+    # ---- the served turns, in rounds -----------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[int]:
-        """Stream the served model's token ids for one request; the reader follows the turn."""
+        """Stream the served model's token ids for one request; the reader follows the turn. The turn waits for
+        the round loop, which reads its prompt between two rounds and then decodes it with every other running
+        turn, one batched round a token. Closing the generator ends the turn at the next round."""
         arrival = self.clock()
         self._check_prompt(req.prompt_ids)
+        self._refuse_if_stopped()
         session_id = self.map_session(req.prompt_ids, req.session_id) or f"s-{uuid.uuid4().hex[:16]}"
         turn = _Turn(req, f"{req.request_id}#{next(self._turn_seq)}", session_id, arrival,
                      self._shared_prefix(session_id, req.prompt_ids))
-        async with self.board.engine_lock(Priority.SERVED, HeldLocks()):
-            self._refuse_if_stopped()
-            turn.start_s = self.clock()
-            self.ledger.open_turn(turn.turn_id)
-            self._turn = turn
-            seq: ServedTurn | None = None
+        lock = self._session_locks.setdefault(session_id, asyncio.Lock())
+        async with lock:  # one turn a session at a time: the next one starts from what this one kept
+            entry = _Running(turn, asyncio.Queue(), asyncio.get_running_loop().create_future())
+            self._waiting.append(entry)
+            self._waiting_changed.set()
+            self._kick_rounds()
             try:
-                await self._turn_start(turn)
-                # plan, run, account, emit: one decode round at a time, the reader's slices between rounds
-                seq, sampler, token, ms = await self.served_exec.run(self._prefill_on_thread, req, session_id)
-                self.ledger.record(Role.SERVED_PREFILL, ms, turn_id=turn.turn_id)
-                turn.cached_tokens, turn.cache_tier = seq.start.cached_tokens, seq.start.tier
-                req.cached_tokens = seq.start.cached_tokens
-                turn.first_token_s = self.clock()
                 while True:
-                    if token in req.stop_ids:
-                        turn.finish = "stop"
-                        break
-                    turn.out_ids.append(token)
-                    yield token
-                    if len(turn.out_ids) >= req.max_tokens:
-                        break
-                    token, ms = await self.served_exec.run(self._decode_on_thread, seq, sampler, token)
-                    self.ledger.record(Role.SERVED_DECODE, ms, turn_id=turn.turn_id)
-                    await self._between_rounds(turn)
+                    item = await entry.out.get()
+                    if item is _END:
+                        return
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
             finally:
-                if seq is not None:
-                    # after the turn's last step on the served executor (one thread, first in first out)
-                    await self.served_exec.run(self.serving.finish, seq)
-                self._turn = None
-                await self._turn_end(turn)
+                entry.closed = True  # the loop ends the turn at its next round (or drops it from the queue)
+                await asyncio.shield(entry.done)
+
+    @property
+    def num_waiting(self) -> int:
+        """Turns queued for the round loop (not yet started)."""
+        return len(self._waiting)
+
+    async def wait_for_waiting(self, count: int) -> None:
+        """Until at least `count` turns are queued for the round loop (tests order tasks with this)."""
+        while len(self._waiting) < count:
+            self._waiting_changed.clear()
+            await self._waiting_changed.wait()
+
+    def _kick_rounds(self) -> None:
+        if self._round_task is None:
+            self._round_task = asyncio.create_task(self._round_loop(), name="qse-rounds")
+
+    async def _round_loop(self) -> None:
+        """Plan, run, account, emit: start waiting turns between rounds (their prompts read on the grid), run one
+        batched round of every running turn, hand each its token, give the reader its slice; hold the engine
+        while any turn runs or waits (the idle window and the questions wait for the loop to end)."""
+        try:
+            async with self.board.engine_lock(Priority.SERVED, HeldLocks()):
+                while self._waiting or self._running:
+                    while self._waiting and len(self._running) < self.serving.rounds.max_running:
+                        await self._start_turn(self._waiting.popleft())
+                    if self._running:
+                        await self._round()
+                    if self._running:
+                        oldest = min(self._running, key=lambda e: e.turn.first_token_s or 0.0)
+                        await self._between_rounds(oldest.turn)
+                # no await between the last look at the queues and this: a turn that arrives now starts a loop
+                self._round_task = None
+        finally:
+            self._round_task = None
+            for entry in list(self._waiting) + list(self._running):  # the loop died: nobody may wait forever
+                if not entry.done.done():
+                    entry.out.put_nowait(ConductorStopped("the served model's round loop stopped"))
+                    entry.done.set_result(None)
+            self._waiting.clear()
+            self._running.clear()
+
+    async def _start_turn(self, entry: "_Running") -> None:
+        turn, req = entry.turn, entry.turn.req
+        if entry.closed:  # the client left while it waited
+            turn.finish = "abort"
+            await self._end(entry, started=False)
+            return
+        if self._stopped:
+            entry.out.put_nowait(ConductorStopped("the conductor is stopped (a planned stop); send the request "
+                                                  "again after the restart"))
+            await self._end(entry, started=False)
+            return
+        turn.start_s = self.clock()
+        self.ledger.open_turn(turn.turn_id)
+        try:
+            await self._turn_start(turn)
+            seq, sampler, token, ms = await self.served_exec.run(self._prefill_on_thread, req, turn.session_id)
+        except Exception as exc:
+            entry.out.put_nowait(exc)
+            await self._end(entry)
+            return
+        self.ledger.record(Role.SERVED_PREFILL, ms, turn_id=turn.turn_id)
+        entry.seq, entry.sampler = seq, sampler
+        turn.cached_tokens, turn.cache_tier = seq.start.cached_tokens, seq.start.tier
+        req.cached_tokens = seq.start.cached_tokens
+        turn.first_token_s = self.clock()
+        self._running.append(entry)
+        await self._emit(entry, token)
+
+    async def _round(self) -> None:
+        """One batched decode round of every running turn whose client is still there."""
+        for entry in [e for e in self._running if e.closed]:
+            entry.turn.finish = "abort"
+            await self._end(entry)
+        batch = list(self._running)
+        if not batch:
+            return
+        try:
+            tokens, ms = await self.served_exec.run(self._round_on_thread, batch)
+        except Exception as exc:  # the round failed: every turn in it ends with the error
+            for entry in batch:
+                entry.out.put_nowait(exc)
+                await self._end(entry)
+            return
+        share = ms / len(batch)  # a round's device time, attributed evenly to its turns
+        for entry, token in zip(batch, tokens):
+            self.ledger.record(Role.SERVED_DECODE, share, turn_id=entry.turn.turn_id)
+            await self._emit(entry, token)
+
+    def _round_on_thread(self, batch: list["_Running"]) -> tuple[list[int], float]:
+        logits, ms = self.serving.decode_round([e.seq for e in batch], [e.token for e in batch])
+        return [e.sampler(logits[i]) for i, e in enumerate(batch)], ms
+
+    async def _emit(self, entry: "_Running", token: int) -> None:
+        """A sampled token: the turn's end (a stop id, or max_tokens reached after it), or the next round's input."""
+        turn, req = entry.turn, entry.turn.req
+        if token in req.stop_ids:
+            turn.finish = "stop"
+            await self._end(entry)
+            return
+        turn.out_ids.append(token)
+        entry.out.put_nowait(token)
+        if len(turn.out_ids) >= req.max_tokens:
+            turn.finish = "length"
+            await self._end(entry)
+            return
+        entry.token = token
+
+    async def _end(self, entry: "_Running", started: bool = True) -> None:
+        if entry in self._running:
+            self._running.remove(entry)
+        if started:
+            if entry.seq is not None:
+                await self.served_exec.run(self.serving.finish, entry.seq)
+            await self._turn_end(entry.turn)
+        entry.out.put_nowait(_END)
+        if not entry.done.done():
+            entry.done.set_result(None)
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -383,10 +513,6 @@ class Conductor:
         log.info("served_turn_start", session=session_id, request_id=req.request_id, **{
             k: v for k, v in asdict(seq.start).items() if k != "session_id"})
         return seq, sampler, token, seq.start.gpu_ms
-
-    def _decode_on_thread(self, seq: ServedTurn, sampler: Sampler, token: int) -> tuple[int, float]:
-        logits, ms = self.serving.decode(seq, token)
-        return sampler(logits[-1]), ms
 
     async def _turn_start(self, turn: _Turn) -> None:
         """The reader learns the new prompt (rolling back where it diverged); the router's question queues."""
@@ -696,7 +822,7 @@ class Conductor:
         return out
 
     def status(self) -> dict[str, Any]:
-        turn = self._turn
+        running = [e.turn.req.request_id for e in self._running]
         out: dict[str, Any] = {
             "served_model": self.served.name,
             "served_mode": self.serving.mode,
@@ -705,8 +831,8 @@ class Conductor:
             "turns": self.turns,
             "ledger_ms": {k: round(v, 3) for k, v in self.ledger.total_ms.items()},
             "idle_bursts": self.idle_bursts,
-            "running": turn.req.request_id if turn is not None else None,
-            "waiting": self.board.engine.num_waiting,
+            "running": running,
+            "waiting": len(self._waiting) + self.board.engine.num_waiting,  # turns queued, then others at the engine
         }
         if self.reader is None:
             return out
@@ -742,4 +868,4 @@ def served_sessions(engine: Engine, config: ConductorConfig, residency=None) -> 
     book = GridSessions(engine, grid=config.served_grid, pool_bytes=int(config.served_kv_gb * (1 << 30)),
                         max_checkpoints=config.served_checkpoints, recent_checkpoints=config.served_recent_checkpoints,
                         residency=residency, graphs=None if config.served_graphs else False, who="the served model")
-    return ServedSessions(book)
+    return ServedSessions(book, max_running=config.max_running)

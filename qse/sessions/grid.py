@@ -89,7 +89,8 @@ class DropLRU:
 
     def make_room(self, reader: "GridSessions", pages: int, keep: GridSession) -> bool:
         while not reader.pool.can_allocate(pages):
-            victims = [s for s in reader.sessions.values() if s.is_resident and s is not keep and s.kv.pages]
+            victims = [s for s in reader.sessions.values()
+                       if s.is_resident and s is not keep and s.kv.pages and not s.pinned]
             if not victims:
                 return False
             reader.drop_state(min(victims, key=lambda s: s.last_fed_s))

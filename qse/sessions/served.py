@@ -16,6 +16,11 @@ every prompt leaves a tail of 1..grid ids whose last row gives the first token's
 
 Rows above L (the tail, the output) are never kept: their state came from reads of another shape
 than the grid's. The next turn re-renders them in its prompt and reads them on the grid.
+
+Decoding runs in rounds (qse/engine/rounds.py): a turn's working state (its own SequenceCache over the
+session's pages, so the session's GDN state at L is never written) joins a slot of the rounds, and one
+`decode_round` advances every running turn by one token in one batched forward. A session with an open turn
+is pinned: the residency manager never moves it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.engine import Stopwatch
+from ..engine.rounds import DecodeRounds
+from ..models.cache import SequenceCache
 from .grid import GridSessions, SessionError
 from .session import GridSession
 
@@ -53,8 +60,8 @@ class ServedTurn:
     session: GridSession
     start: TurnStart
     pos: int  # the next row a decoded token is written at
-    saved: tuple | None = None  # eager: the GDN state at the committed row, put back at the end
-    entry: object = None  # graph: the one-row decode entry
+    cache: SequenceCache | None = None  # the turn's working state over the session's pages
+    slot: int | None = None  # its slot in the decode rounds
     is_open: bool = True
     extra: dict = field(default_factory=dict)
 
@@ -65,9 +72,12 @@ class ServedSessions:
     One thread (the served engine's executor) calls every method; one turn runs at a time on a session.
     """
 
-    def __init__(self, book: GridSessions):
+    def __init__(self, book: GridSessions, max_running: int = 1):
+        """max_running: turns decoding at once (the rounds' slots and largest batch)."""
         self.book = book
         self.engine = book.engine
+        self.rounds = DecodeRounds(book.engine, book.pool, max_running,
+                                   graphs=None if book.graphs is not None and book.graphs.capture else False)
         self.counts = {"queries": 0, "query_tokens": 0, "hit_tokens": 0, **{f"hits_{t}": 0 for t in TIERS}}
 
     @property
@@ -81,8 +91,7 @@ class ServedSessions:
     def warm(self) -> None:
         """Capture the grid chunk's graph and the decode step now rather than in the first turn."""
         self.book.warm()
-        if self.book.graphs is not None:
-            self.book.graphs.prepare(1, "last")
+        self.rounds.warm()
 
     # ---- the turn ----------------------------------------------------------------------------
     def begin(self, session_id: str, prompt_ids: list[int]) -> tuple[ServedTurn, torch.Tensor]:
@@ -95,13 +104,26 @@ class ServedSessions:
         if len(prompt_ids) >= window:
             raise SessionError(f"the prompt has {len(prompt_ids)} tokens; this model's window is {window}")
         known = book.sessions.get(session_id)
+        if known is not None and known.pinned:
+            raise SessionError(f"session {session_id!r} already has a turn running; one turn a session at a time")
+        if self.rounds.num_free == 0:
+            raise SessionError(f"every decode slot is taken ({self.rounds.max_running} turns run)")
         tier = self._tier_before(known)
         report = book.feed(session_id, prompt_ids, prompt_end=len(prompt_ids))
         session = book.get(session_id)
-        book.ensure_resident(session)  # a parked state comes back (or the session is read from row 0)
+        session.pinned = True  # from here until finish: the store never moves it
+        try:
+            book.ensure_resident(session)  # a parked state comes back (or the session is read from row 0)
+        except BaseException:
+            session.pinned = False
+            raise
         cached = session.committed
         limit = ((len(prompt_ids) - 1) // book.grid) * book.grid
-        reports = book.read_all(session_id, limit=limit, group=1)
+        try:
+            reports = book.read_all(session_id, limit=limit, group=1)
+        except BaseException:
+            session.pinned = False
+            raise
         turn = ServedTurn(session, TurnStart(session_id, len(prompt_ids), cached, tier if cached else None,
                                              report.rolled_back_to, sum(r.chunks for r in reports),
                                              len(prompt_ids) - session.committed, sum(r.gpu_ms for r in reports)),
@@ -129,57 +151,55 @@ class ServedSessions:
         return tier_of(session.session_id) if tier_of is not None else None
 
     def _read_tail(self, turn: ServedTurn, tail: list[int]) -> tuple[torch.Tensor, float]:
-        """The ids above the committed rows, on the working state: the first token's logits and device ms."""
+        """The ids above the committed rows on the turn's own working state, which then joins a decode slot:
+        the first token's logits and device ms."""
         book, session = self.book, turn.session
         book.reserve_rows(session, session.committed + len(tail) + 1, len(tail))
-        graphs = book.graphs
-        watch = Stopwatch(self.engine.device)
-        if graphs is not None:
-            turn.entry = graphs.prepare(1, "last")  # a first capture must run before the state is loaded
-            with watch.measure():
-                graphs.load(session.cache)
-                logits = graphs.forward_eager(tail, session.committed, "last")
-        else:
-            turn.saved = session.cache.clone_state()
-            logits, ms = self.engine.forward(session.cache, self.engine.ids_tensor(tail), "last")
-            watch.gpu_ms = ms
-        turn.pos = session.committed + len(tail)
-        return logits, watch.gpu_ms
-
-    def decode(self, turn: ServedTurn, token: int) -> tuple[torch.Tensor, float]:
-        """One token on top of the turn; logits [1, vocab] (valid until the next step) and device ms."""
-        book, session = self.book, turn.session
-        pos = turn.pos
-        window = self.engine.cfg.max_position_embeddings
-        if pos + 1 > window:
-            raise SessionError(f"position {pos + 1} exceeds the model window {window}")
-        kv = session.kv
-        if pos + 1 > kv.capacity:
-            book.reserve_rows(session, pos + 1, 1)
-            if book.graphs is not None:
-                book.graphs.kv.load(kv)  # the new page into the table the graph reads
-        graphs = book.graphs
-        if graphs is None:
-            logits, ms = self.engine.forward(session.cache, self.engine.ids_tensor([token]), "last")
-        else:
-            watch = Stopwatch(self.engine.device)
-            with watch.measure():
-                logits = graphs.run(turn.entry, [token], pos)
-            ms = watch.gpu_ms
-        turn.pos = pos + 1
+        cache = self.engine.new_cache(kv=session.kv)  # the session's pages, a state of the turn's own
+        cache.copy_state_from(session.cache)
+        cache.length = session.committed
+        turn.cache = cache
+        logits, ms = self.engine.forward(cache, self.engine.ids_tensor(tail), "last")
+        turn.slot = self.rounds.admit(cache)
+        if turn.slot is None:  # begin checked a slot was free; one thread runs every method
+            raise SessionError("no decode slot is free")
+        turn.pos = cache.length
         return logits, ms
 
+    def decode(self, turn: ServedTurn, token: int) -> tuple[torch.Tensor, float]:
+        """One token on top of the turn alone; logits [1, vocab] (valid until the next step) and device ms."""
+        logits, ms = self.decode_round([turn], [token])
+        return logits, ms
+
+    def decode_round(self, turns: list[ServedTurn], tokens: list[int]) -> tuple[torch.Tensor, float]:
+        """One token on top of each turn, in one batched forward: logits [len(turns), vocab] (row i is turn i's,
+        valid until the next round) and the round's device ms."""
+        window = self.engine.cfg.max_position_embeddings
+        for turn in turns:
+            if turn.pos + 1 > window:
+                raise SessionError(f"position {turn.pos + 1} exceeds the model window {window}")
+            if turn.pos + 1 > turn.session.kv.capacity:  # a new page, room made by the residency manager
+                self.book.reserve_rows(turn.session, turn.pos + 1, 1)
+        watch = Stopwatch(self.engine.device)
+        with watch.measure():
+            logits = self.rounds.run([t.slot for t in turns], tokens)
+        for turn in turns:
+            turn.pos += 1
+        return logits, watch.gpu_ms
+
     def finish(self, turn: ServedTurn) -> None:
-        """The turn is over: the rows above the committed ones go, the GDN state is the committed row's."""
+        """The turn is over: its slot is free, the rows above the committed ones go (the session's own GDN state
+        was never written: it is the committed row's)."""
         if not turn.is_open:
             return
         turn.is_open = False
         session = turn.session
-        if session.cache is None:
-            return
-        if turn.saved is not None:
-            session.cache.set_state(*turn.saved)
-        self.book.end_fork(session)
+        if turn.slot is not None:
+            self.rounds.release(turn.slot, keep=False)
+            turn.slot = None
+        session.pinned = False
+        if session.cache is not None:
+            self.book.end_fork(session)
 
     # ---- checks ------------------------------------------------------------------------------
     def cold_logits(self, prompt_ids: list[int], session_id: str = "__cold__") -> tuple[torch.Tensor, GridSession]:

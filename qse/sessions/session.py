@@ -70,6 +70,7 @@ class GridSession:
     stats: SessionStats = field(default_factory=SessionStats)
     mode: str = "eager"  # which execution mode wrote the state ('eager' or 'graph')
     last_fed_s: float = 0.0
+    pinned: bool = False  # a served turn runs on it: the residency manager must not move or drop its state
     behind_at_turn_start: int = 0
 
     @property

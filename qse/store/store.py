@@ -555,7 +555,7 @@ class ShadowStore:
     def _fit(self, reader: GridSessions, keep: GridSession, pages: int, need_nbytes: int) -> bool:
         self._bind(reader)
         others = [Resident(s.session_id, s.last_fed_s, s.nbytes, len(s.kv.pages))
-                  for s in reader.sessions.values() if s.is_resident and s is not keep]
+                  for s in reader.sessions.values() if s.is_resident and s is not keep and not s.pinned]
         room = plan_room(others, keep.nbytes, reader.pool.num_free, pages, need_nbytes, self.cap_nbytes)
         for sid in room.victims:
             self._evict(reader, reader.sessions[sid])

@@ -31,7 +31,7 @@ def make_rig(tiny_engine, tmp_path):
         config.setdefault("journal_dir", tmp_path / "shadow")
         conductor = Conductor(served, reader, options or ShadowOptions(), ConductorConfig(**config),
                               on_turn=records.append, clock=clock)
-        probe.served_pool = conductor.serving.book.pool
+        probe.attach_rounds(conductor.serving)
         made.append(conductor)
         return Rig(conductor, reader, probe, records, clock)
 

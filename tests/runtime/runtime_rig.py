@@ -91,6 +91,31 @@ class Probe:
         forward.probe = self  # type: ignore[attr-defined]
         engine.forward = forward  # type: ignore[method-assign]
 
+    def attach_rounds(self, serving) -> None:
+        """The served decode rounds (they run the model's batched step, not engine.forward): each round is one
+        "decode" call of as many ids as turns in it."""
+        self.served_pool = serving.book.pool
+        real = serving.decode_round
+
+        def decode_round(turns, tokens):
+            t0 = self.clock() if self.clock is not None else 0.0
+            with self._lock:
+                nth = sum(1 for c in self.calls if c.kind == "decode") + 1
+                hold = next((h for h in self.holds if h.kind == "decode" and h.nth == nth), None)
+            if hold is not None:
+                hold.loop.call_soon_threadsafe(hold.entered.set_result, None)
+                assert hold.release.wait(30), "the test never let the held call go"
+            out, ms = real(turns, tokens)
+            if "decode" in self.script_ms:
+                ms = self.script_ms["decode"]
+                if isinstance(self.clock, ScriptedClock):
+                    self.clock.t += ms / 1000
+            with self._lock:
+                self.calls.append(Call("decode", len(turns), ms, t0))
+            return out, ms
+
+        serving.decode_round = decode_round
+
     def hold(self, kind: str, nth: int) -> _Hold:
         """Hold the nth call of `kind` on its thread: await `.entered`, then `.release.set()`."""
         loop = asyncio.get_running_loop()

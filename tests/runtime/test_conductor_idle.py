@@ -49,7 +49,7 @@ async def test_the_idle_reader_goes_behind_every_waiter(make_rig):
     a = asyncio.create_task(rig.turn(prompt_ids(10, start=5000), 3, session="a"))
     await first_decode.entered
     b = asyncio.create_task(rig.turn(prompt_ids(10, start=6000), 3, session="b"))
-    await c.board.engine.wait_for_waiters(1)
+    await c.wait_for_waiting(1)  # b is queued for the round loop, which holds the engine
 
     assert await c.idle_once() == 0  # a request runs and one waits: the window stays shut
     first_decode.release.set()

@@ -176,15 +176,17 @@ async def test_concurrent_requests_queue_fifo_within_rank_and_each_completes(mak
         order.append("ask")
 
     for name in ("r1", "ask", "r2", "r3"):
-        waiting = c.board.engine.num_waiting
         if name == "ask":
+            waiting = c.board.engine.num_waiting
             tasks[name] = asyncio.create_task(ask())
+            await c.board.engine.wait_for_waiters(waiting + 1)  # the question waits for the engine
         else:
+            queued = c.num_waiting
             tasks[name] = asyncio.create_task(rig.turn(prompt_ids(8, start=100 * len(tasks)), 4, session=f"s{name}",
                                                        request_id=name))
-        await c.board.engine.wait_for_waiters(waiting + 1)
-    assert c.status()["waiting"] == 4 and c.status()["running"] == "r0"
-    assert c.board.engine.has_waiter_above(Priority.QUESTION)
+            await c.wait_for_waiting(queued + 1)  # a turn queues for the round loop
+    assert c.status()["waiting"] == 4 and c.status()["running"] == ["r0"]
+    assert not c.board.engine.has_waiter_above(Priority.QUESTION)  # the turns queue for the rounds, not the engine
     first_decode.release.set()
     outs = await asyncio.gather(*tasks.values())
     assert [r.request_id for r in rig.records] == ["r0", "r1", "r2", "r3"]  # FIFO among served requests

@@ -31,7 +31,8 @@ def test_the_default_serves_the_embedded_model_with_its_embedded_reader(cache_di
 
 
 def test_an_empty_shadow_model_means_no_reader_and_nothing_of_it_loaded(cache_dir):
-    """In a process of its own: no reader, no store, the store's modules never imported, one Engine."""
+    """In a process of its own: no reader, no reader store, the reader's model never loaded, one Engine (the
+    served sessions' own store, with its host and disk tiers, is there whatever the reader)."""
     code = f"""
 import sys
 from qse.server.cli import build_service
@@ -40,7 +41,7 @@ service = build_service(profile="coding", device="cpu", dtype="float32",
                         settings=EngineSettings({{"QSE_CACHE_DIR": {str(cache_dir)!r}, "QSE_SHADOW_MODEL": ""}}))
 assert service.conductor.reader is None and service.store is None and not service.shadow_on
 assert service.conductor.status()["shadow"] == "off"
-assert "qse.store" not in sys.modules, sorted(m for m in sys.modules if m.startswith("qse.store"))
+assert service.served_store is not None and service.conductor.serving.book.residency is service.served_store
 print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)

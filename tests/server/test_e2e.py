@@ -124,7 +124,8 @@ def test_raw_sse_chat_stream(server, http):
         events = sse(r.read())
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
     assert events[-1]["usage"] == {"prompt_tokens": events[-1]["usage"]["prompt_tokens"], "completion_tokens": 10,
-                                   "total_tokens": events[-1]["usage"]["prompt_tokens"] + 10}
+                                   "total_tokens": events[-1]["usage"]["prompt_tokens"] + 10,
+                                   "prompt_tokens_details": {"cached_tokens": 0}}  # a first turn: nothing reused
     again = sse(http.post("/v1/chat/completions", json=payload).content)
 
     def reasoning(evs: list) -> str:
