@@ -6,7 +6,7 @@
 # (weka_cc_sessions_dev.csv, hf_reader_baseline.py) and a pytest.ini without the asyncio plugin's
 # options. Results land in $OUT; copy them to benchmarks/results/ and commit.
 #
-#   bash benchmarks/run_h200.sh [tests|gemv|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abl|invariant|grammar|rounds|served|cache ...]   (default: all, ~13 minutes)
+#   bash benchmarks/run_h200.sh [tests|gemv|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abl|invariant|grammar|rounds|served|cache|load ...]   (default: all, ~13 minutes)
 #   PRESETS=qwen3.5-0.8b bash benchmarks/run_h200.sh measure                       (measure fewer presets)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -78,6 +78,8 @@ for step in $steps; do
         QSE_KERNELS=triton timeout 240 python3 -m qse.cli cache-check --model $m --device cuda --dtype bfloat16 \
           --session /tmp/s12.jsonl --grid 512 > "$OUT/cache-check-$m.json"; head -c 300 "$OUT/cache-check-$m.json"; echo
       done ;;
+    load)  # many users through the round loop: 1, 8, 32 users of 6k-token prompts, 256 tokens out, 9B
+      timeout 400 python3 benchmarks/served_load.py --preset "${LOAD_PRESET:-qwen3.5-9b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-400 ;;
     rounds)  # batched decode rounds of the served 9B: device ms a round at 1, 8 and 32 sequences of 6k tokens
       timeout 300 python3 benchmarks/round_step.py --preset "${ROUND_PRESET:-qwen3.5-9b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-400 ;;
     *) echo "unknown step $step"; exit 2 ;;

@@ -1,0 +1,29 @@
+"""The served benchmarks run end to end on the embedded model on CPU (their H200 runs are in run_h200.sh)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("script", ["served_load.py", "served_sessions.py"])
+def test_a_tiny_run_writes_its_result(script, tmp_path, cache_dir):
+    out = subprocess.run([sys.executable, f"benchmarks/{script}", "--tiny", "--out", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    written = list(tmp_path.glob("*.json"))
+    assert len(written) == 1
+    result = json.loads(written[0].read_text())
+    assert result["command"] and result["versions"]
+    if script == "served_load.py":
+        assert [lv["users"] for lv in result["levels"]] == [1, 2]
+        assert all(lv["output_tokens"] == 4 * lv["users"] for lv in result["levels"])
+    else:
+        turns = result["presets"][0]["turns"]
+        assert turns[0]["cached_tokens"] == 0 and all(t["cached_tokens"] > 0 for t in turns[1:])
