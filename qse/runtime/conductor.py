@@ -245,6 +245,7 @@ class Conductor:
         self._waiting: deque[_Running] = deque()  # turns waiting for the round loop, first come first served
         self._running: list[_Running] = []  # turns in the rounds
         self._round_task: asyncio.Task | None = None
+        self._starting: _Running | None = None  # the turn whose prompt the loop is reading now
         self._waiting_changed = asyncio.Event()
         self._session_locks: dict[str, asyncio.Lock] = {}
         self._turn_seq = itertools.count()
@@ -394,7 +395,11 @@ class Conductor:
             async with self.board.engine_lock(Priority.SERVED, HeldLocks()):
                 while self._waiting or self._running:
                     while self._waiting and len(self._running) < self.serving.rounds.max_running:
-                        await self._start_turn(self._waiting.popleft())
+                        self._starting = self._waiting.popleft()
+                        try:
+                            await self._start_turn(self._starting)
+                        finally:
+                            self._starting = None
                     if self._running:
                         await self._round()
                     if self._running:
@@ -822,7 +827,8 @@ class Conductor:
         return out
 
     def status(self) -> dict[str, Any]:
-        running = [e.turn.req.request_id for e in self._running]
+        starting = [self._starting] if self._starting is not None else []
+        running = [e.turn.req.request_id for e in starting + self._running]
         out: dict[str, Any] = {
             "served_model": self.served.name,
             "served_mode": self.serving.mode,

@@ -728,5 +728,5 @@ def tenant_view(status: dict[str, Any], tenant: Tenant) -> dict[str, Any]:
         out["backlog"] = sum(s["backlog"] for s in out["sessions"])
     out["narrations"] = {tenant.shown(sid): n for sid, n in out.get("narrations", {}).items() if tenant.owns(sid)}
     if not tenant.sees_all:
-        out["running"] = out.get("running") is not None  # whether a request runs, not whose
+        out["running"] = bool(out.get("running"))  # whether a request runs, not whose
     return out

@@ -121,7 +121,7 @@ async def test_past_the_queue_is_a_429_with_retry_after(tiny_engine, tmp_path):
 
 
 async def test_a_client_that_leaves_frees_the_engine_streaming_or_not(tiny_engine, tmp_path):
-    service = make_service(tiny_engine, tmp_path)
+    service = make_service(tiny_engine, tmp_path, QSE_MAX_RUNNING="1")
     records = []
     on_turn = service.conductor.on_turn
     service.conductor.on_turn = lambda r: (records.append(r), on_turn(r))
@@ -130,7 +130,7 @@ async def test_a_client_that_leaves_frees_the_engine_streaming_or_not(tiny_engin
     try:
         for stream in (False, True):
             leaver = Call(app, "/v1/chat/completions", chat(service.model_name, 50_000, stream))
-            await until(lambda: service.conductor.status()["running"] is not None)
+            await until(lambda: service.conductor.status()["running"])
             nxt = Call(app, "/v1/completions", {"model": service.model_name, "prompt": "next", "max_tokens": 2})
             await until(lambda: service.admission.num_waiting == 1)
             leaver.leave.set()
@@ -141,7 +141,7 @@ async def test_a_client_that_leaves_frees_the_engine_streaming_or_not(tiny_engin
         assert finished(service) == {"abort": 2.0, "length": 2.0}
         # a client that leaves while it waits for its slot never reaches the engine
         first = Call(app, "/v1/chat/completions", chat(service.model_name, 50_000))
-        await until(lambda: service.conductor.status()["running"] is not None)
+        await until(lambda: service.conductor.status()["running"])
         queued = Call(app, "/v1/chat/completions", chat(service.model_name, 50_000))
         await until(lambda: service.admission.num_waiting == 1)
         turns = len(records)
@@ -163,7 +163,7 @@ async def test_a_drain_ends_turns_cleanly_and_health_says_stopping(tiny_engine, 
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
             assert (await client.get("/health")).json()["status"] == "ok"
             streamed = Call(app, "/v1/chat/completions", chat(service.model_name, 50_000, stream=True))
-            await until(lambda: service.conductor.status()["running"] is not None)
+            await until(lambda: service.conductor.status()["running"])
             answer = Call(app, "/v1/chat/completions", chat(service.model_name, 50_000))
             await until(lambda: service.admission.num_waiting == 1)
             drain = asyncio.get_running_loop().create_task(service.drain(grace_s=0.0))

@@ -67,7 +67,7 @@ def test_a_port_in_use_fails_before_loading(launcher, tmp_path):
 
 def test_sigterm_ends_a_stream_and_a_waiting_request_cleanly(launcher, tmp_path):
     srv = launcher.start(tmp_path, ["--profile", "default"], QSE_MAX_OUTPUT_TOKENS="100000",
-                         QSE_STOP_GRACE_S="0.2")
+                         QSE_STOP_GRACE_S="0.2", QSE_MAX_RUNNING="1")
     body = {"model": srv.model, "max_tokens": 50_000, "temperature": 0,
             "messages": [{"role": "user", "content": "Tell me a very long story."}]}
     answer = {}
