@@ -61,12 +61,13 @@ class TurnPlan:
     echo: bool = False  # completions: the prompt's text before the answer's
     ticket: Ticket | None = None  # its place in admission (Service.admit); shared by the choices
     cached_tokens: int = 0  # prompt ids whose served state was reused (usage's prompt_tokens_details)
+    parent: "TurnPlan | None" = None  # the request's plan, for a choice's plan (usage is the request's)
 
     def choice(self, index: int) -> "TurnPlan":
         """The plan of choice `index`: its own seed (seed + index) and its own record of logprobs."""
         seed = self.sampling.seed
         sampling = replace(self.sampling, seed=None if seed is None else seed + index, record=SampleRecord())
-        return replace(self, sampling=sampling, finish_reason="length", output_tokens=0, n=1)
+        return replace(self, sampling=sampling, finish_reason="length", output_tokens=0, n=1, parent=self)
 
 
 @dataclass
@@ -369,6 +370,8 @@ class Service:
                                 self.metrics.itl_seconds.observe(now_s - last_s)
                             last_s = now_s
                             plan.cached_tokens = req.cached_tokens or 0
+                            if plan.parent is not None:
+                                plan.parent.cached_tokens = max(plan.parent.cached_tokens, plan.cached_tokens)
                             out.push(token)
                             plan.output_tokens = out.num_ids
                             yield out.num_ids
