@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from qse.models.qwen3_5.model import Step
-from qse.shadow.reader import PROMPT, ShadowError, ShadowReader
+from qse.sessions.session import PROMPT
+from qse.shadow.reader import ShadowError, ShadowReader
 
 GRID = 32
 
