@@ -126,29 +126,25 @@ class ShadowStore:
 
     @classmethod
     def from_settings(cls, settings: EngineSettings = SETTINGS) -> "ShadowStore":
-        raw = settings.get("QSE_SHADOW_DISK").strip()
-        if raw.lower() == "off":
-            disk_dir = None
-        elif raw.lower() in ("", "auto"):
-            disk_dir = settings.cache_dir() / "shadow-disk"
-        else:
-            disk_dir = Path(raw).expanduser()
-        return cls(int(settings.get("QSE_SHADOW_GB") * GIB), disk_dir, int(settings.get("QSE_SHADOW_DISK_GB") * GIB),
-                   settings.get("QSE_SHADOW_DISK_TTL_S"), host_cap_nbytes=int(settings.get("QSE_HOST_CACHE_GB") * GIB),
-                   journal=True)
+        """The reader's store: QSE_SHADOW_GB on the device, the host tier, the disk tier (QSE_SHADOW_DISK)."""
+        return cls._configured(settings, "QSE_SHADOW_GB", "shadow-disk", None)
 
     @classmethod
     def for_served(cls, settings: EngineSettings = SETTINGS) -> "ShadowStore":
         """The served model's own store: its device cap, the same host cap, a disk directory of its own
         (its files carry the served weights' fingerprint, so the two books never read each other's)."""
+        return cls._configured(settings, "QSE_SERVED_CACHE_GB", "served-disk", "served")
+
+    @classmethod
+    def _configured(cls, settings: EngineSettings, cap_setting: str, auto_dir: str, subdir: str | None) -> "ShadowStore":
         raw = settings.get("QSE_SHADOW_DISK").strip()
         if raw.lower() == "off":
             disk_dir = None
         elif raw.lower() in ("", "auto"):
-            disk_dir = settings.cache_dir() / "served-disk"
-        else:
-            disk_dir = Path(raw).expanduser() / "served"
-        return cls(int(settings.get("QSE_SERVED_CACHE_GB") * GIB), disk_dir, int(settings.get("QSE_SHADOW_DISK_GB") * GIB),
+            disk_dir = settings.cache_dir() / auto_dir
+        else:  # an operator's directory: the reader's files at its top, the served book's in a folder of it
+            disk_dir = Path(raw).expanduser() / subdir if subdir else Path(raw).expanduser()
+        return cls(int(settings.get(cap_setting) * GIB), disk_dir, int(settings.get("QSE_SHADOW_DISK_GB") * GIB),
                    settings.get("QSE_SHADOW_DISK_TTL_S"), host_cap_nbytes=int(settings.get("QSE_HOST_CACHE_GB") * GIB),
                    journal=True)
 
