@@ -71,10 +71,8 @@ def test_invariant_rounds_give_every_row_the_bits_it_gets_alone(small_model_dir,
     for i, prompt in enumerate(PROMPTS):
         alone = _decode(engine, [prompt], max_running=1)[0]
         assert all(torch.equal(a, b) for a, b in zip(together[i], alone))
-    # the single-sequence path's head is torch's (not row-invariant): the same tokens, logits to rounding
-    single = _single(engine, PROMPTS[1])
-    assert [int(r.argmax()) for r in together[1]] == [int(r.argmax()) for r in single]
-    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(together[1], single))
+    # (the single-sequence path against a round of one: test_a_round_of_one_is_the_single_sequence_path; its
+    # head is torch's, not row-invariant, so this set is compared there only through the triton kernels)
 
 
 @pytest.mark.parametrize("kernels", ["triton"])
