@@ -142,13 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             device, dtype, grid, presets = torch.device("cuda"), torch.bfloat16, args.grid, args.presets.split(",")
             session, min_prompt = Path(args.session), args.min_prompt
-        probe = Engine(resolve(presets[0], device, dtype, SETTINGS.cache_dir())) if args.tiny else None
-        turns = load_turns(session, probe) if probe is not None else None
+        # the embedded model's tokenizer is the presets' (every Qwen3.5 shares the vocabulary): it reads the turns
+        turns = load_turns(session, Engine(resolve("", torch.device("cpu"), torch.float32, SETTINGS.cache_dir())))
         results = []
         for spec in presets:
-            if turns is None:
-                engine_for_turns = Engine(resolve("", torch.device("cpu"), torch.float32, SETTINGS.cache_dir()))
-                turns = load_turns(session, engine_for_turns)
             results.append(run_preset(spec, turns, device, dtype, grid, Path(tmp) / "disk", min_prompt))
             print(json.dumps({k: v for k, v in results[-1].items() if k not in ("turns", "restores")}), flush=True)
     result = {**result_header(device=None if device.type == "cuda" else "cpu"), "session": str(args.session),

@@ -83,6 +83,12 @@ class Residency(Protocol):
 
     def forget(self, reader: "GridSessions", session: GridSession) -> None: ...
 
+    def note_ids(self, reader: "GridSessions", session: GridSession) -> None:
+        """A feed: keep the session's ids where a restart finds them (nothing, without a journal)."""
+
+    def tier_of(self, session_id: str) -> str | None:
+        """Where a non-resident session's state is ("host", "disk"), or None: it is read again."""
+
 
 class DropLRU:
     """No disk: past the pool, the least recently fed session is dropped and later read again."""
@@ -103,6 +109,12 @@ class DropLRU:
         return None
 
     def forget(self, reader: "GridSessions", session: GridSession) -> None:
+        return None
+
+    def note_ids(self, reader: "GridSessions", session: GridSession) -> None:
+        return None
+
+    def tier_of(self, session_id: str) -> str | None:
         return None
 
 
@@ -254,9 +266,7 @@ class GridSessions:
             self._take_checkpoint(session, PROMPT)
         session.behind_at_turn_start = session.behind
         self.residency.after_feed(self, session)
-        note_ids = getattr(self.residency, "note_ids", None)  # a residency with a durable ids journal
-        if note_ids is not None:
-            note_ids(self, session)
+        self.residency.note_ids(self, session)
         return FeedReport(session_id, session.committed, session.backlog, len(ids) - session.readable_end,
                           rolled_back, first_diff)
 

@@ -10,7 +10,7 @@
            at the end the rows above L are dropped and the GDN state is L's again (a fork's put-back)
 
 Invariant: the first token's logits equal, bit for bit, a cold prefill of the same prompt on the same
-grid with the same kernels and mode (`cold_logits`): the state at L is the grid's (GridSessions'
+grid with the same kernels and mode (`qse cache-check` and tests/sessions check it): the state at L is the grid's (GridSessions'
 invariant) and the tail is read by the same call in both. L stops one id short of the prompt's end, so
 every prompt leaves a tail of 1..grid ids whose last row gives the first token's logits.
 
@@ -25,7 +25,7 @@ is pinned: the residency manager never moves it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -63,7 +63,6 @@ class ServedTurn:
     cache: SequenceCache | None = None  # the turn's working state over the session's pages
     slot: int | None = None  # its slot in the decode rounds
     is_open: bool = True
-    extra: dict = field(default_factory=dict)
 
 
 class ServedSessions:
@@ -147,8 +146,7 @@ class ServedSessions:
             return None
         if session.is_resident:
             return DEVICE
-        tier_of = getattr(self.book.residency, "tier_of", None)
-        return tier_of(session.session_id) if tier_of is not None else None
+        return self.book.residency.tier_of(session.session_id)
 
     def _read_tail(self, turn: ServedTurn, tail: list[int]) -> tuple[torch.Tensor, float]:
         """The ids above the committed rows on the turn's own working state, which then joins a decode slot:
@@ -200,17 +198,6 @@ class ServedSessions:
         session.pinned = False
         if session.cache is not None:
             self.book.end_fork(session)
-
-    # ---- checks ------------------------------------------------------------------------------
-    def cold_logits(self, prompt_ids: list[int], session_id: str = "__cold__") -> tuple[torch.Tensor, GridSession]:
-        """A cold prefill of the prompt on the same grid, kernels and mode: the first token's logits (a
-        copy) and the session holding the state it kept. The session stays open; close it when done."""
-        if session_id in self.book.sessions:
-            self.book.close(session_id)
-        turn, logits = self.begin(session_id, prompt_ids)
-        out = logits.clone()
-        self.finish(turn)
-        return out, self.book.get(session_id)
 
 
 __all__ = ["DEVICE", "DISK", "HOST", "TIERS", "ServedSessions", "ServedTurn", "TurnStart"]
