@@ -95,40 +95,32 @@ def create_app(service: Service, root_path: str | None = None) -> Starlette:
     settings = service.settings
     body_limit = settings.get("QSE_MAX_BODY_BYTES")
 
-    async def chat_completions(request: Request):
-        req = _decode_openai(await read_body(request, body_limit), wire.ChatCompletionRequest, _info(request))
-        info, tenant = _info(request), tenant_of(request)
-        async with admitted(service.admission, info["request_id"]) as turn:
-            plan = await service.prepare_chat(req, info["request_id"],
-                                              wire.session_header(request.headers.get("x-session-id")),
-                                              request.headers.get("x-router-class") or None, tenant=tenant)
-            plan.ticket = turn.ticket
-            info.update(session=plan.session_id, prompt_tokens=len(plan.prompt_ids), stream=req.stream)
-            headers = {"x-session-id": tenant.shown(plan.session_id)}
-            if req.stream:
-                include_usage = bool(req.stream_options and req.stream_options.include_usage)
-                return turn.stream(_note_output(service.chat_chunks(plan, include_usage), plan, info),
-                                   headers)
-            answer = await turn.answer(request, service.chat_answer(plan))
-            info.update(output_tokens=plan.output_tokens, finish_reason=answer.choices[0].finish_reason)
-            return json_response(answer, headers=headers)
+    def openai_route(kind, prepare, chunks, answer):
+        """A chat or completions route: decode, admit, prepare the plan, then stream it or answer whole."""
 
-    async def completions(request: Request):
-        req = _decode_openai(await read_body(request, body_limit), wire.CompletionRequest, _info(request))
-        info, tenant = _info(request), tenant_of(request)
-        async with admitted(service.admission, info["request_id"]) as turn:
-            plan = await service.prepare_completion(req, info["request_id"],
-                                                    wire.session_header(request.headers.get("x-session-id")),
-                                                    request.headers.get("x-router-class") or None, tenant=tenant)
-            plan.ticket = turn.ticket
-            info.update(session=plan.session_id, prompt_tokens=len(plan.prompt_ids), stream=req.stream)
-            headers = {"x-session-id": tenant.shown(plan.session_id)}
-            if req.stream:
-                include_usage = bool(req.stream_options and req.stream_options.include_usage)
-                return turn.stream(_note_output(service.completion_chunks(plan, include_usage), plan, info), headers)
-            answer = await turn.answer(request, service.completion_answer(plan))
-            info.update(output_tokens=plan.output_tokens, finish_reason=plan.finish_reason)
-            return json_response(answer, headers=headers)
+        async def route(request: Request):
+            req = _decode_openai(await read_body(request, body_limit), kind, _info(request))
+            info, tenant = _info(request), tenant_of(request)
+            async with admitted(service.admission, info["request_id"]) as turn:
+                plan = await prepare(req, info["request_id"],
+                                     wire.session_header(request.headers.get("x-session-id")),
+                                     request.headers.get("x-router-class") or None, tenant=tenant)
+                plan.ticket = turn.ticket
+                info.update(session=plan.session_id, prompt_tokens=len(plan.prompt_ids), stream=req.stream)
+                headers = {"x-session-id": tenant.shown(plan.session_id)}
+                if req.stream:
+                    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                    return turn.stream(_note_output(chunks(plan, include_usage), plan, info), headers)
+                whole = await turn.answer(request, answer(plan))
+                info.update(output_tokens=plan.output_tokens, finish_reason=whole.choices[0].finish_reason)
+                return json_response(whole, headers=headers)
+
+        return route
+
+    chat_completions = openai_route(wire.ChatCompletionRequest, service.prepare_chat, service.chat_chunks,
+                                    service.chat_answer)
+    completions = openai_route(wire.CompletionRequest, service.prepare_completion, service.completion_chunks,
+                               service.completion_answer)
 
     async def models(request: Request):
         cards = [wire.ModelCard(id=name, object="model", created=service.created_s, owned_by="qse",

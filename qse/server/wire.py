@@ -83,19 +83,12 @@ class ResponseFormat(Struct):
     json_schema: JsonSchemaFormat | None = None
 
 
-class ChatCompletionRequest(Struct):
-    """Every field of OpenAI's chat request, plus the vLLM-style knobs qse honours (top_k, min_p,
-    repetition_penalty, chat_template_kwargs). Fields typed `Any` are refused by name unless empty
-    (REFUSED_CHAT); a field outside this list is ignored with a warning (unknown_fields)."""
+class _SamplingRequest(Struct, kw_only=True):
+    """The fields chat and completion requests share: the model, streaming, and the sampling knobs."""
 
-    messages: Annotated[list[Message], Meta(min_length=1)]
     model: str | None = None  # optional when one model is served
     stream: bool = False
     stream_options: StreamOptions | None = None
-    tools: list[Tool] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: Annotated[int, Meta(ge=-1)] | None = None
@@ -103,16 +96,28 @@ class ChatCompletionRequest(Struct):
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
     seed: int | None = None
     max_tokens: PositiveInt | None = None
-    max_completion_tokens: PositiveInt | None = None
     stop: Stop | None = None
     n: NumChoices | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: LogitBias | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest, kw_only=True):
+    """Every field of OpenAI's chat request, plus the vLLM-style knobs qse honours (top_k, min_p,
+    repetition_penalty, chat_template_kwargs). Fields typed `Any` are refused by name unless empty
+    (REFUSED_CHAT); a field outside this list is ignored with a warning (unknown_fields)."""
+
+    messages: Annotated[list[Message], Meta(min_length=1)]
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    user: str | None = None
     safety_identifier: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -132,28 +137,12 @@ class ChatCompletionRequest(Struct):
     moderation: Any = None
 
 
-class CompletionRequest(Struct):
+class CompletionRequest(_SamplingRequest, kw_only=True):
     prompt: str | Annotated[list[str | int], Meta(min_length=1)]
-    model: str | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
-    seed: int | None = None
-    max_tokens: PositiveInt | None = None
-    stop: Stop | None = None
-    n: NumChoices | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    logit_bias: LogitBias | None = None
     echo: bool = False
     logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None  # OpenAI's legacy bound
     best_of: NumChoices | None = None
     suffix: str | None = None
-    user: str | None = None
 
 
 # field -> why it is refused when set (to anything but null or its empty value)
