@@ -60,10 +60,10 @@ for step in $steps; do
       timeout 150 python3 benchmarks/graph_gaps.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-3000 ;;
     ab)  # decode loss of a 9B served model with the 0.8B reader on and off
       timeout 200 python3 benchmarks/shadow_ab.py --served qwen3.5-9b --reader qwen3.5-0.8b --prompt-tokens 16350 \
-        --out-tokens 346 --pairs 5 --out "$OUT" 2>&1 | grep '^{' | grep -v '"chunk"\|"run"' | tail -3 ;;
+        --out-tokens 346 --pairs "${PAIRS:-10}" --out "$OUT" 2>&1 | grep '^{' | grep -v '"chunk"\|"run"' | tail -3 ;;
     abl)  # the same with long turns (1,500 tokens, ~8 s of decode at 180 tokens/s): the ration opens 5 s after the first token
       timeout 300 python3 benchmarks/shadow_ab.py --served qwen3.5-9b --reader qwen3.5-0.8b --prompt-tokens 16350 \
-        --out-tokens 1500 --pairs 5 --json-out "$OUT/shadow_ab-long.json" 2>&1 | grep '^{' | grep -v '"chunk"\|"run"' | tail -3 ;;
+        --out-tokens 1500 --pairs "${PAIRS:-10}" --json-out "$OUT/shadow_ab-long.json" 2>&1 | grep '^{' | grep -v '"chunk"\|"run"' | tail -3 ;;
     grammar)  # a json_schema answer's decode speed against the same request without a grammar, 9B (goal >= 0.95)
       timeout 300 python3 benchmarks/grammar_decode.py --model qwen3.5-9b --tokens 256 --pairs 5 --out "$OUT" \
         2>&1 | grep '^{' | tail -2 ;;
