@@ -9,7 +9,9 @@ and the time to bring a long session back from the host and from the disk.
 The session file is shadow-check's format (scripts/make_session.py shapes one from the agent traces). Between
 turns the session's state stays on the device, moves to pinned host memory, or is parked on disk (round robin),
 so each turn's first token measures one tier. TTFT here is the wall time of the turn's start on the served
-executor (reuse, the chunks read, the tail, the first token's logits and its argmax), synchronised.
+executor (reuse, the chunks read, the tail, the first token's logits and its argmax), synchronised; each
+turn's row also splits the cached turn's start into restore_ms, evict_ms, read_ms and tail_ms. The served
+model is warmed with a tail of every length class first (ServedSessions.warm), as `qse serve` does on CUDA.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from qse.settings import SETTINGS  # noqa: E402
 from qse.store import ShadowStore  # noqa: E402
 
 SCHEDULE = ("device", "host", "disk")
+PHASES = ("restore_ms", "evict_ms", "read_ms", "tail_ms")
 
 
 def ttft_s(served, sid: str, prompt: list[int]) -> tuple[float, object]:
@@ -73,9 +76,11 @@ def run_preset(spec: str, turns: list[dict], device: torch.device, dtype: torch.
     store = ShadowStore(1 << 62, disk / engine.name.replace("/", "_"), host_cap_nbytes=1 << 62, journal=True)
     served = served_sessions(engine, config, residency=store)
     store.attach(served.book)
-    served.warm()
+    t_warm = time.perf_counter()
+    served.warm(tails=True)  # every tail length class compiled before the first timed turn
     ttft_s(served, "warm", turns[0]["prompt_ids"][: 2 * grid + 5])  # first calls compile and capture
     served.book.close("warm")
+    warm_s = time.perf_counter() - t_warm
     rows = []
     for n, turn in enumerate(turns):
         prompt = turn["prompt_ids"]
@@ -92,12 +97,14 @@ def run_preset(spec: str, turns: list[dict], device: torch.device, dtype: torch.
         rows.append({"turn": n, "prompt_tokens": len(prompt), "tier": start.tier, "cached_tokens": start.cached_tokens,
                      "chunks_read": start.chunks_read, "tail": start.tail_tokens,
                      "rolled_back_to": start.rolled_back_to, "ttft_cached_ms": round(cached * 1e3, 3),
-                     "ttft_cold_ms": round(cold * 1e3, 3)})
+                     "ttft_cold_ms": round(cold * 1e3, 3),
+                     # where the cached turn's start went: the state back, room made, whole chunks, the tail
+                     **{k: round(getattr(start, k), 3) for k in PHASES}})
         print(json.dumps({"preset": spec, **rows[-1]}), flush=True)
     restores = [restore_s(served, store, "live", tier) for tier in ("host", "disk", "host", "disk")]
     long_rows = [r for r in rows if r["prompt_tokens"] >= min_prompt and r["turn"] > 0]
     out = {"preset": spec, "model": engine.name, "kernels": engine.kernels, "mode": served.mode, "grid": grid,
-           "turns": rows, "restores": restores, "long_turns": len(long_rows), "min_prompt_tokens": min_prompt}
+           "warm_s": round(warm_s, 3), "turns": rows, "restores": restores, "long_turns": len(long_rows), "min_prompt_tokens": min_prompt}
     if long_rows:
         cached = [r["ttft_cached_ms"] for r in long_rows]
         cold = [r["ttft_cold_ms"] for r in long_rows]
@@ -108,6 +115,8 @@ def run_preset(spec: str, turns: list[dict], device: torch.device, dtype: torch.
             of = [r["ttft_cached_ms"] for r in long_rows if r["tier"] == tier]
             if of:
                 out[f"ttft_{tier}_p50_ms"] = statistics.median(of)
+                for phase in PHASES:
+                    out[f"{tier}_{phase}_p50"] = statistics.median(r[phase] for r in long_rows if r["tier"] == tier)
     del served, store, engine
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -89,6 +89,10 @@ class Residency(Protocol):
     def tier_of(self, session_id: str) -> str | None:
         """Where a non-resident session's state is ("host", "disk"), or None: it is read again."""
 
+    def spent_ms(self) -> dict[str, float]:
+        """Running totals of the wall ms the manager spent, by phase ("evict": moving other sessions out;
+        "restore": bringing a session back, its file read included): a turn reports their growth."""
+
 
 class DropLRU:
     """No disk: past the pool, the least recently fed session is dropped and later read again."""
@@ -116,6 +120,9 @@ class DropLRU:
 
     def tier_of(self, session_id: str) -> str | None:
         return None
+
+    def spent_ms(self) -> dict[str, float]:
+        return {}
 
 
 @dataclass

@@ -25,6 +25,7 @@ is pinned: the residency manager never moves it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,12 @@ class TurnStart:
     chunks_read: int  # whole grid chunks read this turn
     tail_tokens: int  # ids read above the committed rows before the first token
     gpu_ms: float  # the turn's reads: chunks and the tail
+    # where the turn start's wall time went (ms): bringing the state back (a file's read included), moving
+    # other sessions out to make room, reading the whole chunks, reading the tail to the first logits
+    restore_ms: float = 0.0
+    evict_ms: float = 0.0
+    read_ms: float = 0.0
+    tail_ms: float = 0.0
 
 
 @dataclass
@@ -87,10 +94,27 @@ class ServedSessions:
     def grid(self) -> int:
         return self.book.grid
 
-    def warm(self) -> None:
-        """Capture the grid chunk's graph and the decode step now rather than in the first turn."""
+    def warm(self, tails: bool | None = None) -> None:
+        """Capture the grid chunk's graph and the decode step now rather than in the first turn; with `tails`
+        (None: on CUDA) also read one tail of every length class (`tail_lengths`) above two chunks of
+        context, so that no turn pays for compiling a kernel variant: a tail's eager launch compiles one per
+        shape class the first time it meets it (the attention's split count is a compile-time constant
+        chosen from the tail's length), which cost the first turn at each new class about a cold prefill."""
         self.book.warm()
         self.rounds.warm()
+        if not (self.engine.device.type == "cuda" if tails is None else tails):
+            return
+        counts = dict(self.counts)
+        sid = "__warm_tails__"
+        base = [0] * (2 * self.grid)  # two whole chunks: the tail's attention launch splits as at any long context
+        try:
+            for length in tail_lengths(self.grid):
+                turn, _ = self.begin(sid, base + [0] * length)
+                self.finish(turn)
+        finally:
+            if sid in self.book.sessions:
+                self.book.close(sid)
+            self.counts = counts
 
     # ---- the turn ----------------------------------------------------------------------------
     def begin(self, session_id: str, prompt_ids: list[int]) -> tuple[ServedTurn, torch.Tensor]:
@@ -108,6 +132,7 @@ class ServedSessions:
         if self.rounds.num_free == 0:
             raise SessionError(f"every decode slot is taken ({self.rounds.max_running} turns run)")
         tier = self._tier_before(known)
+        spent0 = book.residency.spent_ms()
         report = book.feed(session_id, prompt_ids, prompt_end=len(prompt_ids))
         session = book.get(session_id)
         session.pinned = True  # from here until finish: the store never moves it
@@ -118,11 +143,13 @@ class ServedSessions:
             raise
         cached = session.committed
         limit = ((len(prompt_ids) - 1) // book.grid) * book.grid
+        spent1, t_read = book.residency.spent_ms(), time.perf_counter()
         try:
             reports = book.read_all(session_id, limit=limit, group=1)
         except BaseException:
             session.pinned = False
             raise
+        t_tail = time.perf_counter()
         turn = ServedTurn(session, TurnStart(session_id, len(prompt_ids), cached, tier if cached else None,
                                              report.rolled_back_to, sum(r.chunks for r in reports),
                                              len(prompt_ids) - session.committed, sum(r.gpu_ms for r in reports)),
@@ -132,7 +159,16 @@ class ServedSessions:
         except BaseException:
             self.finish(turn)
             raise
-        turn.start.gpu_ms += ms
+        t_end = time.perf_counter()
+        spent2 = book.residency.spent_ms()
+        start = turn.start
+        start.gpu_ms += ms
+        start.restore_ms = _grew(spent0, spent1, "restore")
+        evict_in_reads = _grew(spent1, spent2, "evict")
+        start.evict_ms = _grew(spent0, spent2, "evict")
+        # the chunks' and the tail's walls without the evictions made for their pages
+        start.read_ms = max(0.0, (t_tail - t_read) * 1e3 - evict_in_reads)
+        start.tail_ms = (t_end - t_tail) * 1e3
         c = self.counts
         c["queries"] += 1
         c["query_tokens"] += len(prompt_ids)
@@ -200,4 +236,19 @@ class ServedSessions:
             self.book.end_fork(session)
 
 
-__all__ = ["DEVICE", "DISK", "HOST", "TIERS", "ServedSessions", "ServedTurn", "TurnStart"]
+def _grew(before: dict[str, float], after: dict[str, float], phase: str) -> float:
+    return after.get(phase, 0.0) - before.get(phase, 0.0)
+
+
+def tail_lengths(grid: int) -> list[int]:
+    """Tail lengths (1..grid) that meet every launch shape a tail's kernels take: 1, grid, and each multiple of
+    16 with the length after it. A kernel is specialised on length == 1 and length % 16 == 0, and its
+    compile-time constants change with the length in steps of more than 16 lengths (the attention's split
+    count: ceil(length * group / 128)), so every class meets one of these, divisible by 16 or not."""
+    out = {1, grid}
+    for m in range(16, grid + 1, 16):
+        out.update((m, min(grid, m + 1)))
+    return sorted(out)
+
+
+__all__ = ["DEVICE", "DISK", "HOST", "TIERS", "ServedSessions", "ServedTurn", "TurnStart", "tail_lengths"]

@@ -123,6 +123,9 @@ class ShadowStore:
         self._over_cap: set[str] = set()
         self._reader: GridSessions | None = None
         self._fingerprint: Fingerprint | None = None
+        # wall ms spent, by phase (the Residency protocol's spent_ms): a restore's own time excludes the
+        # evictions it made room with, which count as "evict"
+        self._spent = {"evict": 0.0, "restore": 0.0}
 
     @classmethod
     def from_settings(cls, settings: EngineSettings = SETTINGS) -> "ShadowStore":
@@ -164,9 +167,17 @@ class ShadowStore:
             need_nbytes += reader.engine.recurrent_nbytes()
         return self._fit(reader, keep, pages, need_nbytes)
 
+    def spent_ms(self) -> dict[str, float]:
+        return dict(self._spent)
+
     def bring_back(self, reader: GridSessions, session: GridSession) -> bool:
         """Restore a parked session exactly; False (a miss, or never parked) means read it again."""
-        if self._restore(reader, session):
+        t0, evict0 = time.perf_counter(), self._spent["evict"]
+        try:
+            restored = self._restore(reader, session)
+        finally:
+            self._spent["restore"] += (time.perf_counter() - t0) * 1e3 - (self._spent["evict"] - evict0)
+        if restored:
             return True
         # the reader now makes a fresh state (recurrent + conv): keep the cap with it
         self._fit(reader, session, 0, reader.engine.recurrent_nbytes())
@@ -565,6 +576,13 @@ class ShadowStore:
         return reader.pool.can_allocate(pages)
 
     def _evict(self, reader: GridSessions, session: GridSession) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._evict_one(reader, session)
+        finally:
+            self._spent["evict"] += (time.perf_counter() - t0) * 1e3
+
+    def _evict_one(self, reader: GridSessions, session: GridSession) -> None:
         self.counts.evictions += 1
         if self.host_cap_nbytes and self.move_to_host(reader, session):
             return

@@ -223,3 +223,35 @@ def test_bad_prompts_are_refused_by_name(tiny_engine):
     window = tiny_engine.cfg.max_position_embeddings
     with pytest.raises(SessionError, match="window"):
         served.begin("s", [1] * window)
+
+
+def test_a_turn_start_reports_where_its_time_went(tiny_engine, tmp_path):
+    """Each phase is reported: a host hit restores (no eviction: the pool has room), a device hit restores
+    nothing, and the chunks and the tail are timed on every turn."""
+    served, store = _tiered(tiny_engine, tmp_path, cap_pages=4, host_pages=4)
+    gen = torch.Generator().manual_seed(12)
+    first = _ids(gen, 2 * GRID + 7)
+    prompts = [first, first + _ids(gen, 2 * GRID)]
+    prompts.append(prompts[1] + [5])
+    _turn(served, "a", prompts[0])
+    assert store.move_to_host(served.book, served.book.get("a"))
+    _, _, host = _turn(served, "a", prompts[1])
+    _, _, device = _turn(served, "a", prompts[2])
+    assert host.tier == "host" and device.tier == "device"
+    assert host.restore_ms > 0 and device.restore_ms == 0
+    assert host.evict_ms == device.evict_ms == 0
+    assert all(s.tail_ms > 0 and s.read_ms >= 0 for s in (host, device))
+    assert host.chunks_read > 0 and host.read_ms > 0
+
+
+def test_warming_the_tails_reads_every_length_class_and_leaves_nothing(tiny_engine):
+    from qse.sessions.served import tail_lengths
+
+    lengths = tail_lengths(GRID)
+    assert lengths == [1, 16, 17, 32]
+    assert tail_lengths(512)[:4] == [1, 16, 17, 32] and tail_lengths(512)[-2:] == [497, 512]
+    served = _served(tiny_engine)
+    free = served.book.pool.num_free
+    served.warm(tails=True)
+    assert served.book.sessions == {} and served.book.pool.num_free == free
+    assert served.counts["queries"] == 0 and served.rounds.num_free == served.rounds.max_running
