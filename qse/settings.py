@@ -72,6 +72,8 @@ _DECLARED: list[Setting] = [
     # the shadow reader
     Setting("QSE_SHADOW_MODEL", str, "embedded", "reader model: a checkpoint dir, a preset, or embedded (qse's own "
             "small model); empty: no reader (nothing of it is loaded)"),
+    Setting("QSE_SHADOW_LOAD", str, "idle", "when the reader loads: idle (the first idle window after the start: the server answers at once) or start (before the server answers)"),
+    Setting("QSE_DEVICE_MEMORY_GB", float, 0.0, "memory the roles' claims (weights and pools) are admitted against, GiB; 0: the GPU's free memory, or the machine's memory on a CPU"),
     Setting("QSE_SHADOW_DIR", Path, None, "root of the shadow journal (shadow.jsonl); default: <cache>/shadow"),
     Setting("QSE_SHADOW_GB", float, 4.0, "cap on resident reader state, GiB (KV, recurrent, conv, checkpoints)"),
     Setting("QSE_SHADOW_GRID", int, 512, "rows per grid chunk: state advances only in whole chunks at k x grid"),

@@ -251,6 +251,7 @@ class Conductor:
         self._turn_seq = itertools.count()
         self._stopping = False
         self._stopped = False
+        self._started = False
         self.turns = 0
         self.idle_bursts = 0
         self.router_counts = {"answered": 0, "compared": 0, "agreed": 0}  # the router's question in shadow mode
@@ -272,9 +273,54 @@ class Conductor:
             # scanned ~170k objects, 80 ms, between two decode rounds)
             gc.collect()
             gc.freeze()
+        self._started = True
+        self._start_idle()
+
+    def _start_idle(self) -> None:
         if self.reader is not None and self._idle_task is None and not self._stopping:
             self._wake = asyncio.Event()
             self._idle_task = asyncio.create_task(self._idle_loop(), name="qse-idle-reader")
+
+    # ---- the reader's residency (qse/runtime/planner.py loads and releases it) -----------------
+    def attach_reader(self, reader: ShadowReader) -> None:
+        """The planner loaded the reader: it follows the turns from now, and learns every served session's ids
+        (read in the idle windows) so a session served before it loaded is not unknown to it. The caller holds
+        the engine lock: no turn, question or chunk runs."""
+        if self.options.mode != "on":
+            raise ShadowError("the shadow reader is off in this profile")
+        if self.reader is not None:
+            raise ShadowError("a reader is attached already; release it first")
+        cfg = self.config
+        self.reader = reader
+        self.runner = ChunkRunner(reader, self.estimator, self.ledger, self.clock, lookahead=cfg.reader_lookahead,
+                                  launch_lead_ms=cfg.launch_lead_ms, idle_group=cfg.idle_group)
+        self.reader_exec = self.served_exec if reader.engine is self.served else EngineExecutor("reader")
+        self._seed_estimator()
+        for sid, session in list(self.serving.book.sessions.items()):
+            if session.ids and sid not in reader.sessions:
+                reader.feed(sid, list(session.ids), len(session.ids))
+                self._note_backlog(sid)
+        if self._started:
+            self._start_idle()
+
+    async def detach_reader(self) -> ShadowReader | None:
+        """Release the reader: every resident session is written to its disk tier (when it has one), its
+        thread stops, and the conductor serves without it. The caller holds the engine lock."""
+        reader = self.reader
+        if reader is None:
+            return None
+        park_all = getattr(reader.residency, "park_all", None)
+        if park_all is not None:
+            parked = await self.reader_exec.run(park_all, reader)
+            log.info("conductor_parked", book="reader", result=parked if isinstance(parked, dict) else None)
+        self.reader = None
+        self.runner = None
+        self._router_pending.clear()
+        self._unread_since.clear()
+        if self.reader_exec is not self.served_exec:
+            self.reader_exec.shutdown()
+        self.reader_exec = self.served_exec
+        return reader
 
     async def stop(self) -> None:
         """Planned stop: the idle burst stops before its next chunk, the request in flight (and those queued
@@ -306,6 +352,10 @@ class Conductor:
                 self.reader_exec.shutdown()
             if self.config.gc_freeze:
                 gc.unfreeze()  # what start froze may be collected again (and is, at exit)
+
+    def _refuse_if_released(self) -> None:
+        if self.reader is None:  # released while the question waited for the engine
+            raise ShadowError("the shadow reader was released; load it again to ask")
 
     def _refuse_if_stopped(self) -> None:
         if self._stopped:
@@ -724,6 +774,7 @@ class Conductor:
             raise ShadowError(f"the question has {len(ids)} tokens, over the limit of {limit} (QSE_MAX_QUESTION_TOKENS)")
         async with self.board.engine_lock(Priority.QUESTION):
             self._refuse_if_stopped()
+            self._refuse_if_released()
             result = await self.reader_exec.run(self.reader.ask, session_id, ids, choices, upto)
             self.ledger.record(Role.READER_ASK, result.gpu_ms)
         return result
@@ -740,6 +791,7 @@ class Conductor:
         try:
             async with self.board.engine_lock(Priority.NARRATOR):
                 self._refuse_if_stopped()
+                self._refuse_if_released()
                 result = await self.reader_exec.run(self.reader.summarize, session_id, ids, max_tokens, stop)
                 self.ledger.record(Role.NARRATOR, result.gpu_ms)
         finally:

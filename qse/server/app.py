@@ -146,6 +146,10 @@ def create_app(service: Service, root_path: str | None = None) -> Starlette:
         _info(request)["session"] = req.session
         return json_response(await service.summarize(req, tenant_of(request)))
 
+    async def shadow_reader(request: Request):
+        req = wire.decode(await read_body(request, body_limit), wire.ReaderAction)
+        return json_response(await service.reader_action(req.action, tenant_of(request)))
+
     async def shadow_status(request: Request):
         return json_response(service.status(tenant_of(request)))
 
@@ -167,6 +171,7 @@ def create_app(service: Service, root_path: str | None = None) -> Starlette:
         Route("/v1/conductor/shadow/ask", endpoint(shadow_ask), methods=["POST"]),
         Route("/v1/conductor/shadow/status", endpoint(shadow_status), methods=["GET"]),
         Route("/v1/conductor/shadow/summarize", endpoint(shadow_summarize), methods=["POST"]),
+        Route("/v1/conductor/shadow/reader", endpoint(shadow_reader), methods=["POST"]),
         Route("/metrics", endpoint(metrics), methods=["GET"]),
     ]
 

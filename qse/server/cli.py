@@ -59,51 +59,116 @@ def apply_env_file(path: Path) -> dict[str, str]:
 
 def build_service(model: str = "", shadow_model: str | None = None, profile: str = "default", grid: int | None = None,
                   device: str = "auto", dtype: str = "auto", settings: EngineSettings = SETTINGS,
-                  served_names: list[str] | None = None, chat_template: Path | None = None) -> Service:
-    """Models, reader, store and conductor, as the profile asks. shadow_model None: QSE_SHADOW_MODEL; empty: no
-    reader (its model, store and disk tier are not loaded). The reader reuses the served Engine when it would
-    load the same weights. chat_template: a template file over the checkpoint's (--chat-template)."""
+                  served_names: list[str] | None = None, chat_template: Path | None = None,
+                  reader_load: str = "start") -> Service:
+    """Models, store and conductor, as the profile asks, and the residency planner that loads the reader.
+    shadow_model None: QSE_SHADOW_MODEL; empty: no reader (its model, store and disk tier are not loaded). The
+    reader reuses the served Engine when it would load the same weights. chat_template: a template file over
+    the checkpoint's (--chat-template). reader_load: "start" loads the reader before this returns; "idle"
+    leaves it to the planner, in the first idle window after the service starts (qse serve's default)."""
     from ..engine.engine import Engine
     from ..models import pick_device, pick_dtype, resolve, same_spec
     from ..runtime.conductor import Conductor, ConductorConfig, ShadowOptions, served_sessions
-    from ..store import ShadowStore
+    from ..runtime.planner import DeviceMemory, ResidencyPlanner
+    from ..store import GIB, ShadowStore
 
+    if reader_load not in ("start", "idle"):
+        raise SettingError(f"QSE_SHADOW_LOAD={reader_load!r}: expected idle or start")
     prof = load_profile(profile)
     shadow_model = settings.get("QSE_SHADOW_MODEL") if shadow_model is None else shadow_model
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     cache = settings.cache_dir()
     served = Engine(resolve(model, dev, dt, cache, chat_template=chat_template))
-    reader = store = None
-    if prof.shadow.mode == "on" and shadow_model != "":
-        from ..core.plan import check_group
-        from ..shadow.reader import ShadowReader, checkpoint_options
-        from ..store import GIB
-
-        engine = served if same_spec(shadow_model, model) else Engine(resolve(shadow_model, dev, dt, cache))
-        store = ShadowStore.from_settings(settings)
-        # the chunk groups the idle window may launch are captured by warm() below, with the single chunk's
-        # graph (none beyond it at the default of one chunk a launch)
-        check_group(settings.get("QSE_SHADOW_IDLE_GROUP"), "the idle window's chunk group (QSE_SHADOW_IDLE_GROUP)")
-        reader = ShadowReader(engine, grid=grid or settings.get("QSE_SHADOW_GRID"),
-                              pool_bytes=int(settings.get("QSE_SHADOW_GB") * GIB), residency=store,
-                              chunk_group=settings.get("QSE_SHADOW_IDLE_GROUP"), **checkpoint_options(settings))
-        store.attach(reader)
+    wants_reader = prof.shadow.mode == "on" and shadow_model != ""
     s = prof.shadow
-    options = ShadowOptions(mode=s.mode if reader is not None else "off", narrator=s.narrator, router=s.router,
+    options = ShadowOptions(mode=s.mode if wants_reader else "off", narrator=s.narrator, router=s.router,
                             router_min_tokens=s.router_min_tokens)
     config = ConductorConfig.from_settings(settings)
     # the served sessions' own store: device cap, host tier, disk tier (the reader's is separate)
     served_store = ShadowStore.for_served(settings)
     serving = served_sessions(served, config, residency=served_store)
     served_store.attach(serving.book)
-    conductor = Conductor(served, reader, options, config, serving=serving)
-    # capture the graphs (the reader's chunk, the served decode step) before the first request, not in it
-    if reader is not None:
-        reader.warm()
+    conductor = Conductor(served, None, options, config, serving=serving)
+    # capture the served decode step's graphs before the first request, not in it
     conductor.serving.warm()
-    return Service(conductor, served.chat, served.name, prof, settings, store=store, served_store=served_store,
-                   max_context_tokens=served.cfg.max_position_embeddings, served_names=served_names or ())
+    loader = None
+    if wants_reader:
+        from ..core.plan import check_group
+
+        # the chunk groups the idle window may launch are captured by the reader's warm(), with the single
+        # chunk's graph (none beyond it at the default of one chunk a launch)
+        check_group(settings.get("QSE_SHADOW_IDLE_GROUP"), "the idle window's chunk group (QSE_SHADOW_IDLE_GROUP)")
+        shared = same_spec(shadow_model, model)
+        loader = reader_loader(settings, shadow_model, served if shared else None, dev, dt, grid,
+                               "served:" + served.name if shared else "reader:" + (shadow_model or "embedded"))
+    memory = DeviceMemory(dev, int(settings.get("QSE_DEVICE_MEMORY_GB") * GIB))
+    planner = ResidencyPlanner(conductor, memory, served_claim(served, config, settings), loader,
+                               narrator=s.narrator == "on")
+    if loader is not None and reader_load == "start":
+        planner.load_reader_now()  # nothing runs yet: no lock to take
+    service = Service(conductor, served.chat, served.name, prof, settings, served_store=served_store,
+                      max_context_tokens=served.cfg.max_position_embeddings, served_names=served_names or (),
+                      planner=planner)
+    service.reader_load = reader_load
+    return service
+
+
+def served_claim(served, config, settings: EngineSettings):
+    """The served model's claim: its weights as loaded, its KV pool, its decode slots' state, its sessions'
+    device cap (an upper bound: the cap also counts KV that lives in the pool)."""
+    from ..core.residency import Claim
+    from ..store import GIB
+
+    pools = (("kv_pool", int(config.served_kv_gb * GIB)),
+             ("state_slots", config.max_running * served.recurrent_nbytes()),
+             ("session_cache", int(settings.get("QSE_SERVED_CACHE_GB") * GIB)))
+    return Claim("served", "served:" + served.name, served.model.weights_nbytes(), pools)
+
+
+def reader_loader(settings: EngineSettings, shadow_model: str, shared_engine, dev, dt, grid: int | None, model_key: str):
+    """The reader's RoleLoader: its claim (weights from the checkpoint's headers before the load, none of its
+    own when it reads the served Engine; its KV pool and its sessions' cap, QSE_SHADOW_GB each) and how to build
+    it (its Engine unless shared, its store, its ShadowReader)."""
+    from ..core.residency import Claim
+    from ..engine.engine import Engine
+    from ..models import resolve
+    from ..runtime.planner import RoleLoader
+    from ..shadow.reader import ShadowReader, checkpoint_options
+    from ..store import GIB, ShadowStore
+
+    pool_nbytes = int(settings.get("QSE_SHADOW_GB") * GIB)
+    weights = 0 if shared_engine is not None else _weights_estimate(shadow_model, dt, settings.cache_dir())
+    claim = Claim("reader", model_key, weights if shared_engine is None else shared_engine.model.weights_nbytes(),
+                  (("kv_pool", pool_nbytes), ("session_cache", pool_nbytes)))
+
+    def build():
+        engine = shared_engine or Engine(resolve(shadow_model, dev, dt, settings.cache_dir()))
+        store = ShadowStore.from_settings(settings)
+        reader = ShadowReader(engine, grid=grid or settings.get("QSE_SHADOW_GRID"), pool_bytes=pool_nbytes,
+                              residency=store, chunk_group=settings.get("QSE_SHADOW_IDLE_GROUP"),
+                              **checkpoint_options(settings))
+        store.attach(reader)
+        return reader
+
+    def weights_nbytes(reader) -> int:
+        return reader.engine.model.weights_nbytes()
+
+    return RoleLoader(claim, build, lambda reader: reader.warm(), weights_nbytes)
+
+
+def _weights_estimate(spec: str, dtype, cache_dir: Path) -> int | None:
+    """A checkpoint's weights before loading them (None for a preset: measured once loaded)."""
+    import torch
+
+    from ..models import DEFAULT_FAMILY, EMBEDDED, family_module
+    from ..runtime.planner import checkpoint_weights_nbytes
+
+    size = torch.empty((), dtype=dtype).element_size()
+    if spec in ("", EMBEDDED):
+        return checkpoint_weights_nbytes(family_module(DEFAULT_FAMILY).ensure_embedded(cache_dir), size)
+    path = Path(spec).expanduser()
+    return checkpoint_weights_nbytes(path, size) if path.is_dir() else None
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -151,7 +216,7 @@ def serve_main(argv: list[str] | None = None) -> int:
             model=settings.get("QSE_MODEL") if args.model is None else args.model,
             shadow_model=args.shadow_model, profile=profile, grid=args.grid, device=args.device or settings.get("QSE_DEVICE"),
             dtype=args.dtype or settings.get("QSE_DTYPE"), settings=settings, served_names=args.served_model_name,
-            chat_template=args.chat_template)
+            chat_template=args.chat_template, reader_load=settings.get("QSE_SHADOW_LOAD"))
 
     app = LoadingApp(load, root_path=args.root_path)
     config = uvicorn.Config(

@@ -108,9 +108,10 @@ class Service:
     def __init__(self, conductor: Conductor, chat: Any, model_name: str, profile: Profile,
                  settings: EngineSettings = SETTINGS, ledger_path: Path | None = None, store: Any = None,
                  max_context_tokens: int | None = None, served_names: list[str] | tuple[str, ...] = (),
-                 served_store: Any = None):
+                 served_store: Any = None, planner: Any = None):
         """served_names: the names clients use for the model (--served-model-name); the first is the one
-        answers carry. None given: the model's own name."""
+        answers carry. None given: the model's own name. planner: the residency planner (runtime/planner.py)
+        that loads and releases the reader; `store` follows the reader it loads."""
         self.conductor = conductor
         self.chat = chat
         self.root_name = model_name
@@ -122,6 +123,11 @@ class Service:
             profile.generation, getattr(chat, "generation_defaults", {}))
         self.settings = settings
         self.store = store
+        self.planner = planner
+        self.reader_load = "start"  # or "idle": the planner loads the reader once the service has started
+        if planner is not None:
+            self.store = planner.reader.residency if planner.reader is not None else store
+            planner.on_reader = lambda reader: setattr(self, "store", reader.residency if reader else None)
         self.served_store = served_store  # the served sessions' host and disk tiers
         self.max_context_tokens = max_context_tokens
         self.created_s = int(time.time())
@@ -152,6 +158,8 @@ class Service:
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         await self.conductor.start()
+        if self.planner is not None and self.reader_load == "idle":
+            self.planner.start_when_idle(self.settings.get("QSE_SHADOW_IDLE_POLL_S"))
         status = self.conductor.status()
         slot = status.get("slot") or {}
         log.info("server_ready", model=self.model_name, profile=self.profile.name, shadow=self.profile.shadow.mode,
@@ -165,6 +173,8 @@ class Service:
             task.cancel()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+        if self.planner is not None:
+            await self.planner.stop()
         await self.conductor.stop()
 
     async def drain(self, grace_s: float) -> None:
@@ -642,8 +652,33 @@ class Service:
 
     # ---- the shadow ----------------------------------------------------------------------------
     def _need_shadow(self) -> None:
-        if not self.shadow_on:
+        if self.shadow_on:
+            return
+        state = self.planner.book.state("reader").value if self.planner is not None else "off"
+        if state == "off":
             raise ApiError(409, f"the shadow reader is off in profile {self.profile.name!r}", code="shadow_off")
+        raise ApiError(409, f"the shadow reader is {state}, not loaded; GET /v1/conductor/shadow/status shows "
+                       "its role, POST /v1/conductor/shadow/reader {\"action\": \"load\"} loads it",
+                       code="shadow_not_loaded")
+
+    async def reader_action(self, action: str, tenant: Tenant = LONE) -> dict[str, Any]:
+        """Load or release the reader (the residency planner): the admin's (or the lone tenant's) only."""
+        from ..runtime.planner import ResidencyError
+
+        if not tenant.sees_all:
+            raise ApiError(403, "loading and releasing the reader is for the admin tenant", code="forbidden")
+        if self.planner is None:
+            raise ApiError(409, "this server has no residency planner", code="shadow_off")
+        try:
+            if action == "load":
+                verdict = await self.planner.load_reader()
+                out = {"role": "reader", "state": "loaded", "verdict": verdict.message}
+            else:
+                out = await self.planner.release_reader()
+        except ResidencyError as exc:
+            raise ApiError(409, str(exc), code=exc.code) from None
+        out["residency"] = self.planner.status()
+        return out
 
     @staticmethod
     def _unknown(session: str) -> ApiError:
@@ -712,6 +747,8 @@ class Service:
                 store["disk"] = store.pop("disk_dir") is not None  # where it is is the operator's business
         out["narrations"] = {sid: {"text": n.text, "tokens": n.tokens, "position": n.position, "at_s": n.at_s}
                              for sid, n in list(self.narrations.items())[-32:]}
+        if self.planner is not None:
+            out["residency"] = self.planner.status()  # the roles, their claims, what is loaded
         return out if tenant is None else tenant_view(out, tenant)
 
 

@@ -198,6 +198,12 @@ class AskRequest(Struct, forbid_unknown_fields=True):
     at: Annotated[int, Meta(ge=0)] | None = None
 
 
+class ReaderAction(Struct, forbid_unknown_fields=True):
+    """POST /v1/conductor/shadow/reader: load or release the reader (the admin's)."""
+
+    action: Literal["load", "release"]
+
+
 class SummarizeRequest(Struct, forbid_unknown_fields=True):
     session: SessionId
     prompt: Annotated[str, Meta(min_length=1)] | None = None

@@ -121,7 +121,22 @@ def start_server(cache_dir: Path, work: Path, args: list[str] = (), **extra: str
             proc.kill()
             raise RuntimeError(f"the server did not answer /healthz in 90 s:\n{log_path.read_text()[-4000:]}")
         time.sleep(0.1)
+    wait_for_reader(url, proc, log_path, extra.get("QSE_API_KEY", API_KEY), deadline)
     return RunningServer(url, "/qse", proc, log_path, work / "usage.jsonl", work / "shadow", model)
+
+
+def wait_for_reader(url: str, proc: subprocess.Popen, log_path: Path, key: str, deadline: float) -> None:
+    """The server answers before its reader loads (the first idle window after the start): tests that ask the
+    reader start once the planner has settled it (loaded, off, refused or failed)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    while True:
+        r = httpx.get(url + "/v1/conductor/shadow/status", headers=headers, timeout=5.0)
+        roles = (r.json().get("residency") or {}).get("roles", {}) if r.status_code == 200 else {}
+        if r.status_code != 200 or roles.get("reader", {}).get("state") not in ("planned", "loading"):
+            return
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the reader did not load:\n{log_path.read_text()[-4000:]}")
+        time.sleep(0.05)
 
 
 def stop_server(server: RunningServer, timeout_s: float = 30.0) -> int:
