@@ -39,7 +39,12 @@ class SampleRecord:
     grammar ended with a complete answer."""
 
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    grammar_done: bool = False
+    grammar: "GrammarState | None" = None  # the turn's grammar (the sampler sets it)
+
+    @property
+    def grammar_done(self) -> bool:
+        """The grammar ended the answer (read once the turn is over: it waits for the grammar's worker)."""
+        return self.grammar is not None and self.grammar.is_done
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,8 @@ class Sampler:
         self.vocab_limit = vocab_limit  # ids past the tokenizer's vocabulary are padding rows
         self.record = params.record
         self.grammar: GrammarState | None = params.grammar.start() if params.grammar is not None else None
+        if self.record is not None and self.grammar is not None:
+            self.record.grammar = self.grammar  # whether it ended the answer is read after the turn
         self._device: torch.device | None = None
         self._generator: torch.Generator | None = None
         self._counts: torch.Tensor | None = None  # [vocab] int32: occurrences of each id in the output
@@ -143,24 +150,20 @@ class Sampler:
                 x = x - p.presence_penalty * (counts > 0).float()
         if self._bias is not None:
             x.index_add_(0, self._bias[0], self._bias[1])
-        allowed = None
         if self.grammar is not None:
-            allowed = self.grammar.allowed(x.device)
-            x = x.masked_fill(~allowed, float("-inf"))
-        token = self._choose(x, logits, allowed)
+            x = self.grammar.apply(x)  # the mask built on the host while the device ran the step; in place
+        token = self._choose(x, logits)
         out = self._read_back(token, logits)
         if self._counts is not None:
             self._counts[out] += 1  # stays on the device: an index, no read
         if self.grammar is not None:
-            self.grammar.advance(out)
-            if self.record is not None:
-                self.record.grammar_done = self.grammar.is_done
+            self.grammar.advance(out)  # the next mask is built on the grammar's worker from here
         return out
 
-    def _choose(self, x: torch.Tensor, raw: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    def _choose(self, x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor | int:
         p = self.params
         if self.grammar is not None and self.grammar.is_closing:
-            forced = self.grammar.closing_choice(allowed, x)
+            forced = self.grammar.closing_choice(x)  # an int: decided on the host, nothing to read back
             if forced is not None:
                 return forced
         if p.temperature == 0.0:
@@ -179,11 +182,13 @@ class Sampler:
         race = torch.empty_like(probs).exponential_(generator=self._generator)
         return torch.argmax(probs / race)
 
-    def _read_back(self, token: torch.Tensor, raw: torch.Tensor) -> int:
+    def _read_back(self, token: torch.Tensor | int, raw: torch.Tensor) -> int:
         """The id (and the asked log-probabilities of the model's own row) in one copy to the host."""
         k = self.params.top_logprobs
         if k is None or self.record is None:
             return int(token)
+        if isinstance(token, int):
+            token = torch.tensor(token, device=raw.device)
         logp = torch.log_softmax(raw.float(), dim=-1)
         top = torch.topk(logp, k) if k > 0 else None
         parts = [token.reshape(1).float(), logp[token].reshape(1)]
