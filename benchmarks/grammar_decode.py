@@ -58,13 +58,15 @@ def main(argv: list[str] | None = None) -> dict:
     from qse.engine.engine import Engine
     from qse.engine.grammar import Grammar, json_rule
     from qse.engine.sampling import SamplingParams
-    from qse.runtime.conductor import Conductor, ConductorConfig, ShadowOptions, served_sessions
+    from qse.runtime.conductor import Conductor, ShadowOptions, served_sessions
     from qse.models import pick_device, pick_dtype, resolve
+    from qse.policy import Policy
     from qse.settings import SETTINGS
 
     device = pick_device(args.device)
-    engine = Engine(resolve(args.model, device, pick_dtype(args.dtype, device), SETTINGS.cache_dir()))
-    config = ConductorConfig.from_settings(SETTINGS)
+    config = Policy.from_settings(SETTINGS)
+    engine = Engine(resolve(args.model, device, pick_dtype(args.dtype, device), SETTINGS.cache_dir()),
+                    kernels=config.kernels)
     serving = served_sessions(engine, config)
     serving.warm()
     chat = engine.chat

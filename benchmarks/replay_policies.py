@@ -23,7 +23,6 @@ import platform
 import shlex
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,7 +127,7 @@ def _run(job: tuple) -> tuple:
     if trace_key not in _RECORDS:
         _RECORDS[trace_key] = convert(trace_path).records
     model = ReadModel.from_json(model_json)
-    report = simulate(_RECORDS[trace_key], model, SimOptions(**overrides)).report()
+    report = simulate(_RECORDS[trace_key], model, SimOptions.of(**overrides)).report()
     return job, report
 
 
@@ -181,14 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, what, overrides, in_runtime in POLICIES:
         cells = {f"{t}/{m}": _row(get(t, m, overrides)) for t in TRACES for m in models}
         delays = any((get(t, m, overrides)["prefill_loss"] or 0) > 0 for t in TRACES for m in models)
-        table.append({"policy": name, "what": what, "options": asdict(SimOptions(**overrides)),
+        table.append({"policy": name, "what": what, "options": SimOptions.of(**overrides).to_json(),
                       "in_runtime": in_runtime, "wins_on_both_vs_runtime": wins(overrides, {})["wins"],
                       "vs_runtime_2026_11_29": wins(overrides, RUNTIME_2026_11_29),
                       "adds_first_token_delay": delays, "results": cells})
     sensitivity = []
     for name, overrides in SENSITIVITY:
         o = dict(overrides, short_prompt_kept="previous_prompt")
-        sensitivity.append({"policy": name, "options": asdict(SimOptions(**o)),
+        sensitivity.append({"policy": name, "options": SimOptions.of(**o).to_json(),
                             "results": {f"{t}/{m}": _row(get(t, m, o)) for t in TRACES for m in models}})
     meta_inputs = {t: {k: v for k, v in convert(args.traces / n, max_sessions=1).meta.items()
                        if k not in ("num_sessions", "num_records")} for t, n in TRACES.items()}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 import sys
@@ -27,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.results_io import result_header, write_result  # noqa: E402
 from qse.engine.engine import Engine  # noqa: E402
 from qse.models import resolve  # noqa: E402
-from qse.runtime.conductor import (Conductor, ConductorConfig, GenerateRequest, ShadowOptions,  # noqa: E402
+from qse.runtime.conductor import (Conductor, GenerateRequest, ShadowOptions,  # noqa: E402
                                    served_sessions)
+from qse.policy import Policy  # noqa: E402
 from qse.settings import SETTINGS  # noqa: E402
 
 
@@ -64,12 +66,10 @@ async def run(args) -> dict:
         device, dtype, spec = torch.device("cpu"), torch.float32, ""
     else:
         device, dtype, spec = torch.device("cuda"), torch.bfloat16, args.preset
-    engine = Engine(resolve(spec, device, dtype, SETTINGS.cache_dir()))
+    policy = Policy.from_settings(SETTINGS)  # the benchmark is an entry point: it reads the switches once
+    engine = Engine(resolve(spec, device, dtype, SETTINGS.cache_dir()), kernels=policy.kernels)
     users = [int(u) for u in args.users.split(",")]
-    config = ConductorConfig.from_settings(SETTINGS)
-    config.max_running = max(users)
-    config.journal_dir = None
-    config.served_kv_gb = args.kv_gb
+    config = dataclasses.replace(policy, max_running=max(users), journal_dir=None, served_kv_gb=args.kv_gb)
     serving = served_sessions(engine, config)  # no store: sessions past the pool are dropped
     serving.warm()
     conductor = Conductor(engine, None, ShadowOptions(mode="off"), config, serving=serving)

@@ -17,6 +17,7 @@ model is warmed with a tail of every length class first (ServedSessions.warm), a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -31,8 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.results_io import result_header, write_result  # noqa: E402
 from qse.engine.engine import Engine  # noqa: E402
 from qse.models import resolve  # noqa: E402
-from qse.runtime.conductor import ConductorConfig, served_sessions  # noqa: E402
+from qse.runtime.conductor import served_sessions  # noqa: E402
 from qse.sessions.check import load_turns  # noqa: E402
+from qse.policy import Policy  # noqa: E402
 from qse.settings import SETTINGS  # noqa: E402
 from qse.store import ShadowStore  # noqa: E402
 
@@ -67,12 +69,12 @@ def restore_s(served, store: ShadowStore, sid: str, tier: str) -> dict:
 
 def run_preset(spec: str, turns: list[dict], device: torch.device, dtype: torch.dtype, grid: int, disk: Path,
                min_prompt: int) -> dict:
-    engine = Engine(resolve(spec, device, dtype, SETTINGS.cache_dir()))
+    policy = Policy.from_settings(SETTINGS)  # the benchmark is an entry point: it reads the switches once
+    engine = Engine(resolve(spec, device, dtype, SETTINGS.cache_dir()), kernels=policy.kernels)
     longest = max(len(t["prompt_ids"]) for t in turns)
-    config = ConductorConfig.from_settings(SETTINGS)
-    config.served_grid = grid
     # room for the live session, a cold one and a turn's rows
-    config.served_kv_gb = engine.state_bytes_per_token() * (2 * longest + 8 * grid) / (1 << 30)
+    config = dataclasses.replace(policy, served_grid=grid,
+                                 served_kv_gb=engine.state_bytes_per_token() * (2 * longest + 8 * grid) / (1 << 30))
     store = ShadowStore(1 << 62, disk / engine.name.replace("/", "_"), host_cap_nbytes=1 << 62, journal=True)
     served = served_sessions(engine, config, residency=store)
     store.attach(served.book)

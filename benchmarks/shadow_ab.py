@@ -39,9 +39,10 @@ sys.path.insert(0, str(ROOT))
 from qse.engine.engine import Engine  # noqa: E402
 from qse.engine.sampling import SamplingParams  # noqa: E402
 from qse.models import resolve  # noqa: E402
-from qse.runtime.conductor import served_sessions, Conductor, ConductorConfig, GenerateRequest, ShadowOptions  # noqa: E402
+from qse.runtime.conductor import served_sessions, Conductor, GenerateRequest, ShadowOptions  # noqa: E402
+from qse.policy import Policy  # noqa: E402
 from qse.settings import SETTINGS  # noqa: E402
-from qse.shadow.reader import ShadowReader, checkpoint_options  # noqa: E402
+from qse.shadow.reader import ShadowReader  # noqa: E402
 from benchmarks.results_io import versions  # noqa: E402
 
 
@@ -92,17 +93,13 @@ async def main_async(args) -> dict:
     # one reader for every run (its graphs are captured once); each run is a new session
     # the reader as `qse serve` makes it: checkpoints (and so their copies) from the settings
     reader = ShadowReader(reader_engine, grid=args.grid, pool_bytes=per_token * (2 * args.prompt_tokens + 8192),
-                          **checkpoint_options(SETTINGS))
+                          **Policy.from_settings(SETTINGS).reader_checkpoints())
     reader.warm()
     gen = torch.Generator().manual_seed(0)
-    config = dataclasses.replace(ConductorConfig.from_settings(SETTINGS), journal_dir=None,
-                                 served_graphs=args.served_graphs)
+    config = Policy.from_settings(SETTINGS, ration=args.ration, ration_after_s=args.ration_after_s)
+    config = dataclasses.replace(config, journal_dir=None, served_graphs=args.served_graphs)
     serving = served_sessions(served, config)  # each run is a new session: every turn is read cold
     serving.warm()
-    if args.ration is not None:
-        config.ration = args.ration
-    if args.ration_after_s is not None:
-        config.ration_after_s = args.ration_after_s
     arms = {"off": [], "on": []}
     for i in range(2 * args.pairs + 1):  # run 0 warms up (discarded)
         arm = "on" if i % 2 == 0 else "off"

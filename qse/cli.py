@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .policy import Policy
 from .settings import SETTINGS, SHIPPED_CONFIG, SettingError
 
 
@@ -27,7 +28,12 @@ def _load(spec: str, device: str, dtype: str):
     from .models import pick_device, pick_dtype, resolve
 
     dev = pick_device(device)
-    return Engine(resolve(spec, dev, pick_dtype(dtype, dev), SETTINGS.cache_dir()))
+    return Engine(resolve(spec, dev, pick_dtype(dtype, dev), SETTINGS.cache_dir()), kernels=_policy().kernels)
+
+
+def _policy() -> Policy:
+    """The commands' policy: read from the QSE_* switches here, at the entry point, and handed down."""
+    return Policy.from_settings(SETTINGS)
 
 
 def cmd_settings(args: argparse.Namespace) -> int:
@@ -74,7 +80,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_refcheck(args: argparse.Namespace) -> int:
     from .models.refcheck import run_refcheck
 
-    _emit(run_refcheck(args.model, args.device, args.dtype, args.positions, args.seed, args.chunk))
+    _emit(run_refcheck(args.model, args.device, args.dtype, args.positions, args.seed, args.chunk,
+                       cache_dir=SETTINGS.cache_dir()))
     return 0
 
 
@@ -82,9 +89,9 @@ def cmd_shadow_check(args: argparse.Namespace) -> int:
     from .shadow.check import run_shadow_check
 
     engine = _load(args.model, args.device, args.dtype)
-    grid = args.grid or SETTINGS.get("QSE_SHADOW_GRID")
-    _emit(run_shadow_check(engine, Path(args.session), grid, args.probes, pool_gb=args.pool_gb,
-                           noise_floor=args.noise_floor))
+    policy = _policy()
+    _emit(run_shadow_check(engine, Path(args.session), args.grid or policy.grid, args.probes, pool_gb=args.pool_gb,
+                           noise_floor=args.noise_floor, chunk_group=policy.chunk_group))
     return 0
 
 
@@ -92,7 +99,7 @@ def cmd_cache_check(args: argparse.Namespace) -> int:
     from .sessions.check import run_cache_check
 
     engine = _load(args.model, args.device, args.dtype)
-    grid = args.grid or SETTINGS.get("QSE_SERVED_GRID")
+    grid = args.grid or _policy().served_grid
     _emit(run_cache_check(engine, Path(args.session), grid, decode_tokens=args.decode_tokens))
     return 0
 
@@ -125,7 +132,7 @@ def _parked_ids(sessions_dir: str) -> tuple[dict[str, list[int]], dict[str, int]
 
 
 def cmd_router_eval(args: argparse.Namespace) -> int:
-    from .runtime.conductor import ROUTER_CLASSES, ROUTER_QUESTION
+    from .runtime.router import ROUTER_CLASSES, ROUTER_QUESTION
     from .shadow.reader import ShadowReader
     from .shadow.router_eval import Question, evaluate, parse_mapping, question_ids, read_journal
 
@@ -140,7 +147,7 @@ def cmd_router_eval(args: argparse.Namespace) -> int:
     entries = read_journal(args.journal)
     ids_of, misses = _parked_ids(args.sessions)
     engine = _load(args.model, args.device, args.dtype)
-    grid = args.grid or SETTINGS.get("QSE_SHADOW_GRID")
+    grid = args.grid or _policy().grid
     longest = max((len(ids) for ids in ids_of.values()), default=0)
     # room for the longest session and its fork (the question, padded), in whole pages
     pool_bytes = int(args.pool_gb * (1 << 30)) or engine.state_bytes_per_token() * (longest + 4 * grid + 4096)

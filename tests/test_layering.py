@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -9,6 +10,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILY_NAMES = re.compile(r"qwen|Qwen|QWEN|qwen3_5|Qwen35")
+# a family's chat format spelt out (its turn and thought markers): the chat format object renders those
+FORMAT_MARKERS = re.compile(r"im_start|im_end|<think>|</think>|<\|endoftext\|>")
 
 
 def test_server_and_runtime_never_name_a_model_family():
@@ -16,9 +19,9 @@ def test_server_and_runtime_never_name_a_model_family():
     for package in ("qse/server", "qse/runtime"):
         for path in sorted((ROOT / package).rglob("*.py")):
             for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-                if FAMILY_NAMES.search(line):
+                if FAMILY_NAMES.search(line) or FORMAT_MARKERS.search(line):
                     offenders.append(f"{path.relative_to(ROOT)}:{lineno}: {line.strip()}")
-    assert not offenders, "code under qse/server or qse/runtime names a model family:\n" + "\n".join(offenders)
+    assert not offenders, "code under qse/server or qse/runtime names a model family or its format:\n" + "\n".join(offenders)
 
 
 def test_kernels_import_nothing_of_qse():
@@ -32,3 +35,26 @@ def test_core_imports_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+# the entry points build the policy from the settings and hand it down; these read the switches themselves
+ENTRY_POINTS = {"qse/cli.py", "qse/server/cli.py", "qse/replay/cli.py", "qse/settings.py", "qse/policy.py"}
+BELOW_THE_ENTRY_POINTS = ("qse/runtime", "qse/core", "qse/sessions", "qse/store", "qse/shadow", "qse/engine",
+                          "qse/replay", "qse/models")
+
+
+def test_nothing_below_the_entry_points_reads_the_process_settings():
+    """One policy object, built at the entry point: no module below it imports SETTINGS (the process's switches)
+    or names it, so a default or a switch cannot be read in two places."""
+    offenders = []
+    for package in BELOW_THE_ENTRY_POINTS:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            if rel in ENTRY_POINTS:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and any(a.name == "SETTINGS" for a in node.names):
+                    offenders.append(f"{rel}:{node.lineno}: imports SETTINGS")
+                elif isinstance(node, ast.Name) and node.id == "SETTINGS":
+                    offenders.append(f"{rel}:{node.lineno}: names SETTINGS")
+    assert not offenders, "below the entry points, only the policy handed down may be read:\n" + "\n".join(offenders)

@@ -28,13 +28,6 @@ class ChunkCostEstimator:
         self._keys: list[int] = []  # sorted measured buckets
         self._last_ms: dict[int, float] = {}
 
-    @classmethod
-    def from_settings(cls, settings=None) -> "ChunkCostEstimator":
-        from qse.settings import SETTINGS
-
-        settings = SETTINGS if settings is None else settings
-        return cls(prior_ms=settings.get("QSE_SHADOW_CHUNK_PRIOR_MS"))
-
     def _bucket(self, context_tokens: int) -> int:
         return max(0, int(context_tokens)) // self.bucket_tokens
 

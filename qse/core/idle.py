@@ -61,11 +61,9 @@ class IdleWindow:
         self.burst_s = float(burst_s)
 
     @classmethod
-    def from_settings(cls, settings=None) -> "IdleWindow":
-        from qse.settings import SETTINGS
-
-        settings = SETTINGS if settings is None else settings
-        return cls(settings.get("QSE_SHADOW_IDLE_POLL_S"), settings.get("QSE_SHADOW_IDLE_BURST_S"))
+    def of(cls, policy) -> "IdleWindow":
+        """The window as `policy` (qse.policy.Policy, or anything with its fields) sets it."""
+        return cls(policy.idle_poll_s, policy.idle_burst_s)
 
     @staticmethod
     def may_open(*, request_running: bool, request_waiting: bool, hold_on: bool, box_locked: bool) -> bool:

@@ -84,19 +84,14 @@ class TurnRation:
         self.after_s = float(after_s)
 
     @classmethod
-    def reader(cls, settings=None) -> "TurnRation":
-        from qse.settings import SETTINGS
-
-        settings = SETTINGS if settings is None else settings
-        return cls(settings.get("QSE_SHADOW_RATION"), settings.get("QSE_SHADOW_SLICE_MS"), Window.RATION,
-                   settings.get("QSE_SHADOW_RATION_AFTER_S"))
+    def reader(cls, policy) -> "TurnRation":
+        """The reader's ration as `policy` (qse.policy.Policy, or anything with its fields) sets it."""
+        return cls(policy.ration, policy.slice_ms, Window.RATION, policy.ration_after_s)
 
     @classmethod
-    def narrator(cls, settings=None) -> "TurnRation":
-        from qse.settings import SETTINGS
-
-        settings = SETTINGS if settings is None else settings
-        return cls(settings.get("QSE_NARRATOR_SHARE"), settings.get("QSE_SHADOW_SLICE_MS"), Window.NARRATOR)
+    def narrator(cls, policy) -> "TurnRation":
+        """The narrator's share: counted from the first token itself (no delay), in the reader's slices."""
+        return cls(policy.narrator_share, policy.slice_ms, Window.NARRATOR)
 
     def since_s(self, first_token_s: float) -> float:
         """The moment the share starts counting (`first_token_s` itself when there is no delay)."""

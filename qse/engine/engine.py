@@ -18,7 +18,6 @@ import torch
 from ..models import ResolvedModel
 from ..models.cache import SequenceCache
 from ..models.state import ModelState
-from ..settings import SETTINGS
 
 
 @dataclass
@@ -81,7 +80,7 @@ class Engine:
         self.device = self.model.device
         self.dtype = self.model.dtype
         self.name = resolved.name
-        self.kernels = self._pick_kernels(kernels or SETTINGS.get("QSE_KERNELS"))
+        self.kernels = self._pick_kernels(kernels or "auto")
 
     def _pick_kernels(self, requested: str) -> str:
         """Swap the model's ops for qse_kernels' Triton kernels where asked (and where they can run).

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import importlib
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..settings import SETTINGS
+from ..settings import default_cache_dir
 from . import FAMILIES, pick_device, pick_dtype, resolve
 
 
-def run_refcheck(spec: str, device: str, dtype: str, positions: int, seed: int = 0, chunk: int = 0) -> dict[str, Any]:
+def run_refcheck(spec: str, device: str, dtype: str, positions: int, seed: int = 0, chunk: int = 0,
+                 cache_dir: Path | None = None) -> dict[str, Any]:
+    """cache_dir: where the embedded model lives (the entry point's QSE_CACHE_DIR)."""
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
-    resolved = resolve(spec, dev, dt, SETTINGS.cache_dir())
+    resolved = resolve(spec, dev, dt, cache_dir if cache_dir is not None else default_cache_dir())
     model = resolved.model
     reference = importlib.import_module(FAMILIES[resolved.family] + ".reference").reference_model(model)
     vocab = resolved.chat.tokenizer.vocab_size

@@ -25,10 +25,12 @@ import shlex
 import sys
 from pathlib import Path
 
+from qse.policy import Policy
 from qse.replay.read_model import SEED_MS_PER_1000_TOKENS, ReadModel, ReadModelError
 from qse.replay.simulator import RATION_FROM, SimOptions, simulate
 from qse.replay.traces import FORMATS, Rates, TraceError, convert
 from qse.replay.usage import UsageError, write_usage
+from qse.settings import SETTINGS
 
 
 def _trace_args(p: argparse.ArgumentParser) -> None:
@@ -118,16 +120,14 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--read-model-preset and --read-model-ops need --read-model")
         else:
             read_model = ReadModel.flat(args.ms_per_1000)
-        options = SimOptions.from_settings(ration=args.ration, ration_after_s=args.ration_after_s,
-                                           slice_ms=args.slice_ms, idle_poll_s=args.idle_poll_s,
-                                           idle_burst_s=args.idle_burst_s, grid=args.grid,
-                                           checkpoints=args.checkpoints, prefill_share=args.prefill_share,
-                                           wake_on_end=args.wake_on_end, ration_from=args.ration_from,
-                                           checkpoint_at_line=args.checkpoint_at_line,
-                                           recent_checkpoints=args.recent_checkpoints,
-                                           pin_first_checkpoint=args.pin_first_checkpoint,
-                                           divergence_checkpoints=args.divergence_checkpoints,
-                                           idle_group=args.idle_group)
+        # the entry point: the policy from the QSE_* switches, the flags over it
+        options = SimOptions.of(
+            Policy.from_settings(SETTINGS), ration=args.ration, ration_after_s=args.ration_after_s,
+            slice_ms=args.slice_ms, idle_poll_s=args.idle_poll_s, idle_burst_s=args.idle_burst_s, grid=args.grid,
+            checkpoints=args.checkpoints, prefill_share=args.prefill_share, wake_on_end=args.wake_on_end,
+            ration_from=args.ration_from, checkpoint_at_line=args.checkpoint_at_line,
+            recent_checkpoints=args.recent_checkpoints, pin_first_checkpoint=args.pin_first_checkpoint,
+            divergence_checkpoints=args.divergence_checkpoints, idle_group=args.idle_group)
         converted = convert(args.ledger, args.format, Rates(args.decode_tok_s, args.prefill_tok_s), args.max_sessions)
     except (OSError, TraceError, UsageError, ReadModelError, ValueError) as exc:
         return _fail(str(exc))

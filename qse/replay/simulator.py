@@ -26,8 +26,8 @@ after that; fresh = behind < grid. A session's first turn holds nothing before i
 definition; the report gives both all turn starts and follow-up turns only, and the cause of every
 miss (`MISS_CAUSES`).
 
-The defaults are the runtime's (qse/settings.py): a 2 % ration from 5 s after the first token, 6
-prompt-end checkpoints taken at the line, 4 recent checkpoints.
+The policy is the runtime's own object (`SimOptions.policy`, a qse/policy.py `Policy`, whose defaults are the
+settings registry's): the replay and the conductor cannot drift apart on a default.
 
 Policy switches: `ration_after_s` (the ration counts from that many seconds after the first token,
 as the runtime's QSE_SHADOW_RATION_AFTER_S: a shorter turn's decode loses nothing and its backlog
@@ -52,12 +52,14 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
 from typing import Iterable, NamedTuple
 
 from qse.core import (ChunkCostEstimator, DriveResult, GpuLedger, IdleWindow, Role, Stop, TurnRation, Window,
                       drive_plan, plan_read, whole_chunks)
 from qse.core.plan import check_group, group_size
+from qse.policy import Policy
 from qse.replay.read_model import ReadModel, group_share
 from qse.replay.usage import UsageRecord, sessions_of
 
@@ -86,69 +88,70 @@ MISS_CAUSES = {
 
 @dataclass(frozen=True)
 class SimOptions:
-    ration: float = 0.02
-    ration_after_s: float = 5.0  # the ration counts from `ration_from`'s moment + this (QSE_SHADOW_RATION_AFTER_S)
-    slice_ms: float = 150.0
-    idle_poll_s: float = 0.2
-    idle_burst_s: float = 2.0
-    grid: int = 512
-    checkpoints: int = 6
-    chunk_prior_ms: float | None = None  # None: the read model's cost at context 0
+    """The runtime's policy (the conductor's own object, with its defaults) and the replay's modelling switches.
+
+    `SimOptions.of(ration_after_s=0.0, wake_on_end=True)` sorts keyword values between the two."""
+
+    policy: Policy = field(default_factory=Policy)  # ration, windows, grid, checkpoints: what the runtime runs
+    # the estimator's prior: the read model's cost at context 0 (True), or the policy's chunk_prior_ms
+    prior_from_read_model: bool = True
     estimator_bucket_tokens: int = 4096
     output_kept: bool = True  # modelling: a fully shared previous prompt keeps its output too
     # modelling, when a fully shared prompt is shorter than the previous prompt + output (the output was not
     # kept whole; where it was re-rendered the traces do not say): "prompt" keeps the whole new prompt (the
     # latest place it can be), "previous_prompt" keeps only the previous prompt (the earliest)
     short_prompt_kept: str = "prompt"
-    # policy switches (off by default)
+    # policy switches the runtime does not have (off by default)
     ration_from: str = "first_token"
     prefill_share: float = 0.0
     wake_on_end: bool = False
     # checkpoint switches (as the runtime's reader by default)
     checkpoint_at_line: bool = True  # the runtime's reader does this since 2026-11-29
-    recent_checkpoints: int = 4  # QSE_SHADOW_RECENT_CHECKPOINTS
     pin_first_checkpoint: bool = False
-    divergence_checkpoints: int = 0
-    # idle windows read up to this many chunks a launch (QSE_SHADOW_IDLE_GROUP; chunk groups, each chunk at
-    # read_model.group_share of its time alone; a request arriving mid-group waits for the group)
-    idle_group: int = 1
 
     def __post_init__(self) -> None:
         if self.short_prompt_kept not in SHORT_PROMPT_KEPT:
             raise ValueError(f"short_prompt_kept must be one of {SHORT_PROMPT_KEPT}, got {self.short_prompt_kept!r}")
         if self.ration_from not in RATION_FROM:
             raise ValueError(f"ration_from must be one of {RATION_FROM}, got {self.ration_from!r}")
-        if self.grid <= 0:
-            raise ValueError(f"grid must be a positive number of rows, got {self.grid}")
-        if self.checkpoints < 0:
-            raise ValueError(f"checkpoints must be >= 0, got {self.checkpoints}")
-        if self.recent_checkpoints < 0:
-            raise ValueError(f"recent_checkpoints must be >= 0, got {self.recent_checkpoints}")
-        if self.divergence_checkpoints < 0:
-            raise ValueError(f"divergence_checkpoints must be >= 0, got {self.divergence_checkpoints}")
-        TurnRation(self.ration, self.slice_ms, Window.RATION, self.ration_after_s)  # the core's own checks
-        check_group(self.idle_group, "idle_group")
+        p = self.policy
+        if p.grid <= 0:
+            raise ValueError(f"grid must be a positive number of rows, got {p.grid}")
+        for name in ("checkpoints", "recent_checkpoints", "divergence_checkpoints"):
+            if getattr(p, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(p, name)}")
+        TurnRation.reader(p)  # the core's own checks
+        check_group(p.idle_group, "idle_group")
+
+    @classmethod
+    def of(cls, policy: Policy | None = None, **values) -> "SimOptions":
+        """Options from keyword values: a Policy field's goes to the policy (over `policy`, default the shipped
+        one), the rest are the replay's own; a None value is left out (a flag not given)."""
+        given = {k: v for k, v in values.items() if v is not None}
+        policy_fields = {f.name for f in fields(Policy)}
+        unknown = set(given) - policy_fields - {f.name for f in fields(cls)}
+        if unknown:
+            raise TypeError(f"unknown replay option(s) {sorted(unknown)}")
+        ours = {k: v for k, v in given.items() if k not in policy_fields}
+        if "chunk_prior_ms" in given:
+            ours.setdefault("prior_from_read_model", False)
+        return cls(policy=replace(policy or Policy(), **{k: v for k, v in given.items() if k in policy_fields}),
+                   **ours)
+
+    @property
+    def grid(self) -> int:
+        return self.policy.grid
 
     @property
     def max_checkpoints_per_session(self) -> int:
-        return (self.checkpoints + self.recent_checkpoints + (1 if self.pin_first_checkpoint else 0)
-                + self.divergence_checkpoints)
+        p = self.policy
+        return p.checkpoints + p.recent_checkpoints + (1 if self.pin_first_checkpoint else 0) + p.divergence_checkpoints
 
-    @classmethod
-    def from_settings(cls, settings=None, **overrides) -> "SimOptions":
-        from qse.settings import SETTINGS
-
-        settings = SETTINGS if settings is None else settings
-        base = dict(ration=settings.get("QSE_SHADOW_RATION"), ration_after_s=settings.get("QSE_SHADOW_RATION_AFTER_S"),
-                    slice_ms=settings.get("QSE_SHADOW_SLICE_MS"),
-                    idle_poll_s=settings.get("QSE_SHADOW_IDLE_POLL_S"),
-                    idle_burst_s=settings.get("QSE_SHADOW_IDLE_BURST_S"), grid=settings.get("QSE_SHADOW_GRID"),
-                    checkpoints=settings.get("QSE_SHADOW_CHECKPOINTS"),
-                    recent_checkpoints=settings.get("QSE_SHADOW_RECENT_CHECKPOINTS"),
-                    divergence_checkpoints=settings.get("QSE_SHADOW_DIVERGENCE_CHECKPOINTS"),
-                    idle_group=settings.get("QSE_SHADOW_IDLE_GROUP"))
-        base.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**base)
+    def to_json(self) -> dict:
+        """The options as the report shows them: the policy's fields and the replay's, side by side (paths as text)."""
+        own = asdict(self)
+        policy = {k: (str(v) if isinstance(v, Path) else v) for k, v in own.pop("policy").items()}
+        return {**policy, **own}
 
 
 class TurnStart(NamedTuple):
@@ -315,7 +318,7 @@ def build_report(result: SimResult) -> dict:
                         "bytes_each_0_8b": CHECKPOINT_BYTES_0_8B,
                         "max_bytes_per_session_0_8b": result.max_checkpoints_held * CHECKPOINT_BYTES_0_8B,
                         "num_taken": result.num_checkpoints_taken},
-        "options": asdict(result.options),
+        "options": result.options.to_json(),
     }
     report["goal"] = freshness_goal(report)
     return report
@@ -328,13 +331,12 @@ class Simulator:
         self.read_model = read_model
         self.options = options
         self.record_decisions = record_decisions
-        prior = options.chunk_prior_ms
-        if prior is None:
-            prior = read_model.ms_per_chunk(0, options.grid)
+        policy = options.policy
+        prior = read_model.ms_per_chunk(0, policy.grid) if options.prior_from_read_model else policy.chunk_prior_ms
         self.estimator = ChunkCostEstimator(prior, options.estimator_bucket_tokens)
-        self.idle = IdleWindow(options.idle_poll_s, options.idle_burst_s)
-        self.ration = TurnRation(options.ration, options.slice_ms, Window.RATION, options.ration_after_s)
-        self.prefill = (TurnRation(options.prefill_share, options.slice_ms, Window.PREFILL)
+        self.idle = IdleWindow.of(policy)
+        self.ration = TurnRation.reader(policy)
+        self.prefill = (TurnRation(options.prefill_share, policy.slice_ms, Window.PREFILL)
                         if options.prefill_share > 0 else None)
         self.result = SimResult(options)
 
@@ -379,7 +381,7 @@ class _SessionReplay:
     def _checkpoint(self, row: int) -> None:
         """A prompt-end checkpoint at `row` (as the reader's _take_checkpoint: the highest `checkpoints` kept)."""
         cps = sorted({c for c in self.checkpoints if c != row} | {row})
-        while len(cps) > self.opt.checkpoints:
+        while len(cps) > self.opt.policy.checkpoints:
             low = cps.pop(0)
             if self.opt.pin_first_checkpoint and self.pinned is None:
                 self.pinned = low
@@ -426,8 +428,8 @@ class _SessionReplay:
             self.div_cps.add(end)
             self.sim.result.num_checkpoints_taken += 1
             self._note_held()
-        if self.opt.recent_checkpoints and launch_end:
-            self.recent = (self.recent + [end])[-self.opt.recent_checkpoints:]
+        if self.opt.policy.recent_checkpoints and launch_end:
+            self.recent = (self.recent + [end])[-self.opt.policy.recent_checkpoints:]
             self.sim.result.num_checkpoints_taken += 1
             self._note_held()
         if self.ready_at is None and end >= self.ready_target:
@@ -437,7 +439,7 @@ class _SessionReplay:
                budget_ms: float, est_ms: float) -> DriveResult | None:
         plan = plan_read(window, session_id=self.session_id, turn_id=turn_id, committed_rows=self.committed,
                          prompt_tokens=self.prompt, known_tokens=self.known, grid=self.grid,
-                         budget_ms=budget_ms, first_chunk_est_ms=est_ms, group=self.opt.idle_group)
+                         budget_ms=budget_ms, first_chunk_est_ms=est_ms, group=self.opt.policy.idle_group)
         if plan is None:
             return None
         opened = self.now
@@ -550,9 +552,9 @@ class _SessionReplay:
                 self.pinned = None
             self.div_cps = {c for c in self.div_cps if c <= back_to}
             div_line = (kept // self.grid) * self.grid
-            if self.opt.divergence_checkpoints and div_line > 0:
+            if self.opt.policy.divergence_checkpoints and div_line > 0:
                 self.div_lines = ([c for c in self.div_lines if c != div_line]
-                                  + [div_line])[-self.opt.divergence_checkpoints:]
+                                  + [div_line])[-self.opt.policy.divergence_checkpoints:]
                 self.div_cps &= set(self.div_lines)
         behind = max(0, kept - self.committed)
         fresh = behind < self.grid

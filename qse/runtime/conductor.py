@@ -21,15 +21,14 @@ from __future__ import annotations
 import asyncio
 import gc
 import itertools
-import json
 import math
 import time
 import uuid
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
+import msgspec
 import structlog
 
 from ..core.chunk_cost import ChunkCostEstimator
@@ -42,24 +41,17 @@ from ..core.prefix import common_prefix
 from ..core.ration import RationSlice, TurnRation
 from ..engine.engine import Engine
 from ..engine.sampling import Sampler, SamplingParams
+from ..policy import Policy
 from ..sessions.grid import GridSessions
 from ..sessions.served import ServedSessions, ServedTurn
-from ..settings import SETTINGS, EngineSettings
 from ..shadow.reader import AskResult, ShadowError, ShadowReader
 from .executor import EngineExecutor
 from .ledger import RuntimeLedger
 from .locks import LockBoard
 from .reading import ChunkRunner, ReadOutcome
+from .router import ROUTER_QUESTION, ROUTER_LETTERS, Answer, Journal, RouterQueue
 
 log = structlog.get_logger("qse.conductor")
-
-ROUTER_CLASSES = ["chat", "code_edit", "debug", "design_ui", "explain", "plan", "search", "test", "other"]
-ROUTER_QUESTION = (
-    "Classify the user's latest request in this session into one class. Classes: "
-    + "; ".join(f"{chr(65 + i)}) {c}" for i, c in enumerate(ROUTER_CLASSES))
-    + ". Answer with the letter only."
-)
-
 
 class ConductorStopped(RuntimeError):
     """The conductor was stopped (a planned stop); the request was not run."""
@@ -73,51 +65,6 @@ class ShadowOptions:
     narrator: str = "off"  # off | on
     router: str = "off"  # off | shadow
     router_min_tokens: int = 8192
-
-
-@dataclass
-class ConductorConfig:
-    ration: float = 0.02  # the reader's share of the served model's time from ration_after_s past its first token
-    slice_ms: float = 150.0  # longest slice between two decode rounds
-    ration_after_s: float = 5.0  # the reader's ration counts from first token + this (not the narrator's share)
-    idle_poll_s: float = 0.2
-    idle_burst_s: float = 2.0
-    narrator_share: float = 0.03
-    journal_dir: Path | None = None
-    chunk_prior_ms: float = 50.0  # a chunk's cost before the reader measured one
-    served_graphs: bool = True  # decode under a CUDA graph where the served engine can (cuda, triton kernels)
-    served_kv_gb: float = 8.0  # the served model's KV pool (its sessions' pages), GiB
-    served_grid: int = 512  # rows per grid chunk of the served sessions
-    served_checkpoints: int = 6  # prompt-end checkpoints a served session keeps
-    served_recent_checkpoints: int = 4  # and the newest grid lines read
-    max_running: int = 8  # turns decoding together in one round (the rounds' slots)
-    gc_freeze: bool = True  # freeze the Python objects that exist at start (see start())
-    reader_lookahead: int = 1  # chunks launched ahead of the one read back (qse/runtime/reading.py)
-    launch_lead_ms: float = 1.0  # idle window: the next chunk goes this long before the one in flight ends
-    idle_group: int = 1  # idle window: chunks one launch may read (the reader's chunk groups; 1: one a launch)
-
-    @classmethod
-    def from_settings(cls, settings: EngineSettings = SETTINGS) -> "ConductorConfig":
-        return cls(
-            ration=settings.get("QSE_SHADOW_RATION"),
-            slice_ms=settings.get("QSE_SHADOW_SLICE_MS"),
-            ration_after_s=settings.get("QSE_SHADOW_RATION_AFTER_S"),
-            idle_poll_s=settings.get("QSE_SHADOW_IDLE_POLL_S"),
-            served_graphs=settings.get("QSE_SERVED_GRAPHS"),
-            served_kv_gb=settings.get("QSE_SERVED_KV_GB"),
-            served_grid=settings.get("QSE_SERVED_GRID"),
-            max_running=settings.get("QSE_MAX_RUNNING"),
-            served_checkpoints=settings.get("QSE_SHADOW_CHECKPOINTS"),
-            served_recent_checkpoints=settings.get("QSE_SHADOW_RECENT_CHECKPOINTS"),
-            gc_freeze=settings.get("QSE_GC_FREEZE"),
-            idle_burst_s=settings.get("QSE_SHADOW_IDLE_BURST_S"),
-            narrator_share=settings.get("QSE_NARRATOR_SHARE"),
-            journal_dir=settings.get("QSE_SHADOW_DIR") or settings.cache_dir() / "shadow",
-            chunk_prior_ms=settings.get("QSE_SHADOW_CHUNK_PRIOR_MS"),
-            reader_lookahead=settings.get("QSE_SHADOW_LOOKAHEAD"),
-            launch_lead_ms=settings.get("QSE_SHADOW_LAUNCH_LEAD_MS"),
-            idle_group=settings.get("QSE_SHADOW_IDLE_GROUP"),
-        )
 
 
 @dataclass
@@ -210,24 +157,25 @@ class _Running:
 
 class Conductor:
     def __init__(self, served: Engine, reader: ShadowReader | None, options: ShadowOptions | None = None,
-                 config: ConductorConfig | None = None, on_turn: Callable[[TurnRecord], None] | None = None,
+                 policy: Policy | None = None, on_turn: Callable[[TurnRecord], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, serving: ServedSessions | None = None):
-        """serving: the served model's sessions (made from the config when None, without a disk or host
+        """serving: the served model's sessions (made from the policy when None, without a disk or host
         tier; `qse serve` passes one with its store, and a benchmark that makes many conductors passes one,
-        so its pool and graphs are made once)."""
+        so its pool and graphs are made once). policy: what the entry point read from the settings (None: the
+        shipped defaults, for tests)."""
         self.served = served
         self.options = options or ShadowOptions()
         self.reader = reader if self.options.mode == "on" else None
-        self.config = config or ConductorConfig.from_settings()
+        self.policy = policy or Policy()
         self.on_turn = on_turn
         self.clock = clock
         self.board = LockBoard()
         self.ledger = RuntimeLedger()
-        cfg = self.config
+        cfg = self.policy
         self.estimator = ChunkCostEstimator(cfg.chunk_prior_ms)
-        self.idle = IdleWindow(cfg.idle_poll_s, cfg.idle_burst_s)
-        self.ration = TurnRation(cfg.ration, cfg.slice_ms, Window.RATION, cfg.ration_after_s)
-        self.narrator_ration = TurnRation(cfg.narrator_share, cfg.slice_ms, Window.NARRATOR)
+        self.idle = IdleWindow.of(cfg)
+        self.ration = TurnRation.reader(cfg)
+        self.narrator_ration = TurnRation.narrator(cfg)
         self.serving = serving or served_sessions(served, cfg)
         # before the executors' threads start: it checks the reader's lookahead and lead
         self.runner = (ChunkRunner(self.reader, self.estimator, self.ledger, clock, lookahead=cfg.reader_lookahead,
@@ -237,8 +185,10 @@ class Conductor:
         self.reader_exec = self.served_exec if (reader is None or reader.engine is served) else EngineExecutor("reader")
         self._idle_task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
-        self._router_pending: dict[str, list[dict[str, Any]]] = {}
-        self._journal_lock = asyncio.Lock()
+        # the router's questions (shadow mode): queued at turn start, answered where the reader reaches them
+        self.router = RouterQueue(self.reader.grid if self.reader is not None else 1, self.options.router_min_tokens,
+                                  served.chat.turn_end_id, clock)
+        self.journal = Journal(self.policy.journal_dir)
         self._session_prompts: dict[str, list[int]] = {}
         self._unread_since: dict[str, float] = {}  # session -> when its oldest unread chunk became known
         self._narrator_waiting: dict[str, int] = {}  # sessions whose summary waits for the engine lock
@@ -254,7 +204,6 @@ class Conductor:
         self._started = False
         self.turns = 0
         self.idle_bursts = 0
-        self.router_counts = {"answered": 0, "compared": 0, "agreed": 0}  # the router's question in shadow mode
         self._seed_estimator()
 
     def _seed_estimator(self) -> None:
@@ -267,7 +216,7 @@ class Conductor:
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
-        if self.config.gc_freeze:
+        if self.policy.gc_freeze:
             # what exists now (weights' wrappers, tokenizer tables, graphs) lives as long as the process: out
             # of the collector's sight, a full collection during a turn scans only what turns allocate (it
             # scanned ~170k objects, 80 ms, between two decode rounds)
@@ -350,7 +299,7 @@ class Conductor:
             self.served_exec.shutdown()
             if self.reader_exec is not self.served_exec:
                 self.reader_exec.shutdown()
-            if self.config.gc_freeze:
+            if self.policy.gc_freeze:
                 gc.unfreeze()  # what start froze may be collected again (and is, at exit)
 
     def _refuse_if_released(self) -> None:
@@ -585,7 +534,10 @@ class Conductor:
         turn.reader_behind_tokens = await self.reader_exec.run(feed)
         self._session_prompts[sid] = prompt
         self._note_backlog(sid)
-        self._maybe_queue_router(sid, turn.req)
+        if self.options.router == "shadow":
+            session = self.reader.sessions[sid]
+            self.router.queue(sid, turn.req.prompt_ids, turn.req.request_id, turn.req.router_label,
+                              session.committed, session.behind_at_turn_start)
 
     async def _between_rounds(self, turn: _Turn) -> None:
         """The reader's slice (prompt first, then the output so far), then the narrator's for waiting summaries."""
@@ -666,7 +618,7 @@ class Conductor:
             outcome: ReadOutcome | None = await self.reader_exec.run(
                 self.runner.run, window, session_id, turn_id, decision, budget_ms=left_us / 1000,
                 prompt_tokens=len(self._session_prompts.get(session_id, ())) or None, known_ids=known_ids,
-                question_rows=self._question_rows(session_id), request_waiting=self._request_waiting)
+                question_rows=self.router.stop_rows(session_id), request_waiting=self._request_waiting)
             if outcome is None:
                 self._note_backlog(session_id)
                 return num_chunks, None
@@ -707,7 +659,7 @@ class Conductor:
         reader = self.reader
         if any(s.backlog >= reader.grid for s in reader.sessions.values()):
             return True
-        return any(self._ready_questions(sid) for sid in self._router_pending)
+        return bool(self.router.sessions_ready(self._committed))
 
     async def idle_once(self) -> int:
         """One look at the idle window: read up to idle_burst_s if nothing runs or waits. Returns chunks read."""
@@ -739,7 +691,7 @@ class Conductor:
         return chunks
 
     async def _idle_burst(self) -> int:
-        for sid in [sid for sid in self._router_pending if self._ready_questions(sid)]:
+        for sid in self.router.sessions_ready(self._committed):
             await self._answer_router(sid)  # the reader already stands where these were asked
         burst = self.idle.open(self.clock())
         chunks = 0
@@ -759,17 +711,17 @@ class Conductor:
                  wall_ms=round((self.clock() - burst.opened_s) * 1e3, 3))
         return chunks
 
-    # ---- questions ---------------------------------------------------------------------------
+    # ---- questions ----------------------------------------------------------------------------
     def render_question(self, question: str) -> list[int]:
-        text = f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-        return self.reader.engine.chat.tokenizer.encode(text)
+        """A question as the reader's chat format asks it (the format is the model's business, not ours)."""
+        return self.reader.engine.chat.question_ids(question)
 
     async def ask(self, session_id: str, question: str, choices: list[str], upto: int | None = None) -> AskResult:
         if self.reader is None:
             raise ShadowError("the shadow reader is off in this profile")
         self.reader.get(session_id)
         ids = self.render_question(question)
-        limit = SETTINGS.get("QSE_MAX_QUESTION_TOKENS")
+        limit = self.policy.max_question_tokens
         if len(ids) > limit:
             raise ShadowError(f"the question has {len(ids)} tokens, over the limit of {limit} (QSE_MAX_QUESTION_TOKENS)")
         async with self.board.engine_lock(Priority.QUESTION):
@@ -786,7 +738,7 @@ class Conductor:
             raise ShadowError("the shadow reader is off in this profile")
         self.reader.get(session_id)
         ids = self.render_question(prompt)
-        stop = (self.reader.engine.chat.tokenizer.im_end_id,)
+        stop = (self.reader.engine.chat.turn_end_id,)
         self._narrator_waiting[session_id] = self._narrator_waiting.get(session_id, 0) + 1
         try:
             async with self.board.engine_lock(Priority.NARRATOR):
@@ -802,68 +754,20 @@ class Conductor:
                 self._narrator_waiting.pop(session_id, None)
         return result
 
-    def _maybe_queue_router(self, session_id: str, req: GenerateRequest) -> None:
-        if self.options.router != "shadow" or len(req.prompt_ids) < self.options.router_min_tokens:
-            return
-        im_end = self.served.chat.turn_end_id
-        insertion = max((i + 1 for i, t in enumerate(req.prompt_ids) if t == im_end), default=len(req.prompt_ids))
-        session = self.reader.sessions[session_id]
-        if insertion < session.committed:  # the reader is already past it: it can no longer answer there
-            log.warning("router_question_passed", session=session_id, request_id=req.request_id,
-                        position=insertion, committed=session.committed)
-            return
-        self._router_pending.setdefault(session_id, []).append({
-            "request_id": req.request_id, "position": insertion, "router_label": req.router_label,
-            "behind_at_turn_start": session.behind_at_turn_start, "asked_at": self.clock(),
-        })
-
-    def _question_rows(self, session_id: str) -> frozenset[int]:
-        """Rows at which a read must stop: the chunk starting there would pass a pending question."""
-        grid = self.reader.grid
-        return frozenset((p["position"] // grid) * grid for p in self._router_pending.get(session_id, ()))
-
-    def _ready_questions(self, session_id: str) -> list[dict[str, Any]]:
-        session = self.reader.sessions.get(session_id)
-        if session is None:
-            return []
-        grid = self.reader.grid
-        return [p for p in self._router_pending.get(session_id, ())
-                if session.committed <= p["position"] < session.committed + grid]
+    def _committed(self, session_id: str) -> int | None:
+        session = self.reader.sessions.get(session_id) if self.reader is not None else None
+        return None if session is None else session.committed
 
     async def _answer_router(self, session_id: str) -> int:
         """Answer the pending router questions the reader has reached (the next chunk would pass them)."""
-        ready = self._ready_questions(session_id)
-        for item in ready:
-            self._router_pending[session_id].remove(item)
-            ids = self.render_question(ROUTER_QUESTION)
-            letters = [chr(65 + i) for i in range(len(ROUTER_CLASSES))]
-            result = await self.reader_exec.run(self.reader.ask, session_id, ids, letters, item["position"])
-            self.ledger.record(Role.READER_ASK, result.gpu_ms)
-            label = ROUTER_CLASSES[letters.index(result.label)]
-            self.router_counts["answered"] += 1
-            if item["router_label"]:
-                self.router_counts["compared"] += 1
-                self.router_counts["agreed"] += int(label == item["router_label"])
-            entry = {
-                "ts": time.time(), "session": session_id, "request_id": item["request_id"], "label": label,
-                "probability": round(result.probability, 6), "router_label": item["router_label"],
-                "agree": (label == item["router_label"]) if item["router_label"] else None,
-                "behind_at_turn_start": item["behind_at_turn_start"], "lag_s": round(self.clock() - item["asked_at"], 3),
-                "position": item["position"],
-            }
-            await self._journal(entry)
-        if not self._router_pending.get(session_id, True):
-            del self._router_pending[session_id]
-        return len(ready)
+        ids = self.render_question(ROUTER_QUESTION)
 
-    async def _journal(self, entry: dict[str, Any]) -> None:
-        root = self.config.journal_dir
-        if root is None:
-            return
-        async with self._journal_lock:
-            Path(root).mkdir(parents=True, exist_ok=True)
-            with open(Path(root) / "shadow.jsonl", "a") as f:
-                f.write(json.dumps(entry) + "\n")
+        async def ask(position: int) -> Answer:
+            result = await self.reader_exec.run(self.reader.ask, session_id, ids, ROUTER_LETTERS, position)
+            self.ledger.record(Role.READER_ASK, result.gpu_ms)
+            return Answer(result.label, result.probability)
+
+        return await self.router.answer_ready(session_id, self._committed(session_id), ask, self.journal)
 
     # ---- status ------------------------------------------------------------------------------
     def served_cache_status(self) -> dict[str, Any]:
@@ -909,8 +813,8 @@ class Conductor:
             "backlog": sum(s.backlog for s in r.sessions.values()),
             "resident_bytes": r.resident_nbytes(),
             "last_answers": list(r.stats.last_answers),
-            "router_pending": sum(len(v) for v in self._router_pending.values()),
-            "router": dict(self.router_counts),
+            "router_pending": self.router.num_pending,
+            "router": msgspec.structs.asdict(self.router.counts),
             "narrator_waiting": sum(self._narrator_waiting.values()),
             "chunk_estimate_ms": self.estimator.estimate_ms(0),
         })
@@ -920,10 +824,10 @@ class Conductor:
         return out
 
 
-def served_sessions(engine: Engine, config: ConductorConfig, residency=None) -> ServedSessions:
-    """The served model's sessions as the config sizes them (residency: the store with its host and disk
+def served_sessions(engine: Engine, policy: Policy, residency=None) -> ServedSessions:
+    """The served model's sessions as the policy sizes them (residency: the store with its host and disk
     tiers; None drops least recently fed sessions past the pool)."""
-    book = GridSessions(engine, grid=config.served_grid, pool_bytes=int(config.served_kv_gb * (1 << 30)),
-                        max_checkpoints=config.served_checkpoints, recent_checkpoints=config.served_recent_checkpoints,
-                        residency=residency, graphs=None if config.served_graphs else False, who="the served model")
-    return ServedSessions(book, max_running=config.max_running)
+    book = GridSessions(engine, grid=policy.served_grid, pool_bytes=int(policy.served_kv_gb * (1 << 30)),
+                        max_checkpoints=policy.checkpoints, recent_checkpoints=policy.recent_checkpoints,
+                        residency=residency, graphs=None if policy.served_graphs else False, who="the served model")
+    return ServedSessions(book, max_running=policy.max_running)

@@ -68,28 +68,29 @@ def build_service(model: str = "", shadow_model: str | None = None, profile: str
     leaves it to the planner, in the first idle window after the service starts (qse serve's default)."""
     from ..engine.engine import Engine
     from ..models import pick_device, pick_dtype, resolve, same_spec
-    from ..runtime.conductor import Conductor, ConductorConfig, ShadowOptions, served_sessions
+    from ..policy import Policy
+    from ..runtime.conductor import Conductor, ShadowOptions, served_sessions
     from ..runtime.planner import DeviceMemory, ResidencyPlanner
     from ..store import GIB, ShadowStore
 
     if reader_load not in ("start", "idle"):
         raise SettingError(f"QSE_SHADOW_LOAD={reader_load!r}: expected idle or start")
     prof = load_profile(profile)
+    policy = Policy.from_settings(settings)  # the one read of the switches below this point
     shadow_model = settings.get("QSE_SHADOW_MODEL") if shadow_model is None else shadow_model
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     cache = settings.cache_dir()
-    served = Engine(resolve(model, dev, dt, cache, chat_template=chat_template))
+    served = Engine(resolve(model, dev, dt, cache, chat_template=chat_template), kernels=policy.kernels)
     wants_reader = prof.shadow.mode == "on" and shadow_model != ""
     s = prof.shadow
     options = ShadowOptions(mode=s.mode if wants_reader else "off", narrator=s.narrator, router=s.router,
                             router_min_tokens=s.router_min_tokens)
-    config = ConductorConfig.from_settings(settings)
     # the served sessions' own store: device cap, host tier, disk tier (the reader's is separate)
     served_store = ShadowStore.for_served(settings)
-    serving = served_sessions(served, config, residency=served_store)
+    serving = served_sessions(served, policy, residency=served_store)
     served_store.attach(serving.book)
-    conductor = Conductor(served, None, options, config, serving=serving)
+    conductor = Conductor(served, None, options, policy, serving=serving)
     # capture the served decode step's graphs before the first request, not in it
     conductor.serving.warm()
     loader = None
@@ -98,12 +99,12 @@ def build_service(model: str = "", shadow_model: str | None = None, profile: str
 
         # the chunk groups the idle window may launch are captured by the reader's warm(), with the single
         # chunk's graph (none beyond it at the default of one chunk a launch)
-        check_group(settings.get("QSE_SHADOW_IDLE_GROUP"), "the idle window's chunk group (QSE_SHADOW_IDLE_GROUP)")
+        check_group(policy.idle_group, "the idle window's chunk group (QSE_SHADOW_IDLE_GROUP)")
         shared = same_spec(shadow_model, model)
-        loader = reader_loader(settings, shadow_model, served if shared else None, dev, dt, grid,
+        loader = reader_loader(settings, policy, shadow_model, served if shared else None, dev, dt, grid,
                                "served:" + served.name if shared else "reader:" + (shadow_model or "embedded"))
     memory = DeviceMemory(dev, int(settings.get("QSE_DEVICE_MEMORY_GB") * GIB))
-    planner = ResidencyPlanner(conductor, memory, served_claim(served, config, settings), loader,
+    planner = ResidencyPlanner(conductor, memory, served_claim(served, policy, settings), loader,
                                narrator=s.narrator == "on")
     if loader is not None and reader_load == "start":
         planner.load_reader_now()  # nothing runs yet: no lock to take
@@ -114,19 +115,19 @@ def build_service(model: str = "", shadow_model: str | None = None, profile: str
     return service
 
 
-def served_claim(served, config, settings: EngineSettings):
+def served_claim(served, policy, settings: EngineSettings):
     """The served model's claim: its weights as loaded, its KV pool, its decode slots' state, its sessions'
     device cap (an upper bound: the cap also counts KV that lives in the pool)."""
     from ..core.residency import Claim
     from ..store import GIB
 
-    pools = (("kv_pool", int(config.served_kv_gb * GIB)),
-             ("state_slots", config.max_running * served.recurrent_nbytes()),
+    pools = (("kv_pool", int(policy.served_kv_gb * GIB)),
+             ("state_slots", policy.max_running * served.recurrent_nbytes()),
              ("session_cache", int(settings.get("QSE_SERVED_CACHE_GB") * GIB)))
     return Claim("served", "served:" + served.name, served.model.weights_nbytes(), pools)
 
 
-def reader_loader(settings: EngineSettings, shadow_model: str, shared_engine, dev, dt, grid: int | None, model_key: str):
+def reader_loader(settings: EngineSettings, policy, shadow_model: str, shared_engine, dev, dt, grid: int | None, model_key: str):
     """The reader's RoleLoader: its claim (weights from the checkpoint's headers before the load, none of its
     own when it reads the served Engine; its KV pool and its sessions' cap, QSE_SHADOW_GB each) and how to build
     it (its Engine unless shared, its store, its ShadowReader)."""
@@ -134,20 +135,20 @@ def reader_loader(settings: EngineSettings, shadow_model: str, shared_engine, de
     from ..engine.engine import Engine
     from ..models import resolve
     from ..runtime.planner import RoleLoader
-    from ..shadow.reader import ShadowReader, checkpoint_options
+    from ..shadow.reader import ShadowReader
     from ..store import GIB, ShadowStore
 
-    pool_nbytes = int(settings.get("QSE_SHADOW_GB") * GIB)
+    pool_nbytes = int(policy.reader_gb * GIB)
     weights = 0 if shared_engine is not None else _weights_estimate(shadow_model, dt, settings.cache_dir())
     claim = Claim("reader", model_key, weights if shared_engine is None else shared_engine.model.weights_nbytes(),
                   (("kv_pool", pool_nbytes), ("session_cache", pool_nbytes)))
 
     def build():
-        engine = shared_engine or Engine(resolve(shadow_model, dev, dt, settings.cache_dir()))
+        engine = shared_engine or Engine(resolve(shadow_model, dev, dt, settings.cache_dir()), kernels=policy.kernels)
         store = ShadowStore.from_settings(settings)
-        reader = ShadowReader(engine, grid=grid or settings.get("QSE_SHADOW_GRID"), pool_bytes=pool_nbytes,
-                              residency=store, chunk_group=settings.get("QSE_SHADOW_IDLE_GROUP"),
-                              **checkpoint_options(settings))
+        reader = ShadowReader(engine, grid=grid or policy.grid, pool_bytes=pool_nbytes, residency=store,
+                              chunk_group=policy.idle_group, graphs=None if policy.reader_graphs else False,
+                              **policy.reader_checkpoints())
         store.attach(reader)
         return reader
 

@@ -23,7 +23,6 @@ from ..core.prefix import common_prefix
 from ..engine.engine import DeviceClock, Engine, Stopwatch
 from ..engine.graphs import ForwardGraphs, capture_mode
 from ..engine.kv import KVPool, PagedKV
-from ..settings import SETTINGS
 from .session import DIVERGENCE, PROMPT, RECENT, Checkpoint, GridSession
 
 
@@ -136,20 +135,13 @@ class BookStats:
     last_answers: list[dict] = field(default_factory=list)
 
 
-def checkpoint_options(settings=SETTINGS) -> dict[str, int]:
-    """The checkpoint counts a reader takes from the settings (`qse serve`, and the benchmarks that mirror it)."""
-    return dict(max_checkpoints=settings.get("QSE_SHADOW_CHECKPOINTS"),
-                recent_checkpoints=settings.get("QSE_SHADOW_RECENT_CHECKPOINTS"),
-                divergence_checkpoints=settings.get("QSE_SHADOW_DIVERGENCE_CHECKPOINTS"))
-
-
 class GridSessions:
     def __init__(self, engine: Engine, grid: int = 512, pool_bytes: int = 4 << 30, max_checkpoints: int = 6,
                  page_rows: int | None = None, residency: Residency | None = None, clock=time.monotonic,
                  graphs: bool | str | None = None, recent_checkpoints: int = 0, divergence_checkpoints: int = 0,
                  chunk_group: int = 1, who: str = "the reader"):
         """graphs: True/False, None for CUDA graphs where the device is CUDA and the kernels are Triton's
-        (the reader also honours QSE_SHADOW_GRAPHS), or "static": the graph path's buffers and flow without capturing (CPU tests).
+        (the entry point passes False where QSE_SHADOW_GRAPHS is off), or "static": the graph path's buffers and flow without capturing (CPU tests).
 
         Checkpoints beside the prompt ends' (`max_checkpoints`): the newest `recent_checkpoints` grid lines
         read, and the lines of the newest `divergence_checkpoints` places where a prompt re-rendered.
@@ -535,4 +527,4 @@ def _check_chunks(value: int, name: str) -> None:
 
 
 __all__ = ["BookStats", "ChunkReport", "DropLRU", "FeedReport", "GridSessions", "PendingChunk", "Residency", "SessionError",
-           "UnknownSession", "checkpoint_options"]
+           "UnknownSession"]

@@ -13,7 +13,6 @@ import torch
 
 from ..engine.engine import Engine
 from ..models import ResolvedModel
-from ..settings import SETTINGS
 from ..sessions.check import load_turns
 from .reader import ShadowError, ShadowReader
 
@@ -72,7 +71,7 @@ def fp32_twin(engine: Engine) -> Engine:
 
 
 def run_shadow_check(engine: Engine, session_file: Path, grid: int, num_probes: int = 8,
-                     pool_gb: float = 0.0, noise_floor: bool = False) -> dict[str, Any]:
+                     pool_gb: float = 0.0, noise_floor: bool = False, chunk_group: int = 1) -> dict[str, Any]:
     turns = load_turns(session_file, engine)
     final_len = max(len(t["prompt_ids"]) + len(t["output_ids"]) for t in turns)
     per_token = engine.state_bytes_per_token()
@@ -80,7 +79,7 @@ def run_shadow_check(engine: Engine, session_file: Path, grid: int, num_probes: 
     pool_bytes = int(pool_gb * (1 << 30)) or per_token * (3 * final_len + 16 * grid + 8192)
     # the live session reads in chunk groups (QSE_SHADOW_CHUNK_GROUP), the fresh prefill one chunk at a time:
     # bit equality then also says the groups' skewed streams read the bits of the contract's own definition
-    reader = ShadowReader(engine, grid=grid, pool_bytes=pool_bytes, chunk_group=SETTINGS.get("QSE_SHADOW_CHUNK_GROUP"))
+    reader = ShadowReader(engine, grid=grid, pool_bytes=pool_bytes, chunk_group=chunk_group)
     t0 = time.perf_counter()
     sid = "live"
     ids_fed = []
@@ -110,9 +109,8 @@ def run_shadow_check(engine: Engine, session_file: Path, grid: int, num_probes: 
                                    graphs=False)
         twin_reader.fresh_prefill(ids_fed, "fp32")
     probes = []
-    tok = engine.chat.tokenizer
     for question in PROBES[:num_probes]:
-        q_ids = tok.encode(f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        q_ids = engine.chat.question_ids(question)
         a = _probe_logits(reader, sid, q_ids)
         b = _probe_logits(coarse_reader, coarse.session_id, q_ids)
         probe = {"question": question, "same_top": int(a.argmax()) == int(b.argmax()), "kl": _kl(b, a),

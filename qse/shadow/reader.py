@@ -15,9 +15,8 @@ import torch
 
 from ..engine.engine import DeviceClock, Stopwatch
 from ..sessions.grid import (ChunkReport, DropLRU, FeedReport, GridSessions, PendingChunk, Residency, SessionError,
-                             UnknownSession, checkpoint_options)
+                             UnknownSession)
 from ..sessions.session import GridSession
-from ..settings import SETTINGS
 
 # the reader's errors are the session book's (the server maps both to 4xx answers)
 ShadowError = SessionError
@@ -56,8 +55,6 @@ class ShadowReader(GridSessions):
     """The shadow reader: a GridSessions over the reader's engine, with questions on forks."""
 
     def __init__(self, engine, *args, graphs: bool | str | None = None, **kwargs):
-        if graphs is None and not SETTINGS.get("QSE_SHADOW_GRAPHS"):
-            graphs = False
         super().__init__(engine, *args, graphs=graphs, who="the reader", **kwargs)
 
     # ---- forks -------------------------------------------------------------------------------
@@ -238,4 +235,4 @@ class ShadowReader(GridSessions):
 
 
 __all__ = ["AskResult", "ChunkReport", "DropLRU", "FeedReport", "Residency", "ShadowError", "ShadowReader",
-           "SummaryResult", "UnknownSession", "checkpoint_options"]
+           "SummaryResult", "UnknownSession"]

@@ -74,9 +74,7 @@ class Question:
 def question_ids(chat, question: Question) -> list[int]:
     """The question as the reader is asked it: one user turn in the model's chat format, the assistant's turn
     opened with an empty thought (the live conductor's rendering, through the chat template)."""
-    text = chat.render([{"role": "user", "content": question.text}], add_generation_prompt=True,
-                       enable_thinking=False)
-    return chat.tokenizer.encode(text)
+    return chat.question_ids(question.text)
 
 
 def read_journal(path: Path | str) -> list[JournalEntry]:

@@ -38,7 +38,7 @@ import torch
 
 from ..engine.kv import PagedKV
 from ..models.state import ModelState, StateMismatch
-from ..settings import SETTINGS, EngineSettings
+from ..settings import EngineSettings
 from ..core.prefix import common_prefix
 from ..sessions.grid import GridSessions
 from ..sessions.session import KINDS, PROMPT, Checkpoint, GridSession, SessionStats
@@ -128,12 +128,12 @@ class ShadowStore:
         self._spent = {"evict": 0.0, "restore": 0.0}
 
     @classmethod
-    def from_settings(cls, settings: EngineSettings = SETTINGS) -> "ShadowStore":
+    def from_settings(cls, settings: EngineSettings) -> "ShadowStore":
         """The reader's store: QSE_SHADOW_GB on the device, the host tier, the disk tier (QSE_SHADOW_DISK)."""
         return cls._configured(settings, "QSE_SHADOW_GB", "shadow-disk", None)
 
     @classmethod
-    def for_served(cls, settings: EngineSettings = SETTINGS) -> "ShadowStore":
+    def for_served(cls, settings: EngineSettings) -> "ShadowStore":
         """The served model's own store: its device cap, the same host cap, a disk directory of its own
         (its files carry the served weights' fingerprint, so the two books never read each other's)."""
         return cls._configured(settings, "QSE_SERVED_CACHE_GB", "served-disk", "served")

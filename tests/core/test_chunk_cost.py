@@ -37,9 +37,3 @@ def test_bad_prior_is_an_error_naming_the_value():
     with pytest.raises(ValueError, match="-1"):
         ChunkCostEstimator(prior_ms=-1)
 
-
-def test_prior_from_settings():
-    from qse.settings import EngineSettings
-
-    est = ChunkCostEstimator.from_settings(EngineSettings({"QSE_SHADOW_CHUNK_PRIOR_MS": "12.5"}))
-    assert est.estimate_ms(0) == 12.5

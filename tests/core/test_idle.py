@@ -103,10 +103,11 @@ def test_polls():
     assert window.first_poll_at_or_after(4.6000000000000005, 8.400000000000002) == 8.400000000000002
 
 
-def test_from_settings():
+def test_the_window_of_a_policy():
+    from qse.policy import Policy
     from qse.settings import EngineSettings
 
-    window = IdleWindow.from_settings(EngineSettings({"QSE_SHADOW_IDLE_BURST_S": "1.5"}))
+    window = IdleWindow.of(Policy.from_settings(EngineSettings({"QSE_SHADOW_IDLE_BURST_S": "1.5"})))
     assert (window.poll_s, window.burst_s) == (0.2, 1.5)
 
 

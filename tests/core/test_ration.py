@@ -8,6 +8,7 @@ from qse.core.ledger import GpuLedger, Role
 from qse.core.plan import Window, plan_read
 from qse.core.ration import TurnRation
 from qse.core.share import ShareBudget
+from qse.policy import Policy
 from qse.settings import EngineSettings
 
 CHUNK_MS = 44.544  # the seed's 87 ms per 1000 tokens, one 512 chunk
@@ -112,7 +113,7 @@ def test_measured_overrun_shrinks_the_rest_of_the_slice_and_teaches_the_estimato
 
 
 def test_narrator_share_the_same_way_from_settings():
-    settings = EngineSettings({})
+    settings = Policy.from_settings(EngineSettings({}))
     narrator = TurnRation.narrator(settings)
     reader = TurnRation.reader(settings)
     assert (narrator.share, narrator.window) == (0.03, Window.NARRATOR)
@@ -188,7 +189,7 @@ def test_a_bad_delay_is_a_value_error_naming_it(after_s):
 
 
 def test_the_delay_from_settings_is_the_reader_s_only():
-    settings = EngineSettings({"QSE_SHADOW_RATION_AFTER_S": "2.5"})
+    settings = Policy.from_settings(EngineSettings({"QSE_SHADOW_RATION_AFTER_S": "2.5"}))
     assert TurnRation.reader(settings).after_s == 2.5
     assert TurnRation.narrator(settings).after_s == 0.0  # the narrator's share is not delayed
     assert TurnRation.narrator(settings).allowance_us(20.0, 10.0, 0) == 300_000

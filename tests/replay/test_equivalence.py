@@ -19,8 +19,8 @@ from qse.replay.usage import UsageRecord
 def reference(recs, model: ReadModel, opt: SimOptions):
     grid = opt.grid
     est = ChunkCostEstimator(model.ms_per_chunk(0, grid), opt.estimator_bucket_tokens)
-    idle = IdleWindow(opt.idle_poll_s, opt.idle_burst_s)
-    ration = TurnRation(opt.ration, opt.slice_ms, after_s=opt.ration_after_s)
+    idle = IdleWindow(opt.policy.idle_poll_s, opt.policy.idle_burst_s)
+    ration = TurnRation(opt.policy.ration, opt.policy.slice_ms, after_s=opt.policy.ration_after_s)
     ledger = GpuLedger()
     trace = []
     st_ = {"committed": 0, "known": 0}
@@ -116,7 +116,7 @@ def _session(turns, prefill_s):
 def test_same_decisions_on_a_long_decoding_turn(after_s):
     # decodes of 83, 22 and 100 s: a 30 s delay leaves the middle turn no ration, the others some
     recs = _session([(30_000, 3000, 36.0, 1.0), (2000, 800, 36.0, 0.3), (700, 5000, 50.0, 0.0)], prefill_s=2.0)
-    got = _compare(recs, ReadModel.flat(87.0), SimOptions(ration_after_s=after_s))
+    got = _compare(recs, ReadModel.flat(87.0), SimOptions.of(ration_after_s=after_s))
     assert any(w[1] is Window.RATION for w in got) and any(w[1] is Window.IDLE for w in got)
     ration_turns = {w[0] for w in got if w[1] is Window.RATION}
     assert ration_turns == ({0, 2} if after_s == 30.0 else {0, 1, 2})
@@ -139,6 +139,6 @@ def test_same_decisions_on_a_long_decoding_turn(after_s):
 def test_same_decisions_as_the_core_step_by_step(turns, prefill_s, ration, after_s, slice_ms, poll_s, burst_s,
                                                  grid, model):
     recs = _session(turns, prefill_s)
-    opt = SimOptions(ration=ration, ration_after_s=after_s, slice_ms=slice_ms, idle_poll_s=poll_s,
+    opt = SimOptions.of(ration=ration, ration_after_s=after_s, slice_ms=slice_ms, idle_poll_s=poll_s,
                      idle_burst_s=burst_s, grid=grid, estimator_bucket_tokens=1024)
     _compare(recs, model, opt)

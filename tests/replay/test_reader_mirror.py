@@ -60,7 +60,7 @@ def _mirror(tiny_engine, turns, seed: int, checkpoints: int, recent: int = 0, di
     from qse.shadow.reader import ShadowReader
 
     prompts, outputs, recs = _build(turns, seed)
-    opt = SimOptions(grid=GRID, checkpoints=checkpoints, estimator_bucket_tokens=64, recent_checkpoints=recent,
+    opt = SimOptions.of(grid=GRID, checkpoints=checkpoints, estimator_bucket_tokens=64, recent_checkpoints=recent,
                      divergence_checkpoints=divergence)
     sim = Simulator(MODEL, opt, record_decisions=True)
     replay = _SessionReplay(sim, "s")

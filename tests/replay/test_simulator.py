@@ -14,8 +14,8 @@ from qse.replay.usage import UsageRecord, write_usage
 CHUNK_MS = 44.544
 SEED = ReadModel.flat(87.0)
 # the rules one at a time: the ration from the first token, only the prompt ends' checkpoints
-UNDELAYED = SimOptions(ration_after_s=0.0)
-PROMPT_ENDS = SimOptions(recent_checkpoints=0)
+UNDELAYED = SimOptions.of(ration_after_s=0.0)
+PROMPT_ENDS = SimOptions.of(recent_checkpoints=0)
 
 
 def rec(session, arrival, first, end, prompt, shared, output):
@@ -105,7 +105,7 @@ def test_ration_counts_from_first_token():
     assert report["decode_loss"] == pytest.approx(4 * CHUNK_MS / 9600)
 
     # counted from the turn start (the seed's first build) the prefill's 340 ms is spent at once
-    res2 = simulate(recs, SEED, SimOptions(ration_from="turn_start", ration_after_s=0.0), record_decisions=True)
+    res2 = simulate(recs, SEED, SimOptions.of(ration_from="turn_start", ration_after_s=0.0), record_decisions=True)
     ration2 = [d for d in res2.decisions if d.window is Window.RATION]
     assert [(d.start_row, d.num_chunks, d.stop) for d in ration2] == [(0, 3, Stop.BUDGET), (1536, 1, Stop.BACKLOG)]
     assert ration2[0].opened_s == pytest.approx(17.0 + 9.6 / 346)
@@ -116,12 +116,12 @@ def test_a_short_turn_spends_no_ration_with_a_delay_and_the_idle_window_reads_it
     # a 17 s prefill, 162 ids in 4.5 s: undelayed, 2 % of 4.5 s (90 ms) buys two 44.544 ms chunks inside the
     # decode; counted from 5 s after the first token the decode is over first, and the idle window reads all four
     recs = [rec("s", 0.0, 17.0, 21.5, 2048, 0, 162), rec("s", 30.0, 30.5, 31.0, 2300, 2048, 1)]
-    undelayed = simulate(recs, SEED, SimOptions(ration_after_s=0.0), record_decisions=True)
+    undelayed = simulate(recs, SEED, SimOptions.of(ration_after_s=0.0), record_decisions=True)
     assert [(d.turn, d.window, d.start_row, d.num_chunks) for d in undelayed.decisions] == [
         (0, Window.RATION, 0, 1), (0, Window.RATION, 512, 1), (1, Window.IDLE, 1024, 2)]
     assert undelayed.ledger.balance().gpu_us[Role.READER_RATION] == 2 * 44_544
 
-    res = simulate(recs, SEED, SimOptions(ration_after_s=5.0), record_decisions=True)
+    res = simulate(recs, SEED, SimOptions.of(ration_after_s=5.0), record_decisions=True)
     assert [(d.turn, d.window, d.opened_s, d.start_row, d.num_chunks, d.stop) for d in res.decisions] == [
         (1, Window.IDLE, 21.6, 0, 4, Stop.BACKLOG)]  # the first poll after the turn's end (polls every 0.2 s)
     assert res.ledger.balance().gpu_us == {Role.SERVED_PREFILL: 17_500_000, Role.SERVED_DECODE: 5_000_000,
@@ -140,7 +140,7 @@ def test_a_short_turn_spends_no_ration_with_a_delay_and_the_idle_window_reads_it
 ], ids=["undelayed", "after-5s", "after-10s"])
 def test_a_long_turn_spends_its_ration_only_after_the_delay(after_s, slices):
     recs = [rec("s", 0.0, 17.0, 26.6, 2048, 0, 346)]
-    res = simulate(recs, SEED, SimOptions(ration_after_s=after_s), record_decisions=True)
+    res = simulate(recs, SEED, SimOptions.of(ration_after_s=after_s), record_decisions=True)
     ration = [d for d in res.decisions if d.window is Window.RATION]
     assert [(d.start_row, d.num_chunks) for d in ration] == slices
     if ration:
@@ -271,7 +271,7 @@ def test_rollback_into_the_output_and_recent_checkpoints():
     assert report["checkpoints"]["max_held_by_a_session"] == 2  # 2048, then 2560 (turn 1's prompt end) read again
 
     # the newest two grid lines read are checkpoints too: back to 2560, less than a chunk behind
-    res = simulate(_into_the_output(), SEED, SimOptions(recent_checkpoints=2))
+    res = simulate(_into_the_output(), SEED, SimOptions.of(recent_checkpoints=2))
     start = res.turn_starts[1]
     assert (start.rolled_back_tokens, start.behind_tokens, start.fresh) == (512, 440, True)
     assert res.report()["checkpoints"]["max_held_by_a_session"] == 3
@@ -288,7 +288,7 @@ def test_checkpoint_at_the_line_the_reader_stands_on():
     # on a line would
     recs = [rec("s", 0.0, 0.1, 0.2, 1000, 0, 100), rec("s", 10.0, 10.1, 10.2, 1100, 1000, 500),
             rec("s", 20.0, 20.1, 20.2, 1500, 1100, 1)]
-    res = simulate(recs, SEED, SimOptions(checkpoint_at_line=False, recent_checkpoints=0))
+    res = simulate(recs, SEED, SimOptions.of(checkpoint_at_line=False, recent_checkpoints=0))
     start = res.turn_starts[2]
     assert (start.kept_tokens, start.rolled_back_tokens, start.behind_tokens) == (1500, 1024, 988)  # back to 512
     assert start.cause == "rollback_above_newest_checkpoint"
@@ -314,7 +314,7 @@ def test_divergence_checkpoints_catch_the_second_re_render_at_the_same_place():
     res = simulate(recs, SEED)
     assert [(s.behind_tokens, s.cause) for s in res.turn_starts[1:]] == [
         (1500, "rollback_below_oldest_checkpoint"), (1500, "rollback_below_oldest_checkpoint")]
-    res = simulate(recs, SEED, SimOptions(divergence_checkpoints=1))
+    res = simulate(recs, SEED, SimOptions.of(divergence_checkpoints=1))
     assert [(s.behind_tokens, s.fresh) for s in res.turn_starts[1:]] == [(1500, False), (476, True)]
 
 
@@ -323,8 +323,8 @@ def test_pin_first_checkpoint_keeps_the_lowest():
     # pinned it stays, and a re-render at 1100 goes back to it
     recs = [rec("s", 10.0 * k, 10.0 * k + 0.1, 10.0 * k + 0.2, 1024 * (k + 1), 1024 * k, 1) for k in range(4)]
     recs.append(rec("s", 40.0, 40.1, 40.2, 5000, 1100, 1))
-    assert simulate(recs, SEED, SimOptions(checkpoints=1)).turn_starts[4].behind_tokens == 1100
-    assert simulate(recs, SEED, SimOptions(checkpoints=1, pin_first_checkpoint=True)).turn_starts[4].behind_tokens == 76
+    assert simulate(recs, SEED, SimOptions.of(checkpoints=1)).turn_starts[4].behind_tokens == 1100
+    assert simulate(recs, SEED, SimOptions.of(checkpoints=1, pin_first_checkpoint=True)).turn_starts[4].behind_tokens == 76
 
 
 def test_miss_causes_add_up_on_a_trace_slice(traces_dir):
@@ -339,7 +339,7 @@ def test_miss_causes_add_up_on_a_trace_slice(traces_dir):
     assert all(s.cause in MISS_CAUSES for s in res.turn_starts if s.turn > 0 and not s.fresh)
     assert all(s.cause == "first_turn" for s in res.turn_starts if s.turn == 0)
     # the checkpoint switches never make a turn start less fresh here, nor change what the windows spend
-    more = simulate(recs, SEED, SimOptions(checkpoint_at_line=True, recent_checkpoints=4, divergence_checkpoints=4))
+    more = simulate(recs, SEED, SimOptions.of(checkpoint_at_line=True, recent_checkpoints=4, divergence_checkpoints=4))
     assert more.report()["fresh_share"] >= res.report()["fresh_share"]
 
 
@@ -369,13 +369,6 @@ def test_cli_reads_a_shadow_measure_result(tmp_path, capsys):
     assert "need --read-model" in capsys.readouterr().err
 
 
-def test_the_simulator_s_defaults_are_the_runtime_s_settings():
-    """The "runtime" row of a replay is the runtime's policy only while these agree."""
-    from qse.settings import EngineSettings
-
-    assert SimOptions() == SimOptions.from_settings(EngineSettings({}))
-
-
 def test_a_chunk_in_a_group_takes_the_measured_share_of_its_time_alone():
     from qse.replay.read_model import group_share
 
@@ -387,7 +380,7 @@ def test_a_chunk_in_a_group_takes_the_measured_share_of_its_time_alone():
         with pytest.raises(ValueError, match="whole number of chunks"):
             group_share(bad)
     with pytest.raises(ValueError, match="idle_group must be a whole number of chunks >= 1, got 0"):
-        SimOptions(idle_group=0)
+        SimOptions.of(idle_group=0)
 
 
 def test_idle_groups_read_the_backlog_in_less_device_time():
@@ -398,7 +391,7 @@ def test_idle_groups_read_the_backlog_in_less_device_time():
     prompt = 44 * 512
     recs = [rec("s", 0.0, 0.5, 1.0, prompt, 0, 1), rec("s", 3.0, 3.1, 3.2, prompt + 100, prompt, 1)]
     alone = simulate(recs, SEED)
-    grouped = simulate(recs, SEED, SimOptions(idle_group=16), record_decisions=True)
+    grouped = simulate(recs, SEED, SimOptions.of(idle_group=16), record_decisions=True)
     assert alone.turn_starts[1].fresh and grouped.turn_starts[1].fresh
     want_us = 44_544 * (32 * group_share(16) + 8 * group_share(8) + 4 * group_share(4))
     assert grouped.ledger.balance().gpu_us[Role.READER_IDLE] == pytest.approx(want_us, abs=4)
@@ -410,7 +403,7 @@ def test_idle_groups_read_the_backlog_in_less_device_time():
 def test_a_waiting_request_waits_at_most_one_group():
     recs = [rec("s", 0.0, 0.5, 1.0, 100 * 512, 0, 1),
             rec("s", 1.5, 1.6, 1.7, 100 * 512 + 10, 100 * 512, 1)]
-    res = simulate(recs, SEED, SimOptions(idle_group=4), record_decisions=True)
+    res = simulate(recs, SEED, SimOptions.of(idle_group=4), record_decisions=True)
     from qse.replay.read_model import group_share
 
     group_ms = 4 * CHUNK_MS * group_share(4)

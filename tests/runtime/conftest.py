@@ -8,7 +8,8 @@ import pytest
 from runtime_rig import GRID, Probe, Rig, ScriptedClock
 
 from qse.engine.engine import Engine
-from qse.runtime.conductor import Conductor, ConductorConfig, ShadowOptions, TurnRecord
+from qse.policy import Policy
+from qse.runtime.conductor import Conductor, ShadowOptions, TurnRecord
 from qse.shadow.reader import ShadowReader
 
 
@@ -29,7 +30,7 @@ def make_rig(tiny_engine, tmp_path):
         probe.attach(reader_engine)
         records: list[TurnRecord] = []
         config.setdefault("journal_dir", tmp_path / "shadow")
-        conductor = Conductor(served, reader, options or ShadowOptions(), ConductorConfig(**config),
+        conductor = Conductor(served, reader, options or ShadowOptions(), Policy(**config),
                               on_turn=records.append, clock=clock)
         probe.attach_rounds(conductor.serving)
         made.append(conductor)

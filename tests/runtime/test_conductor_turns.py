@@ -116,16 +116,6 @@ async def test_a_short_turn_spends_no_ration_inside_the_delay(make_rig):
     assert await rig.conductor.idle_once() == 5  # the idle window after it reads the backlog
 
 
-def test_the_config_s_defaults_are_the_settings_defaults():
-    from qse.runtime.conductor import ConductorConfig
-    from qse.settings import EngineSettings
-
-    ours = ConductorConfig.from_settings(EngineSettings({}))
-    plain = ConductorConfig()
-    assert (plain.ration, plain.ration_after_s, plain.slice_ms) == (ours.ration, ours.ration_after_s, ours.slice_ms)
-    assert ConductorConfig.from_settings(EngineSettings({"QSE_SHADOW_RATION_AFTER_S": "2.5"})).ration_after_s == 2.5
-
-
 @pytest.mark.parametrize("ration_after_s", [0.0, 5.0], ids=["reader-undelayed", "reader-after-5s"])
 async def test_the_narrator_reads_in_its_own_share_and_summarizes_after_the_turn(make_rig, ration_after_s):
     # the reader's delay does not move the narrator's share

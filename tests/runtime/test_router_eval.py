@@ -8,7 +8,8 @@ import pytest
 from runtime_rig import GRID, prompt_ids
 
 from qse.cli import main
-from qse.runtime.conductor import ROUTER_CLASSES, ROUTER_QUESTION, GenerateRequest, ShadowOptions
+from qse.runtime.conductor import GenerateRequest, ShadowOptions
+from qse.runtime.router import ROUTER_CLASSES, ROUTER_QUESTION
 from qse.shadow.router_eval import Question, RouterEvalError, parse_mapping, question_ids, read_journal
 from qse.store.store import ShadowStore
 

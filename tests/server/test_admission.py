@@ -13,7 +13,8 @@ import json
 
 import httpx
 
-from qse.runtime.conductor import Conductor, ConductorConfig, ShadowOptions
+from qse.policy import Policy
+from qse.runtime.conductor import Conductor, ShadowOptions
 from qse.server.app import create_app
 from qse.server.profiles import Profile, ShadowBlock
 from qse.server.service import Service
@@ -23,7 +24,7 @@ MODEL_ENV = {"QSE_MAX_OUTPUT_TOKENS": "100000"}
 
 
 def make_service(engine, tmp_path, **env: str) -> Service:
-    conductor = Conductor(engine, None, ShadowOptions(mode="off"), ConductorConfig(journal_dir=None))
+    conductor = Conductor(engine, None, ShadowOptions(mode="off"), Policy(journal_dir=None))
     settings = EngineSettings({"QSE_CACHE_DIR": str(tmp_path), "QSE_LEDGER": str(tmp_path / "usage.jsonl"),
                                **MODEL_ENV, **env})
     return Service(conductor, engine.chat, engine.name, Profile(shadow=ShadowBlock(mode="off")), settings,

@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from qse.replay.usage import read_usage
-from qse.runtime.conductor import Conductor, ConductorConfig, ShadowOptions, TurnRecord
+from qse.policy import Policy
+from qse.runtime.conductor import Conductor, ShadowOptions, TurnRecord
 from qse.server.app import create_app
 from qse.server.profiles import Profile, ShadowBlock
 from qse.server.service import Service
@@ -75,7 +76,7 @@ def real_service(engine, tmp_path: Path, profile: Profile | None = None, **env: 
     s = profile.shadow
     reader = ShadowReader(engine, grid=64, pool_bytes=16 << 20) if s.mode == "on" else None
     conductor = Conductor(engine, reader, ShadowOptions(s.mode, s.narrator, s.router, s.router_min_tokens),
-                          ConductorConfig(idle_poll_s=0.05, journal_dir=tmp_path / "shadow"))
+                          Policy(idle_poll_s=0.05, journal_dir=tmp_path / "shadow"))
     return Service(conductor, engine.chat, engine.name, profile, settings_for(tmp_path, **env),
                    max_context_tokens=engine.cfg.max_position_embeddings)
 

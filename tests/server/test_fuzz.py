@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
-from qse.runtime.conductor import Conductor, ConductorConfig, ShadowOptions
+from qse.policy import Policy
+from qse.runtime.conductor import Conductor, ShadowOptions
 from qse.server import wire
 from qse.server.app import create_app
 from qse.server.profiles import Profile
@@ -34,7 +35,7 @@ FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
 def client(tiny_engine, tmp_path_factory):
     work = tmp_path_factory.mktemp("fuzz")
     reader = ShadowReader(tiny_engine, grid=64, pool_bytes=16 << 20)
-    conductor = Conductor(tiny_engine, reader, ShadowOptions(), ConductorConfig(idle_poll_s=0.05, journal_dir=None))
+    conductor = Conductor(tiny_engine, reader, ShadowOptions(), Policy(idle_poll_s=0.05, journal_dir=None))
     env = {"QSE_CACHE_DIR": str(work), "QSE_LEDGER": str(work / "usage.jsonl"), "QSE_MAX_OUTPUT_TOKENS": "4",
            "QSE_MAX_QUESTION_TOKENS": "64", "QSE_MAX_PROMPT_TOKENS": "2048"}
     service = Service(conductor, tiny_engine.chat, tiny_engine.name, Profile(), EngineSettings(env),

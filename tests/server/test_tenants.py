@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from qse.cli import main
-from qse.runtime.conductor import Conductor, ConductorConfig, ShadowOptions
+from qse.policy import Policy
+from qse.runtime.conductor import Conductor, ShadowOptions
 from qse.server.app import create_app
 from qse.server.profiles import Profile
 from qse.server.service import Service
@@ -38,7 +39,7 @@ def keys_file(tmp_path: Path) -> Path:
 
 def service_for(engine, tmp_path: Path, **env: str) -> Service:
     reader = ShadowReader(engine, grid=64, pool_bytes=16 << 20)
-    conductor = Conductor(engine, reader, ShadowOptions(), ConductorConfig(idle_poll_s=0.05, journal_dir=None))
+    conductor = Conductor(engine, reader, ShadowOptions(), Policy(idle_poll_s=0.05, journal_dir=None))
     settings = EngineSettings({"QSE_CACHE_DIR": str(tmp_path), "QSE_LEDGER": str(tmp_path / "usage.jsonl"), **env})
     return Service(conductor, engine.chat, engine.name, Profile(), settings,
                    max_context_tokens=engine.cfg.max_position_embeddings)

@@ -365,11 +365,3 @@ def test_recent_and_divergence_checkpoints(tiny_engine):
     _assert_fresh_equal(div, "s")
     with pytest.raises(ShadowError, match="recent_checkpoints"):
         ShadowReader(tiny_engine, grid=GRID, pool_bytes=1 << 20, recent_checkpoints=-1)
-
-
-def test_checkpoint_options_come_from_the_settings():
-    from qse.settings import EngineSettings
-    from qse.shadow.reader import checkpoint_options
-
-    assert checkpoint_options(EngineSettings({})) == dict(max_checkpoints=6, recent_checkpoints=4, divergence_checkpoints=0)
-    assert checkpoint_options(EngineSettings({"QSE_SHADOW_DIVERGENCE_CHECKPOINTS": "3"}))["divergence_checkpoints"] == 3

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from .chat import (ChatTemplate, HFTokenizer, TokenizerError, answer_grammar, load_tokenizer, parse_output,
-                   read_generation_config, tool_calls_rules)
+                   question_prompt, read_generation_config, tool_calls_rules)
 from .config import ConfigError, TextConfig, load_config, parse_config
 from .layout import CheckpointError, load_weights
 from .model import InputError, Qwen35Model
@@ -45,6 +45,7 @@ class ChatFormat:
         ids = [tok.im_end_id, tok.endoftext_id, *eos_ids]
         self.stop_ids = tuple(dict.fromkeys(i for i in ids if i is not None))
         self.turn_end_id = tok.im_end_id
+        self.thought_end_id = tok.think_end_id  # closes the reasoning (None: the format has no thought)
         if isinstance(tok, HFTokenizer) and model_dir is not None and (Path(model_dir) / "config.json").is_file():
             rows = load_config(Path(model_dir)).vocab_size
             if tok.vocab_size > rows:  # ids past the embedding's rows would index out of it
@@ -55,6 +56,11 @@ class ChatFormat:
 
     def render(self, messages, tools=None, add_generation_prompt=True, enable_thinking=None) -> str:
         return self.template.render(messages, tools, add_generation_prompt, enable_thinking)
+
+    def question_ids(self, question: str) -> list[int]:
+        """A question to the reader about a session: one user turn, the assistant's turn opened with an empty
+        thought (asked on a fork above the session's ids; the answer is the next token or a short decode)."""
+        return self.tokenizer.encode(question_prompt(self.template, question))
 
     def parse(self, text: str, prompt: str, tools=None, is_final: bool = True):
         """Reasoning, content and tool calls (arguments typed by the offered `tools`' schemas); `is_final`

@@ -296,6 +296,14 @@ class ChatTemplate:
             raise TemplateError(f"cannot render messages: {exc}") from None
 
 
+def question_prompt(template: "ChatTemplate", question: str) -> str:
+    """A reader's question as text: the user turn and an assistant turn opened with an empty thought, through
+    the chat template with thinking off (`<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n`
+    `<think>\n\n</think>\n\n` under the family's own template)."""
+    return template.render([{"role": "user", "content": question}], add_generation_prompt=True,
+                           enable_thinking=False)
+
+
 def normalize_message(message: dict[str, Any]) -> dict[str, Any]:
     """OpenAI message -> what the template expects (tool-call arguments as a mapping)."""
     if not isinstance(message, dict) or "role" not in message:

@@ -1,0 +1,73 @@
+"""The policy: every QSE_* value the layers below the entry point act on, read once and handed down.
+
+An entry point (`qse serve`, a `qse` subcommand, the replay's command, a benchmark's main) builds one `Policy`
+with `Policy.from_settings(settings)` and passes it to what it builds (the conductor, the served sessions, the
+reader, the replay simulator). Nothing below the entry points reads `qse.settings.SETTINGS` (tests/test_layering.py
+holds that). Each default is declared once, in the settings registry: a field's default here *is* the
+registry's default, so `Policy()` is the shipped policy and `Policy(ration_after_s=0.0)` a variant of it.
+
+Frozen: a layer that wants another value is given another policy (`dataclasses.replace`), it never edits one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .settings import REGISTRY, EngineSettings
+
+
+def _from(name: str) -> Any:
+    """A field read from the setting `name`, its default the registry's (the one declaration of it)."""
+    return dataclasses.field(default=REGISTRY[name].default, metadata={"setting": name})
+
+
+@dataclass(frozen=True)
+class Policy:
+    # the reader's time (qse/core: TurnRation, IdleWindow, ChunkCostEstimator; the conductor and the replay)
+    ration: float = _from("QSE_SHADOW_RATION")  # the reader's share of the served model's time
+    ration_after_s: float = _from("QSE_SHADOW_RATION_AFTER_S")  # ... counted from first token + this
+    slice_ms: float = _from("QSE_SHADOW_SLICE_MS")  # longest slice between two decode rounds
+    narrator_share: float = _from("QSE_NARRATOR_SHARE")  # the narrator's share, from the first token
+    idle_poll_s: float = _from("QSE_SHADOW_IDLE_POLL_S")
+    idle_burst_s: float = _from("QSE_SHADOW_IDLE_BURST_S")
+    chunk_prior_ms: float = _from("QSE_SHADOW_CHUNK_PRIOR_MS")  # a chunk's cost before one was measured
+    idle_group: int = _from("QSE_SHADOW_IDLE_GROUP")  # chunks one idle launch may read
+    reader_lookahead: int = _from("QSE_SHADOW_LOOKAHEAD")  # chunks launched ahead of the one read back
+    launch_lead_ms: float = _from("QSE_SHADOW_LAUNCH_LEAD_MS")
+    # the reader's sessions (qse/shadow, and the replay's model of them)
+    grid: int = _from("QSE_SHADOW_GRID")
+    checkpoints: int = _from("QSE_SHADOW_CHECKPOINTS")  # prompt-end checkpoints (the served sessions' too)
+    recent_checkpoints: int = _from("QSE_SHADOW_RECENT_CHECKPOINTS")  # and the newest grid lines read
+    divergence_checkpoints: int = _from("QSE_SHADOW_DIVERGENCE_CHECKPOINTS")
+    reader_gb: float = _from("QSE_SHADOW_GB")
+    reader_graphs: bool = _from("QSE_SHADOW_GRAPHS")
+    chunk_group: int = _from("QSE_SHADOW_CHUNK_GROUP")  # bulk reads (shadow-check, fresh prefills)
+    # the served model
+    kernels: str = _from("QSE_KERNELS")
+    served_graphs: bool = _from("QSE_SERVED_GRAPHS")
+    served_kv_gb: float = _from("QSE_SERVED_KV_GB")
+    served_grid: int = _from("QSE_SERVED_GRID")
+    max_running: int = _from("QSE_MAX_RUNNING")
+    max_waiting: int = _from("QSE_MAX_WAITING")
+    max_question_tokens: int = _from("QSE_MAX_QUESTION_TOKENS")
+    gc_freeze: bool = _from("QSE_GC_FREEZE")
+    # where the router's journal goes (shadow.jsonl); None: no journal. from_settings: QSE_SHADOW_DIR, else
+    # <cache>/shadow
+    journal_dir: Path | None = None
+
+    @classmethod
+    def from_settings(cls, settings: EngineSettings, **overrides: Any) -> "Policy":
+        """The policy the switches in `settings` ask for; `overrides` (a command's flags) win where not None."""
+        values = {f.name: settings.get(f.metadata["setting"]) for f in dataclasses.fields(cls) if f.metadata}
+        values["journal_dir"] = settings.get("QSE_SHADOW_DIR") or settings.cache_dir() / "shadow"
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def reader_checkpoints(self) -> dict[str, int]:
+        """The checkpoint counts as GridSessions/ShadowReader take them."""
+        return dict(max_checkpoints=self.checkpoints, recent_checkpoints=self.recent_checkpoints,
+                    divergence_checkpoints=self.divergence_checkpoints)
+
