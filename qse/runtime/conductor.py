@@ -239,8 +239,9 @@ class Conductor:
             raise ShadowError("the shadow reader is off in this profile")
         if self.reader is not None:
             raise ShadowError("a reader is attached already; release it first")
-        cfg = self.config
+        cfg = self.policy
         self.reader = reader
+        self.router.grid = reader.grid
         self.runner = ChunkRunner(reader, self.estimator, self.ledger, self.clock, lookahead=cfg.reader_lookahead,
                                   launch_lead_ms=cfg.launch_lead_ms, idle_group=cfg.idle_group)
         self.reader_exec = self.served_exec if reader.engine is self.served else EngineExecutor("reader")
@@ -264,7 +265,7 @@ class Conductor:
             log.info("conductor_parked", book="reader", result=parked if isinstance(parked, dict) else None)
         self.reader = None
         self.runner = None
-        self._router_pending.clear()
+        self.router.pending.clear()
         self._unread_since.clear()
         if self.reader_exec is not self.served_exec:
             self.reader_exec.shutdown()
