@@ -168,6 +168,12 @@ class TurnStart(NamedTuple):
     idle_gap_s: float = 0.0  # from the previous turn's end to this arrival
     backlog_ms_at_prev_end: float = 0.0  # read-model cost of the chunks up to kept's line, unread at the previous end
     prev_prompt_read: bool = True  # at the previous turn's end every whole chunk of its prompt was read
+    # the served model's time to the first token (read-model ms: the grid chunks and the tail under one chunk
+    # the turn reads), with the session cache (from the newest kept line or checkpoint at or below `kept`)
+    # and cold (the whole prompt); `served_from` is the row the cached turn read from
+    served_ttft_cached_ms: float = 0.0
+    served_ttft_cold_ms: float = 0.0
+    served_from: int = 0
 
 
 class Decision(NamedTuple):
@@ -255,6 +261,16 @@ def miss_breakdown(starts: list[TurnStart], grid: int) -> dict:
     }
 
 
+def served_ttft(starts: list[TurnStart]) -> dict:
+    """The served model's time to the first token on follow-up turns, with the session cache and cold (in
+    read-model ms: scale by the served model's chunk cost over the read model's for its own figures)."""
+    cached = [s.served_ttft_cached_ms for s in starts]
+    cold = [s.served_ttft_cold_ms for s in starts]
+    p50_cached, p50_cold = _percentile(cached, 50), _percentile(cold, 50)
+    return {"cached": _dist(cached), "cold": _dist(cold),
+            "ratio_p50": (p50_cached / p50_cold) if p50_cached is not None and p50_cold else None}
+
+
 def freshness_goal(report: dict) -> dict:
     """TARGETS.md's freshness goal against this replay, and what stands in its way."""
     fresh, p90 = report["fresh_share"], report["behind_tokens"]["p90"]
@@ -313,6 +329,7 @@ def build_report(result: SimResult) -> dict:
         "prompt_ready_s": {**_dist(ready), "num_not_ready_by_next_turn": len(starts) - len(ready)},
         "num_overlapping_turns": result.num_overlapping_turns,
         "misses": miss_breakdown(starts, result.options.grid),
+        "served_ttft_ms": served_ttft(follow),
         "checkpoints": {"max_per_session": result.options.max_checkpoints_per_session,
                         "max_held_by_a_session": result.max_checkpoints_held,
                         "bytes_each_0_8b": CHECKPOINT_BYTES_0_8B,
@@ -371,6 +388,12 @@ class _SessionReplay:
         self.pinned: int | None = None  # pin_first_checkpoint: the lowest prompt-end checkpoint, kept
         self.div_lines: list[int] = []  # divergence_checkpoints: lines of the newest re-renders, oldest first
         self.div_cps: set[int] = set()  # ... and those of them with a checkpoint
+        # the served model's own session (qse/sessions/served.py): the line its state stands on after a turn,
+        # and the lines it holds checkpoints at (prompt ends' lines reached and the newest recent lines)
+        self.served_line = 0
+        self.served_lines: set[int] = set()  # its prompt ends' lines: reading through one takes a checkpoint
+        self.served_prompt_cps: list[int] = []
+        self.served_recent: list[int] = []
         self.now = 0.0
         self.turn = 0
         self.ready_target = 0
@@ -579,8 +602,40 @@ class _SessionReplay:
                 cause = "rollback_above_newest_checkpoint"
         else:
             cause = "backlog_exceeds_idle_gap" if backlog_ms > idle_gap_s * 1000 else "backlog_idle_gap_unused"
+        cached_ms, cold_ms, served_from = self._served_turn(rec.prompt_tokens, kept)
         return TurnStart(self.session_id, self.turn, self.arrival, kept, behind, rolled_back, fresh, None,
-                         cause, behind_without, idle_gap_s, backlog_ms, prev_prompt_read)
+                         cause, behind_without, idle_gap_s, backlog_ms, prev_prompt_read, cached_ms, cold_ms, served_from)
+
+    def _served_turn(self, prompt_tokens: int, kept: int) -> tuple[float, float, int]:
+        """The served turn on its session cache (its rules: qse/sessions/served.py): it starts from the newest
+        state it holds at or below `kept` (the line it stands on, a checkpoint, or row 0), reads whole chunks
+        up to the last grid line below the prompt's end and then the tail (1..grid ids, charged as that share
+        of a chunk at its context); cold reads the same from row 0. Returns (cached ms, cold ms, start row)."""
+        grid, model = self.grid, self.sim.read_model
+        line = ((prompt_tokens - 1) // grid) * grid
+        tail = prompt_tokens - line
+
+        def ttft_ms(start: int) -> float:
+            chunks = sum(model.ms_per_chunk(r, grid) for r in range(start, line, grid))
+            return chunks + model.ms_per_chunk(line, grid) * tail / grid
+
+        held = {self.served_line, *self.served_prompt_cps, *self.served_recent}
+        start = max((c for c in held if c <= min(kept, line)), default=0)
+        # the state the turn leaves: its last line; checkpoints above the start row are rewritten this turn
+        self.served_prompt_cps = [c for c in self.served_prompt_cps if c <= start]
+        self.served_recent = [c for c in self.served_recent if c <= start]
+        end_line = (prompt_tokens // grid) * grid
+        if end_line > 0:
+            self.served_lines.add(end_line)
+        self.served_lines = {p for p in self.served_lines if p <= prompt_tokens}
+        taken = {p for p in self.served_lines if start < p <= line}
+        if taken and self.opt.checkpoints:
+            self.served_prompt_cps = sorted(set(self.served_prompt_cps) | taken)[-self.opt.checkpoints:]
+        if self.opt.recent_checkpoints:
+            read = list(range(start + grid, line + 1, grid))
+            self.served_recent = sorted(set(self.served_recent) | set(read))[-self.opt.recent_checkpoints:]
+        self.served_line = line
+        return ttft_ms(start), ttft_ms(0), start
 
     def run(self, recs: list[UsageRecord]) -> None:
         result = self.sim.result

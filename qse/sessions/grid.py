@@ -88,6 +88,10 @@ class Residency(Protocol):
     def tier_of(self, session_id: str) -> str | None:
         """Where a non-resident session's state is ("host", "disk"), or None: it is read again."""
 
+    def safe_point(self, reader: "GridSessions") -> None:
+        """Between rounds or in the idle window (never inside a ration slice): land finished moves, keep
+        the tiers' caps. A feed is one too (`after_feed`)."""
+
     def spent_ms(self) -> dict[str, float]:
         """Running totals of the wall ms the manager spent, by phase ("evict": moving other sessions out;
         "restore": bringing a session back, its file read included): a turn reports their growth."""
@@ -118,6 +122,9 @@ class DropLRU:
         return None
 
     def tier_of(self, session_id: str) -> str | None:
+        return None
+
+    def safe_point(self, reader: "GridSessions") -> None:
         return None
 
     def spent_ms(self) -> dict[str, float]:

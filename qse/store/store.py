@@ -19,7 +19,17 @@ Invariants:
   * a file that cannot be used is a miss: logged with its reason, counted, removed, and the session
     is read again from row 0. Nothing raises to the reader and no other session is touched.
 
-All calls come from the reader's thread (the executor that owns its device work).
+Moves run beside the device work. A session leaving the device is copied to host memory on a stream of
+its own (CUDA; an event marks the copies' end) and its state is detached at once; its pool pages go back
+once the copies have landed (`poll`, at the next call, or at once when the pool needs them). A file is
+written by the mover thread (`background_writes`; one queue of whole-session writes) from those host
+copies, so no write, no fsync, runs on the caller's thread; a session whose file is still being written
+is brought back from its host copy (waiting only for that session's device-to-host copy, if it is still
+running), and the late file is removed. `safe_point` lands finished moves and keeps the host cap; a
+planned stop (`park_all`) and `flush` wait for every move.
+
+All calls come from the owner's thread (the executor that owns its device work); the mover thread only
+writes files from host tensors it is handed and never touches the store's books.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import json
 import os
 import time
 from collections import Counter, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -64,12 +75,30 @@ class Parked:
 
 @dataclass
 class HostEntry:
-    """A session whose state is in pinned host memory."""
+    """A session whose state is in pinned host memory (or still being copied there)."""
 
     session_id: str
     record: "_Record"  # ids, state and checkpoints as of the move, on the host
     nbytes: int
     moved_s: float  # monotonic, for the host tier's least-recently-moved order
+    copied: object = None  # torch.cuda.Event after the device-to-host copies; None: they have landed
+    held: object = None  # the device cache copied from: its pages go back to the pool once copied
+
+    def wait_copied(self) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()  # this session's copies only, not the device
+
+
+@dataclass
+class Writing:
+    """A session's file being written by the mover thread from its host copy."""
+
+    entry: HostEntry  # the host copy the file is written from (readable by a turn meanwhile)
+    path: Path
+    written_s: float
+    future: Future
+    why: str = "park"  # "park" (a resident session) or "spill" (from the host tier)
+    cancelled: bool = False  # the session came back (or was closed) first: the file is removed when it lands
 
 
 @dataclass
@@ -103,7 +132,9 @@ class ShadowStore:
 
     def __init__(self, cap_nbytes: int, disk_dir: Path | str | None = None, disk_cap_nbytes: int = 64 * GIB,
                  ttl_s: float = 48 * 3600.0, wall_clock: Callable[[], float] = time.time, host_cap_nbytes: int = 0,
-                 journal: bool = False):
+                 journal: bool = False, background_writes: bool = False):
+        """background_writes: files are written by the mover thread (the server); False writes them on the
+        caller's thread before the call returns (tools and tests that want the file there at once)."""
         if cap_nbytes < 0 or disk_cap_nbytes < 0 or ttl_s < 0 or host_cap_nbytes < 0:
             raise ValueError(f"store caps and ttl must be >= 0, got cap={cap_nbytes} disk_cap={disk_cap_nbytes} "
                              f"host_cap={host_cap_nbytes} ttl={ttl_s}")
@@ -126,6 +157,9 @@ class ShadowStore:
         # wall ms spent, by phase (the Residency protocol's spent_ms): a restore's own time excludes the
         # evictions it made room with, which count as "evict"
         self._spent = {"evict": 0.0, "restore": 0.0}
+        self.writing: dict[str, Writing] = {}
+        self._mover = ThreadPoolExecutor(1, thread_name_prefix="qse-mover") if background_writes else None
+        self._stream = None  # the device-to-host copies' own stream (CUDA), made on first use
 
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> "ShadowStore":
@@ -149,11 +183,12 @@ class ShadowStore:
             disk_dir = Path(raw).expanduser() / subdir if subdir else Path(raw).expanduser()
         return cls(int(settings.get(cap_setting) * GIB), disk_dir, int(settings.get("QSE_SHADOW_DISK_GB") * GIB),
                    settings.get("QSE_SHADOW_DISK_TTL_S"), host_cap_nbytes=int(settings.get("QSE_HOST_CACHE_GB") * GIB),
-                   journal=True)
+                   journal=True, background_writes=True)
 
     def tier_of(self, session_id: str) -> str | None:
-        """Where a non-resident session's state is: "host", "disk", or None (nowhere: read again)."""
-        if session_id in self.host:
+        """Where a non-resident session's state is: "host", "disk", or None (nowhere: read again). A session
+        whose file is still being written is on the host: it comes back from its host copy."""
+        if session_id in self.host or session_id in self.writing:
             return "host"
         if session_id in self.parked:
             return "disk"
@@ -185,8 +220,15 @@ class ShadowStore:
 
     def _restore(self, reader: GridSessions, session: GridSession) -> bool:
         self._bind(reader)
+        self.poll(reader)
         held = self.host.pop(session.session_id, None)
+        writing = self.writing.get(session.session_id)
+        if held is None and writing is not None and not writing.cancelled:
+            writing.cancelled = True  # its file lands late and is removed; the host copy is read now
+            held = writing.entry
         if held is not None:
+            held.wait_copied()  # this session's own copies, if they are still on their way
+            self._release_held(held)
             return self._bring_in(reader, session, held.record, None, held.nbytes, time.perf_counter(), time.perf_counter())
         entry = self.parked.pop(session.session_id, None)
         if entry is None:
@@ -200,8 +242,9 @@ class ShadowStore:
         return self._bring_in(reader, session, record, entry.path, entry.nbytes, t0, time.perf_counter())
 
     def _bring_in(self, reader: GridSessions, session: GridSession, record: "_Record", path: Path | None, nbytes: int,
-                  t0: float, t_read: float) -> bool:
-        """A record (from the host tier, or a file at `path`) into the pool; False is a miss."""
+                  t0: float, t_read: float, count: bool = True) -> bool:
+        """A record (from the host tier, or a file at `path`) into the pool; False is a miss. count=False: a
+        move that could not go ahead put back (no restore counted)."""
         tier = "disk" if path is not None else "host"
         where = path if path is not None else Path(session.session_id)
         state = record.state
@@ -236,6 +279,8 @@ class ShadowStore:
             reader.rollback(session, first_diff)
         reader.engine.synchronize()
         t_done = time.perf_counter()
+        if not count:
+            return True
         if tier == "disk":
             self.counts.restores += 1
             self.counts.restore_nbytes += nbytes
@@ -249,12 +294,20 @@ class ShadowStore:
         return True
 
     def after_feed(self, reader: GridSessions, session: GridSession) -> None:
+        """A feed is a safe point (a turn's start, between rounds): room for the cap, moves landed, the host cap."""
         self._fit(reader, session, 0, 0)
+        self.safe_point(reader)
         if self.parked:
             self.sweep(reader)
 
     def forget(self, reader: GridSessions, session: GridSession) -> None:
-        self.host.pop(session.session_id, None)
+        entry = self.host.pop(session.session_id, None)
+        if entry is not None:
+            entry.wait_copied()  # its pages may be reused only once the copies have read them
+            self._release_held(entry)
+        writing = self.writing.get(session.session_id)
+        if writing is not None:
+            writing.cancelled = True
         entry = self.parked.pop(session.session_id, None)
         if entry is not None:
             self._unlink(entry.path)
@@ -280,36 +333,42 @@ class ShadowStore:
             self._count_write_miss(session, FileMiss(disk.write_reason(exc), exc.strerror or str(exc)))
 
     # ---- parking -------------------------------------------------------------------------------
-    def park(self, reader: GridSessions, session: GridSession) -> bool:
-        """Write a resident session to disk and free its state; False (it stays resident) if it cannot."""
+    def park(self, reader: GridSessions, session: GridSession, wait: bool = True) -> bool:
+        """Write a resident session to disk and free its state; False (it stays resident) if it cannot.
+        The state is copied to the host and detached at once; the file is written by the mover thread
+        (background_writes), and `wait` waits for it (False: an eviction, which never waits on a disk)."""
         if not session.is_resident or not self._disk_ready():
             return False
         self._bind(reader)
         t0 = time.perf_counter()
-        record = _Record(list(session.ids), reader.engine.cache_state(session.cache), session.checkpoints, session.mode,
-                         list(session.divergence_lines))
-        nbytes = self._write(reader, session, record)
-        if nbytes is None:
+        entry = self._detach(reader, session)
+        writing = self._queue_write(reader, session, entry, "park")
+        if writing is None:  # (counted as a miss) the state stays where it was: resident again
+            entry.wait_copied()
+            self._release_held(entry)
+            self._bring_in(reader, session, entry.record, None, entry.nbytes, t0, t0, count=False)
             return False
-        t_done = time.perf_counter()
-        session.kv.release_all()
-        session.cache = None
-        session.checkpoints = []
-        self.counts.parks += 1
-        self.counts.park_nbytes += nbytes
-        self.events.append(("park", session.session_id))
-        self.counts.last_park_ms = {"total_ms": (t_done - t0) * 1e3, "nbytes": nbytes}
-        log.info("store_park", session=session.session_id, position=session.committed, nbytes=nbytes,
-                 ms=round((t_done - t0) * 1e3, 3))
+        if wait:  # a failed write leaves the session resident, as before the call
+            if not self._land(reader, writing, drop=False):
+                self._bring_in(reader, session, entry.record, None, entry.nbytes, t0, t0, count=False)
+                return False
+        elif self._mover is None:
+            self._land(reader, writing)
+        self.counts.last_park_ms = {"total_ms": (time.perf_counter() - t0) * 1e3, "nbytes": entry.nbytes, "wait": wait}
         return True
 
-    def _write(self, reader: GridSessions, session: GridSession, record: "_Record") -> int | None:
-        """One session's file from `record` (its ids, state and checkpoints as of when it was taken); the
-        file's size, or None (nothing written, counted as a miss) if it cannot be written."""
+    def _queue_write(self, reader: GridSessions, session: GridSession, entry: HostEntry, why: str) -> Writing | None:
+        """Hand one session's file (from its host copy) to the mover; None (nothing queued, counted as a
+        miss) if it cannot be written."""
         if not self._disk_ready():
             return None
         assert self.disk_dir is not None
+        before = self.writing.get(session.session_id)
+        if before is not None:  # an older write of the same file lands first (it is cancelled or stale)
+            before.cancelled = True
+            self._land(reader, before)
         fp = self._fingerprint_of(reader)
+        record = entry.record
         tensors = _session_tensors(record)
         estimate = sum(t.numel() * t.element_size() for t in tensors.values()) + 64 * 1024
         if estimate > self.disk_cap_nbytes:
@@ -321,35 +380,130 @@ class ShadowStore:
                 "model": reader.engine.name, "written_s": repr(written_s),
                 "ids_sha256": disk.tensor_sha256(tensors["ids"])}
         path = self.disk_dir / disk.file_name(session.session_id)
-        try:
-            nbytes = disk.write_file(path, tensors, meta)
-        except OSError as exc:
+        job = (entry.copied, path, tensors, meta)
+        if self._mover is not None:
+            future = self._mover.submit(_write_job, *job)
+        else:
+            future = Future()
+            try:
+                future.set_result(_write_job(*job))
+            except OSError as exc:
+                future.set_exception(exc)
+        writing = Writing(entry, path, written_s, future, why)
+        self.writing[session.session_id] = writing
+        return writing
+
+    def _land(self, reader: GridSessions, writing: Writing, drop: bool = True) -> bool:
+        """A queued write has finished (waits for it): the file is registered as parked (True), or removed if
+        the session came back meanwhile; a failed write (counted as a miss) drops the state, with `drop`."""
+        exc = writing.future.exception()  # waits
+        sid = writing.entry.session_id
+        if self.writing.get(sid) is writing:
+            del self.writing[sid]
+        writing.entry.wait_copied()  # (done: the write waited for it)
+        self._release_held(writing.entry)
+        session = reader.sessions.get(sid)
+        if exc is not None:
             if isinstance(exc, FileNotFoundError):
                 self._dir_ready = False  # the directory went away: make it again next time
-            self._count_write_miss(session, FileMiss(disk.write_reason(exc), exc.strerror or str(exc)))
+            if session is not None:
+                self._count_write_miss(session, FileMiss(disk.write_reason(exc), getattr(exc, "strerror", None) or str(exc)))
+                if drop and not writing.cancelled and not session.is_resident:
+                    reader.drop_state(session)
+                    self.counts.drops += 1
+                    self.events.append(("drop", sid))
+            return False
+        nbytes = writing.future.result()
+        if writing.cancelled or session is None or session.is_resident:
+            self._unlink(writing.path)  # the session came back or went: the file is stale
+            return False
+        self.parked[sid] = Parked(sid, writing.path, nbytes, writing.written_s, writing.entry.record.state.length)
+        self.counts.parks += 1
+        self.counts.park_nbytes += nbytes
+        if writing.why == "spill":
+            self.counts.host_spills += 1
+        self.events.append((writing.why, sid))
+        log.info("store_park", session=sid, position=writing.entry.record.state.length, nbytes=nbytes,
+                 why=writing.why)
+        return True
+
+    def poll(self, reader: GridSessions) -> None:
+        """Land what has finished moving (never waits): pages whose copies have landed go back to the pool,
+        files that have been written are registered."""
+        for entry in list(self.host.values()):
+            if entry.copied is not None and entry.copied.query():
+                self._release_held(entry)
+        for writing in list(self.writing.values()):
+            if writing.future.done():
+                self._land(reader, writing)
+
+    def flush(self, reader: GridSessions) -> None:
+        """Wait for every move in flight and land it (a planned stop, a status that must be exact, tests)."""
+        for entry in list(self.host.values()):
+            entry.wait_copied()
+            self._release_held(entry)
+        for writing in list(self.writing.values()):
+            self._land(reader, writing)
+
+    def safe_point(self, reader: GridSessions) -> None:
+        """Between rounds or in the idle window: land finished moves and keep the host cap (spills go to the
+        mover). A turn's own evictions only copy to the host; what they put over the host cap goes here."""
+        self._bind(reader)
+        self.poll(reader)
+        self._keep_host_cap(reader)
+
+    def _release_held(self, entry: HostEntry) -> None:
+        """The device state a finished copy read from: its pages back to the pool."""
+        if entry.copied is not None and not entry.copied.query():
+            return
+        entry.copied = None
+        if entry.held is not None:
+            entry.held.kv.release_all()
+            entry.held = None
+
+    def _detach(self, reader: GridSessions, session: GridSession) -> HostEntry:
+        """The session's state copied to the host (asynchronously on CUDA) and detached from the session."""
+        record, copied = _host_record(reader, session, self._copy_stream(reader))
+        entry = HostEntry(session.session_id, record, _record_nbytes(record), time.monotonic(), copied,
+                          session.cache if copied is not None else None)
+        if copied is None:
+            session.kv.release_all()
+        session.cache = None
+        session.checkpoints = []
+        return entry
+
+    def _copy_stream(self, reader: GridSessions):
+        if reader.engine.device.type != "cuda":
             return None
-        self.parked[session.session_id] = Parked(session.session_id, path, nbytes, written_s, record.state.length)
-        return nbytes
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(reader.engine.device)
+        return self._stream
+
+    def _settle_pool(self, reader: GridSessions, pages: int) -> None:
+        """The pool needs pages that moves in flight still hold: wait for those copies (oldest first)."""
+        for entry in sorted((e for e in (*self.host.values(), *(w.entry for w in self.writing.values()))
+                             if e.held is not None), key=lambda e: e.moved_s):
+            if reader.pool.can_allocate(pages):
+                return
+            entry.wait_copied()
+            self._release_held(entry)
 
     # ---- the host tier -------------------------------------------------------------------------
-    def move_to_host(self, reader: GridSessions, session: GridSession) -> bool:
+    def move_to_host(self, reader: GridSessions, session: GridSession, keep_cap: bool = True) -> bool:
         """A resident session's state into pinned host memory, its pool pages freed; older host states
         spill to disk (or are dropped) to keep the host cap. False (it stays resident) if it cannot fit."""
         self._bind(reader)
         if not session.is_resident or session.nbytes > self.host_cap_nbytes:
             return False
         t0 = time.perf_counter()
-        record = _host_record(reader, session)
-        nbytes = _record_nbytes(record)
-        session.kv.release_all()
-        session.cache = None
-        session.checkpoints = []
-        self.host[session.session_id] = HostEntry(session.session_id, record, nbytes, time.monotonic())
+        entry = self._detach(reader, session)
+        self.host[session.session_id] = entry
         self.counts.host_moves += 1
         self.events.append(("host", session.session_id))
-        log.info("store_host_move", session=session.session_id, position=session.committed, nbytes=nbytes,
-                 ms=round((time.perf_counter() - t0) * 1e3, 3))
-        self._keep_host_cap(reader)
+        log.info("store_host_move", session=session.session_id, position=session.committed, nbytes=entry.nbytes,
+                 ms=round((time.perf_counter() - t0) * 1e3, 3), in_flight=entry.copied is not None)
+        if keep_cap:
+            self._keep_host_cap(reader)
         return True
 
     def host_nbytes(self) -> int:
@@ -361,16 +515,18 @@ class ShadowStore:
             self._spill(reader, oldest)
 
     def _spill(self, reader: GridSessions, entry: HostEntry) -> bool:
-        """A host state to disk (dropped if it cannot be written); True if it was written."""
+        """A host state to disk by the mover (dropped if it cannot be queued); True if it was queued."""
         del self.host[entry.session_id]
         session = reader.sessions.get(entry.session_id)
         if session is None:
+            entry.wait_copied()
+            self._release_held(entry)
             return False
-        if self._write(reader, session, entry.record) is not None:
-            self.counts.host_spills += 1
-            self.counts.parks += 1
-            self.events.append(("spill", entry.session_id))
-            return True
+        writing = self._queue_write(reader, session, entry, "spill")
+        if writing is not None:
+            return self._land(reader, writing) if self._mover is None else True
+        entry.wait_copied()
+        self._release_held(entry)
         reader.drop_state(session)
         self.counts.drops += 1
         self.events.append(("drop", entry.session_id))
@@ -381,11 +537,14 @@ class ShadowStore:
         the newest). Sessions that cannot be written stay resident and are reported."""
         t0 = time.perf_counter()
         resident = sorted((s for s in reader.sessions.values() if s.is_resident), key=lambda s: s.last_fed_s)
-        parked, failed = [], []
+        queued, failed = [], []
         for entry in sorted(self.host.values(), key=lambda e: e.moved_s):
-            (parked if self._spill(reader, entry) else failed).append(entry.session_id)
+            (queued if self._spill(reader, entry) else failed).append(entry.session_id)
         for s in resident:
-            (parked if self.park(reader, s) else failed).append(s.session_id)
+            (queued if self.park(reader, s, wait=False) else failed).append(s.session_id)
+        self.flush(reader)  # every write lands before the stop
+        parked = [sid for sid in queued if sid in self.parked]
+        failed += [sid for sid in queued if sid not in self.parked]
         report = {"parked": len(parked), "failed": failed, "files": len(self.parked),
                   "parked_bytes": sum(p.nbytes for p in self.parked.values()), "seconds": time.perf_counter() - t0}
         log.info("store_park_all", **report)
@@ -517,6 +676,7 @@ class ShadowStore:
         resident = [s for s in list(reader.sessions.values()) if s.is_resident] if reader is not None else []
         c = self.counts
         return {
+            "moving_sessions": len(self.writing),
             "cap_bytes": self.cap_nbytes,
             "resident_bytes": reader.resident_nbytes() if reader is not None else 0,
             "resident_sessions": len(resident),
@@ -561,11 +721,14 @@ class ShadowStore:
 
     def _fit(self, reader: GridSessions, keep: GridSession, pages: int, need_nbytes: int) -> bool:
         self._bind(reader)
+        self.poll(reader)
         others = [Resident(s.session_id, s.last_fed_s, s.nbytes, len(s.kv.pages))
                   for s in reader.sessions.values() if s.is_resident and s is not keep and not s.pinned]
         room = plan_room(others, keep.nbytes, reader.pool.num_free, pages, need_nbytes, self.cap_nbytes)
         for sid in room.victims:
             self._evict(reader, reader.sessions[sid])
+        if not reader.pool.can_allocate(pages):
+            self._settle_pool(reader, pages)
         if not room.fits_cap and keep.session_id not in self._over_cap:
             self._over_cap.add(keep.session_id)  # once a session: it warns again only after it fitted
             log.warning("store_over_cap", session=keep.session_id, nbytes=keep.nbytes + need_nbytes, cap=self.cap_nbytes,
@@ -583,10 +746,12 @@ class ShadowStore:
             self._spent["evict"] += (time.perf_counter() - t0) * 1e3
 
     def _evict_one(self, reader: GridSessions, session: GridSession) -> None:
+        """Inside a read or a turn: a copy to the host, never a write on this thread (a write goes to the
+        mover; the host cap is kept at the next safe point, or here when no mover runs)."""
         self.counts.evictions += 1
-        if self.host_cap_nbytes and self.move_to_host(reader, session):
+        if self.host_cap_nbytes and self.move_to_host(reader, session, keep_cap=self._mover is None):
             return
-        if self.park(reader, session):
+        if self.park(reader, session, wait=False):
             return
         reader.drop_state(session)
         self.counts.drops += 1
@@ -685,23 +850,44 @@ def _session_meta(session: GridSession, record: _Record) -> dict[str, str]:
     }
 
 
-def _host_record(reader: GridSessions, session: GridSession) -> _Record:
-    """The session's state and checkpoints copied to the host: pinned buffers on CUDA (the copies go out
-    asynchronously and are waited for once), plain ones elsewhere."""
-    pin = reader.engine.device.type == "cuda"
+def _host_record(reader: GridSessions, session: GridSession, stream=None) -> tuple[_Record, object]:
+    """The session's state and checkpoints copied to the host, and the event after the copies (None: they
+    are done). On CUDA the copies go to pinned buffers on `stream`, behind the work already launched on the
+    current stream, and nothing waits for them here; elsewhere plain copies, done on return."""
+    pin = stream is not None
 
     def to_host(t: torch.Tensor) -> torch.Tensor:
         out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
         out.copy_(t, non_blocking=pin)
         return out
 
-    state = reader.engine.cache_state(session.cache)
-    host_state = ModelState(sections={k: to_host(v) for k, v in state.sections.items()},
-                            views={k: to_host(v) for k, v in state.views.items()}, length=state.length)
-    checkpoints = [Checkpoint(c.position, [to_host(x) for x in c.recurrent], [to_host(x) for x in c.conv], set(c.kinds))
-                   for c in session.checkpoints]
-    reader.engine.synchronize()
-    return _Record(list(session.ids), host_state, checkpoints, session.mode, list(session.divergence_lines))
+    def take() -> _Record:
+        state = reader.engine.cache_state(session.cache)
+        host_state = ModelState(sections={k: to_host(v) for k, v in state.sections.items()},
+                                views={k: to_host(v) for k, v in state.views.items()}, length=state.length)
+        checkpoints = [Checkpoint(c.position, [to_host(x) for x in c.recurrent], [to_host(x) for x in c.conv],
+                                  set(c.kinds)) for c in session.checkpoints]
+        return _Record(list(session.ids), host_state, checkpoints, session.mode, list(session.divergence_lines))
+
+    if stream is None:
+        return take(), None
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        record = take()
+        # the checkpoints' device tensors were made on the current stream and are freed with the session
+        for c in session.checkpoints:
+            for t in (*c.recurrent, *c.conv):
+                t.record_stream(stream)
+        copied = torch.cuda.Event()
+        copied.record(stream)
+    return record, copied
+
+
+def _write_job(copied, path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> int:
+    """On the mover thread: wait for the host copies (that session's only), then write the file."""
+    if copied is not None:
+        copied.synchronize()
+    return disk.write_file(path, tensors, meta)
 
 
 def _record_nbytes(record: _Record) -> int:

@@ -412,3 +412,21 @@ def test_a_waiting_request_waits_at_most_one_group():
     (wait,) = res.request_waits_ms
     assert 0 < wait <= group_ms
     assert wait == pytest.approx(burst.num_chunks // 4 * group_ms - 500.0)
+
+
+def test_served_ttft_with_and_without_the_session_cache():
+    """The served turn reads from the newest state it holds at or below what the prompt keeps: turn 1 from the
+    line turn 0 left (512), turn 2 re-rendered at id 300, below every state held, reads from row 0 like cold."""
+    recs = [rec("s", 0.0, 1.0, 2.0, 1000, 0, 36),
+            rec("s", 10.0, 10.1, 11.0, 1600, 1000, 36),
+            rec("s", 20.0, 20.1, 21.0, 2100, 300, 36)]
+    starts = simulate(recs, SEED).turn_starts
+    assert [s.served_from for s in starts] == [0, 512, 0]
+    # whole chunks up to the last line below the prompt's end, then the tail as its share of a chunk
+    cached = [1 + 488 / 512, 2 + 64 / 512, 4 + 52 / 512]
+    cold = [1 + 488 / 512, 3 + 64 / 512, 4 + 52 / 512]
+    assert [s.served_ttft_cached_ms for s in starts] == pytest.approx([c * CHUNK_MS for c in cached])
+    assert [s.served_ttft_cold_ms for s in starts] == pytest.approx([c * CHUNK_MS for c in cold])
+    report = simulate(recs, SEED).report()["served_ttft_ms"]
+    assert report["cached"]["n"] == report["cold"]["n"] == 2
+    assert report["ratio_p50"] == pytest.approx((2 + 64 / 512) / (3 + 64 / 512))
