@@ -629,11 +629,11 @@ class _SessionReplay:
             self.served_lines.add(end_line)
         self.served_lines = {p for p in self.served_lines if p <= prompt_tokens}
         taken = {p for p in self.served_lines if start < p <= line}
-        if taken and self.opt.checkpoints:
-            self.served_prompt_cps = sorted(set(self.served_prompt_cps) | taken)[-self.opt.checkpoints:]
-        if self.opt.recent_checkpoints:
+        if taken and self.opt.policy.checkpoints:
+            self.served_prompt_cps = sorted(set(self.served_prompt_cps) | taken)[-self.opt.policy.checkpoints:]
+        if self.opt.policy.recent_checkpoints:
             read = list(range(start + grid, line + 1, grid))
-            self.served_recent = sorted(set(self.served_recent) | set(read))[-self.opt.recent_checkpoints:]
+            self.served_recent = sorted(set(self.served_recent) | set(read))[-self.opt.policy.recent_checkpoints:]
         self.served_line = line
         return ttft_ms(start), ttft_ms(0), start
 
