@@ -159,17 +159,24 @@ def reader_loader(settings: EngineSettings, policy, shadow_model: str, shared_en
 
 
 def _weights_estimate(spec: str, dtype, cache_dir: Path) -> int | None:
-    """A checkpoint's weights before loading them (None for a preset: measured once loaded)."""
+    """A model's weights before loading them: a checkpoint's from its headers, a preset's from its shapes (None
+    where the family cannot say: measured once loaded)."""
     import torch
 
-    from ..models import DEFAULT_FAMILY, EMBEDDED, family_module
+    from ..models import DEFAULT_FAMILY, EMBEDDED, FAMILIES, family_module
     from ..runtime.planner import checkpoint_weights_nbytes
 
     size = torch.empty((), dtype=dtype).element_size()
     if spec in ("", EMBEDDED):
         return checkpoint_weights_nbytes(family_module(DEFAULT_FAMILY).ensure_embedded(cache_dir), size)
     path = Path(spec).expanduser()
-    return checkpoint_weights_nbytes(path, size) if path.is_dir() else None
+    if path.is_dir():
+        return checkpoint_weights_nbytes(path, size)
+    for name in FAMILIES:
+        module = family_module(name)
+        if module.is_preset(spec) and hasattr(module, "preset_weights_nbytes"):
+            return module.preset_weights_nbytes(spec, dtype)
+    return None
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

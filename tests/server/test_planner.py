@@ -164,3 +164,14 @@ async def test_only_the_admin_loads_and_releases_and_a_bad_action_is_named(cache
         r = await client.post("/v1/conductor/shadow/reader", json={"action": "release"},
                               headers={"Authorization": "Bearer sk-admin"})
         assert r.status_code == 409 and r.json()["error"]["code"] == "not_loaded"
+
+
+def test_a_claims_weights_before_the_load_are_what_the_load_holds(cache_dir, tiny_engine):
+    """The reader's claim is admitted before its weights load: the checkpoint's headers (and a preset's shapes)
+    give the bytes the loaded weights then hold."""
+    import torch
+
+    from qse.server.cli import _weights_estimate
+
+    assert _weights_estimate("", torch.float32, cache_dir) == tiny_engine.model.weights_nbytes()
+    assert _weights_estimate("no-such-preset-or-dir", torch.float32, cache_dir) is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -9,7 +10,7 @@ import torch
 from .chat import (ChatTemplate, HFTokenizer, TokenizerError, answer_grammar, load_tokenizer, parse_output,
                    question_prompt, read_generation_config, tool_calls_rules)
 from .config import ConfigError, TextConfig, load_config, parse_config
-from .layout import CheckpointError, load_weights
+from .layout import CheckpointError, expected_shapes, load_weights
 from .model import InputError, Qwen35Model
 from .presets import PRESET_ALIASES, PRESETS, ensure_embedded, preset_config_dict, random_weights
 
@@ -24,6 +25,13 @@ def load(model_dir: Path, device: torch.device | str, dtype: torch.dtype) -> Qwe
 def build_preset(name: str, device: torch.device | str, dtype: torch.dtype, seed: int = 0) -> Qwen35Model:
     cfg = parse_config(preset_config_dict(name), where=f"preset {name}")
     return Qwen35Model(cfg, random_weights(cfg, seed, device, dtype), device, dtype)
+
+
+def preset_weights_nbytes(name: str, dtype: torch.dtype) -> int:
+    """What a preset's weights will hold at `dtype`, from its shapes alone (the residency planner's claim)."""
+    cfg = parse_config(preset_config_dict(name), where=f"preset {name}")
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(math.prod(shape) for shape in expected_shapes(cfg).values()) * size
 
 
 def is_preset(name: str) -> bool:
