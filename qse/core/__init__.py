@@ -5,7 +5,8 @@ so the runtime drives it in real time and the replay drives it on a virtual cloc
 """
 
 from qse.core.chunk_cost import ChunkCostEstimator
-from qse.core.drive import DriveResult, Stop, drive_plan
+from qse.core.drive import (ChunkDecision, ChunkPipe, DriveResult, PlanDriver, ReadEach, SpendDecision,
+                            Stop)
 from qse.core.idle import IdleBurst, IdleWindow, SessionBacklog, pick_idle_session
 from qse.core.ledger import Balance, GpuLedger, Role, ms_to_us
 from qse.core.locks import (EngineLockQueue, HeldLocks, LockRank, LockTable, Priority, find_deadlock,
@@ -15,8 +16,9 @@ from qse.core.ration import RationSlice, TurnRation
 from qse.core.share import ShareBudget, s_to_us
 
 __all__ = [
-    "Backlog", "Balance", "ChunkCostEstimator", "DriveResult", "EngineLockQueue", "GpuLedger", "HeldLocks",
-    "IdleBurst", "IdleWindow", "LockRank", "LockTable", "Priority", "ROLE_OF_WINDOW", "RationSlice", "ReaderPlan",
-    "Role", "SessionBacklog", "ShareBudget", "Stop", "TurnRation", "Window", "drive_plan", "find_deadlock",
-    "may_acquire", "ms_to_us", "next_backlog", "pick_idle_session", "plan_read", "s_to_us", "whole_chunks",
+    "Backlog", "Balance", "ChunkCostEstimator", "ChunkDecision", "ChunkPipe", "DriveResult", "EngineLockQueue",
+    "GpuLedger", "HeldLocks", "IdleBurst", "IdleWindow", "LockRank", "LockTable", "PlanDriver", "Priority",
+    "ROLE_OF_WINDOW", "RationSlice", "ReadEach", "ReaderPlan", "Role", "SessionBacklog", "ShareBudget",
+    "SpendDecision", "Stop", "TurnRation", "Window", "find_deadlock", "may_acquire", "ms_to_us", "next_backlog",
+    "pick_idle_session", "plan_read", "s_to_us", "whole_chunks",
 ]

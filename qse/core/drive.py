@@ -4,6 +4,10 @@ The runtime runs it on the engine's executor thread with a pipe of chunks that t
 events, launching the next chunk while the device still works on the one before (`ReaderPlan.lookahead`);
 the replay runs it on a virtual clock with a read-rate model, one chunk at a time. Same loop, same
 decisions wherever a chunk's measured time equals its estimate.
+
+`PlanDriver` holds what lasts across plans (the estimator, the ledger, the clock); `run` carries out one
+plan through a `ChunkPipe` under a `ChunkDecision`. Both protocols are whole: a pipe declares what it can
+do (`can_group`, `reads_at_launch`) and every decision answers every question, so the loop never probes.
 """
 
 from __future__ import annotations
@@ -13,17 +17,60 @@ from enum import Enum
 from typing import Any, Callable, NamedTuple, Protocol
 
 from qse.core.chunk_cost import ChunkCostEstimator
-from qse.core.ledger import GpuLedger
+from qse.core.ledger import GpuLedger, ms_to_us
 from qse.core.plan import ReaderPlan
 
 
 class ChunkDecision(Protocol):
-    """A window's decision. drive_plan launches whatever it admits: a True from `may_read_next` is a launch
+    """A window's decision. The driver launches whatever it admits: a True from `may_read_next` is a launch
     (a decision may count on that, as the windows' probe of a chunk dearer than a whole window does)."""
 
     def may_read_next(self, now: float, request_waiting: bool, next_chunk_est_ms: float) -> bool: ...
 
-    def note_chunk(self, gpu_ms: float) -> None: ...
+    def chunks_allowed(self, chunks: int) -> int:
+        """How many of the next `chunks` (> 1) one launch may read: from 1 to `chunks` (a pending question's
+        row cuts a chunk group short)."""
+        ...
+
+    def note_launch(self, chunks: int) -> None:
+        """A launch read `chunks` chunks (heard at the launch, before it is read back)."""
+        ...
+
+    def note_chunk(self, gpu_ms: float) -> None:
+        """A launch (a chunk, or a chunk group) was read back and measured `gpu_ms`."""
+        ...
+
+
+class SpendDecision:
+    """What the windows' decisions (IdleBurst, RationSlice) share: they count what their launches spent and
+    admit a chunk whose estimate fits what is left, or the probe; they never cap a group."""
+
+    def __init__(self) -> None:
+        self.spent_us = 0
+        self.num_chunks = 0  # launches read back
+        self.num_admitted = 0  # chunks admitted (the driver launches each chunk a decision admits)
+
+    def admit(self, next_chunk_est_ms: float, left_us: int, probe_over_us: int | None) -> bool:
+        """Admit the next chunk if its estimate fits `left_us`, or, as the first admitted, if it is estimated
+        above `probe_over_us` (the probe; None: no probe). An estimate that is not a number of ms: no."""
+        est_us = ms_to_us(next_chunk_est_ms)
+        if est_us is None:
+            return False
+        is_probe = self.num_admitted == 0 and probe_over_us is not None and est_us > probe_over_us
+        if est_us <= left_us or is_probe:
+            self.num_admitted += 1
+            return True
+        return False
+
+    def chunks_allowed(self, chunks: int) -> int:
+        return chunks
+
+    def note_launch(self, chunks: int) -> None:
+        pass
+
+    def note_chunk(self, gpu_ms: float) -> None:
+        self.spent_us += ms_to_us(gpu_ms) or 0
+        self.num_chunks += 1
 
 
 class Stop(str, Enum):
@@ -41,131 +88,136 @@ class DriveResult(NamedTuple):
 
 
 class ChunkPipe(Protocol):
-    """Chunks launched ahead of being read back: `launch(start_row)` starts one and returns a handle,
-    `finish(handle)` waits for it and returns its measured ms. Handles are finished in launch order.
+    """Chunks launched ahead of being read back: `launch(start_row, chunks)` starts at most `chunks` and at
+    least one from `start_row` and returns (a handle, how many it started); `finish(handle)` waits for them
+    and returns their measured ms. Handles are finished in launch order."""
 
-    A pipe that can read several chunks in one launch (the reader's chunk groups) also offers
-    `launch_group(start_row, chunks) -> (handle, chunks launched)`, at most `chunks` and at least one;
-    drive_plan uses it where the plan allows groups (`ReaderPlan.group`)."""
+    can_group: bool  # one launch may read several chunks (the reader's chunk groups); if not, `chunks` is 1
+    reads_at_launch: bool  # each launch is read and measured at once: nothing is gained by running ahead
 
-    def launch(self, start_row: int) -> Any: ...
+    def launch(self, start_row: int, chunks: int) -> tuple[Any, int]: ...
 
     def finish(self, handle: Any) -> float: ...
 
 
-class _Sequential:
-    """A pipe over `read_chunk`: each chunk is read (and measured) at launch."""
+class ReadEach:
+    """A pipe over `read_chunk(start_row) -> measured ms`: one chunk a launch, read at its launch."""
+
+    can_group = False
+    reads_at_launch = True
 
     def __init__(self, read_chunk: Callable[[int], float]):
         self.read_chunk = read_chunk
 
-    def launch(self, start_row: int) -> float:
-        return self.read_chunk(start_row)
+    def launch(self, start_row: int, chunks: int) -> tuple[float, int]:
+        return self.read_chunk(start_row), 1
 
     def finish(self, handle: float) -> float:
         return handle
 
 
-def drive_plan(plan: ReaderPlan, decision: ChunkDecision, *, estimator: ChunkCostEstimator,
-               ledger: GpuLedger, read_chunk: Callable[[int], float] | None = None, clock: Callable[[], float],
-               request_waiting: Callable[[], bool], pipe: ChunkPipe | None = None,
-               sleep_until: Callable[[float], None] | None = None) -> DriveResult:
-    """Read whole chunks of `plan` while `decision` allows: `read_chunk(start_row)` reads one and returns
-    its measured ms, or `pipe` launches chunks ahead of reading them back.
+class PlanDriver:
+    """Carries out plans: whole chunks while a decision allows, each accounted in `ledger` and taught to
+    `estimator`. `clock()` is the host's clock; `sleep_until(t)` waits until it reads t (seconds on
+    `clock`'s scale; None: never wait, the launch lead is not kept)."""
 
-    With a pipe, up to `plan.lookahead` chunks run beyond the oldest one not read back. The decision on a
-    new chunk then counts those in flight at their estimates (a budget is never overrun by what the
-    decision could not see yet); where they leave no room, they are read back and the decision asked
-    again with what they measured. Each is accounted (ledger, decision, estimator) as it is read back, in
-    order. With `plan.launch_lead_ms` and `sleep_until(t)` (seconds on `clock`'s scale), the decision on
-    the next chunk waits until that long before the chunk in flight is expected to end, so a request
-    arriving meanwhile is seen before the next launch. Chunks launched are always read back and
-    accounted, whatever stops the loop.
+    def __init__(self, *, estimator: ChunkCostEstimator, ledger: GpuLedger, clock: Callable[[], float],
+                 sleep_until: Callable[[float], None] | None = None):
+        self.estimator = estimator
+        self.ledger = ledger
+        self.clock = clock
+        self.sleep_until = sleep_until
 
-    Groups (`plan.group` > 1, a pipe with `launch_group`): a launch may read up to that many chunks,
-    admitted at the sum of their estimates, capped by the decision's `chunks_allowed(n)` where it has one
-    (a pending question's row), and read back before the next launch (a request then waits for at most one
-    group). A group is one ledger record; its time teaches the estimator nothing (the estimator's unit is a
-    chunk launched alone). A decision with `note_launch(chunks)` hears how many chunks each launch read."""
-    if (read_chunk is None) == (pipe is None):
-        raise TypeError("drive_plan takes exactly one of read_chunk and pipe")
-    lookahead = plan.lookahead if pipe is not None else 0
-    pipe = pipe if pipe is not None else _Sequential(read_chunk)  # type: ignore[arg-type]
-    row = plan.start_row
-    gpu_us = 0
-    num_chunks = 0
-    stop = Stop.BACKLOG
-    refused = False
-    # (start row, estimate, handle, chunks), oldest first
-    in_flight: deque[tuple[int, float, Any, int]] = deque()
-    settled_at = clock()  # when the device last came free of our chunks, as far as the host knows
-    grouping = plan.group > 1 and hasattr(pipe, "launch_group")
-    allowed = getattr(decision, "chunks_allowed", None)
-    note_launch = getattr(decision, "note_launch", None)
+    def run(self, plan: ReaderPlan, decision: ChunkDecision, pipe: ChunkPipe, *,
+            request_waiting: Callable[[], bool]) -> DriveResult:
+        """Read whole chunks of `plan` through `pipe` while `decision` allows.
 
-    def estimate(start_row: int, chunks: int) -> float:
-        return sum(estimator.estimate_ms(start_row + i * plan.grid) for i in range(chunks))
+        Up to `plan.lookahead` chunks run beyond the oldest one not read back (none where the pipe reads
+        at launch). The decision on a new chunk then counts those in flight at their estimates (a budget
+        is never overrun by what the decision could not see yet); where they leave no room, they are read
+        back and the decision asked again with what they measured. Each is accounted (ledger, decision,
+        estimator) as it is read back, in order. With `plan.launch_lead_ms` and `sleep_until`, the
+        decision on the next chunk waits until that long before the chunk in flight is expected to end,
+        so a request arriving meanwhile is seen before the next launch. Chunks launched are always read
+        back and accounted, whatever stops the loop.
 
-    def settle() -> None:
-        nonlocal gpu_us, refused, settled_at
-        start_row, est_ms, handle, chunks = in_flight.popleft()
-        gpu_ms = pipe.finish(handle)
-        settled_at = clock()
-        recorded = ledger.record(plan.role, gpu_ms, turn_id=plan.turn_id, est_ms=est_ms)
-        if recorded is None:  # the chunk counts (the state advanced); nothing more starts
-            refused = True
-            return
-        decision.note_chunk(gpu_ms)
-        if chunks == 1:
-            estimator.observe(start_row, gpu_ms)
-        gpu_us += recorded
+        Groups (`plan.group` > 1, a pipe that `can_group`): a launch may read up to that many chunks,
+        admitted at the sum of their estimates, capped by the decision's `chunks_allowed` (a pending
+        question's row), and read back before the next launch (a request then waits for at most one
+        group). A group is one ledger record; its time teaches the estimator nothing (the estimator's
+        unit is a chunk launched alone). The decision hears how many chunks each launch read (`note_launch`)."""
+        estimator, ledger, clock, sleep_until = self.estimator, self.ledger, self.clock, self.sleep_until
+        lookahead = 0 if pipe.reads_at_launch else plan.lookahead
+        grouping = plan.group > 1 and pipe.can_group
+        row = plan.start_row
+        gpu_us = 0
+        num_chunks = 0
+        stop = Stop.BACKLOG
+        refused = False
+        # (start row, estimate, handle, chunks), oldest first
+        in_flight: deque[tuple[int, float, Any, int]] = deque()
+        settled_at = clock()  # when the device last came free of our chunks, as far as the host knows
 
-    try:
-        while num_chunks < plan.max_chunks:
-            if refused:
-                break
-            want = min(plan.group, plan.max_chunks - num_chunks) if grouping else 1
-            if want > 1 and allowed is not None:
-                want = max(1, min(want, allowed(want)))
-            est_ms = estimate(row, want)
-            while True:
-                ahead_ms = sum(e for _, e, _, _ in in_flight)
-                if in_flight and plan.launch_lead_ms > 0 and sleep_until is not None:
-                    sleep_until(settled_at + (ahead_ms - plan.launch_lead_ms) / 1000)
-                waiting = plan.stop_when_waiting and request_waiting()
-                if decision.may_read_next(clock(), waiting, ahead_ms + est_ms):
-                    break
-                if waiting or not in_flight:
-                    stop = Stop.WAITING if waiting else Stop.BUDGET
-                    break
-                # the chunks in flight at their estimates leave no room: read them back and ask again
-                # with what they measured (a pessimistic estimate, the prior's, must not shrink a slice)
-                while in_flight and not refused:
-                    settle()
+        def estimate(start_row: int, chunks: int) -> float:
+            return sum(estimator.estimate_ms(start_row + i * plan.grid) for i in range(chunks))
+
+        def settle() -> None:
+            nonlocal gpu_us, refused, settled_at
+            start_row, est_ms, handle, chunks = in_flight.popleft()
+            gpu_ms = pipe.finish(handle)
+            settled_at = clock()
+            recorded = ledger.record(plan.role, gpu_ms, turn_id=plan.turn_id, est_ms=est_ms)
+            if recorded is None:  # the chunk counts (the state advanced); nothing more starts
+                refused = True
+                return
+            decision.note_chunk(gpu_ms)
+            if chunks == 1:
+                estimator.observe(start_row, gpu_ms)
+            gpu_us += recorded
+
+        try:
+            while num_chunks < plan.max_chunks:
                 if refused:
                     break
+                want = min(plan.group, plan.max_chunks - num_chunks) if grouping else 1
+                if want > 1:
+                    want = max(1, min(want, decision.chunks_allowed(want)))
                 est_ms = estimate(row, want)
-            if refused or stop is not Stop.BACKLOG:
-                break
-            launched_on_idle = not in_flight
-            if want > 1:
-                handle, count = pipe.launch_group(row, want)  # type: ignore[attr-defined]
-                est_ms = estimate(row, count)
-            else:
-                handle, count = pipe.launch(row), 1
-            in_flight.append((row, est_ms, handle, count))
-            if note_launch is not None:
-                note_launch(count)
-            if launched_on_idle:
-                settled_at = clock()  # the device starts it now
-            num_chunks += count
-            row += count * plan.grid
-            keep = 0 if count > 1 else lookahead  # a group is read back before anything else is launched
-            while len(in_flight) > keep and not refused:
+                while True:
+                    ahead_ms = sum(e for _, e, _, _ in in_flight)
+                    if in_flight and plan.launch_lead_ms > 0 and sleep_until is not None:
+                        sleep_until(settled_at + (ahead_ms - plan.launch_lead_ms) / 1000)
+                    waiting = plan.stop_when_waiting and request_waiting()
+                    if decision.may_read_next(clock(), waiting, ahead_ms + est_ms):
+                        break
+                    if waiting or not in_flight:
+                        stop = Stop.WAITING if waiting else Stop.BUDGET
+                        break
+                    # the chunks in flight at their estimates leave no room: read them back and ask again
+                    # with what they measured (a pessimistic estimate, the prior's, must not shrink a slice)
+                    while in_flight and not refused:
+                        settle()
+                    if refused:
+                        break
+                    est_ms = estimate(row, want)
+                if refused or stop is not Stop.BACKLOG:
+                    break
+                launched_on_idle = not in_flight
+                handle, count = pipe.launch(row, want)
+                if count != want:
+                    est_ms = estimate(row, count)
+                in_flight.append((row, est_ms, handle, count))
+                decision.note_launch(count)
+                if launched_on_idle:
+                    settled_at = clock()  # the device starts it now
+                num_chunks += count
+                row += count * plan.grid
+                keep = 0 if count > 1 else lookahead  # a group is read back before anything else is launched
+                while len(in_flight) > keep and not refused:
+                    settle()
+        finally:
+            while in_flight:
                 settle()
-    finally:
-        while in_flight:
-            settle()
-    if refused:
-        stop = Stop.REFUSED
-    return DriveResult(num_chunks, gpu_us, row, stop)
+        if refused:
+            stop = Stop.REFUSED
+        return DriveResult(num_chunks, gpu_us, row, stop)

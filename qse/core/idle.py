@@ -16,19 +16,17 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
-from qse.core.ledger import ms_to_us
+from qse.core.drive import SpendDecision
 from qse.core.share import s_to_us
 
 
-class IdleBurst:
+class IdleBurst(SpendDecision):
     """One burst of the idle window, opened at `opened_s`; the wall clock bounds it."""
 
     def __init__(self, opened_s: float, burst_s: float):
+        super().__init__()
         self.opened_s = opened_s
         self.burst_us = s_to_us(burst_s)
-        self.spent_us = 0
-        self.num_chunks = 0
-        self.num_admitted = 0  # chunks admitted (drive_plan launches each chunk the burst admits)
 
     def left_us(self, now: float) -> int:
         return max(0, self.burst_us - max(0, s_to_us(now - self.opened_s)))
@@ -38,17 +36,7 @@ class IdleBurst:
         the burst's first and estimated above a whole burst: the probe)."""
         if request_waiting:
             return False
-        est_us = ms_to_us(next_chunk_est_ms)
-        if est_us is None:
-            return False
-        if est_us <= self.left_us(now) or (self.num_admitted == 0 and est_us > self.burst_us):
-            self.num_admitted += 1
-            return True
-        return False
-
-    def note_chunk(self, gpu_ms: float) -> None:
-        self.spent_us += ms_to_us(gpu_ms) or 0
-        self.num_chunks += 1
+        return self.admit(next_chunk_est_ms, self.left_us(now), self.burst_us)
 
 
 class IdleWindow:

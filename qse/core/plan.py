@@ -1,7 +1,7 @@
 """The one object that passes from policy to the executor: what the reader may read next.
 
 A window's decision (`IdleBurst`, `RationSlice`) says whether and how much; `plan_read` turns it into a
-`ReaderPlan` the executor carries out with `drive_plan`. Everything the executor needs is here, so
+`ReaderPlan` the executor carries out with `PlanDriver`. Everything the executor needs is here, so
 the executor never calls back into the policy to learn what to do, only whether to go on.
 """
 

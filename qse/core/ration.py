@@ -20,23 +20,22 @@ from __future__ import annotations
 
 import math
 
+from qse.core.drive import SpendDecision
 from qse.core.ledger import ms_to_us
 from qse.core.plan import Window
 from qse.core.share import ShareBudget
 
 
-class RationSlice:
+class RationSlice(SpendDecision):
     """One slice: whole chunks while their estimates fit the budget fixed at opening. A slice whose budget
     is a whole slice (`whole_us`) also admits its first chunk when that chunk's estimate is larger than a
     whole slice (the probe, see the module's docstring)."""
 
     def __init__(self, opened_s: float, budget_us: int, whole_us: int | None = None):
+        super().__init__()
         self.opened_s = opened_s
         self.budget_us = budget_us
         self.whole_us = whole_us  # None: no probe (a slice that is not a ration's)
-        self.spent_us = 0
-        self.num_chunks = 0
-        self.num_admitted = 0  # chunks admitted (drive_plan launches each chunk this slice admits)
 
     @property
     def left_us(self) -> int:
@@ -48,19 +47,8 @@ class RationSlice:
         `now` and `request_waiting` are accepted for the executor's one loop and do not matter here: a
         slice runs between two rounds of the request it belongs to.
         """
-        est_us = ms_to_us(next_chunk_est_ms)
-        if est_us is None:
-            return False
-        is_probe = (self.num_admitted == 0 and self.whole_us is not None and est_us > self.whole_us
-                    and self.budget_us >= self.whole_us)
-        if est_us <= self.left_us or is_probe:
-            self.num_admitted += 1
-            return True
-        return False
-
-    def note_chunk(self, gpu_ms: float) -> None:
-        self.spent_us += ms_to_us(gpu_ms) or 0
-        self.num_chunks += 1
+        probes = self.whole_us is not None and self.budget_us >= self.whole_us  # only a whole slice probes
+        return self.admit(next_chunk_est_ms, self.left_us, self.whole_us if probes else None)
 
 
 class TurnRation:

@@ -4,7 +4,7 @@ Each session of a usage ledger is replayed on its own engine (the served model s
 session, as for one agent or one user): its turns arrive as recorded, the served model prefills
 from arrival to first token and decodes to the end, and the reader reads the session in whole grid
 chunks whenever qse/core lets it (`IdleWindow`/`IdleBurst` between turns, `TurnRation` between decode
-rounds), through the same `drive_plan` loop the runtime runs, charging the same `GpuLedger`. A chunk
+rounds), through the same `PlanDriver` loop the runtime runs, charging the same `GpuLedger`. A chunk
 costs what the read model says at its context; the estimator learns from those costs, so decisions
 are taken on estimates and accounted on "measurements", as in the server. The replay reads one chunk
 at a time; the server launches the next chunk while the device runs the one before (`ReaderPlan.lookahead`),
@@ -56,8 +56,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Iterable, NamedTuple
 
-from qse.core import (ChunkCostEstimator, DriveResult, GpuLedger, IdleWindow, Role, Stop, TurnRation, Window,
-                      drive_plan, plan_read, whole_chunks)
+from qse.core import (ChunkCostEstimator, DriveResult, GpuLedger, IdleWindow, PlanDriver, Role, Stop, TurnRation,
+                      Window, plan_read, whole_chunks)
 from qse.core.plan import check_group, group_size
 from qse.policy import Policy
 from qse.replay.read_model import ReadModel, group_share
@@ -467,8 +467,8 @@ class _SessionReplay:
             return None
         opened = self.now
         # the plan's lookahead is 0 here: each launch (a chunk, or a group where the plan allows) is read at once
-        res = drive_plan(plan, decision, estimator=self.sim.estimator, ledger=self.sim.result.ledger,
-                         pipe=_ReplayPipe(self), clock=lambda: self.now,
+        driver = PlanDriver(estimator=self.sim.estimator, ledger=self.sim.result.ledger, clock=lambda: self.now)
+        res = driver.run(plan, decision, _ReplayPipe(self),
                          request_waiting=lambda: waiting_at is not None and self.now >= waiting_at)
         self.committed = res.end_row
         if self.sim.record_decisions:
@@ -705,16 +705,16 @@ class _SessionReplay:
 
 
 class _ReplayPipe:
-    """drive_plan's chunks on the virtual clock, chunk groups too (each read, and timed, at its launch)."""
+    """The driver's chunks on the virtual clock, chunk groups too (each read, and timed, at its launch)."""
+
+    can_group = True
+    reads_at_launch = True
 
     def __init__(self, session: "_SessionReplay"):
         self.session = session
 
-    def launch(self, row: int) -> float:
-        return self.session._read_chunk(row)
-
-    def launch_group(self, row: int, chunks: int) -> tuple[float, int]:
-        return self.session._read_group(row, chunks)
+    def launch(self, row: int, chunks: int) -> tuple[float, int]:
+        return (self.session._read_chunk(row), 1) if chunks == 1 else self.session._read_group(row, chunks)
 
     def finish(self, handle: float) -> float:
         return handle

@@ -2,10 +2,10 @@
 
 The event loop decides that a window opens (an `IdleBurst` or a `RationSlice`, from qse/core) and hands
 the decision here; `ChunkRunner.run` runs on the reader's executor thread, where the session's state is
-stable, and carries it out with core's `plan_read` and `drive_plan`:
+stable, and carries it out with core's `plan_read` and `PlanDriver`:
 
     session known ids (prompt, then output so far) --plan_read--> ReaderPlan
-    sync the device (ration, narrator) --drive_plan--> whole chunks while the decision allows
+    sync the device (ration, narrator) --PlanDriver.run--> whole chunks while the decision allows
     each chunk: reader.launch_step, then reader.finish_step (measured ms) --> GpuLedger (role of the
     window, the turn) + estimator; `lookahead` chunks are launched ahead of the one read back, so the
     device never waits for the host's launch (in the idle window, only `launch_lead_ms` before the chunk
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..core.chunk_cost import ChunkCostEstimator
-from ..core.drive import ChunkDecision, DriveResult, drive_plan
+from ..core.drive import ChunkDecision, DriveResult, PlanDriver
 from ..core.ledger import GpuLedger
 from ..core.plan import ReaderPlan, Window, check_group, check_lookahead, plan_read
 from ..shadow.reader import ChunkReport, PendingChunk, ShadowReader
@@ -48,16 +48,19 @@ class QuestionGate:
         return self.decision.may_read_next(now, request_waiting, next_chunk_est_ms)
 
     def chunks_allowed(self, chunks: int) -> int:
-        """How many of the next `chunks` one launch may read: none of them may start at a question's row."""
+        """How many of the next `chunks` one launch may read: none of them may start at a question's row
+        (and no more than the decision allows)."""
+        chunks = self.decision.chunks_allowed(chunks)
         for i in range(1, chunks):
             if self.row + i * self.grid in self.question_rows:
                 return i
         return chunks
 
     def note_launch(self, chunks: int) -> None:
-        """drive_plan launched `chunks` chunks from the gate's row: the row follows the launches (with
+        """The driver launched `chunks` chunks from the gate's row: the row follows the launches (with
         lookahead they run ahead of the chunks read back and noted)."""
         self.row += chunks * self.grid
+        self.decision.note_launch(chunks)
 
     def note_chunk(self, gpu_ms: float) -> None:
         self.decision.note_chunk(gpu_ms)
@@ -90,6 +93,7 @@ class ChunkRunner:
         self.lookahead = lookahead
         self.launch_lead_ms = launch_lead_ms
         self.sleep_until = sleep_until or self._sleep_until
+        self.driver = PlanDriver(estimator=estimator, ledger=ledger, clock=clock, sleep_until=self.sleep_until)
 
     def _sleep_until(self, t: float) -> None:
         left = t - self.clock()
@@ -129,24 +133,23 @@ class ChunkRunner:
         gate = QuestionGate(decision, plan.start_row, plan.grid, question_rows)
         reports: list[ChunkReport] = []
 
-        result = drive_plan(plan, gate, estimator=self.estimator, ledger=self.ledger,
-                            pipe=_SessionPipe(reader, session_id, reports), clock=self.clock,
-                            request_waiting=request_waiting, sleep_until=self.sleep_until)
+        result = self.driver.run(plan, gate, _SessionPipe(reader, session_id, reports), request_waiting=request_waiting)
         return ReadOutcome(plan, result, reports, gate.is_at_question)
 
 
 class _SessionPipe:
-    """drive_plan's chunks of one session: launched by the reader, read back in order into `reports`."""
+    """The driver's chunks of one session: launched by the reader (chunk groups too), read back in order into
+    `reports`."""
+
+    can_group = True
+    reads_at_launch = False
 
     def __init__(self, reader: ShadowReader, session_id: str, reports: list[ChunkReport]):
         self.reader = reader
         self.session_id = session_id
         self.reports = reports
 
-    def launch(self, row: int) -> PendingChunk:
-        return self.launch_group(row, 1)[0]
-
-    def launch_group(self, row: int, chunks: int) -> tuple[PendingChunk, int]:
+    def launch(self, row: int, chunks: int) -> tuple[PendingChunk, int]:
         """Up to `chunks` chunks from `row` in one launch (the reader's chunk group); (handle, chunks read)."""
         pending = self.reader.launch_step(self.session_id, chunks)
         if pending is None or pending.start != row:

@@ -1,4 +1,4 @@
-"""drive_plan with chunks launched ahead of being read back (ReaderPlan.lookahead), on a virtual device:
+"""PlanDriver with chunks launched ahead of being read back (ReaderPlan.lookahead), on a virtual device:
 the host launches, the device runs the launches in order, and reading one back waits for it."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 
 from qse.core.chunk_cost import ChunkCostEstimator
-from qse.core.drive import Stop, drive_plan
+from qse.core.drive import PlanDriver, ReadEach, Stop
 from qse.core.idle import IdleWindow
 from qse.core.ledger import GpuLedger, Role
 from qse.core.plan import Window, plan_read
@@ -18,7 +18,10 @@ HOST_MS = 0.4  # the host's launch of one chunk (what the device waited for betw
 
 
 class VirtualDevice:
-    """A host clock and a device timeline; also the ChunkPipe drive_plan launches on."""
+    """A host clock and a device timeline; also the ChunkPipe the driver launches on (one chunk a launch)."""
+
+    can_group = False
+    reads_at_launch = False
 
     def __init__(self, t: float, chunk_ms=lambda row: CHUNK_MS, host_ms: float = HOST_MS):
         self.t = t
@@ -34,14 +37,14 @@ class VirtualDevice:
     def sleep_until(self, t: float) -> None:
         self.t = max(self.t, t)
 
-    def launch(self, row: int):
+    def launch(self, row: int, chunks: int):
         self.t += self.host_ms / 1000
         ms = self.chunk_ms(row)
         end = max(self.t, self.free_at) + ms / 1000
         self.free_at = end
         self.busy_ms += ms
         self.log.append(("launch", row))
-        return row, end, ms
+        return (row, end, ms), 1
 
     def finish(self, handle) -> float:
         row, end, ms = handle
@@ -50,7 +53,7 @@ class VirtualDevice:
         return ms
 
     def read_chunk(self, row: int) -> float:  # one at a time: launch and wait
-        return self.finish(self.launch(row))
+        return self.finish(self.launch(row, 1)[0])
 
 
 def _plan(window, chunks, lookahead, lead_ms=0.0, est_ms=CHUNK_MS, budget_ms=1e6):
@@ -61,9 +64,9 @@ def _plan(window, chunks, lookahead, lead_ms=0.0, est_ms=CHUNK_MS, budget_ms=1e6
 
 def _drive(plan, decision, dev, prior_ms=CHUNK_MS, pipe=True, waiting=lambda: False):
     ledger = GpuLedger()
-    kw = dict(pipe=dev, sleep_until=dev.sleep_until) if pipe else dict(read_chunk=dev.read_chunk)
-    res = drive_plan(plan, decision, estimator=ChunkCostEstimator(prior_ms), ledger=ledger, clock=dev.clock,
-                     request_waiting=waiting, **kw)
+    driver = PlanDriver(estimator=ChunkCostEstimator(prior_ms), ledger=ledger, clock=dev.clock,
+                        sleep_until=dev.sleep_until if pipe else None)
+    res = driver.run(plan, decision, dev if pipe else ReadEach(dev.read_chunk), request_waiting=waiting)
     return res, ledger
 
 
@@ -151,10 +154,10 @@ def test_a_failed_launch_reads_back_the_chunk_in_flight_before_the_error_propaga
     dev = VirtualDevice(0.0)
     launch = dev.launch
 
-    def failing(row):
+    def failing(row, chunks):
         if row == 2 * GRID:
             raise MemoryError("no room")
-        return launch(row)
+        return launch(row, chunks)
 
     dev.launch = failing
     with pytest.raises(MemoryError, match="no room"):
@@ -162,13 +165,15 @@ def test_a_failed_launch_reads_back_the_chunk_in_flight_before_the_error_propaga
     assert dev.log == [("launch", 0), ("launch", GRID), ("finish", 0), ("finish", GRID)]
 
 
-def test_drive_plan_takes_one_way_of_reading():
+def test_a_pipe_that_reads_at_launch_runs_nothing_ahead():
+    """The pipe declares it measures each launch at once: the plan's lookahead is not used, every chunk is read
+    back before the next launch (the decisions see measurements, not estimates)."""
     dev = VirtualDevice(0.0)
-    plan = _plan(Window.RATION, 2, lookahead=1)
-    for kw in ({}, dict(pipe=dev, read_chunk=dev.read_chunk)):
-        with pytest.raises(TypeError, match="exactly one of read_chunk and pipe"):
-            drive_plan(plan, RationSlice(0.0, 10**9), estimator=ChunkCostEstimator(CHUNK_MS), ledger=GpuLedger(),
-                       clock=dev.clock, request_waiting=lambda: False, **kw)
+    dev.reads_at_launch = True
+    res, _ = _drive(_plan(Window.RATION, 3, lookahead=2), RationSlice(0.0, 10**9), dev)
+    assert dev.log == [("launch", 0), ("finish", 0), ("launch", GRID), ("finish", GRID), ("launch", 2 * GRID),
+                       ("finish", 2 * GRID)]
+    assert (res.num_chunks, res.stop) == (3, Stop.BACKLOG)
 
 
 @pytest.mark.parametrize("kw,match", [(dict(lookahead=-1), "lookahead must be a whole number of chunks >= 0, got -1"),
@@ -187,7 +192,7 @@ def test_the_lead_is_only_for_windows_that_ask_whether_a_request_waits():
     assert _plan(Window.RATION, 2, lookahead=1, lead_ms=1.0).launch_lead_ms == 0.0
 
 
-# ---- chunk groups (ReaderPlan.group, a pipe with launch_group) ----------------------------------------
+# ---- chunk groups (ReaderPlan.group, a pipe that can group) ----------------------------------------------
 GROUP_SHARE = 0.85  # a chunk's device time inside a group, against alone
 
 
@@ -195,7 +200,11 @@ class GroupDevice(VirtualDevice):
     """The virtual device with the reader's chunk groups: a launch reads the largest power of two of chunks
     up to what was asked, each at GROUP_SHARE of its time alone."""
 
-    def launch_group(self, row: int, chunks: int):
+    can_group = True
+
+    def launch(self, row: int, chunks: int):
+        if chunks == 1:
+            return super().launch(row, 1)
         count = 1 << (chunks.bit_length() - 1)
         self.t += self.host_ms / 1000
         ms = sum(self.chunk_ms(row + i * GRID) for i in range(count)) * (GROUP_SHARE if count > 1 else 1.0)
@@ -218,8 +227,9 @@ def test_an_idle_plan_reads_in_groups_each_read_back_before_the_next():
     dev = GroupDevice(10.0)
     estimator = ChunkCostEstimator(CHUNK_MS)
     ledger = GpuLedger()
-    res = drive_plan(_group_plan(Window.IDLE, 10, 4), IdleWindow(0.2, 60.0).open(10.0), estimator=estimator,
-                     ledger=ledger, clock=dev.clock, request_waiting=lambda: False, pipe=dev, sleep_until=dev.sleep_until)
+    driver = PlanDriver(estimator=estimator, ledger=ledger, clock=dev.clock, sleep_until=dev.sleep_until)
+    res = driver.run(_group_plan(Window.IDLE, 10, 4), IdleWindow(0.2, 60.0).open(10.0), dev,
+                     request_waiting=lambda: False)
     assert [e for e in dev.log if e[0] == "group"] == [("group", 0, 4), ("group", 4 * GRID, 4), ("group", 8 * GRID, 2)]
     assert [e[0] for e in dev.log] == ["group", "finish", "group", "finish", "group", "finish"]
     assert (res.num_chunks, res.end_row, res.stop) == (10, 10 * GRID, Stop.BACKLOG)
@@ -237,7 +247,7 @@ def test_a_request_arriving_mid_read_waits_for_one_group_at_most():
 
 
 def test_groups_only_where_the_plan_and_the_pipe_allow_them():
-    """A ration slice plans one chunk a launch whatever was asked; a pipe without launch_group reads one
+    """A ration slice plans one chunk a launch whatever was asked; a pipe that cannot group reads one
     chunk a launch under an idle plan of groups; a bad group size is named."""
     assert _group_plan(Window.RATION, 6, 4).group == 1
     assert _group_plan(Window.IDLE, 6, 4).group == 4

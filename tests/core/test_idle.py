@@ -3,7 +3,7 @@
 import pytest
 
 from qse.core.chunk_cost import ChunkCostEstimator
-from qse.core.drive import Stop, drive_plan
+from qse.core.drive import PlanDriver, ReadEach, Stop
 from qse.core.idle import IdleWindow, SessionBacklog, pick_idle_session
 from qse.core.ledger import GpuLedger, Role
 from qse.core.plan import Window, plan_read
@@ -34,8 +34,8 @@ def _burst(opened_s: float, arrival_s: float | None, known_tokens: int):
     burst = window.open(opened_s)
     plan = plan_read(Window.IDLE, session_id="s", turn_id=None, committed_rows=0, prompt_tokens=known_tokens,
                      known_tokens=known_tokens, grid=512, budget_ms=2000.0, first_chunk_est_ms=CHUNK_MS)
-    res = drive_plan(plan, burst, estimator=ChunkCostEstimator(CHUNK_MS), ledger=ledger,
-                     read_chunk=reader.read_chunk, clock=reader.clock,
+    driver = PlanDriver(estimator=ChunkCostEstimator(CHUNK_MS), ledger=ledger, clock=reader.clock)
+    res = driver.run(plan, burst, ReadEach(reader.read_chunk),
                      request_waiting=lambda: arrival_s is not None and reader.t >= arrival_s)
     return res, ledger, reader
 

@@ -3,7 +3,7 @@
 import pytest
 
 from qse.core.chunk_cost import ChunkCostEstimator
-from qse.core.drive import Stop, drive_plan
+from qse.core.drive import PlanDriver, ReadEach, Stop
 from qse.core.ledger import GpuLedger, Role
 from qse.core.plan import Window, plan_read
 from qse.core.ration import TurnRation
@@ -73,8 +73,8 @@ def test_slices_never_exceed_slice_ms_nor_split_a_chunk():
         clock.t += CHUNK_MS / 1000
         return CHUNK_MS
 
-    res = drive_plan(plan, sl, estimator=est, ledger=ledger, read_chunk=read_chunk, clock=clock,
-                     request_waiting=lambda: False)
+    res = PlanDriver(estimator=est, ledger=ledger, clock=clock).run(plan, sl, ReadEach(read_chunk),
+                                                                    request_waiting=lambda: False)
     assert (res.num_chunks, res.end_row, res.stop) == (3, 1536, Stop.BUDGET)  # a 4th would make 178.176 ms
     assert res.gpu_us == 133_632
     assert ledger.spent_us(Role.READER_RATION, "t") == 133_632
@@ -103,8 +103,8 @@ def test_measured_overrun_shrinks_the_rest_of_the_slice_and_teaches_the_estimato
         clock.t += ms / 1000
         return ms
 
-    res = drive_plan(plan, sl, estimator=est, ledger=ledger, read_chunk=read_chunk, clock=clock,
-                     request_waiting=lambda: False)
+    res = PlanDriver(estimator=est, ledger=ledger, clock=clock).run(plan, sl, ReadEach(read_chunk),
+                                                                    request_waiting=lambda: False)
     # first chunk admitted on 40 (prior), measured 70; the second's estimate is 70: 140 <= 150, admitted;
     # a third would make 210
     assert (res.num_chunks, res.gpu_us, res.stop) == (2, 140_000, Stop.BUDGET)

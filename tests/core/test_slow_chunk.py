@@ -8,7 +8,7 @@ measurement replaces the estimate. Scripted clocks, exact decisions and ledger b
 import pytest
 
 from qse.core.chunk_cost import ChunkCostEstimator
-from qse.core.drive import Stop, drive_plan
+from qse.core.drive import PlanDriver, ReadEach, Stop
 from qse.core.idle import IdleWindow
 from qse.core.ledger import GpuLedger, Role
 from qse.core.plan import Window, plan_read
@@ -22,6 +22,9 @@ class ScriptedReader:
     """A clock and a reader whose chunks cost what `costs_ms` says, in order (then CHUNK_MS). It is also a
     pipe that launches ahead: a launch costs nothing on the host, reading back moves the clock."""
 
+    can_group = False
+    reads_at_launch = False
+
     def __init__(self, t: float, costs_ms=()):
         self.t = t
         self.costs_ms = list(costs_ms)
@@ -34,11 +37,11 @@ class ScriptedReader:
         return self.costs_ms.pop(0) if self.costs_ms else CHUNK_MS
 
     def read_chunk(self, row: int) -> float:
-        return self.finish(self.launch(row))
+        return self.finish(self.launch(row, 1)[0])
 
-    def launch(self, row: int):
+    def launch(self, row: int, chunks: int):
         self.log.append(("launch", row))
-        return row, self._cost()
+        return (row, self._cost()), 1
 
     def finish(self, handle) -> float:
         row, ms = handle
@@ -57,8 +60,8 @@ def _plan(window, committed, chunks, budget_ms, est_ms, turn_id=None, lookahead=
 def _idle_burst(reader, estimator, ledger, committed, chunks=100):
     burst = IdleWindow(0.2, 2.0).open(reader.clock())
     plan = _plan(Window.IDLE, committed, chunks, 2000.0, estimator.estimate_ms(committed))
-    return drive_plan(plan, burst, estimator=estimator, ledger=ledger, read_chunk=reader.read_chunk,
-                      clock=reader.clock, request_waiting=lambda: False)
+    return PlanDriver(estimator=estimator, ledger=ledger, clock=reader.clock).run(
+        plan, burst, ReadEach(reader.read_chunk), request_waiting=lambda: False)
 
 
 def test_one_slow_chunk_does_not_shut_the_idle_window():
@@ -83,8 +86,8 @@ def test_a_probe_is_never_read_while_a_request_waits():
     estimator.observe(0, 2500.0)
     reader = ScriptedReader(10.0)
     burst = IdleWindow(0.2, 2.0).open(10.0)
-    res = drive_plan(_plan(Window.IDLE, 0, 10, 2000.0, 2500.0), burst, estimator=estimator, ledger=GpuLedger(),
-                     read_chunk=reader.read_chunk, clock=reader.clock, request_waiting=lambda: True)
+    res = PlanDriver(estimator=estimator, ledger=GpuLedger(), clock=reader.clock).run(
+        _plan(Window.IDLE, 0, 10, 2000.0, 2500.0), burst, ReadEach(reader.read_chunk), request_waiting=lambda: True)
     assert (res.num_chunks, res.stop) == (0, Stop.WAITING) and reader.log == []
 
 
@@ -104,9 +107,9 @@ def test_one_slow_chunk_does_not_shut_the_ration(lookahead):
     assert sl.budget_us == 150_000
     ledger = GpuLedger()
     ledger.open_turn("t")
-    res = drive_plan(_plan(Window.RATION, 0, 10, 150.0, est, "t", lookahead), sl, estimator=estimator,
-                     ledger=ledger, clock=reader.clock, request_waiting=lambda: False,
-                     **(dict(pipe=reader) if lookahead else dict(read_chunk=reader.read_chunk)))
+    res = PlanDriver(estimator=estimator, ledger=ledger, clock=reader.clock).run(
+        _plan(Window.RATION, 0, 10, 150.0, est, "t", lookahead), sl,
+        reader if lookahead else ReadEach(reader.read_chunk), request_waiting=lambda: False)
     # the probe, then two more at their measured cost: 133.632 ms; a fourth would make 178.176
     assert (res.num_chunks, res.stop) == (3, Stop.BUDGET)
     assert ledger.spent_us(Role.READER_RATION, "t") == 3 * 44_544
@@ -132,8 +135,9 @@ def test_a_chunk_that_really_is_dear_is_read_now_and_then_and_the_overrun_paid_b
         assert ration.open_slice(when - 1e-6, first_token_s, spent_us, est) is None
         reader.t = when
         sl = ration.open_slice(when, first_token_s, spent_us, est)
-        res = drive_plan(_plan(Window.RATION, row, 10, 150.0, est, "t"), sl, estimator=estimator, ledger=ledger,
-                         read_chunk=reader.read_chunk, clock=reader.clock, request_waiting=lambda: False)
+        res = PlanDriver(estimator=estimator, ledger=ledger, clock=reader.clock).run(
+            _plan(Window.RATION, row, 10, 150.0, est, "t"), sl, ReadEach(reader.read_chunk),
+            request_waiting=lambda: False)
         assert (res.num_chunks, res.gpu_us, res.stop) == (1, 400_000, Stop.BUDGET)
         opened.append(when)
         row = res.end_row
