@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .gemm import grouped_tile, load_k_step, store_tile
 
 SCALE_BLOCK = 128  # rows and columns of w under one scale
 GEMV_WIDE_ROWS, GEMV_NARROW_ROWS = 16, 4  # BN for N >= GEMV_WIDE_FROM, and below it (both divide SCALE_BLOCK)
@@ -116,27 +117,11 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
 def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, num_rows, num_cols, depth, stride_xm, stride_wn, stride_sn,
                      stride_ym, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
                      EXACT: tl.constexpr, IEEE: tl.constexpr):
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(num_rows, BM)
-    num_pid_n = tl.cdiv(num_cols, BN)
-    per_group = GROUP * num_pid_n
-    first_m = (pid // per_group) * GROUP
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP)
-    i_m = first_m + (pid % per_group) % group_rows
-    i_n = (pid % per_group) // group_rows
-    o_m = i_m * BM + tl.arange(0, BM)
-    o_n = i_n * BN + tl.arange(0, BN)
-    o_k = tl.arange(0, BK)
-    m_m = o_m < num_rows
-    m_n = o_n < num_cols
+    i_n, o_m, o_n, m_m, m_n = grouped_tile(num_rows, num_cols, BM, BN, GROUP)
     p_s = s_ptr + ((i_n * BN) // BK) * stride_sn  # BN == BK: the tile's columns lie in one scale block
     acc = tl.zeros((BM, BN), tl.float32)
     for k0 in range(0, depth, BK):
-        m_k = (k0 + o_k) < depth
-        b_x = tl.load(x_ptr + o_m[:, None].to(tl.int64) * stride_xm + (k0 + o_k)[None, :],
-                      mask=m_m[:, None] & m_k[None, :], other=0.0)
-        b_w = tl.load(w_ptr + o_n[:, None].to(tl.int64) * stride_wn + (k0 + o_k)[None, :],
-                      mask=m_n[:, None] & m_k[None, :], other=0.0)
+        b_x, b_w = load_k_step(x_ptr, w_ptr, o_m, o_n, m_m, m_n, k0, depth, stride_xm, stride_wn, BK)
         if EXACT:  # the interpreter: the block dot exact in fp64, rounded once
             # (e4m3 through fp32: the interpreter's direct e4m3 -> fp64 cast fails on subnormals)
             part = tl.dot(b_x.to(tl.float64), tl.trans(b_w.to(tl.float32).to(tl.float64))).to(tl.float32)
@@ -145,8 +130,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, num_rows, num_cols, depth, stri
         else:  # 16-bit activations: e4m3 widens to their dtype exactly; fp32 accumulation
             part = tl.dot(b_x, tl.trans(b_w.to(b_x.dtype)))
         acc += part * tl.load(p_s + k0 // BK)
-    p_y = y_ptr + o_m[:, None].to(tl.int64) * stride_ym + o_n[None, :]
-    tl.store(p_y, acc.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+    store_tile(y_ptr, acc, o_m, o_n, m_m, m_n, stride_ym)
 
 
 def fp8_gemm(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:

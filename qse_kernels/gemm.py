@@ -22,12 +22,10 @@ NUM_WARPS, NUM_STAGES = 4, 3
 GROUP_M = 8  # programs walk the output in groups of rows for L2 reuse (an order, not a reduction)
 
 
-@triton.jit(do_not_specialize=["num_rows"])
-def _gemm_kernel(
-    x_ptr, w_ptr, y_ptr, num_rows, num_cols, depth, stride_xm, stride_wn, stride_ym,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, DOT_FP32: tl.constexpr,
-    IEEE: tl.constexpr,
-):
+@triton.jit
+def grouped_tile(num_rows, num_cols, BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr):
+    """This program's BM x BN output tile, walked GROUP tile rows at a time (for L2 reuse; an order, not a
+    reduction): (its column tile, row offsets, column offsets, row mask, column mask)."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(num_rows, BM)
     num_pid_n = tl.cdiv(num_cols, BN)
@@ -38,24 +36,45 @@ def _gemm_kernel(
     i_n = (pid % per_group) // group_rows
     o_m = i_m * BM + tl.arange(0, BM)
     o_n = i_n * BN + tl.arange(0, BN)
-    o_k = tl.arange(0, BK)
-    m_m = o_m < num_rows
-    m_n = o_n < num_cols
+    return i_n, o_m, o_n, o_m < num_rows, o_n < num_cols
+
+
+@triton.jit
+def load_k_step(x_ptr, w_ptr, o_m, o_n, m_m, m_n, k0, depth, stride_xm, stride_wn, BK: tl.constexpr):
+    """The K step from `k0` of a tile: x's [BM, BK] and w's [BN, BK] (zeros past the edges)."""
+    o_k = k0 + tl.arange(0, BK)
+    m_k = o_k < depth
+    b_x = tl.load(x_ptr + o_m[:, None].to(tl.int64) * stride_xm + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
+                  other=0.0)
+    b_w = tl.load(w_ptr + o_n[:, None].to(tl.int64) * stride_wn + o_k[None, :], mask=m_n[:, None] & m_k[None, :],
+                  other=0.0)
+    return b_x, b_w
+
+
+@triton.jit
+def store_tile(y_ptr, acc, o_m, o_n, m_m, m_n, stride_ym):
+    """The tile's fp32 accumulator into y, in y's dtype."""
+    p_y = y_ptr + o_m[:, None].to(tl.int64) * stride_ym + o_n[None, :]
+    tl.store(p_y, acc.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _gemm_kernel(
+    x_ptr, w_ptr, y_ptr, num_rows, num_cols, depth, stride_xm, stride_wn, stride_ym,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, DOT_FP32: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    _, o_m, o_n, m_m, m_n = grouped_tile(num_rows, num_cols, BM, BN, GROUP)
     acc = tl.zeros((BM, BN), tl.float32)
     for k0 in range(0, depth, BK):
-        m_k = (k0 + o_k) < depth
-        b_x = tl.load(x_ptr + o_m[:, None].to(tl.int64) * stride_xm + (k0 + o_k)[None, :],
-                      mask=m_m[:, None] & m_k[None, :], other=0.0)
-        b_w = tl.load(w_ptr + o_n[:, None].to(tl.int64) * stride_wn + (k0 + o_k)[None, :],
-                      mask=m_n[:, None] & m_k[None, :], other=0.0)
+        b_x, b_w = load_k_step(x_ptr, w_ptr, o_m, o_n, m_m, m_n, k0, depth, stride_xm, stride_wn, BK)
         if DOT_FP32:
             b_x, b_w = b_x.to(tl.float32), b_w.to(tl.float32)
         if IEEE:  # fp32 operands: full fp32 products, as torch's fp32 matmul
             acc += tl.dot(b_x, tl.trans(b_w), input_precision="ieee")
         else:
             acc += tl.dot(b_x, tl.trans(b_w))
-    p_y = y_ptr + o_m[:, None].to(tl.int64) * stride_ym + o_n[None, :]
-    tl.store(p_y, acc.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+    store_tile(y_ptr, acc, o_m, o_n, m_m, m_n, stride_ym)
 
 
 def dense_matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
