@@ -800,6 +800,7 @@ class Conductor:
         if self.reader is None:
             return out
         r = self.reader
+        sessions = list(r.sessions.values())  # one copy: the reader's thread may add a session meanwhile
         out.update({
             "slot": {"model": r.engine.name, "grid": r.grid, "device": str(r.engine.device), "dtype": str(r.engine.dtype).replace("torch.", ""),
                      "kernels": r.engine.kernels, "mode": r.mode,
@@ -809,9 +810,9 @@ class Conductor:
                  "behind": s.behind, "bytes": s.nbytes, "resident": s.is_resident,
                  "checkpoints": s.checkpoint_positions(), "rollbacks": s.stats.rollbacks,
                  "ids_reread": s.stats.ids_reread, "chunks_read": s.stats.chunks_read}
-                for s in r.sessions.values()
+                for s in sessions
             ],
-            "backlog": sum(s.backlog for s in r.sessions.values()),
+            "backlog": sum(s.backlog for s in sessions),
             "resident_bytes": r.resident_nbytes(),
             "last_answers": list(r.stats.last_answers),
             "router_pending": self.router.num_pending,

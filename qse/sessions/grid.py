@@ -521,7 +521,9 @@ class GridSessions:
         return out
 
     def resident_nbytes(self) -> int:
-        return sum(s.nbytes for s in self.sessions.values())
+        # the event loop asks this (status) while the engine's thread may add a session: list() copies the
+        # dict in one step under the GIL, a generator over the live view would fail mid-way
+        return sum(s.nbytes for s in list(self.sessions.values()))
 
 
 

@@ -43,9 +43,12 @@ async def until(condition, steps: int = 200_000) -> None:
 class Call:
     """One request driven over raw ASGI: the test decides when its client leaves."""
 
+    live: list["Call"] = []  # every call of the running test (leave_all ends them)
+
     def __init__(self, app, path: str, body: dict):
         self.app, self.path, self.body = app, path, body
         self.leave = asyncio.Event()
+        Call.live.append(self)
         self.status: int | None = None
         self.headers: dict[str, str] = {}
         self.chunks: list[bytes] = []
@@ -78,6 +81,14 @@ class Call:
     @property
     def text(self) -> str:
         return b"".join(self.chunks).decode()
+
+    @classmethod
+    def leave_all(cls) -> None:
+        """Every client leaves: a test that failed half-way ends its long turns, so that the service's stop
+        (which lets the turns in flight finish) does not wait on 50,000 tokens nobody reads."""
+        for call in cls.live:
+            call.leave.set()
+        cls.live.clear()
 
 
 def chat(model: str, max_tokens: int, stream: bool = False) -> dict:
@@ -118,6 +129,7 @@ async def test_past_the_queue_is_a_429_with_retry_after(tiny_engine, tmp_path):
             assert (await client.post("/v1/chat/completions", json=chat(service.model_name, 1))).status_code == 200
         assert finished(service).get("abort") == 1.0
     finally:
+        Call.leave_all()
         await service.stop()
 
 
@@ -153,6 +165,7 @@ async def test_a_client_that_leaves_frees_the_engine_streaming_or_not(tiny_engin
         await first.task
         assert len(records) == turns + 1  # only the first one's turn
     finally:
+        Call.leave_all()
         await service.stop()
 
 
@@ -182,4 +195,41 @@ async def test_a_drain_ends_turns_cleanly_and_health_says_stopping(tiny_engine, 
         assert answer.status == 503 and json.loads(answer.text)["error"]["code"] == "server_stopping"
         assert finished(service) == {"shutdown": 1.0}  # the waiting one never ran a turn
     finally:
+        Call.leave_all()
         await service.stop()
+
+
+class _Opens:
+    """A served session whose size, once read, has the engine's thread open another session: what a turn's
+    prefill does on the served thread while the event loop sums the sessions for status()."""
+
+    is_resident = True
+
+    def __init__(self, sessions: dict):
+        self.sessions = sessions
+
+    @property
+    def nbytes(self) -> int:
+        self.sessions["opened-meanwhile"] = _Opened()
+        return 7
+
+
+class _Opened:
+    is_resident = True
+    nbytes = 1000
+
+
+async def test_status_reads_the_sessions_while_the_engine_thread_opens_one(tiny_engine):
+    """The hang once seen in CI: `until(status()["running"])` summed the served sessions while the served
+    thread's prefill added one ("dictionary changed size during iteration"); the test failed with its
+    long turn running, and the stop in its `finally` waited on it. status() reads one copy of the dict."""
+    conductor = Conductor(tiny_engine, None, ShadowOptions(mode="off"), ConductorConfig(journal_dir=None))
+    sessions = conductor.serving.book.sessions
+    try:
+        sessions["sums"] = _Opens(sessions)
+        cache = conductor.status()["served_cache"]
+        assert (cache["sessions"], cache["resident_sessions"], cache["resident_bytes"]) == (1, 1, 7)
+        assert set(sessions) == {"sums", "opened-meanwhile"}
+    finally:
+        sessions.clear()
+        await conductor.stop()
