@@ -8,6 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Under pytest-xdist (CI runs a worker a core) each worker computes on one torch thread, so that the
+# workers' thread pools do not oversubscribe the cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
