@@ -223,7 +223,7 @@ async def test_status_reads_the_sessions_while_the_engine_thread_opens_one(tiny_
     """The hang once seen in CI: `until(status()["running"])` summed the served sessions while the served
     thread's prefill added one ("dictionary changed size during iteration"); the test failed with its
     long turn running, and the stop in its `finally` waited on it. status() reads one copy of the dict."""
-    conductor = Conductor(tiny_engine, None, ShadowOptions(mode="off"), ConductorConfig(journal_dir=None))
+    conductor = Conductor(tiny_engine, None, ShadowOptions(mode="off"), Policy(journal_dir=None))
     sessions = conductor.serving.book.sessions
     try:
         sessions["sums"] = _Opens(sessions)
