@@ -11,7 +11,7 @@ Who decides: qse/core. `IdleWindow`/`IdleBurst` (may the idle reader read, and t
 `TurnRation` (the reader's and the narrator's share of the time since the served model's first token,
 the reader's from `ration_after_s` past it, in slices of whole chunks), `ChunkCostEstimator` (the next chunk's cost at its context, learnt from
 measured chunks), `pick_idle_session`, the lock priorities. Who carries it out: this module on the event
-loop (when a window opens), `ChunkRunner` on the reader's executor thread (plan_read + drive_plan), and
+loop (when a window opens), `ChunkRunner` on the reader's executor thread (plan_read + PlanDriver), and
 the engines' executors for every piece of device work. Every measured piece goes into the GPU-time
 ledger (core's GpuLedger), per turn and in total.
 """
@@ -259,10 +259,9 @@ class Conductor:
         reader = self.reader
         if reader is None:
             return None
-        park_all = getattr(reader.residency, "park_all", None)
-        if park_all is not None:
-            parked = await self.reader_exec.run(park_all, reader)
-            log.info("conductor_parked", book="reader", result=parked if isinstance(parked, dict) else None)
+        parked = await self.reader_exec.run(reader.residency.park_all, reader)
+        if parked:
+            log.info("conductor_parked", book="reader", result=parked)
         self.reader = None
         self.runner = None
         self.router.pending.clear()
@@ -286,15 +285,14 @@ class Conductor:
         try:
             async with self.board.engine_lock(Priority.SERVED):
                 self._stopped = True
-                park_all = getattr(self.reader.residency, "park_all", None) if self.reader is not None else None
-                if park_all is not None:
-                    parked = await self.reader_exec.run(park_all, self.reader)
-                    log.info("conductor_parked", book="reader", result=parked if isinstance(parked, dict) else None)
+                if self.reader is not None:
+                    parked = await self.reader_exec.run(self.reader.residency.park_all, self.reader)
+                    if parked:
+                        log.info("conductor_parked", book="reader", result=parked)
                 book = self.serving.book
-                park_served = getattr(book.residency, "park_all", None)
-                if park_served is not None:
-                    parked = await self.served_exec.run(park_served, book)
-                    log.info("conductor_parked", book="served", result=parked if isinstance(parked, dict) else None)
+                parked = await self.served_exec.run(book.residency.park_all, book)
+                if parked:
+                    log.info("conductor_parked", book="served", result=parked)
         finally:
             self._stopped = True
             self.served_exec.shutdown()
@@ -778,9 +776,9 @@ class Conductor:
         out: dict[str, Any] = {"grid": book.grid, "sessions": len(book.sessions),
                                "resident_sessions": sum(1 for s in list(book.sessions.values()) if s.is_resident),
                                "resident_bytes": book.resident_nbytes(), **serving.counts}
-        stats = getattr(book.residency, "stats", None)
-        if callable(stats):
-            out["store"] = stats()
+        store = book.residency.stats()
+        if store:
+            out["store"] = store
         return out
 
     def status(self) -> dict[str, Any]:
@@ -820,9 +818,9 @@ class Conductor:
             "narrator_waiting": sum(self._narrator_waiting.values()),
             "chunk_estimate_ms": self.estimator.estimate_ms(0),
         })
-        stats = getattr(r.residency, "stats", None)
-        if callable(stats):
-            out["store"] = stats()
+        store = r.residency.stats()
+        if store:
+            out["store"] = store
         return out
 
 

@@ -249,7 +249,7 @@ class ResidencyPlanner:
             async with board.engine_lock(Priority.NARRATOR, held):
                 async with board.box_lock(held):
                     reader = await self.conductor.detach_reader()
-            parked = len(getattr(getattr(reader, "residency", None), "parked", {}) or {})
+            parked = reader.residency.stats().get("parked_sessions", 0) if reader is not None else 0
             self.reader = None
             if self.on_reader is not None:
                 self.on_reader(None)

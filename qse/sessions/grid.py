@@ -96,6 +96,13 @@ class Residency(Protocol):
         """Running totals of the wall ms the manager spent, by phase ("evict": moving other sessions out;
         "restore": bringing a session back, its file read included): a turn reports their growth."""
 
+    def park_all(self, reader: "GridSessions") -> dict:
+        """Planned stop: write every resident session where a restart finds it; a report of what was
+        parked, or {} where there is nowhere to park (nothing is written)."""
+
+    def stats(self) -> dict:
+        """The tiers and their counts, for status (a store's include "parked_sessions"); {} without a store."""
+
 
 class DropLRU:
     """No disk: past the pool, the least recently fed session is dropped and later read again."""
@@ -128,6 +135,12 @@ class DropLRU:
         return None
 
     def spent_ms(self) -> dict[str, float]:
+        return {}
+
+    def park_all(self, reader: "GridSessions") -> dict:
+        return {}
+
+    def stats(self) -> dict:
         return {}
 
 

@@ -58,8 +58,10 @@ async def test_stop_ends_an_idle_burst_before_its_next_chunk(make_rig):
     assert events == ["park_all:['old']"]
 
 
-async def test_stop_without_a_park_all_still_stops(make_rig):
-    rig = make_rig()  # the default residency (drop LRU) has no disk tier
+async def test_stop_with_nowhere_to_park_still_stops(make_rig):
+    rig = make_rig()  # the default residency (drop LRU) has no disk tier: nothing to park, no store to report
+    assert rig.reader.residency.park_all(rig.reader) == {} and rig.reader.residency.stats() == {}
     await rig.turn(prompt_ids(3), 2, session="s")
     await rig.conductor.stop()
-    assert rig.conductor.status()["turns"] == 1
+    status = rig.conductor.status()
+    assert status["turns"] == 1 and "store" not in status and "store" not in status["served_cache"]
