@@ -79,10 +79,10 @@ def run_cache_check(engine: Engine, session_file: Path, grid: int, decode_tokens
                 elif where == "disk":
                     store.park(live.book, session)
             t0 = time.perf_counter()
-            first, tokens, start = _greedy_turn(live, "live", prompt, decode_tokens)
+            first, tokens, start = greedy_turn(live, "live", prompt, decode_tokens)
             live_ms = (time.perf_counter() - t0) * 1e3
             t1 = time.perf_counter()
-            cold_first, cold_tokens, _ = _greedy_turn(cold, "cold", prompt, decode_tokens, fresh=True)
+            cold_first, cold_tokens, _ = greedy_turn(cold, "cold", prompt, decode_tokens, fresh=True)
             cold_ms = (time.perf_counter() - t1) * 1e3
             state = live.book.state_equal(live.book.get("live"), cold.book.get("cold"))
             report.append({
@@ -101,7 +101,9 @@ def run_cache_check(engine: Engine, session_file: Path, grid: int, decode_tokens
     }
 
 
-def _greedy_turn(served: ServedSessions, sid: str, prompt: list[int], steps: int, fresh: bool = False):
+def greedy_turn(served: ServedSessions, sid: str, prompt: list[int], steps: int, fresh: bool = False):
+    """A greedy turn of `steps` tokens in session `sid` (`fresh`: closed first, so it starts cold): the first
+    token's logits (an fp32 copy), the tokens, and what the turn start found (`ServedSessions.begin`)."""
     if fresh and sid in served.book.sessions:
         served.book.close(sid)
     turn, logits = served.begin(sid, prompt)
@@ -117,4 +119,4 @@ def _greedy_turn(served: ServedSessions, sid: str, prompt: list[int], steps: int
     return first, tokens, turn.start
 
 
-__all__ = ["SCHEDULE", "load_turns", "run_cache_check"]
+__all__ = ["SCHEDULE", "greedy_turn", "load_turns", "run_cache_check"]

@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from qse.sessions.check import greedy_turn
 from qse.sessions.grid import GridSessions, SessionError
 from qse.sessions.served import ServedSessions
 from qse.store import ShadowStore
@@ -27,17 +28,7 @@ def _ids(gen: torch.Generator, n: int) -> list[int]:
 
 
 def _turn(served: ServedSessions, sid: str, prompt: list[int], steps: int = 3):
-    """A greedy turn: the first token's logits (a copy), the tokens, and what the turn start found."""
-    turn, logits = served.begin(sid, prompt)
-    first = logits[-1].clone()
-    tokens = []
-    try:
-        for _ in range(steps):
-            tokens.append(int(torch.argmax(logits[-1])))
-            logits, _ = served.decode(turn, tokens[-1])
-    finally:
-        served.finish(turn)
-    return first, tokens, turn.start
+    return greedy_turn(served, sid, prompt, steps)
 
 
 def _cold(engine, prompt: list[int], steps: int = 3, graphs=False):
