@@ -46,8 +46,9 @@ PREFILL_TARGET_PROGRAMS = 132
 PREFILL_MIN_SPLIT_ROWS = 1024
 DECODE_MIN_SPLIT_ROWS = 256
 COMBINE_BLOCK_SPLITS = 16
-# a combine of few query rows (decode) splits D into blocks of this many columns: each column's sum over
-# the splits is its own (same order, same arithmetic), so the bits do not depend on it; a decode combine
+# a combine of few query rows (decode) splits D into blocks of this many columns. The block width sets the
+# tile layout of the sum over the splits, and on a GPU its order (a batched row differed from the row alone
+# when B >= 16 took the wide block), so it is picked by the queries of one sequence, never by B; a decode combine
 # of 8 heads then runs 32 programs instead of 8 (17 -> 6 us a layer at 128 splits on the H200). A chunk's
 # combine has programs enough, and there the split (4x the loads of the weights) cost 2x.
 COMBINE_BLOCK_D = 64
@@ -438,7 +439,10 @@ def _launch(q, k, v, page_rows, k_strides, v_strides, page_table, start, num_spl
         BATCHED=batched, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if is_split:
-        combine_d = min(block_d, COMBINE_BLOCK_D) if num_rows_q < COMBINE_SPLIT_D_BELOW_ROWS else block_d
+        # chosen by the queries of one sequence, never by the batch: the column block sets the layout of the
+        # split reduction (tl.sum over the splits), and so its order; a decode round's row must reduce as the
+        # same query alone does, whatever B is (B >= 16 took the wide block, and other bits, before)
+        combine_d = min(block_d, COMBINE_BLOCK_D) if num_q < COMBINE_SPLIT_D_BELOW_ROWS else block_d
         _attn_combine_kernel[(num_rows_q, num_heads, triton.cdiv(head_dim, combine_d))](
             part, lse, out, gate_args[0], splits, num_rows_q, num_heads, out.stride(0), out.stride(1), *gate_args[1:],
             D=head_dim, BD=combine_d, BS=COMBINE_BLOCK_SPLITS, GATE=gate is not None, num_warps=4,

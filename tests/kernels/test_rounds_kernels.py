@@ -51,7 +51,9 @@ def test_paged_decode_attention(device, rel, heads, kv, dim, page_rows, position
     kwargs = {} if invariant else {"rows_per_split": 64}
     out = batched(q, k_pages, v_pages, tables, pos, max_rows, gate=gate, **kwargs)
     ref = naive.paged_decode_attention(q, k_pages, v_pages, tables, pos, gate=gate)
-    assert out.shape == ref.shape and rel(out, ref) < TOL[dtype]
+    # on a GPU an fp32 tl.dot runs in tf32 (as tests/kernels/test_attention.py allows)
+    tol = 3e-3 if (dtype == torch.float32 and device == "cuda") else TOL[dtype]
+    assert out.shape == ref.shape and rel(out, ref) < tol
     for b in range(num_rows):
         alone = one(q[b:b + 1], k_pages, v_pages, tables[b], pos[b:b + 1], max_rows, gate=gate[b:b + 1], **kwargs)
         assert torch.equal(out[b:b + 1], alone)
