@@ -8,6 +8,11 @@ Each level starts N turns at once, each on a session of its own with a random pr
 greedy, no stop id, and times them on the wall from the moment they are handed to the conductor: TTFT to the
 first id, the turn's end, and output tokens over the wall time of the whole level (prefill included), counted
 the same way for one user and for many. The reader is off: this measures the served model's rounds.
+
+Each level runs once per round token budget (--budgets: prompt ids a round reads beside its decode rows) and
+per launch mode (--ahead 1,0: rounds launched ahead of reading their ids back, or waited for each round), and
+records the served model's device time in the level (prefill and decode, from the conductor's ledger) beside
+the wall, so the host's share of a round shows: host_ms_per_round = (wall - device) / rounds.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.results_io import result_header, write_result  # noqa: E402
+from qse.core.ledger import Role  # noqa: E402
 from qse.engine.engine import Engine  # noqa: E402
 from qse.models import resolve  # noqa: E402
 from qse.runtime.conductor import (Conductor, GenerateRequest, ShadowOptions,  # noqa: E402
@@ -45,16 +51,29 @@ async def one_user(conductor: Conductor, prompt: list[int], out_tokens: int, sid
     return {"ttft_s": first, "end_s": time.perf_counter() - t0, "tokens": n}
 
 
+def _served_us(conductor: Conductor) -> tuple[int, int, int]:
+    """The ledger's served prefill and decode device us so far, and the decode entries (one a turn a round)."""
+    total = conductor.ledger.balance()
+    return (total.gpu_us.get(Role.SERVED_PREFILL, 0), total.gpu_us.get(Role.SERVED_DECODE, 0),
+            total.num_entries.get(Role.SERVED_DECODE, 0))
+
+
 async def level(conductor: Conductor, users: int, prompt_tokens: int, out_tokens: int, gen: torch.Generator,
                 tag: str) -> dict:
     prompts = [torch.randint(0, 248000, (prompt_tokens,), generator=gen).tolist() for _ in range(users)]
+    before = _served_us(conductor)
     t0 = time.perf_counter()
     rows = await asyncio.gather(*(one_user(conductor, p, out_tokens, f"{tag}-{users}-{i}", t0)
                                   for i, p in enumerate(prompts)))
     wall = time.perf_counter() - t0
+    prefill_us, decode_us, _ = (a - b for a, b in zip(_served_us(conductor), before))
+    rounds = max(r["tokens"] for r in rows) - 1  # decode rounds of the longest turn: at least this many ran
     ttft = sorted(r["ttft_s"] for r in rows)
     tokens = sum(r["tokens"] for r in rows)
-    return {"users": users, "wall_s": round(wall, 4), "output_tokens": tokens,
+    return {"users": users, "round_token_budget": conductor.policy.round_token_budget,
+            "launch_ahead": conductor.policy.launch_ahead, "wall_s": round(wall, 4), "output_tokens": tokens,
+            "prefill_device_s": round(prefill_us / 1e6, 4), "decode_device_s": round(decode_us / 1e6, 4),
+            "host_ms_per_round": round((wall - (prefill_us + decode_us) / 1e6) * 1e3 / max(1, rounds), 3),
             "tokens_per_s": round(tokens / wall, 2),
             "per_user_tokens_per_s": round(statistics.median(r["tokens"] / r["end_s"] for r in rows), 2),
             "ttft_p50_s": round(statistics.median(ttft), 4),
@@ -72,19 +91,24 @@ async def run(args) -> dict:
     config = dataclasses.replace(policy, max_running=max(users), journal_dir=None, served_kv_gb=args.kv_gb)
     serving = served_sessions(engine, config)  # no store: sessions past the pool are dropped
     serving.warm()
-    conductor = Conductor(engine, None, ShadowOptions(mode="off"), config, serving=serving)
-    await conductor.start()
     gen = torch.Generator().manual_seed(0)
-    await level(conductor, 1, min(args.prompt_tokens, 1024), 8, gen, "warm")  # first calls compile
     levels = []
-    for n in users:
-        levels.append(await level(conductor, n, args.prompt_tokens, args.out_tokens, gen, "load"))
-        print(json.dumps({"preset": spec, **levels[-1]}), flush=True)
-        for sid in [s for s in serving.book.sessions if s.startswith("load-")]:
-            serving.book.close(sid)
-    await conductor.stop()
-    one = next((lv for lv in levels if lv["users"] == 1), None)
-    for lv in levels:
+    for budget in [int(b) for b in args.budgets.split(",")]:
+        for ahead in [bool(int(a)) for a in args.ahead.split(",")]:
+            variant = dataclasses.replace(config, round_token_budget=budget, launch_ahead=ahead)
+            conductor = Conductor(engine, None, ShadowOptions(mode="off"), variant, serving=serving)
+            await conductor.start()
+            if not levels:
+                await level(conductor, 1, min(args.prompt_tokens, 1024), 8, gen, "warm")  # first calls compile
+            for n in users:
+                levels.append(await level(conductor, n, args.prompt_tokens, args.out_tokens, gen, "load"))
+                print(json.dumps({"preset": spec, **levels[-1]}), flush=True)
+                for sid in [s for s in serving.book.sessions if s.startswith("load-")]:
+                    serving.book.close(sid)
+            await conductor.stop()
+    for lv in levels:  # against one user alone under the same budget and launch mode
+        one = next((o for o in levels if o["users"] == 1 and o["round_token_budget"] == lv["round_token_budget"]
+                    and o["launch_ahead"] == lv["launch_ahead"]), None)
         lv["x_one_user"] = round(lv["tokens_per_s"] / one["tokens_per_s"], 3) if one else None
     return {"preset": spec or "embedded", "model": engine.name, "kernels": engine.kernels, "mode": serving.mode,
             "prompt_tokens": args.prompt_tokens, "out_tokens": args.out_tokens, "levels": levels}
@@ -97,11 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=6000)
     p.add_argument("--out-tokens", type=int, default=256)
     p.add_argument("--kv-gb", type=float, default=24.0, help="the served KV pool: every user's prompt fits")
+    p.add_argument("--budgets", default=str(SETTINGS.get("QSE_ROUND_TOKEN_BUDGET")),
+                   help="round token budgets to run each level under, comma-separated")
+    p.add_argument("--ahead", default="1", help="launch modes: 1 rounds launched ahead, 0 each waited for (1,0: both)")
     p.add_argument("--tiny", action="store_true", help="the embedded model on CPU, small shapes")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
     if args.tiny:
         args.users, args.prompt_tokens, args.out_tokens, args.kv_gb = "1,2", 40, 4, 0.05
+        args.ahead = "1,0"
     result = {**result_header(device=None if not args.tiny else "cpu"), **asyncio.run(run(args))}
     write_result(result, args.out, "served_load" + ("-tiny" if args.tiny else ""))
     return 0

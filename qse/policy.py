@@ -51,6 +51,8 @@ class Policy:
     served_kv_gb: float = _from("QSE_SERVED_KV_GB")
     served_grid: int = _from("QSE_SERVED_GRID")
     max_running: int = _from("QSE_MAX_RUNNING")
+    round_token_budget: int = _from("QSE_ROUND_TOKEN_BUDGET")  # prompt ids a round reads beside its decode rows
+    launch_ahead: bool = _from("QSE_LAUNCH_AHEAD")  # rounds of device-sampled turns launched before reading back
     max_waiting: int = _from("QSE_MAX_WAITING")
     max_question_tokens: int = _from("QSE_MAX_QUESTION_TOKENS")
     gc_freeze: bool = _from("QSE_GC_FREEZE")

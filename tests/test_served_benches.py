@@ -22,7 +22,8 @@ def test_a_tiny_run_writes_its_result(script, tmp_path, cache_dir):
     result = json.loads(written[0].read_text())
     assert result["command"] and result["versions"]
     if script == "served_load.py":
-        assert [lv["users"] for lv in result["levels"]] == [1, 2]
+        assert [(lv["users"], lv["launch_ahead"]) for lv in result["levels"]] == [(1, True), (2, True), (1, False),
+                                                                                   (2, False)]
         assert all(lv["output_tokens"] == 4 * lv["users"] for lv in result["levels"])
     else:
         turns = result["presets"][0]["turns"]

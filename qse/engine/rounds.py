@@ -28,8 +28,10 @@ Invariants
   round holds; elsewhere (cuBLAS, torch's CPU matmul pick their algorithm by the row count) the bucket can
   change the rounding, and greedy tokens agree except on near-ties.
 - `run` never waits on the device: its host inputs go up by an asynchronous copy from pinned memory, and the
-  tokens may be a device tensor (the previous round's on-device argmax), so round n+1 can be launched before
-  round n's tokens are read back. The logits returned are a view of a buffer the next `run` overwrites: read
+  tokens may be a device tensor (the previous round's on-device argmax), or rows may `carry` the id the
+  caller wrote into `sampled` in the last round, so round n+1 can be launched before round n's tokens are read
+  back; `send_back` starts their copy to pinned memory and `ids()` waits for it (read a round's ids before
+  two more are sent back). The logits returned are a view of a buffer the next `run` overwrites: read
   them, or queue device work on them (stream order keeps that safe), before then.
 - Time a round with the engine's DeviceClock marks around `run` (same stream; no synchronisation added).
 - graphs=None captures where the device is CUDA and the kernels are qse's; otherwise (and with "static") the
@@ -48,8 +50,9 @@ from .engine import Engine
 from .graphs import _Entry, capture_mode
 from .kv import KVPool, PagedKV
 
-# staged inputs, one row each of a [3, bucket] long buffer (one host-to-device copy a round)
-IDS, POSITIONS, SLOTS = 0, 1, 2
+# staged inputs, one row each of a [4, bucket] long buffer (one host-to-device copy a round); CARRY: the row of
+# `sampled` a round row reads its id from (-1: the staged host id)
+IDS, POSITIONS, SLOTS, CARRY = 0, 1, 2, 3
 # pinned staging buffers in turn: the host may stage round n+1 while round n's copy is still queued
 STAGING_RING = 2
 
@@ -61,6 +64,18 @@ def buckets_for(max_running: int) -> tuple[int, ...]:
         out.append(n)
         n *= 2
     return (*out, max_running)
+
+
+class TokensBack:
+    """A round's sampled ids on their way to the host (DecodeRounds.send_back)."""
+
+    def __init__(self, host: torch.Tensor, ready: Any):
+        self._host, self._ready = host, ready
+
+    def ids(self) -> list[int]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
 
 
 class DecodeRounds:
@@ -92,11 +107,17 @@ class DecodeRounds:
         self._caches: dict[int, SequenceCache] = {}
         self._pages_up: dict[int, int] = {}  # how many of each slot's pages its table row holds
         width = self.buckets[-1]
-        self._inputs = torch.zeros(3, width, dtype=torch.long, device=self.device)
+        self._inputs = torch.zeros(4, width, dtype=torch.long, device=self.device)
         cuda = self.device.type == "cuda"
-        self._host = [torch.zeros(3, width, dtype=torch.long, pin_memory=cuda) for _ in range(STAGING_RING)]
+        self._host = [torch.zeros(4, width, dtype=torch.long, pin_memory=cuda) for _ in range(STAGING_RING)]
         self._sent: list[Any] = [None] * STAGING_RING  # the event after the last copy out of each host buffer
         self._turn = 0
+        # the ids the caller sampled on the device for the last round (row i: that round's row i): the next
+        # round may read them (carry) before the host has; the host gets them through a pinned ring (send_back)
+        self.sampled = torch.zeros(width, dtype=torch.long, device=self.device)
+        self._back = [torch.zeros(width, dtype=torch.long, pin_memory=cuda) for _ in range(STAGING_RING)]
+        self._back_ready: list[Any] = [None] * STAGING_RING
+        self._back_turn = 0
         self._entries: dict[int, _Entry] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
 
@@ -167,11 +188,13 @@ class DecodeRounds:
     def can_run(self, slots: Sequence[int]) -> bool:
         return self.pages_needed(slots) <= self.pool.num_free
 
-    def run(self, slots: Sequence[int], tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    def run(self, slots: Sequence[int], tokens: Sequence[int] | torch.Tensor,
+            carry: Sequence[int] | None = None) -> torch.Tensor:
         """One round: row i reads tokens[i] as the next token of the sequence in slots[i]. tokens: host ids, or
-        a long tensor [B] on the device (e.g. the previous round's argmax, never read back here). Returns the
-        logits fp32 [B, vocab] (a view of the bucket's output buffer, valid until the next run); each row's
-        cache.length has advanced by one."""
+        a long tensor [B] on the device (e.g. the previous round's argmax, never read back here). carry: row i
+        reads sampled[carry[i]] instead where carry[i] >= 0 (the id the caller sampled on the device in the last
+        round; tokens[i] is then ignored). Returns the logits fp32 [B, vocab] (a view of the bucket's output
+        buffer, valid until the next run); each row's cache.length has advanced by one."""
         num_rows = len(slots)
         size = self.bucket(num_rows)
         if len(set(slots)) != num_rows:
@@ -181,6 +204,10 @@ class DecodeRounds:
         for slot, cache in zip(slots, caches):
             if cache.length + 1 > window:
                 raise InputError(f"slot {slot}: position {cache.length + 1} exceeds the model window {window}")
+        if carry is not None:
+            if isinstance(tokens, torch.Tensor) or len(carry) != num_rows:
+                raise ValueError(f"carry needs host tokens and one entry a row; got {len(carry)} for {num_rows} rows")
+            tokens = [0 if c >= 0 else t for t, c in zip(tokens, carry)]
         self._check_tokens(tokens, num_rows)
         need = self.pages_needed(slots)
         if need > self.pool.num_free:
@@ -189,7 +216,7 @@ class DecodeRounds:
             cache.kv.ensure(cache.length + 1)
             self._upload_pages(slot, cache.kv)
         entry = self._prepare(size)
-        self._stage(slots, [c.length for c in caches], tokens, size)
+        self._stage(slots, [c.length for c in caches], tokens, size, carry)
         out = entry.replay()
         out = entry.out if self.capture else out
         for cache in caches:
@@ -239,12 +266,13 @@ class DecodeRounds:
             self._pages_up[slot] = now
 
     def _stage(self, slots: Sequence[int], positions: list[int], tokens: Sequence[int] | torch.Tensor,
-               size: int) -> None:
+               size: int, carry: Sequence[int] | None = None) -> None:
         """The round's ids, positions and slots (padding rows past B) into the buffers the graph reads."""
         num_rows, pad = len(slots), size - len(slots)
         host_ids = [0] * num_rows if isinstance(tokens, torch.Tensor) else list(tokens)
-        rows = torch.tensor([host_ids + [0] * pad, positions + [0] * pad, list(slots) + [self.pad_slot] * pad],
-                            dtype=torch.long)
+        carried = list(carry) if carry is not None else [-1] * num_rows
+        rows = torch.tensor([host_ids + [0] * pad, positions + [0] * pad, list(slots) + [self.pad_slot] * pad,
+                             carried + [-1] * pad], dtype=torch.long)
         if self.device.type == "cuda":
             turn = self._turn
             self._turn = (turn + 1) % STAGING_RING
@@ -260,6 +288,25 @@ class DecodeRounds:
             self._inputs[:, :size].copy_(rows)
         if isinstance(tokens, torch.Tensor):
             self._inputs[IDS, :num_rows].copy_(tokens)
+        elif carry is not None and any(c >= 0 for c in carry):  # on the device, after the upload: no wait
+            src = self._inputs[CARRY, :num_rows]
+            ids = self._inputs[IDS, :num_rows]
+            ids.copy_(torch.where(src >= 0, self.sampled.index_select(0, src.clamp(min=0)), ids))
+
+    def send_back(self, num_rows: int) -> "TokensBack":
+        """Start copying sampled[:num_rows] to the host (pinned, asynchronous on cuda); the answer's ids()
+        waits for it. A ring of STAGING_RING buffers: read a round's ids before sending back two more."""
+        turn = self._back_turn
+        self._back_turn = (turn + 1) % STAGING_RING
+        host = self._back[turn][:num_rows]
+        if self.device.type == "cuda":
+            if self._back_ready[turn] is None:
+                self._back_ready[turn] = torch.cuda.Event()
+            host.copy_(self.sampled[:num_rows], non_blocking=True)
+            self._back_ready[turn].record()
+            return TokensBack(host, self._back_ready[turn])
+        host.copy_(self.sampled[:num_rows])
+        return TokensBack(host, None)
 
     def _prepare(self, size: int) -> _Entry:
         entry = self._entries.get(size)
@@ -280,7 +327,7 @@ class DecodeRounds:
     def _capture(self, forward: Callable[[], torch.Tensor], size: int) -> _Entry:
         """forward captured as a graph; its warm-up and capture run padding rows only (the scratch page and
         the padding slot), so sequences running meanwhile are not touched."""
-        self._inputs[:, :size].copy_(torch.tensor([[0], [0], [self.pad_slot]]).expand(3, size))
+        self._inputs[:, :size].copy_(torch.tensor([[0], [0], [self.pad_slot], [-1]]).expand(4, size))
         stream = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(stream)
@@ -294,4 +341,4 @@ class DecodeRounds:
         return _Entry(graph.replay, out)
 
 
-__all__ = ["DecodeRounds", "buckets_for"]
+__all__ = ["DecodeRounds", "TokensBack", "buckets_for"]

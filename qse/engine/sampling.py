@@ -122,18 +122,33 @@ class Sampler:
             values = torch.tensor([b for i, b in p.logit_bias if 0 <= i < vocab], dtype=torch.float32)
             self._bias = (ids.to(device), values.to(device))
 
-    def __call__(self, logits: torch.Tensor) -> int:
+    @property
+    def is_on_device(self) -> bool:
+        """Whether the id can be chosen without the host: no grammar (its matcher runs on the host) and no
+        log-probabilities to hand back. Such a sampler's id may feed the next decode round before it is read."""
+        return self.grammar is None and (self.params.top_logprobs is None or self.record is None)
+
+    def on_device(self, logits: torch.Tensor) -> torch.Tensor:
+        """The id as a 0-d long tensor on the logits' device, never read back here (is_on_device samplers);
+        the penalties' counts see it on the device. The same choice as __call__."""
+        if not self.is_on_device:
+            raise ValueError("this sampler needs the host (a grammar or log-probabilities): call it instead")
         logits = logits.reshape(-1)
         if self.vocab_limit is not None:
             logits = logits[: self.vocab_limit]
+        if self.params.is_plain_greedy:
+            return torch.argmax(logits)
+        token = self._choose(*self._shaped(logits))
+        if self._counts is not None:
+            self._counts[token] += 1  # stays on the device: an index, no read
+        return token
+
+    def _shaped(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row in fp32 after penalties and bias (a copy: the model's row stays as it was), and the row."""
         p = self.params
-        if p.is_plain_greedy:
-            # on the logits' device: 4 bytes come back, not the vocabulary's 1 MB (first maximum on ties,
-            # on CPU and CUDA alike)
-            return int(torch.argmax(logits))
         if self._device is None:
             self._setup(logits.device, logits.shape[0])
-        x = logits.float()  # a copy in fp32: the model's row stays as it was
+        x = logits.float()
         if x.data_ptr() == logits.data_ptr():
             x = x.clone()
         if self._counts is not None:
@@ -150,6 +165,18 @@ class Sampler:
                 x = x - p.presence_penalty * (counts > 0).float()
         if self._bias is not None:
             x.index_add_(0, self._bias[0], self._bias[1])
+        return x, logits
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        logits = logits.reshape(-1)
+        if self.vocab_limit is not None:
+            logits = logits[: self.vocab_limit]
+        p = self.params
+        if p.is_plain_greedy:
+            # on the logits' device: 4 bytes come back, not the vocabulary's 1 MB (first maximum on ties,
+            # on CPU and CUDA alike)
+            return int(torch.argmax(logits))
+        x, logits = self._shaped(logits)
         if self.grammar is not None:
             x = self.grammar.apply(x)  # the mask built on the host while the device ran the step; in place
         token = self._choose(x, logits)

@@ -43,7 +43,7 @@ from ..engine.engine import Engine
 from ..engine.sampling import Sampler, SamplingParams
 from ..policy import Policy
 from ..sessions.grid import GridSessions
-from ..sessions.served import ServedSessions, ServedTurn
+from ..sessions.served import LaunchedRound, ServedSessions, ServedTurn
 from ..shadow.reader import AskResult, ShadowError, ShadowReader
 from .executor import EngineExecutor
 from .ledger import RuntimeLedger
@@ -149,10 +149,40 @@ class _Running:
     turn: _Turn
     out: asyncio.Queue  # ids, then _END (or an exception)
     done: asyncio.Future  # set once the loop has finished the turn (its slot free, its record emitted)
+    arrival_no: int = 0  # arrival order (ties and the overdue turns go first come first served)
+    unread_tokens: int = 0  # prompt ids its turn must read (an estimate until the turn opens)
+    overtaken: int = 0  # turns that arrived after it and got their first token before it
     seq: ServedTurn | None = None
     sampler: Sampler | None = None
-    token: int | None = None  # the next round's input: the last id sampled
+    token: int | None = None  # the next round's input: the last id sampled (on the host)
+    in_flight: int = 0  # ids launched and not read back yet (0 or 1: a round launched ahead)
     closed: bool = False  # the consumer left: end at the next round
+
+    def wants_round(self) -> bool:
+        """Whether the next round decodes it: the ids it has and those in flight stay under max_tokens (a stop
+        id in flight may still end it: that round's id is then dropped)."""
+        return len(self.turn.out_ids) + self.in_flight < self.turn.req.max_tokens
+
+    def prompt_left(self) -> int:
+        """Prompt ids still to read before the first token (what the prefill order sorts by)."""
+        if self.seq is None:
+            return self.unread_tokens
+        return self.seq.start.prompt_tokens - self.seq.session.committed
+
+
+# A waiting prompt is read before another when it has fewer ids left to read (shortest first: one long prompt
+# does not hold the first token of every short one behind it), ties first come first served; a prompt that
+# MAX_OVERTAKEN later arrivals have passed goes before every prompt not yet overdue (overdue ones first come
+# first served), so no prompt waits for more than that many others however many short ones keep arriving.
+# A prompt is read to its end before the next one starts (unless a shorter one arrives): reading them side by
+# side would delay every first token to the last one's.
+MAX_OVERTAKEN = 8
+
+
+def prefill_order(entry: _Running) -> tuple[int, int, int]:
+    if entry.overtaken >= MAX_OVERTAKEN:
+        return (0, 0, entry.arrival_no)
+    return (1, entry.prompt_left(), entry.arrival_no)
 
 
 class Conductor:
@@ -193,9 +223,12 @@ class Conductor:
         self._unread_since: dict[str, float] = {}  # session -> when its oldest unread chunk became known
         self._narrator_waiting: dict[str, int] = {}  # sessions whose summary waits for the engine lock
         self._waiting: deque[_Running] = deque()  # turns waiting for the round loop, first come first served
+        self._reading: list[_Running] = []  # turns whose prompts the rounds read, a few chunks a round
         self._running: list[_Running] = []  # turns in the rounds
         self._round_task: asyncio.Task | None = None
-        self._starting: _Running | None = None  # the turn whose prompt the loop is reading now
+        self._arrivals = itertools.count()
+        # the round launched ahead, whose ids are read back in the next round's hop: (its turns, the launch)
+        self._in_flight: tuple[list[_Running], LaunchedRound] | None = None
         self._waiting_changed = asyncio.Event()
         self._session_locks: dict[str, asyncio.Lock] = {}
         self._turn_seq = itertools.count()
@@ -344,8 +377,9 @@ class Conductor:
     # ---- the served turns, in rounds -----------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[int]:
         """Stream the served model's token ids for one request; the reader follows the turn. The turn waits for
-        the round loop, which reads its prompt between two rounds and then decodes it with every other running
-        turn, one batched round a token. Closing the generator ends the turn at the next round."""
+        the round loop, which reads its prompt a few grid chunks a round beside the running turns' decode, then
+        decodes it with every other running turn, one batched round a token. Closing the generator ends the
+        turn at the next round."""
         arrival = self.clock()
         self._check_prompt(req.prompt_ids)
         self._refuse_if_stopped()
@@ -354,7 +388,9 @@ class Conductor:
                      self._shared_prefix(session_id, req.prompt_ids))
         lock = self._session_locks.setdefault(session_id, asyncio.Lock())
         async with lock:  # one turn a session at a time: the next one starts from what this one kept
-            entry = _Running(turn, asyncio.Queue(), asyncio.get_running_loop().create_future())
+            entry = _Running(turn, asyncio.Queue(), asyncio.get_running_loop().create_future(),
+                             arrival_no=next(self._arrivals),
+                             unread_tokens=self.serving.unread_estimate(session_id, req.prompt_ids))
             self._waiting.append(entry)
             self._waiting_changed.set()
             self._kick_rounds()
@@ -381,25 +417,29 @@ class Conductor:
             self._waiting_changed.clear()
             await self._waiting_changed.wait()
 
+    async def rounds_ended(self) -> None:
+        """Until the round loop has nothing left (a round launched past a turn's end included)."""
+        while self._round_task is not None:
+            await asyncio.shield(self._round_task)
+
     def _kick_rounds(self) -> None:
         if self._round_task is None:
             self._round_task = asyncio.create_task(self._round_loop(), name="qse-rounds")
 
     async def _round_loop(self) -> None:
-        """Plan, run, account, emit: start waiting turns between rounds (their prompts read on the grid), run one
-        batched round of every running turn, hand each its token, give the reader its slice; hold the engine
-        while any turn runs or waits (the idle window and the questions wait for the loop to end)."""
+        """Plan, run, account, emit: open waiting turns while slots are free, then one round: a batched decode
+        of every running turn and the next whole grid chunks of the turns being read (round_token_budget ids,
+        the shortest prompt first: prefill_order), then each turn's token (a first token when its prompt's tail
+        was read), then the reader's slice. The engine is held while any turn runs, reads or waits (the idle
+        window and the questions wait for the loop to end)."""
         try:
             async with self.board.engine_lock(Priority.SERVED, HeldLocks()):
-                while self._waiting or self._running:
-                    while self._waiting and len(self._running) < self.serving.rounds.max_running:
-                        self._starting = self._waiting.popleft()
-                        try:
-                            await self._start_turn(self._starting)
-                        finally:
-                            self._starting = None
-                    if self._running:
-                        await self._round()
+                while self._waiting or self._reading or self._running or self._in_flight:
+                    await self._drop_departed()
+                    await self._open_turns()
+                    plan = self._plan_prefill()
+                    if self._running or plan or self._in_flight:
+                        await self._round(plan)
                     if self._running:
                         oldest = min(self._running, key=lambda e: e.turn.first_token_s or 0.0)
                         await self._between_rounds(oldest.turn)
@@ -407,14 +447,49 @@ class Conductor:
                 self._round_task = None
         finally:
             self._round_task = None
-            for entry in list(self._waiting) + list(self._running):  # the loop died: nobody may wait forever
+            for entry in list(self._waiting) + self._reading + self._running:  # the loop died: nobody waits forever
                 if not entry.done.done():
                     entry.out.put_nowait(ConductorStopped("the served model's round loop stopped"))
                     entry.done.set_result(None)
             self._waiting.clear()
+            self._reading.clear()
             self._running.clear()
+            self._in_flight = None
+
+    async def _drop_departed(self) -> None:
+        """Turns whose clients left end now: queued ones unstarted, the others with their slots freed."""
+        for entry in [e for e in self._waiting if e.closed]:
+            self._waiting.remove(entry)
+            entry.turn.finish = "abort"
+            await self._end(entry, started=False)
+        for entry in [e for e in self._reading + self._running if e.closed]:
+            entry.turn.finish = "abort"
+            await self._end(entry)
+
+    async def _open_turns(self) -> None:
+        """Waiting turns open (their sessions' states ready, a slot each reserved) while slots are free."""
+        max_running = self.serving.rounds.max_running
+        while self._waiting and len(self._reading) + len(self._running) < max_running:
+            entry = min(self._waiting, key=prefill_order)
+            self._waiting.remove(entry)
+            await self._start_turn(entry)
+
+    def _plan_prefill(self) -> list[tuple["_Running", int]]:
+        """This round's reads: (turn, pieces) in prefill_order, a piece a whole grid chunk or the prompt's tail
+        (at most one grid of ids), round_token_budget ids in all but at least one piece a round."""
+        pieces = max(1, self.policy.round_token_budget // self.serving.grid)
+        plan = []
+        for entry in sorted(self._reading, key=prefill_order):
+            if pieces == 0:
+                break
+            take = min(pieces, entry.seq.chunks_left + 1)
+            plan.append((entry, take))
+            pieces -= take
+        return plan
 
     async def _start_turn(self, entry: "_Running") -> None:
+        """The turn opens: the reader learns the prompt, the served session reuses what it holds and reserves a
+        slot; its prompt is read by the next rounds."""
         turn, req = entry.turn, entry.turn.req
         if entry.closed:  # the client left while it waited
             turn.finish = "abort"
@@ -429,42 +504,117 @@ class Conductor:
         self.ledger.open_turn(turn.turn_id)
         try:
             await self._turn_start(turn)
-            seq, sampler, token, ms = await self.served_exec.run(self._prefill_on_thread, req, turn.session_id)
+            entry.seq = await self.served_exec.run(self.serving.open, turn.session_id, req.prompt_ids)
         except Exception as exc:
             entry.out.put_nowait(exc)
             await self._end(entry)
             return
-        self.ledger.record(Role.SERVED_PREFILL, ms, turn_id=turn.turn_id)
-        entry.seq, entry.sampler = seq, sampler
-        turn.cached_tokens, turn.cache_tier = seq.start.cached_tokens, seq.start.tier
-        req.cached_tokens = seq.start.cached_tokens
-        turn.first_token_s = self.clock()
-        self._running.append(entry)
-        await self._emit(entry, token)
+        entry.sampler = Sampler(req.sampling, vocab_limit=self.served.chat.tokenizer.vocab_size)
+        turn.cached_tokens, turn.cache_tier = entry.seq.start.cached_tokens, entry.seq.start.tier
+        req.cached_tokens = entry.seq.start.cached_tokens
+        self._reading.append(entry)
 
-    async def _round(self) -> None:
-        """One batched decode round of every running turn whose client is still there."""
-        for entry in [e for e in self._running if e.closed]:
-            entry.turn.finish = "abort"
-            await self._end(entry)
-        batch = list(self._running)
-        if not batch:
-            return
+    async def _round(self, plan: list[tuple["_Running", int]]) -> None:
+        """One round in one hop to the served thread: a batched decode of the running turns, then the planned
+        prompt reads, then the ids of the round launched ahead last time. Where every running turn samples on
+        the device (launch_ahead), this round's ids stay on the device, feed the next round, and come back in
+        the next hop: one hop a round, and the device never waits for the host between two rounds. A turn
+        whose tail was read gets its first token."""
+        batch = [e for e in self._running if e.wants_round()]
+        in_flight, self._in_flight = self._in_flight, None
+        rows = {id(e): i for i, e in enumerate(in_flight[0])} if in_flight is not None else {}
+        carry = [rows.get(id(e), -1) if e.in_flight else -1 for e in batch]
+        ahead = self.policy.launch_ahead and bool(batch) and all(e.sampler.is_on_device for e in batch)
         try:
-            tokens, ms = await self.served_exec.run(self._round_on_thread, batch)
+            launched, tokens, ms, reads, earlier = await self.served_exec.run(
+                self._round_on_thread, batch, carry, ahead, plan, in_flight[1] if in_flight else None)
         except Exception as exc:  # the round failed: every turn in it ends with the error
-            for entry in batch:
+            for entry in batch + [e for e, _ in plan] + (in_flight[0] if in_flight else []):
+                if not entry.done.done():
+                    entry.out.put_nowait(exc)
+                    await self._end(entry)
+            return
+        for (entry, _), (read_ms, first, exc) in zip(plan, reads):
+            self.ledger.record(Role.SERVED_PREFILL, read_ms, turn_id=entry.turn.turn_id)
+            if exc is not None:
                 entry.out.put_nowait(exc)
                 await self._end(entry)
-            return
+            elif first is not None:
+                await self._first_token(entry, first)
+        if earlier is not None:
+            await self._decoded(in_flight[0], *earlier)
+        if launched is not None:
+            for entry in batch:
+                entry.in_flight = 1
+            self._in_flight = (batch, launched)
+        elif batch:
+            await self._decoded(batch, tokens, ms)
+
+    async def _decoded(self, batch: list["_Running"], tokens: list[int], ms: float) -> None:
+        """A round's ids to its turns; a turn that ended since the round was launched drops its id (a stop read
+        one round late: its kept state is the prompt's grid line, never the rows above)."""
         share = ms / len(batch)  # a round's device time, attributed evenly to its turns
         for entry, token in zip(batch, tokens):
+            entry.in_flight = 0
+            if entry not in self._running:
+                self.ledger.record(Role.SERVED_DECODE, share)
+                continue
             self.ledger.record(Role.SERVED_DECODE, share, turn_id=entry.turn.turn_id)
             await self._emit(entry, token)
 
-    def _round_on_thread(self, batch: list["_Running"]) -> tuple[list[int], float]:
-        logits, ms = self.serving.decode_round([e.seq for e in batch], [e.token for e in batch])
-        return [e.sampler(logits[i]) for i, e in enumerate(batch)], ms
+    async def _first_token(self, entry: "_Running", token: int) -> None:
+        turn = entry.turn
+        turn.first_token_s = self.clock()
+        self._reading.remove(entry)
+        self._running.append(entry)
+        for other in list(self._waiting) + self._reading:  # (prefill_order's fairness bound)
+            if other.arrival_no < entry.arrival_no:
+                other.overtaken += 1
+        await self._emit(entry, token)
+
+    def _round_on_thread(self, batch: list["_Running"], carry: list[int], ahead: bool,
+                         plan: list[tuple["_Running", int]], earlier: LaunchedRound | None):
+        """The decode of `batch` (launched ahead, or sampled on the host and waited for), each planned read, then
+        the earlier round's ids. Returns (the round launched ahead or None, the batch's ids when not ahead, their
+        device ms, for each read (device ms, the first token if the tail was read, the error if it failed), the
+        earlier round's (ids, device ms) or None)."""
+        launched, tokens, ms = None, [], 0.0
+        if batch:
+            seqs, host_ids = [e.seq for e in batch], [0 if c >= 0 else e.token for e, c in zip(batch, carry)]
+            if ahead:
+                launched = self.serving.launch_round(seqs, host_ids, carry, [e.sampler for e in batch])
+            else:
+                logits, ms = self.serving.decode_round(seqs, host_ids, carry)
+                tokens = [e.sampler(logits[i]) for i, e in enumerate(batch)]
+        reads = []
+        for entry, pieces in plan:
+            seq = entry.seq
+            before = seq.start.gpu_ms
+            try:
+                chunks = min(pieces, seq.chunks_left)
+                if chunks:
+                    self.serving.read_chunks(seq, chunks)
+                first = None
+                if pieces > chunks and seq.chunks_left == 0:
+                    first = self._read_tail(entry)
+                reads.append((seq.start.gpu_ms - before, first, None))
+            except Exception as exc:
+                self.serving.finish(seq)
+                reads.append((seq.start.gpu_ms - before, None, exc))
+        return launched, tokens, ms, reads, earlier.finish() if earlier is not None else None
+
+    def _read_tail(self, entry: "_Running") -> int:
+        """The prompt's tail and the first token, on the served thread."""
+        seq, req = entry.seq, entry.turn.req
+        logits = self.serving.first_token(seq)
+        try:
+            token = entry.sampler(logits[-1])
+        except BaseException:
+            self.serving.finish(seq)
+            raise
+        log.info("served_turn_start", session=seq.start.session_id, request_id=req.request_id, **{
+            k: v for k, v in asdict(seq.start).items() if k != "session_id"})
+        return token
 
     async def _emit(self, entry: "_Running", token: int) -> None:
         """A sampled token: the turn's end (a stop id, or max_tokens reached after it), or the next round's input."""
@@ -482,8 +632,9 @@ class Conductor:
         entry.token = token
 
     async def _end(self, entry: "_Running", started: bool = True) -> None:
-        if entry in self._running:
-            self._running.remove(entry)
+        for queue in (self._reading, self._running):
+            if entry in queue:
+                queue.remove(entry)
         if started:
             if entry.seq is not None:
                 await self.served_exec.run(self.serving.finish, entry.seq)
@@ -503,19 +654,6 @@ class Conductor:
     def _shared_prefix(self, session_id: str | None, ids: list[int]) -> int:
         prev = self._session_prompts.get(session_id or "")
         return common_prefix(prev, ids) if prev else 0
-
-    def _prefill_on_thread(self, req: GenerateRequest, session_id: str):
-        """The served session's turn starts: the reused state, the rest of the prompt on the grid, the tail."""
-        sampler = Sampler(req.sampling, vocab_limit=self.served.chat.tokenizer.vocab_size)
-        seq, logits = self.serving.begin(session_id, req.prompt_ids)
-        try:
-            token = sampler(logits[-1])
-        except BaseException:
-            self.serving.finish(seq)
-            raise
-        log.info("served_turn_start", session=session_id, request_id=req.request_id, **{
-            k: v for k, v in asdict(seq.start).items() if k != "session_id"})
-        return seq, sampler, token, seq.start.gpu_ms
 
     async def _turn_start(self, turn: _Turn) -> None:
         """The reader learns the new prompt (rolling back where it diverged); the router's question queues."""
@@ -782,8 +920,7 @@ class Conductor:
         return out
 
     def status(self) -> dict[str, Any]:
-        starting = [self._starting] if self._starting is not None else []
-        running = [e.turn.req.request_id for e in starting + self._running]
+        running = [e.turn.req.request_id for e in self._reading + self._running]
         out: dict[str, Any] = {
             "served_model": self.served.name,
             "served_mode": self.serving.mode,

@@ -19,19 +19,25 @@ than the grid's. The next turn re-renders them in its prompt and reads them on t
 
 Decoding runs in rounds (qse/engine/rounds.py): a turn's working state (its own SequenceCache over the
 session's pages, so the session's GDN state at L is never written) joins a slot of the rounds, and one
-`decode_round` advances every running turn by one token in one batched forward. A session with an open turn
-is pinned: the residency manager never moves it.
+`decode_round` advances every running turn by one token in one batched forward (`launch_round`: the same,
+its ids sampled on the device and read back later, so a round may run past a stop id: the extra row is
+above L and goes with the rest at `finish`). A session with an open turn is pinned: the residency manager
+never moves it. A turn's prompt may be read in pieces between rounds (open, read_chunks, first_token).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from ..engine.engine import Stopwatch
-from ..engine.rounds import DecodeRounds
+from ..core.prefix import common_prefix
+from ..engine.engine import DeviceClock, Stopwatch
+from ..engine.rounds import DecodeRounds, TokensBack
+from ..engine.sampling import Sampler
 from ..models.cache import SequenceCache
 from .grid import GridSessions, SessionError
 from .session import GridSession
@@ -70,6 +76,33 @@ class ServedTurn:
     cache: SequenceCache | None = None  # the turn's working state over the session's pages
     slot: int | None = None  # its slot in the decode rounds
     is_open: bool = True
+    prompt_ids: list[int] = field(default_factory=list)
+    limit: int = 0  # L: the prompt's last grid line below its end (chunks are read up to it)
+    is_reserved: bool = False  # holds a decode slot it has not taken yet (open -> first_token)
+
+    @property
+    def chunks_left(self) -> int:
+        """Whole grid chunks of the prompt still to read before its tail (0 once they are read)."""
+        if self.cache is not None:
+            return 0
+        return max(0, self.limit - self.session.committed) // self.session.grid
+
+
+class LaunchedRound:
+    """A decode round launched with its ids sampled on the device (ServedSessions.launch_round): `finish`
+    waits for them and the round's device time, once; `gpu_ms` is set then."""
+
+    def __init__(self, back: TokensBack, begin: Any, end: Any, clock: DeviceClock):
+        self._back, self._marks, self._clock = back, (begin, end), clock
+        self._ids: list[int] | None = None
+        self.gpu_ms: float | None = None
+
+    def finish(self) -> tuple[list[int], float]:
+        if self._ids is None:
+            self._ids = self._back.ids()
+            if self.gpu_ms is None:
+                self.gpu_ms = self._clock.ms(*self._marks)
+        return self._ids, self.gpu_ms
 
 
 class ServedSessions:
@@ -84,6 +117,8 @@ class ServedSessions:
         self.engine = book.engine
         self.rounds = DecodeRounds(book.engine, book.pool, max_running,
                                    graphs=None if book.graphs is not None and book.graphs.capture else False)
+        self._clock = DeviceClock(book.engine.device)
+        self._reserved = 0  # turns opened that have not taken their decode slot yet
         self.counts = {"queries": 0, "query_tokens": 0, "hit_tokens": 0, **{f"hits_{t}": 0 for t in TIERS}}
 
     @property
@@ -117,9 +152,27 @@ class ServedSessions:
             self.counts = counts
 
     # ---- the turn ----------------------------------------------------------------------------
+    # A turn starts in three steps, so that a round loop can read a long prompt a few chunks at a time
+    # between decode rounds: `open` (reuse what the session holds), `read_chunks` (whole grid chunks up to
+    # the line L, as many calls as it likes), `first_token` (the tail above L: the first token's logits; the
+    # turn joins a decode slot). `begin` is the three at once. The chunks are the same reads, on the same
+    # state, whatever comes between two calls (each grid chunk loads and stores the session's own state),
+    # so the first token is a cold prefill's bits however the prompt was cut into calls.
     def begin(self, session_id: str, prompt_ids: list[int]) -> tuple[ServedTurn, torch.Tensor]:
         """Start a turn: reuse what the session holds, read the rest of the prompt; returns the turn and the
         first token's logits [1, vocab]."""
+        turn = self.open(session_id, prompt_ids)
+        try:
+            self.read_chunks(turn)
+        except BaseException:
+            self.finish(turn)
+            raise
+        return turn, self.first_token(turn)
+
+    def open(self, session_id: str, prompt_ids: list[int]) -> ServedTurn:
+        """The turn's session holds the prompt (rolled back where it re-rendered) and its state is resident
+        and pinned; nothing of the prompt is read yet. The turn holds a decode slot from here (reserved until
+        first_token takes it)."""
         book = self.book
         if not prompt_ids:
             raise SessionError("empty prompt: at least one token id is needed")
@@ -129,8 +182,8 @@ class ServedSessions:
         known = book.sessions.get(session_id)
         if known is not None and known.pinned:
             raise SessionError(f"session {session_id!r} already has a turn running; one turn a session at a time")
-        if self.rounds.num_free == 0:
-            raise SessionError(f"every decode slot is taken ({self.rounds.max_running} turns run)")
+        if self.rounds.num_free - self._reserved <= 0:
+            raise SessionError(f"every decode slot is taken ({self.rounds.max_running} turns run or start)")
         tier = self._tier_before(known)
         spent0 = book.residency.spent_ms()
         report = book.feed(session_id, prompt_ids, prompt_end=len(prompt_ids))
@@ -142,40 +195,77 @@ class ServedSessions:
             session.pinned = False
             raise
         cached = session.committed
+        self._reserved += 1
         limit = ((len(prompt_ids) - 1) // book.grid) * book.grid
-        spent1, t_read = book.residency.spent_ms(), time.perf_counter()
-        try:
-            reports = book.read_all(session_id, limit=limit, group=1)
-        except BaseException:
-            session.pinned = False
-            raise
-        t_tail = time.perf_counter()
         turn = ServedTurn(session, TurnStart(session_id, len(prompt_ids), cached, tier if cached else None,
-                                             report.rolled_back_to, sum(r.chunks for r in reports),
-                                             len(prompt_ids) - session.committed, sum(r.gpu_ms for r in reports)),
-                          pos=session.committed)
-        try:
-            logits, ms = self._read_tail(turn, prompt_ids[session.committed:])
-        except BaseException:
-            self.finish(turn)
-            raise
-        t_end = time.perf_counter()
-        spent2 = book.residency.spent_ms()
-        start = turn.start
-        start.gpu_ms += ms
-        start.restore_ms = _grew(spent0, spent1, "restore")
-        evict_in_reads = _grew(spent1, spent2, "evict")
-        start.evict_ms = _grew(spent0, spent2, "evict")
-        # the chunks' and the tail's walls without the evictions made for their pages
-        start.read_ms = max(0.0, (t_tail - t_read) * 1e3 - evict_in_reads)
-        start.tail_ms = (t_end - t_tail) * 1e3
+                                             report.rolled_back_to, 0, len(prompt_ids) - cached, 0.0),
+                          pos=cached, prompt_ids=list(prompt_ids), limit=limit, is_reserved=True)
+        spent1 = book.residency.spent_ms()
+        turn.start.restore_ms = _grew(spent0, spent1, "restore")
+        turn.start.evict_ms = _grew(spent0, spent1, "evict")
         c = self.counts
         c["queries"] += 1
         c["query_tokens"] += len(prompt_ids)
         c["hit_tokens"] += cached
         if cached and tier is not None:
             c[f"hits_{tier}"] += 1
-        return turn, logits
+        return turn
+
+    def read_chunks(self, turn: ServedTurn, max_chunks: int | None = None) -> float:
+        """Up to max_chunks (None: every) whole grid chunks of the turn's prompt below its line L, one chunk a
+        launch, the next launched before the last is read back; returns their device ms."""
+        if turn.cache is not None or not turn.is_open:
+            raise SessionError("the turn's prompt is read already (its first token came)")
+        book = self.book
+        reports, in_flight = [], deque()
+        spent0, t_read = book.residency.spent_ms(), time.perf_counter()
+        try:
+            while max_chunks is None or len(reports) + len(in_flight) < max_chunks:
+                pending = book.launch_step(turn.start.session_id, 1, turn.limit)
+                if pending is None:
+                    break
+                in_flight.append(pending)
+                while len(in_flight) > 1:
+                    reports.append(book.finish_step(in_flight.popleft()))
+        finally:
+            while in_flight:
+                reports.append(book.finish_step(in_flight.popleft()))
+        evicted = _grew(spent0, book.residency.spent_ms(), "evict")
+        turn.start.evict_ms += evicted
+        # the chunks' wall without the evictions made for their pages
+        turn.start.read_ms += max(0.0, (time.perf_counter() - t_read) * 1e3 - evicted)
+        ms = sum(r.gpu_ms for r in reports)
+        turn.start.chunks_read += sum(r.chunks for r in reports)
+        turn.start.gpu_ms += ms
+        turn.start.tail_tokens = turn.start.prompt_tokens - turn.session.committed
+        turn.pos = turn.session.committed
+        return ms
+
+    def first_token(self, turn: ServedTurn) -> torch.Tensor:
+        """The tail above L on the turn's own working state, which then takes its decode slot: the first
+        token's logits [1, vocab]. Every chunk below L must be read (read_chunks) before."""
+        if turn.chunks_left:
+            raise SessionError(f"{turn.chunks_left} grid chunks of the prompt are still unread")
+        spent0, t_tail = self.book.residency.spent_ms(), time.perf_counter()
+        try:
+            logits, ms = self._read_tail(turn, turn.prompt_ids[turn.session.committed:])
+        except BaseException:
+            self.finish(turn)
+            raise
+        turn.start.tail_ms = (time.perf_counter() - t_tail) * 1e3
+        turn.start.evict_ms += _grew(spent0, self.book.residency.spent_ms(), "evict")
+        turn.start.gpu_ms += ms
+        turn.start.tail_tokens = turn.start.prompt_tokens - turn.session.committed
+        return logits
+
+    def unread_estimate(self, session_id: str, prompt_ids: list[int]) -> int:
+        """About how many prompt ids a turn of this prompt would read (what it does not share with the state the
+        session holds now); read on any thread, so an estimate: the state may move before the turn opens."""
+        session = self.book.sessions.get(session_id)
+        if session is None or session.cache is None and self.book.residency.tier_of(session_id) is None:
+            return len(prompt_ids)
+        kept = common_prefix(session.ids, prompt_ids, session.committed)
+        return len(prompt_ids) - (kept // self.grid) * self.grid
 
     def _tier_before(self, session: GridSession | None) -> str | None:
         if session is None:
@@ -194,6 +284,8 @@ class ServedSessions:
         cache.length = session.committed
         turn.cache = cache
         logits, ms = self.engine.forward(cache, self.engine.ids_tensor(tail), "last")
+        self._reserved -= 1  # the slot open() reserved is taken now
+        turn.is_reserved = False
         turn.slot = self.rounds.admit(cache)
         if turn.slot is None:  # begin checked a slot was free; one thread runs every method
             raise SessionError("no decode slot is free")
@@ -205,21 +297,49 @@ class ServedSessions:
         logits, ms = self.decode_round([turn], [token])
         return logits, ms
 
-    def decode_round(self, turns: list[ServedTurn], tokens: list[int]) -> tuple[torch.Tensor, float]:
+    def decode_round(self, turns: list[ServedTurn], tokens: list[int],
+                     carry: list[int] | None = None) -> tuple[torch.Tensor, float]:
         """One token on top of each turn, in one batched forward: logits [len(turns), vocab] (row i is turn i's,
-        valid until the next round) and the round's device ms."""
+        valid until the next round) and the round's device ms (waited for). carry: as DecodeRounds.run (row i
+        reads the id launch_round sampled in row carry[i] of the last round, where carry[i] >= 0)."""
+        self._before_round(turns)
+        watch = Stopwatch(self.engine.device)
+        with watch.measure():
+            logits = self.rounds.run([t.slot for t in turns], tokens, carry)
+        for turn in turns:
+            turn.pos += 1
+        return logits, watch.gpu_ms
+
+    def launch_round(self, turns: list[ServedTurn], tokens: list[int], carry: list[int] | None,
+                     samplers: list[Sampler]) -> "LaunchedRound":
+        """decode_round without waiting: each row's id chosen on the device (every sampler is_on_device; plain
+        greedy rows in one argmax) into the rounds' `sampled` row i, where the next round may read it (carry),
+        and on its way to the host; nothing here waits for the device."""
+        if not all(s.is_on_device for s in samplers):
+            raise ValueError("launch_round samples on the device: a grammar or log-probabilities need decode_round")
+        self._before_round(turns)
+        begin = self._clock.mark()
+        logits = self.rounds.run([t.slot for t in turns], tokens, carry)
+        num_rows = len(turns)
+        sampled = self.rounds.sampled
+        limit = samplers[0].vocab_limit if samplers else None
+        if any(s.params.is_plain_greedy for s in samplers):
+            sampled[:num_rows].copy_(torch.argmax(logits[:, :limit], dim=-1))  # first maximum on ties, as alone
+        for i, sampler in enumerate(samplers):
+            if not sampler.params.is_plain_greedy:
+                sampled[i].copy_(sampler.on_device(logits[i]))
+        end = self._clock.mark()
+        for turn in turns:
+            turn.pos += 1
+        return LaunchedRound(self.rounds.send_back(num_rows), begin, end, self._clock)
+
+    def _before_round(self, turns: list[ServedTurn]) -> None:
         window = self.engine.cfg.max_position_embeddings
         for turn in turns:
             if turn.pos + 1 > window:
                 raise SessionError(f"position {turn.pos + 1} exceeds the model window {window}")
             if turn.pos + 1 > turn.session.kv.capacity:  # a new page, room made by the residency manager
                 self.book.reserve_rows(turn.session, turn.pos + 1, 1)
-        watch = Stopwatch(self.engine.device)
-        with watch.measure():
-            logits = self.rounds.run([t.slot for t in turns], tokens)
-        for turn in turns:
-            turn.pos += 1
-        return logits, watch.gpu_ms
 
     def finish(self, turn: ServedTurn) -> None:
         """The turn is over: its slot is free, the rows above the committed ones go (the session's own GDN state
@@ -231,6 +351,9 @@ class ServedSessions:
         if turn.slot is not None:
             self.rounds.release(turn.slot, keep=False)
             turn.slot = None
+        if turn.is_reserved:
+            self._reserved -= 1
+            turn.is_reserved = False
         session.pinned = False
         if session.cache is not None:
             self.book.end_fork(session)
@@ -252,4 +375,5 @@ def tail_lengths(grid: int) -> list[int]:
     return sorted(out)
 
 
-__all__ = ["DEVICE", "DISK", "HOST", "TIERS", "ServedSessions", "ServedTurn", "TurnStart", "tail_lengths"]
+__all__ = ["DEVICE", "DISK", "HOST", "TIERS", "LaunchedRound", "ServedSessions", "ServedTurn", "TurnStart",
+           "tail_lengths"]

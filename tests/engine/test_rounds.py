@@ -168,6 +168,40 @@ def test_tokens_from_the_previous_rounds_device_tensor(tiny_engine, solo):
         assert [firsts[name], *got[row]] == _prefix(solo)[name]
 
 
+def test_carried_rows_read_the_last_rounds_sampled_ids_and_new_rows_their_host_ids(tiny_engine, solo):
+    """carry: rows that go on read the previous round's ids from `sampled` (written on the device, sent back
+    one round later), in a new order; a row joining later brings its host id; the tokens are the greedy ones."""
+    pool = _pool(tiny_engine)
+    rounds = DecodeRounds(tiny_engine, pool, max_running=4, graphs="static")
+    firsts, slots = {}, {}
+    for name in PROMPTS:
+        cache, firsts[name] = _prefill(tiny_engine, pool, PROMPTS[name])
+        slots[name] = rounds.admit(cache)
+    tokens = {"a": [firsts["a"]], "b": [firsts["b"]]}
+    order, back = ["a", "b"], None
+    for step in range(STEPS):
+        if step == 2:  # c joins with its host id; the carried rows change places
+            tokens["c"] = [firsts["c"]]
+            new = ["c", "b", "a"]
+            carry = [-1, order.index("b"), order.index("a")]
+            host = [firsts["c"], 0, 0]
+        else:
+            new = order
+            carry = [order.index(n) for n in new] if step else None
+            host = [0] * len(new) if step else [tokens[n][-1] for n in new]
+        logits = rounds.run([slots[n] for n in new], host, carry)
+        rounds.sampled[:len(new)].copy_(logits.argmax(-1))
+        if back is not None:  # the last round's ids, read while this one is launched
+            for name, token in zip(order, back.ids()):
+                tokens[name].append(token)
+        back, order = rounds.send_back(len(new)), new
+    for name, token in zip(order, back.ids()):
+        tokens[name].append(token)
+    want = _prefix(solo)
+    assert tokens["a"] == want["a"] and tokens["b"] == want["b"]
+    assert tokens["c"] == want["c"][:len(tokens["c"])] and len(tokens["c"]) == STEPS - 1
+
+
 def test_released_state_continues_on_the_single_sequence_path(tiny_engine, solo):
     """release writes the slot's state back: the cache then decodes on through Engine.forward as if it had
     never left it."""

@@ -97,3 +97,28 @@ def test_bad_knobs_are_refused():
     for kwargs in ({"top_k": -1}, {"min_p": 1.5}, {"repetition_penalty": 0.0}, {"top_logprobs": 21}):
         with pytest.raises(ValueError):
             SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(),
+    SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=3),
+    SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.2,
+                   prompt_ids=(1, 2, 3), logit_bias=((7, 2.0),)),
+], ids=["greedy", "seeded-draw", "penalties-bias"])
+def test_on_device_picks_what_the_host_path_picks(params):
+    """A sampler that needs no host (no grammar, no log-probabilities) gives the same ids on the device,
+    draws and penalty counts included, as the one that reads each id back."""
+    gen = torch.Generator().manual_seed(5)
+    rows = [torch.randn(300, generator=gen) for _ in range(8)]
+    host, device = Sampler(params, vocab_limit=280), Sampler(params, vocab_limit=280)
+    assert device.is_on_device
+    got = [device.on_device(r) for r in rows]
+    assert all(isinstance(t, torch.Tensor) and t.dim() == 0 for t in got)
+    assert [int(t) for t in got] == [host(r) for r in rows]
+
+
+def test_host_samplers_refuse_the_device_path():
+    logprobs = Sampler(SamplingParams(top_logprobs=2, record=SampleRecord()))
+    assert not logprobs.is_on_device
+    with pytest.raises(ValueError, match="host"):
+        logprobs.on_device(torch.zeros(10))

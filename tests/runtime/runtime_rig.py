@@ -93,11 +93,12 @@ class Probe:
 
     def attach_rounds(self, serving) -> None:
         """The served decode rounds (they run the model's batched step, not engine.forward): each round is one
-        "decode" call of as many ids as turns in it."""
+        "decode" call of as many ids as turns in it, waited for (decode_round) or launched ahead (launch_round:
+        on CPU it has run by the time it returns)."""
         self.served_pool = serving.book.pool
-        real = serving.decode_round
+        real, real_launch = serving.decode_round, serving.launch_round
 
-        def decode_round(turns, tokens):
+        def enter() -> float:
             t0 = self.clock() if self.clock is not None else 0.0
             with self._lock:
                 nth = sum(1 for c in self.calls if c.kind == "decode") + 1
@@ -105,16 +106,31 @@ class Probe:
             if hold is not None:
                 hold.loop.call_soon_threadsafe(hold.entered.set_result, None)
                 assert hold.release.wait(30), "the test never let the held call go"
-            out, ms = real(turns, tokens)
+            return t0
+
+        def leave(t0: float, num_rows: int, ms: float) -> float:
             if "decode" in self.script_ms:
                 ms = self.script_ms["decode"]
                 if isinstance(self.clock, ScriptedClock):
                     self.clock.t += ms / 1000
             with self._lock:
-                self.calls.append(Call("decode", len(turns), ms, t0))
-            return out, ms
+                self.calls.append(Call("decode", num_rows, ms, t0))
+            return ms
+
+        def decode_round(turns, tokens, *rest):
+            t0 = enter()
+            out, ms = real(turns, tokens, *rest)
+            return out, leave(t0, len(turns), ms)
+
+        def launch_round(turns, tokens, *rest):
+            t0 = enter()
+            launched = real_launch(turns, tokens, *rest)
+            _, ms = launched.finish()
+            launched.gpu_ms = leave(t0, len(turns), ms)
+            return launched
 
         serving.decode_round = decode_round
+        serving.launch_round = launch_round
 
     def hold(self, kind: str, nth: int) -> _Hold:
         """Hold the nth call of `kind` on its thread: await `.entered`, then `.release.set()`."""

@@ -21,10 +21,10 @@ async def test_batched_greedy_equals_solo_greedy_token_for_token(make_rig):
         rig = make_rig(max_running=4)
         alone[sid] = await rig.turn(prompt, 6, session=sid)
     rig = make_rig(max_running=4)
-    hold = rig.probe.hold("prefill", 1)  # the loop starts a's turn; b and c queue meanwhile
+    hold = rig.probe.hold("prefill", 1)  # the loop opens the three turns and reads the first prompt
     tasks = {sid: asyncio.create_task(rig.turn(prompt, 6, session=sid)) for sid, prompt in PROMPTS.items()}
     await hold.entered
-    await rig.conductor.wait_for_waiting(2)
+    assert len(rig.conductor.status()["running"]) == 3  # (being read)
     hold.release.set()
     together = {sid: await task for sid, task in tasks.items()}
     assert together == alone
@@ -60,3 +60,101 @@ async def test_the_ledger_holds_every_measured_round(make_rig):
     decode_us = sum(ms_to_us(c.ms) for c in rig.probe.of("decode"))
     # each round's time is split evenly over its turns: the parts add up to the round within a microsecond each
     assert abs(total.gpu_us[Role.SERVED_DECODE] - decode_us) <= 3 * len(rig.probe.of("decode"))
+
+
+async def test_a_long_prompt_is_read_a_chunk_a_round_while_a_turn_decodes(make_rig):
+    """With a budget of one grid chunk a round, b's 6-chunk prompt is read between a's decode rounds (a keeps
+    decoding), and both get the tokens they get alone."""
+    short, long_ = prompt_ids(17, start=4000), prompt_ids(6 * GRID + 5, start=12000)
+    config = dict(max_running=4, served_grid=GRID, round_token_budget=GRID)
+    alone = {}
+    for sid, prompt in (("a", short), ("b", long_)):
+        rig = make_rig(**config)
+        alone[sid] = await rig.turn(prompt, 12, session=sid)
+    rig = make_rig(**config)
+    hold = rig.probe.hold("decode", 1)  # a decodes; b arrives meanwhile
+    a = asyncio.create_task(rig.turn(short, 12, session="a"))
+    await hold.entered
+    b = asyncio.create_task(rig.turn(long_, 12, session="b"))
+    await rig.conductor.wait_for_waiting(1)
+    mark = len(rig.probe.calls)
+    hold.release.set()
+    assert {"a": await a, "b": await b} == alone
+    kinds = rig.probe.kinds()[mark:]
+    first, last = kinds.index("prefill"), len(kinds) - 1 - kinds[::-1].index("prefill")
+    reads = kinds[first:last + 1]
+    # b's six chunks and its tail, one a round, a decode round of a between each two
+    assert reads.count("prefill") == 7 and reads.count("decode") == 6
+    assert all(reads[i] != reads[i + 1] for i in range(len(reads) - 1))
+    record = {r.session_id: r for r in rig.records}["b"]
+    assert abs(record.prefill_ms - sum(c.ms for c in rig.probe.of("prefill", mark))) < 0.01  # (whole us a read)
+    assert rig.conductor.serving.rounds.num_free == 4 and not rig.conductor.serving.book.get("b").pinned
+
+
+async def test_short_prompts_go_first_but_an_overtaken_one_is_not_starved(make_rig):
+    """Prompts waiting together are read shortest first, ties in arrival order; a long prompt overtaken by
+    MAX_OVERTAKEN later arrivals goes before any prompt not yet overdue."""
+    from qse.runtime.conductor import MAX_OVERTAKEN, _Running, prefill_order
+
+    def entry(no: int, unread: int, overtaken: int = 0) -> _Running:
+        return _Running(None, None, None, arrival_no=no, unread_tokens=unread, overtaken=overtaken)
+
+    long_, short1, short2, tie = entry(0, 5000), entry(1, 40), entry(2, 40), entry(3, 5000)
+    assert sorted([long_, short1, short2, tie], key=prefill_order) == [short1, short2, long_, tie]
+    long_.overtaken = MAX_OVERTAKEN
+    assert sorted([short2, tie, long_, short1], key=prefill_order) == [long_, short1, short2, tie]
+
+    rig = make_rig(max_running=1, served_grid=GRID, round_token_budget=GRID)
+    hold = rig.probe.hold("decode", 1)
+    first = asyncio.create_task(rig.turn(prompt_ids(9, start=500), 2, session="first"))
+    await hold.entered
+    tasks = [asyncio.create_task(rig.turn(prompt_ids(n, start=1000 * n), 2, session=f"n{n}"))
+             for n in (5 * GRID, 20, 3 * GRID)]
+    await rig.conductor.wait_for_waiting(3)
+    hold.release.set()
+    await first
+    await asyncio.gather(*tasks)
+    assert [r.session_id for r in rig.records] == ["first", "n20", f"n{3 * GRID}", f"n{5 * GRID}"]
+
+
+async def test_a_client_that_leaves_while_its_prompt_is_read_frees_its_slot(make_rig):
+    rig = make_rig(max_running=2, served_grid=GRID, round_token_budget=GRID)
+    c = rig.conductor
+    hold = rig.probe.hold("prefill", 2)  # b's second chunk
+    gen = c.generate(GenerateRequest(prompt_ids=prompt_ids(5 * GRID), max_tokens=4, session_id="b"))
+    task = asyncio.create_task(gen.__anext__())
+    await hold.entered
+    task.cancel()  # the client is gone while the rounds read its prompt
+    hold.release.set()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    await gen.aclose()
+    out = await rig.turn(PROMPTS["c"], 3, session="c")
+    assert len(out) == 3
+    assert {r.session_id: r.finish_reason for r in rig.records}["b"] == "abort"
+    assert c.serving.rounds.num_free == 2 and not c.serving.book.get("b").pinned
+    assert c.serving.book.get("b").committed == 2 * GRID  # the chunks read stay (they are on the grid)
+
+
+async def test_a_stop_id_read_one_round_late_ends_the_turn_with_its_state_on_the_grid(make_rig):
+    """Rounds launch before the last one's ids are read: a stop id ends its turn one round late, the round past
+    it is dropped (its time goes to the ledger's total), and the session keeps its prompt's grid line only."""
+    prompt = prompt_ids(2 * GRID + 5, start=7000)
+    rig = make_rig(max_running=2, served_grid=GRID)
+    solo = await rig.turn(prompt, 6, session="s")
+    stop = solo[3]
+    assert stop not in solo[:3]
+    rig = make_rig(max_running=2, served_grid=GRID)
+    out = [t async for t in rig.conductor.generate(GenerateRequest(prompt_ids=prompt, max_tokens=6,
+                                                                    session_id="s", stop_ids=(stop,)))]
+    assert out == solo[:3] and rig.records[0].finish_reason == "stop"
+    await rig.conductor.rounds_ended()
+    decodes = rig.probe.of("decode")
+    assert len(decodes) == 4  # the round that read the stop id's successor was launched before the stop was seen
+    total = rig.conductor.ledger.balance().gpu_us[Role.SERVED_DECODE]
+    assert abs(total - sum(ms_to_us(c.ms) for c in decodes)) <= 4
+    session = rig.conductor.serving.book.get("s")
+    assert session.committed == 2 * GRID and session.cache.length == 2 * GRID and len(session.kv.pages) == 2 * GRID // session.kv.pool.page_rows
+    assert rig.conductor.serving.rounds.num_free == 2

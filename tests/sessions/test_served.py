@@ -246,3 +246,37 @@ def test_warming_the_tails_reads_every_length_class_and_leaves_nothing(tiny_engi
     served.warm(tails=True)
     assert served.book.sessions == {} and served.book.pool.num_free == free
     assert served.counts["queries"] == 0 and served.rounds.num_free == served.rounds.max_running
+
+
+def test_a_prompt_read_in_pieces_between_decode_rounds_equals_a_cold_prefill(tiny_engine):
+    """Turn b's 4-chunk prompt is read one chunk at a time while turn a decodes between the pieces (as the round
+    loop does): b's first token equals a cold prefill, a's steps equal a alone, and b's kept state the cold one."""
+    gen = torch.Generator().manual_seed(12)
+    a_prompt, b_prompt = _ids(gen, GRID + 3), _ids(gen, 4 * GRID + 9)
+    a_first, a_tokens, _ = _cold(tiny_engine, a_prompt, steps=6)
+    b_first, b_tokens, b_cold = _cold(tiny_engine, b_prompt, steps=3)
+    book = GridSessions(tiny_engine, grid=GRID, pool_bytes=16 << 20, recent_checkpoints=2, who="the served model")
+    served = ServedSessions(book, max_running=2)
+    a, logits = served.begin("a", a_prompt)
+    assert torch.equal(logits[-1], a_first)
+    b = served.open("b", b_prompt)
+    assert b.chunks_left == 4
+    a_seen = []
+    while b.chunks_left:
+        a_seen.append(int(torch.argmax(logits[-1])))
+        logits, _ = served.decode(a, a_seen[-1])
+        served.read_chunks(b, 1)  # one chunk of b between two of a's rounds
+    first = served.first_token(b)
+    assert torch.equal(first[-1], b_first)
+    assert b.start.chunks_read == 4 and b.start.tail_tokens == 9
+    b_seen = [int(torch.argmax(first[-1]))]
+    while len(b_seen) < 3:  # both in one round now
+        a_seen.append(int(torch.argmax(logits[0])))
+        logits, _ = served.decode_round([a, b], [a_seen[-1], b_seen[-1]])
+        b_seen.append(int(torch.argmax(logits[1])))
+    assert a_seen == a_tokens[:len(a_seen)] and b_seen == b_tokens
+    served.finish(a)
+    served.finish(b)
+    assert served.book.state_equal(served.book.get("b"), b_cold.book.get("cold")) == {
+        "committed": True, "kv": True, "recurrent": True, "conv": True}
+    assert served.rounds.num_free == 2 and served._reserved == 0
