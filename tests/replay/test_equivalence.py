@@ -2,7 +2,7 @@
 
 The reference below drives the core's decision objects with a scripted clock in the plainest way:
 it looks at EVERY decode round boundary (the simulator jumps to the first one the core could accept)
-and reads chunk by chunk with `may_read_next` (the simulator goes through `drive_plan`). Sessions
+and reads chunk by chunk with `may_read_next` (the simulator goes through `PlanDriver`). Sessions
 keep their whole previous prompt and output, so no rollback is involved.
 """
 
