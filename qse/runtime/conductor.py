@@ -49,7 +49,8 @@ from .executor import EngineExecutor
 from .ledger import RuntimeLedger
 from .locks import LockBoard
 from .reading import ChunkRunner, ReadOutcome
-from .router import ROUTER_QUESTION, ROUTER_LETTERS, Answer, Journal, RouterQueue
+from .narrator import NARRATOR_QUESTION, Narration, Narrator
+from .router import ROUTER_LETTERS, ROUTER_QUESTION, Answer, Journal, RouterQueue
 
 log = structlog.get_logger("qse.conductor")
 
@@ -65,6 +66,7 @@ class ShadowOptions:
     narrator: str = "off"  # off | on
     router: str = "off"  # off | shadow
     router_min_tokens: int = 8192
+    narrator_max_tokens: int = 48  # the longest summary
 
 
 @dataclass
@@ -79,6 +81,9 @@ class GenerateRequest:
     # written by the conductor when the turn starts (the server's usage reads it): prompt ids whose state the
     # served session reused
     cached_tokens: int | None = None
+    # the live narrator (the profile's narrator on): called on the event loop with the summary of this turn's
+    # thought, while the turn runs (qse/runtime/narrator.py); None: the turn is not narrated
+    narrate: Callable[[Narration], None] | None = None
 
 
 @dataclass
@@ -221,7 +226,7 @@ class Conductor:
         self.journal = Journal(self.policy.journal_dir)
         self._session_prompts: dict[str, list[int]] = {}
         self._unread_since: dict[str, float] = {}  # session -> when its oldest unread chunk became known
-        self._narrator_waiting: dict[str, int] = {}  # sessions whose summary waits for the engine lock
+        self.narrator = Narrator(served.chat.thought_end_id, self.options.narrator_max_tokens, cfg.chunk_prior_ms)
         self._waiting: deque[_Running] = deque()  # turns waiting for the round loop, first come first served
         self._reading: list[_Running] = []  # turns whose prompts the rounds read, a few chunks a round
         self._running: list[_Running] = []  # turns in the rounds
@@ -671,26 +676,76 @@ class Conductor:
         turn.reader_behind_tokens = await self.reader_exec.run(feed)
         self._session_prompts[sid] = prompt
         self._note_backlog(sid)
+        if turn.req.narrate is not None and self.options.narrator == "on":
+            self.narrator.follow(turn.turn_id, turn.req.request_id, sid, len(prompt), turn.req.narrate)
         if self.options.router == "shadow":
             session = self.reader.sessions[sid]
             self.router.queue(sid, turn.req.prompt_ids, turn.req.request_id, turn.req.router_label,
                               session.committed, session.behind_at_turn_start)
 
     async def _between_rounds(self, turn: _Turn) -> None:
-        """The reader's slice (prompt first, then the output so far), then the narrator's for waiting summaries."""
+        """The reader's slice (prompt first, then the output so far), then the narrator's for the turns it
+        follows."""
         if self.reader is None or turn.session_id is None:
             return
         await self._slice(self.ration, turn, turn.session_id)
-        for sid in list(self._narrator_waiting):
-            await self._slice(self.narrator_ration, turn, sid)
+        for entry in list(self._running):
+            if entry.turn.turn_id in self.narrator.followed and not entry.closed:
+                await self._narrate(entry.turn)
 
-    async def _slice(self, ration: TurnRation, turn: _Turn, session_id: str) -> None:
-        """One slice of `ration` between two decode rounds, if the next chunk's estimate fits what it earned."""
+    async def _narrate(self, turn: _Turn) -> None:
+        """The narrator's slice of a turn it follows: whole chunks of the session toward the thought's end, then,
+        with less than a chunk left above the thought's end, the summary on a fork (charged to the turn)."""
+        followed = self.narrator.followed[turn.turn_id]
+        sid = turn.session_id
+        session = self.reader.sessions.get(sid)
+        if followed.done or turn.first_token_s is None or session is None or not session.is_resident:
+            return
+        end = self.narrator.thought_end(turn.turn_id, turn.out_ids)
+        if whole_chunks(session.committed, end if end is not None else turn.num_known, self.reader.grid) > 0:
+            await self._slice(self.narrator_ration, turn, sid,
+                              upto_ids=turn.known_ids()[:end] if end is not None else None)
+            return
+        if end is None:
+            return  # the thought goes on: nothing to summarise yet
+        spent_us = self.ledger.spent_us(Role.NARRATOR, turn.turn_id) or 0
+        if self.narrator_ration.open_slice(self.clock(), turn.first_token_s, spent_us,
+                                           self.narrator.summary_est_ms) is None:
+            return  # not earned yet
+        ids = self.render_question(NARRATOR_QUESTION)
+        result = await self.reader_exec.run(self._summarize_at, sid, turn.known_ids()[:end], ids,
+                                            self.narrator.max_tokens)
+        self.ledger.record(Role.NARRATOR, result.gpu_ms, turn_id=turn.turn_id)
+        narration = Narration(sid, turn.req.request_id, result.text, len(result.token_ids), result.position,
+                              round(result.gpu_ms, 3), live=True)
+        log.info("narration", session=sid, request_id=turn.req.request_id, tokens=narration.tokens,
+                 position=narration.position, gpu_ms=narration.gpu_ms, live=True)
+        self.narrator.delivered(turn.turn_id, narration)
+
+    def _summarize_at(self, session_id: str, upto: list[int], question_ids: list[int], max_tokens: int):
+        """On the reader's thread: the session learns the turn's ids up to `upto` (if it holds fewer), then the
+        summary decodes on a fork above all it holds."""
+        session = self.reader.get(session_id)
+        held = len(session.ids)
+        if len(upto) > held:
+            if upto[:held] == session.ids:
+                self.reader.append(session_id, upto[held:])
+            else:
+                self.reader.feed(session_id, list(upto))
+        return self.reader.summarize(session_id, question_ids, max_tokens, (self.reader.engine.chat.turn_end_id,))
+
+    async def _slice(self, ration: TurnRation, turn: _Turn, session_id: str,
+                     upto_ids: list[int] | None = None) -> None:
+        """One slice of `ration` between two decode rounds, if the next chunk's estimate fits what it earned.
+        upto_ids: read the turn's own session only up to these ids (the narrator: the thought's end)."""
         session = self.reader.sessions.get(session_id)
         if session is None or turn.first_token_s is None or not session.is_resident:
             return  # a parked session comes back in the idle window, never between two decode rounds
         is_own = session_id == turn.session_id
-        known = turn.num_known if is_own else len(session.ids)
+        if upto_ids is not None:
+            known = len(upto_ids)
+        else:  # (the ids are copied only when a slice reads: this runs between every two rounds)
+            known = turn.num_known if is_own else len(session.ids)
         if whole_chunks(session.committed, known, self.reader.grid) == 0:
             return
         role = ROLE_OF_WINDOW[ration.window]
@@ -707,8 +762,9 @@ class Conductor:
             # 2 us short of it: below that, the whole microseconds elapsed cannot have reached it
             turn.slice_not_before[ration.window] = (key, math.inf if earliest is None else earliest - 2e-6)
             return
-        known_ids = turn.known_ids() if is_own else None
-        num_chunks, _ = await self._read(ration.window, session_id, turn.turn_id, sl, known_ids=known_ids)
+        if upto_ids is None and is_own:
+            upto_ids = turn.known_ids()
+        num_chunks, _ = await self._read(ration.window, session_id, turn.turn_id, sl, known_ids=upto_ids)
         if ration.window is Window.RATION:
             turn.ration_wall_s += self.clock() - now
         log.info("ration_slice", window=ration.window.value, session=session_id, request_id=turn.req.request_id,
@@ -717,6 +773,7 @@ class Conductor:
 
     async def _turn_end(self, turn: _Turn) -> None:
         sid = turn.session_id
+        self.narrator.unfollow(turn.turn_id)
         if self.reader is not None and sid is not None and turn.out_ids:
             await self.reader_exec.run(self.reader.feed, sid, turn.known_ids())
             self._note_backlog(sid)
@@ -869,26 +926,18 @@ class Conductor:
         return result
 
     async def summarize(self, session_id: str, prompt: str, max_tokens: int):
-        """The narrator's summary on a fork. While a turn runs, the narrator reads the session's unread
-        chunks in its own slices (3 % of the turn); the summary itself runs once the engine is free."""
+        """A summary on a fork, asked outside a turn (the summarize route, or a turn whose thought the live
+        narrator did not reach): it waits for the engine behind the turns and questions."""
         if self.reader is None:
             raise ShadowError("the shadow reader is off in this profile")
         self.reader.get(session_id)
         ids = self.render_question(prompt)
         stop = (self.reader.engine.chat.turn_end_id,)
-        self._narrator_waiting[session_id] = self._narrator_waiting.get(session_id, 0) + 1
-        try:
-            async with self.board.engine_lock(Priority.NARRATOR):
-                self._refuse_if_stopped()
-                self._refuse_if_released()
-                result = await self.reader_exec.run(self.reader.summarize, session_id, ids, max_tokens, stop)
-                self.ledger.record(Role.NARRATOR, result.gpu_ms)
-        finally:
-            n = self._narrator_waiting.get(session_id, 1) - 1
-            if n > 0:
-                self._narrator_waiting[session_id] = n
-            else:
-                self._narrator_waiting.pop(session_id, None)
+        async with self.board.engine_lock(Priority.NARRATOR):
+            self._refuse_if_stopped()
+            self._refuse_if_released()
+            result = await self.reader_exec.run(self.reader.summarize, session_id, ids, max_tokens, stop)
+            self.ledger.record(Role.NARRATOR, result.gpu_ms)
         return result
 
     def _committed(self, session_id: str) -> int | None:
@@ -952,7 +1001,7 @@ class Conductor:
             "last_answers": list(r.stats.last_answers),
             "router_pending": self.router.num_pending,
             "router": msgspec.structs.asdict(self.router.counts),
-            "narrator_waiting": sum(self._narrator_waiting.values()),
+            "narrator": self.narrator.status(),
             "chunk_estimate_ms": self.estimator.estimate_ms(0),
         })
         store = r.residency.stats()

@@ -85,7 +85,7 @@ def build_service(model: str = "", shadow_model: str | None = None, profile: str
     wants_reader = prof.shadow.mode == "on" and shadow_model != ""
     s = prof.shadow
     options = ShadowOptions(mode=s.mode if wants_reader else "off", narrator=s.narrator, router=s.router,
-                            router_min_tokens=s.router_min_tokens)
+                            router_min_tokens=s.router_min_tokens, narrator_max_tokens=s.narrator_max_tokens)
     # the served sessions' own store: device cap, host tier, disk tier (the reader's is separate)
     served_store = ShadowStore.for_served(settings)
     serving = served_sessions(served, policy, residency=served_store)

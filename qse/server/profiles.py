@@ -2,10 +2,12 @@
 
     shadow:                 # the reader beside the served model (absent: off; present: the defaults below)
       mode: on              # off | on
-      narrator: off         # off | on: summarize a turn's reasoning on the reader after the turn
+      narrator: off         # off | on: summarize a turn's thought on the reader while the answer streams
       router: off           # off | shadow: ask the router's class question of the reader, journal it
       router_min_tokens: 8192
       narrator_max_tokens: 48
+    ui:                     # what the chat stream carries beyond OpenAI's fields
+      narrator: off         # off | on: the narrator's summary as a chunk with a `qse_narrator` field
     generation:             # what a request that names nothing gets
       max_tokens: 4096
       temperature: 0.6      # these and top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty:
@@ -39,6 +41,10 @@ class ShadowBlock(Struct, forbid_unknown_fields=True):
     router: Literal["off", "shadow"] = "off"
     router_min_tokens: Annotated[int, Meta(ge=1)] = 8192
     narrator_max_tokens: Annotated[int, Meta(ge=1, le=1024)] = 48
+
+
+class UiBlock(Struct, forbid_unknown_fields=True):
+    narrator: Literal["off", "on"] = "off"  # the live narrator's summary on the chat stream (needs shadow.narrator)
 
 
 class GenerationBlock(Struct, forbid_unknown_fields=True):
@@ -76,6 +82,7 @@ class Profile(Struct, forbid_unknown_fields=True):
     description: str = ""
     shadow: ShadowBlock = msgspec.field(default_factory=lambda: ShadowBlock(mode="off"))  # no block: no reader
     generation: GenerationBlock = msgspec.field(default_factory=GenerationBlock)
+    ui: UiBlock = msgspec.field(default_factory=UiBlock)
 
 
 def _on_off(value):
@@ -98,6 +105,9 @@ def parse_profile(text: str, where: str) -> Profile:
     shadow = raw.get("shadow")
     if isinstance(shadow, dict):
         raw["shadow"] = {k: (_on_off(v) if k in ("mode", "narrator", "router") else v) for k, v in shadow.items()}
+    ui = raw.get("ui")
+    if isinstance(ui, dict):
+        raw["ui"] = {k: (_on_off(v) if k == "narrator" else v) for k, v in ui.items()}
     try:
         return msgspec.convert(raw, type=Profile)
     except msgspec.ValidationError as exc:

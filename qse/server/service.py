@@ -3,7 +3,9 @@
     request --prepare (render + encode on a worker thread, limits, session)--> TurnPlan
     TurnPlan --drive (conductor.generate: the engine lock, the reader follows the turn)--> token ids
     ids --OutputText / Sections--> chunks or one answer;  on_turn --> usage ledger + metrics
-    a turn with reasoning, narrator on --> conductor.summarize in the background, logged
+    narrator on --> the conductor's live narrator summarises the thought during the turn (an SSE chunk with
+    `qse_narrator` where the profile's ui.narrator asks, and the status); a turn with reasoning it did not
+    summarise --> conductor.summarize after it, in the background
 
 The service reaches the model only through the conductor and the chat format it was given.
 """
@@ -25,6 +27,8 @@ from ..engine.grammar import ANY_JSON_OBJECT, Grammar, GrammarError, json_rule
 from ..engine.sampling import SampleRecord, SamplingParams
 from ..replay.usage import UsageRecord, append_usage
 from ..runtime.conductor import Conductor, ConductorStopped, GenerateRequest, TurnRecord
+from ..runtime.narrator import NARRATOR_QUESTION
+from ..runtime.narrator import Narration as LiveNarration
 from ..settings import SETTINGS, EngineSettings
 from ..shadow.reader import ShadowError, UnknownSession
 from . import wire
@@ -37,8 +41,6 @@ from .text import Deltas, OutputText, Sections
 
 log = structlog.get_logger("qse.server")
 
-NARRATOR_PROMPT = ("In one or two sentences, summarize what the assistant is thinking about and planning "
-                   "in its latest turn.")
 SUMMARY_PROMPT = "Summarize this session so far in a few sentences."
 
 
@@ -62,12 +64,15 @@ class TurnPlan:
     ticket: Ticket | None = None  # its place in admission (Service.admit); shared by the choices
     cached_tokens: int = 0  # prompt ids whose served state was reused (usage's prompt_tokens_details)
     parent: "TurnPlan | None" = None  # the request's plan, for a choice's plan (usage is the request's)
+    narrations: list[LiveNarration] = field(default_factory=list)  # the live narrator's, not yet streamed
+    narrated: bool = False  # the live narrator summarised this turn's thought
 
     def choice(self, index: int) -> "TurnPlan":
         """The plan of choice `index`: its own seed (seed + index) and its own record of logprobs."""
         seed = self.sampling.seed
         sampling = replace(self.sampling, seed=None if seed is None else seed + index, record=SampleRecord())
-        return replace(self, sampling=sampling, finish_reason="length", output_tokens=0, n=1, parent=self)
+        return replace(self, sampling=sampling, finish_reason="length", output_tokens=0, n=1, parent=self,
+                       narrations=[], narrated=False)
 
 
 @dataclass
@@ -364,7 +369,8 @@ class Service:
         (a client that left: finish_reason "abort"; a planned stop: "shutdown", then a 503)."""
         req = GenerateRequest(prompt_ids=plan.prompt_ids, max_tokens=plan.max_tokens, sampling=plan.sampling,
                               stop_ids=tuple(self.chat.stop_ids), session_id=plan.session_id,
-                              request_id=plan.request_id, router_label=plan.router_label)
+                              request_id=plan.request_id, router_label=plan.router_label,
+                              narrate=self._narrated(plan) if self.profile.shadow.narrator == "on" else None)
         ticket = plan.ticket
         plan.finish_reason = ABORT  # stays so if the consumer closes this before the end (a client that left)
         if ticket is not None:
@@ -414,6 +420,19 @@ class Service:
             plan.finish_reason = "stop" if record is not None and record.grammar_done else "length"
         else:
             plan.finish_reason = "stop" if out.is_stopped or out.num_ids < plan.max_tokens else "length"
+
+    def _narrated(self, plan: TurnPlan) -> Callable[[LiveNarration], None]:
+        """The live narrator's delivery for this turn: the status keeps it; the stream sends it (ui.narrator)."""
+        def deliver(n: LiveNarration) -> None:
+            plan.narrated = True
+            if self.profile.ui.narrator == "on":
+                plan.narrations.append(n)
+            self._keep_narration(n.session_id, n.text, n.tokens, n.position, n.gpu_ms)
+        return deliver
+
+    def _keep_narration(self, session_id: str, text: str, tokens: int, position: int, gpu_ms: float) -> None:
+        self.narrations[session_id] = Narration(session_id, text, tokens, position, round(gpu_ms, 3))
+        self.metrics.narrations.inc()
 
     def _engine_failed(self, exc: BaseException) -> None:
         self.engine_error = f"the engine failed ({type(exc).__name__}); restart the server"
@@ -501,12 +520,24 @@ class Service:
         out = OutputText(self.chat.tokenizer.decode, plan.stops)
         sections = self._sections(plan)
         sent_ids = 0  # output ids whose logprobs went out
+        def narrator_chunks():
+            while plan.narrations:  # delivered between two decode rounds: goes out before the next token's text
+                n = plan.narrations.pop(0)
+                yield wire.ChatCompletionChunk(
+                    id=cid, object="chat.completion.chunk", created=created, model=self.model_name,
+                    choices=[wire.ChunkChoice(index, wire.Delta(), None)],
+                    qse_narrator=wire.NarratorEvent(n.text, n.tokens, n.position, n.gpu_ms))
+
         async for _ in self.drive(plan, out):
+            for c in narrator_chunks():
+                yield c
             d = sections.update(out.visible)
             if d:
                 lp = self._chat_logprobs(plan, sent_ids, out.num_ids)
                 sent_ids = out.num_ids
                 yield chunk(self._delta(d), None, lp)
+        for c in narrator_chunks():
+            yield c
         d = sections.finish(out.text)
         lp = self._chat_logprobs(plan, sent_ids, out.num_ids)
         if d or (lp is not None and lp.content):
@@ -622,7 +653,7 @@ class Service:
 
     def after_chat(self, plan: TurnPlan, reasoning: str | None) -> None:
         shadow = self.profile.shadow
-        if reasoning and shadow.narrator == "on" and self.shadow_on:
+        if reasoning and shadow.narrator == "on" and self.shadow_on and not plan.narrated:
             self._spawn(self._narrate(plan.session_id), f"qse-narrator-{plan.session_id}")
 
     def _spawn(self, coro, name: str) -> None:
@@ -632,16 +663,14 @@ class Service:
 
     async def _narrate(self, session_id: str) -> None:
         try:
-            result = await self.conductor.summarize(session_id, NARRATOR_PROMPT,
+            result = await self.conductor.summarize(session_id, NARRATOR_QUESTION,
                                                     self.profile.shadow.narrator_max_tokens)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the narrator must never take the server down
             log.error("narration_failed", session=session_id, error=repr(exc))
             return
-        self.narrations[session_id] = Narration(session_id, result.text, len(result.token_ids), result.position,
-                                                round(result.gpu_ms, 3))
-        self.metrics.narrations.inc()
+        self._keep_narration(session_id, result.text, len(result.token_ids), result.position, result.gpu_ms)
         log.info("narration", session=session_id, text=result.text, tokens=len(result.token_ids),
                  position=result.position, gpu_ms=round(result.gpu_ms, 3))
 

@@ -311,6 +311,15 @@ class ChunkChoice(Struct):
     logprobs: ChoiceLogprobs | None = None
 
 
+class NarratorEvent(Struct):
+    """The live narrator's summary of the turn's thought (qse's extension of a chunk)."""
+
+    text: str
+    tokens: int
+    position: int  # the summary read the session up to this row
+    gpu_ms: float
+
+
 class ChatCompletionChunk(Struct, omit_defaults=True):
     id: str
     object: str
@@ -318,6 +327,9 @@ class ChatCompletionChunk(Struct, omit_defaults=True):
     model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None  # only on the last chunk, when stream_options.include_usage
+    # an extension field, on a chunk of its own whose one choice has an empty delta: OpenAI clients keep unknown
+    # fields (openai-python: chunk.model_extra["qse_narrator"]) and see an empty delta, as on the first chunk
+    qse_narrator: NarratorEvent | None = None
 
 
 class CompletionChoice(Struct):

@@ -11,7 +11,8 @@ from runtime_rig import GRID, prompt_ids
 
 from qse.core.ledger import Role, ms_to_us
 from qse.core.locks import Priority
-from qse.runtime.conductor import ShadowOptions
+from qse.runtime.conductor import GenerateRequest, ShadowOptions
+from qse.runtime.narrator import Narration
 
 
 def _us(calls) -> int:
@@ -116,36 +117,58 @@ async def test_a_short_turn_spends_no_ration_inside_the_delay(make_rig):
     assert await rig.conductor.idle_once() == 5  # the idle window after it reads the backlog
 
 
-@pytest.mark.parametrize("ration_after_s", [0.0, 5.0], ids=["reader-undelayed", "reader-after-5s"])
-async def test_the_narrator_reads_in_its_own_share_and_summarizes_after_the_turn(make_rig, ration_after_s):
-    # the reader's delay does not move the narrator's share
-    rig = make_rig(script_ms=SCRIPT, chunk_prior_ms=20.0, ration_after_s=ration_after_s)
-    c, reader, probe = rig.conductor, rig.reader, rig.probe
-    reader.feed("b", prompt_ids(6 * GRID, start=20_000))
-    first_decode = probe.hold("decode", 1)
-    turn = asyncio.create_task(rig.turn(prompt_ids(1), 30, session="a"))  # 31 ids: no chunk of its own
-    await first_decode.entered
-    summary = asyncio.create_task(c.summarize("b", "Summarize.", 2))
-    await c.board.engine.wait_for_waiters(1)
-    assert c.status()["narrator_waiting"] == 1
-    first_decode.release.set()
-    await turn
-    result = await summary
+class ScriptedSampler:
+    """Stands in for the served sampler: the turn's ids are a script (a thought, its end marker, an answer)."""
 
+    script: list[int] = []
+
+    def __init__(self, params, vocab_limit=None):
+        self.i = 0
+
+    def __call__(self, logits) -> int:
+        self.i += 1
+        return self.script[self.i - 1]
+
+
+@pytest.mark.parametrize("ration_after_s", [0.0, 5.0], ids=["reader-undelayed", "reader-after-5s"])
+async def test_the_live_narrator_summarises_the_thought_before_the_answer_ends(make_rig, monkeypatch,
+                                                                                 ration_after_s):
+    # the reader's delay does not move the narrator's share
+    rig = make_rig(script_ms=SCRIPT, chunk_prior_ms=20.0, ration_after_s=ration_after_s,
+                   options=ShadowOptions(narrator="on", narrator_max_tokens=3))
+    c, probe = rig.conductor, rig.probe
+    think_end = c.served.chat.thought_end_id
+    thought, answer = prompt_ids(10, start=30_000), prompt_ids(60, start=40_000)
+    monkeypatch.setattr(ScriptedSampler, "script", thought + [think_end] + answer)
+    monkeypatch.setattr("qse.runtime.conductor.Sampler", ScriptedSampler)
+    prompt = prompt_ids(3 * GRID + 5)
+    events: list = []
+    req = GenerateRequest(prompt_ids=prompt, max_tokens=len(ScriptedSampler.script), session_id="a",
+                          narrate=events.append)
+    async for token in c.generate(req):
+        events.append(token)
+
+    narrations = [e for e in events if isinstance(e, Narration)]
+    assert len(narrations) == 1 and narrations[0].live and 1 <= narrations[0].tokens <= 3
+    tokens = [e for e in events if not isinstance(e, Narration)]
+    assert tokens == thought + [think_end] + answer
+    # delivered while the answer streamed: after the thought's end, before the answer's last token
+    at = events.index(narrations[0])
+    assert len(thought) + 1 <= at < len(events) - 1
+    assert narrations[0].position >= len(prompt) + len(thought) + 1  # the fork stood above the thought's end
     record = rig.records[0]
-    turn_end = len(probe.calls) - len(probe.of("fork"))
-    narrator_chunks = [k for k in probe.calls[:turn_end] if k.kind == "chunk"]
-    assert len(narrator_chunks) >= 2
-    spent_us = 0
-    for chunk in narrator_chunks:
-        spent_us += ms_to_us(chunk.ms)
-        assert spent_us <= math.floor(0.03 * round((chunk.t0 - record.first_token_s) * 1e6))
-    # 20 ms (the prior) at 3 % is earned 2/3 s after the first token
-    assert chunks_start_after(narrator_chunks[0].t0 - record.first_token_s, 2 / 3)
-    assert record.narrator_ms == len(narrator_chunks) * 10.0
-    assert probe.kinds()[turn_end:] == ["fork"] * len(probe.of("fork"))  # the summary ran after the turn
-    assert c.ledger.balance().gpu_us[Role.NARRATOR] == ms_to_us(record.narrator_ms) + ms_to_us(result.gpu_ms)
-    assert c.status()["narrator_waiting"] == 0
+    forks = probe.of("fork")
+    first_fork = probe.kinds().index("fork")
+    assert first_fork < len(probe.calls) - 1  # the summary ran inside the turn, decode rounds came after it
+    # the prompt's and the thought's 3 whole chunks were read before the summary (by the narrator, and by the
+    # reader's ration where it was not delayed); the summary (its prefill and decode steps on a fork) is charged
+    # to the turn's narrator as measured
+    assert [k.kind for k in probe.calls[:first_fork]].count("chunk") == 3
+    narrator_chunk_ms = record.narrator_ms - narrations[0].gpu_ms
+    assert narrator_chunk_ms == pytest.approx(30.0 if ration_after_s > 0 else 20.0, abs=1e-3)
+    # within its share: 3 % of the time since the first token, counted from the first token itself
+    assert narrator_chunk_ms <= 0.03 * (probe.calls[first_fork].t0 - record.first_token_s) * 1e3 + 1e-3
+    assert c.status()["narrator"]["live"] == 1 and c.status()["narrator"]["following"] == 0
 
 
 def chunks_start_after(elapsed_s: float, threshold_s: float) -> bool:

@@ -18,7 +18,7 @@ from qse.replay.usage import read_usage
 from qse.policy import Policy
 from qse.runtime.conductor import Conductor, ShadowOptions, TurnRecord
 from qse.server.app import create_app
-from qse.server.profiles import Profile, ShadowBlock
+from qse.server.profiles import Profile, ShadowBlock, UiBlock
 from qse.server.service import Service
 from qse.settings import EngineSettings
 from qse.shadow.reader import ShadowReader
@@ -383,5 +383,70 @@ async def test_the_openai_client_reads_tool_calls_streamed_and_whole(tiny_engine
             call = answer.choices[0].message.tool_calls[0]
             assert call.function.name == "read_file" and json.loads(call.function.arguments) == {"path": "src/main.py"}
             assert answer.choices[0].message.reasoning_content == "The user wants the file read first."
+    finally:
+        await service.stop()
+
+
+class ScriptedSampler:
+    """The served sampler's stand-in: a thought, its end marker, an answer (the tiny model's weights are random)."""
+
+    script: list[int] = []
+
+    def __init__(self, params, vocab_limit=None):
+        self.i = 0
+
+    def __call__(self, logits) -> int:
+        self.i += 1
+        return self.script[self.i - 1]
+
+
+async def test_the_live_narrator_streams_before_the_answer_ends_and_the_openai_client_reads_on(
+        tiny_engine, tmp_path, monkeypatch):
+    openai = pytest.importorskip("openai")
+    tok, chat = tiny_engine.chat.tokenizer, tiny_engine.chat
+    thought, answer = tok.encode("The user says hello; I will greet them."), tok.encode(" Hello to you too." * 8)
+    monkeypatch.setattr(ScriptedSampler, "script", thought + [chat.thought_end_id] + tok.encode("\n\n") + answer)
+    monkeypatch.setattr("qse.runtime.conductor.Sampler", ScriptedSampler)
+    profile = Profile(name="narrated", shadow=ShadowBlock(narrator="on", narrator_max_tokens=3),
+                      ui=UiBlock(narrator="on"))
+    reader = ShadowReader(tiny_engine, grid=64, pool_bytes=16 << 20)
+    # a large share and a small prior: the summary's slice is earned a few ms after the first token
+    policy = Policy(idle_poll_s=0.05, journal_dir=None, narrator_share=0.5, chunk_prior_ms=1.0)
+    conductor = Conductor(tiny_engine, reader, ShadowOptions(narrator="on", narrator_max_tokens=3), policy)
+    service = Service(conductor, chat, tiny_engine.name, profile, settings_for(tmp_path),
+                      max_context_tokens=tiny_engine.cfg.max_position_embeddings)
+    await service.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(service)),
+                                     base_url="http://test") as http:
+            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=http, max_retries=0)
+            stream = await client.chat.completions.create(
+                model=service.model_name, messages=[{"role": "user", "content": "Hello!"}], stream=True,
+                max_tokens=len(ScriptedSampler.script), extra_headers={"X-Session-Id": "narrated-1"})
+            events, content = [], ""
+            async for chunk in stream:  # the client takes the narrator's chunk as any other
+                narration = (chunk.model_extra or {}).get("qse_narrator")
+                if narration is not None:
+                    assert chunk.choices[0].delta.content is None  # an empty delta for clients that ignore it
+                    events.append(("narrator", narration))
+                for choice in chunk.choices:
+                    if getattr(choice.delta, "reasoning_content", None):
+                        events.append(("thought", choice.delta.reasoning_content))
+                    if choice.delta.content:
+                        content += choice.delta.content
+                        events.append(("content", choice.delta.content))
+        assert content == tok.decode(answer)
+        kinds = [k for k, _ in events]
+        assert kinds.count("narrator") == 1
+        # after the thought began (its last text may trail the end marker by a chunk), before the answer's last text
+        at = kinds.index("narrator")
+        assert kinds[0] == "thought" and kinds[at + 1:].count("content") >= 2 and kinds[-1] == "content"
+        narration = dict(events)["narrator"]
+        assert 1 <= narration["tokens"] <= 3 and narration["position"] > 0
+        status = service.status()
+        assert status["narrations"]["narrated-1"]["text"] == narration["text"]
+        assert status["narrator"]["live"] == 1
+        await service.wait_background()
+        assert "qse_narrations_total 1.0" in service.metrics.exposition().decode()  # none again after the turn
     finally:
         await service.stop()

@@ -65,3 +65,10 @@ def test_serve_env_is_valid_and_lists_the_server_switches():
                        "QSE_MAX_QUESTION_TOKENS", "QSE_PROFILE", "QSE_LEDGER", "QSE_LOG_LEVEL", "QSE_MODEL",
                        "QSE_SHADOW_MODEL", "QSE_SHADOW_GRID", "QSE_SHADOW_GB", "QSE_SHADOW_DISK"}
     assert server_switches <= named
+
+
+def test_the_ui_block_switches_the_narrator_s_stream_event():
+    assert parse_profile("shadow:\n  narrator: on\nui:\n  narrator: on\n", "p.yaml").ui.narrator == "on"
+    assert Profile().ui.narrator == "off"
+    with pytest.raises(ProfileError, match="narator"):
+        parse_profile("ui:\n  narator: on\n", "p.yaml")
