@@ -121,6 +121,7 @@ class ScriptedSampler:
     """Stands in for the served sampler: the turn's ids are a script (a thought, its end marker, an answer)."""
 
     script: list[int] = []
+    is_on_device = False  # sampled on the host: the rounds read each round back before the next
 
     def __init__(self, params, vocab_limit=None):
         self.i = 0

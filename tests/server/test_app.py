@@ -391,6 +391,7 @@ class ScriptedSampler:
     """The served sampler's stand-in: a thought, its end marker, an answer (the tiny model's weights are random)."""
 
     script: list[int] = []
+    is_on_device = False  # sampled on the host: the rounds read each round back before the next
 
     def __init__(self, params, vocab_limit=None):
         self.i = 0
