@@ -39,6 +39,9 @@ from ..core.locks import HeldLocks, LockRank, Priority
 from ..core.plan import ROLE_OF_WINDOW, Window, whole_chunks
 from ..core.prefix import common_prefix
 from ..core.ration import RationSlice, TurnRation
+from ..core.rounds import MAX_OVERTAKEN, Prompt, Read, RoundPlan, RoundPlanner  # noqa: F401 (MAX_OVERTAKEN: tests)
+from ..core.rounds import Running as RunningView
+from ..core.rounds import prefill_order as rounds_prefill_order
 from ..engine.engine import Engine
 from ..engine.sampling import Sampler, SamplingParams
 from ..policy import Policy
@@ -163,31 +166,22 @@ class _Running:
     in_flight: int = 0  # ids launched and not read back yet (0 or 1: a round launched ahead)
     closed: bool = False  # the consumer left: end at the next round
 
-    def wants_round(self) -> bool:
-        """Whether the next round decodes it: the ids it has and those in flight stay under max_tokens (a stop
-        id in flight may still end it: that round's id is then dropped)."""
-        return len(self.turn.out_ids) + self.in_flight < self.turn.req.max_tokens
+    def running(self) -> RunningView:
+        """As the round planner sees a running turn: the ids it has and those in flight stay under max_tokens
+        (a stop id in flight may still end it: that round's id is then dropped)."""
+        return RunningView(self, self.turn.req.max_tokens - len(self.turn.out_ids) - self.in_flight)
 
-    def prompt_left(self) -> int:
-        """Prompt ids still to read before the first token (what the prefill order sorts by)."""
+    def prompt(self) -> Prompt:
+        """As the round planner sees a turn before its first token."""
         if self.seq is None:
-            return self.unread_tokens
-        return self.seq.start.prompt_tokens - self.seq.session.committed
-
-
-# A waiting prompt is read before another when it has fewer ids left to read (shortest first: one long prompt
-# does not hold the first token of every short one behind it), ties first come first served; a prompt that
-# MAX_OVERTAKEN later arrivals have passed goes before every prompt not yet overdue (overdue ones first come
-# first served), so no prompt waits for more than that many others however many short ones keep arriving.
-# A prompt is read to its end before the next one starts (unless a shorter one arrives): reading them side by
-# side would delay every first token to the last one's.
-MAX_OVERTAKEN = 8
+            return Prompt(self, self.arrival_no, self.unread_tokens, self.overtaken)
+        return Prompt(self, self.arrival_no, self.seq.start.prompt_tokens - self.seq.session.committed,
+                      self.overtaken, self.seq.chunks_left)
 
 
 def prefill_order(entry: _Running) -> tuple[int, int, int]:
-    if entry.overtaken >= MAX_OVERTAKEN:
-        return (0, 0, entry.arrival_no)
-    return (1, entry.prompt_left(), entry.arrival_no)
+    """The round planner's order of prompts (qse/core/rounds.py), on the conductor's turns."""
+    return rounds_prefill_order(entry.prompt())
 
 
 class Conductor:
@@ -212,6 +206,7 @@ class Conductor:
         self.ration = TurnRation.reader(cfg)
         self.narrator_ration = TurnRation.narrator(cfg)
         self.serving = serving or served_sessions(served, cfg)
+        self.round_planner = RoundPlanner(self.serving.rounds.max_running, cfg.round_token_budget, self.serving.grid)
         # before the executors' threads start: it checks the reader's lookahead and lead
         self.runner = (ChunkRunner(self.reader, self.estimator, self.ledger, clock, lookahead=cfg.reader_lookahead,
                                    launch_lead_ms=cfg.launch_lead_ms, idle_group=cfg.idle_group)
@@ -442,8 +437,9 @@ class Conductor:
                 while self._waiting or self._reading or self._running or self._in_flight:
                     await self._drop_departed()
                     await self._open_turns()
-                    plan = self._plan_prefill()
-                    if self._running or plan or self._in_flight:
+                    plan = self.round_planner.plan([e.running() for e in self._running],
+                                                   [e.prompt() for e in self._reading])
+                    if self._running or plan.reads or self._in_flight:
                         await self._round(plan)
                     if self._running:
                         oldest = min(self._running, key=lambda e: e.turn.first_token_s or 0.0)
@@ -472,25 +468,13 @@ class Conductor:
             await self._end(entry)
 
     async def _open_turns(self) -> None:
-        """Waiting turns open (their sessions' states ready, a slot each reserved) while slots are free."""
-        max_running = self.serving.rounds.max_running
-        while self._waiting and len(self._reading) + len(self._running) < max_running:
-            entry = min(self._waiting, key=prefill_order)
+        """Waiting turns open (their sessions' states ready, a slot each reserved) as the planner admits them,
+        one at a time: a turn that arrives while one opens is weighed before the next opens."""
+        while admit := self.round_planner.admit([e.prompt() for e in self._waiting],
+                                                len(self._reading) + len(self._running)):
+            entry = admit[0]
             self._waiting.remove(entry)
             await self._start_turn(entry)
-
-    def _plan_prefill(self) -> list[tuple["_Running", int]]:
-        """This round's reads: (turn, pieces) in prefill_order, a piece a whole grid chunk or the prompt's tail
-        (at most one grid of ids), round_token_budget ids in all but at least one piece a round."""
-        pieces = max(1, self.policy.round_token_budget // self.serving.grid)
-        plan = []
-        for entry in sorted(self._reading, key=prefill_order):
-            if pieces == 0:
-                break
-            take = min(pieces, entry.seq.chunks_left + 1)
-            plan.append((entry, take))
-            pieces -= take
-        return plan
 
     async def _start_turn(self, entry: "_Running") -> None:
         """The turn opens: the reader learns the prompt, the served session reuses what it holds and reserves a
@@ -519,27 +503,27 @@ class Conductor:
         req.cached_tokens = entry.seq.start.cached_tokens
         self._reading.append(entry)
 
-    async def _round(self, plan: list[tuple["_Running", int]]) -> None:
+    async def _round(self, plan: RoundPlan) -> None:
         """One round in one hop to the served thread: a batched decode of the running turns, then the planned
         prompt reads, then the ids of the round launched ahead last time. Where every running turn samples on
         the device (launch_ahead), this round's ids stay on the device, feed the next round, and come back in
         the next hop: one hop a round, and the device never waits for the host between two rounds. A turn
         whose tail was read gets its first token."""
-        batch = [e for e in self._running if e.wants_round()]
+        batch = list(plan.decode)
         in_flight, self._in_flight = self._in_flight, None
         rows = {id(e): i for i, e in enumerate(in_flight[0])} if in_flight is not None else {}
         carry = [rows.get(id(e), -1) if e.in_flight else -1 for e in batch]
         ahead = self.policy.launch_ahead and bool(batch) and all(e.sampler.is_on_device for e in batch)
         try:
             launched, tokens, ms, reads, earlier = await self.served_exec.run(
-                self._round_on_thread, batch, carry, ahead, plan, in_flight[1] if in_flight else None)
+                self._round_on_thread, batch, carry, ahead, plan.reads, in_flight[1] if in_flight else None)
         except Exception as exc:  # the round failed: every turn in it ends with the error
-            for entry in batch + [e for e, _ in plan] + (in_flight[0] if in_flight else []):
+            for entry in batch + [r.key for r in plan.reads] + (in_flight[0] if in_flight else []):
                 if not entry.done.done():
                     entry.out.put_nowait(exc)
                     await self._end(entry)
             return
-        for (entry, _), (read_ms, first, exc) in zip(plan, reads):
+        for entry, (read_ms, first, exc) in zip([r.key for r in plan.reads], reads):
             self.ledger.record(Role.SERVED_PREFILL, read_ms, turn_id=entry.turn.turn_id)
             if exc is not None:
                 entry.out.put_nowait(exc)
@@ -572,13 +556,13 @@ class Conductor:
         turn.first_token_s = self.clock()
         self._reading.remove(entry)
         self._running.append(entry)
-        for other in list(self._waiting) + self._reading:  # (prefill_order's fairness bound)
-            if other.arrival_no < entry.arrival_no:
-                other.overtaken += 1
+        behind = [e.prompt() for e in list(self._waiting) + self._reading]
+        for other in self.round_planner.overtaken(entry.prompt(), behind):
+            other.overtaken += 1  # (prefill_order's starvation bound)
         await self._emit(entry, token)
 
     def _round_on_thread(self, batch: list["_Running"], carry: list[int], ahead: bool,
-                         plan: list[tuple["_Running", int]], earlier: LaunchedRound | None):
+                         plan: tuple[Read, ...], earlier: LaunchedRound | None):
         """The decode of `batch` (launched ahead, or sampled on the host and waited for), each planned read, then
         the earlier round's ids. Returns (the round launched ahead or None, the batch's ids when not ahead, their
         device ms, for each read (device ms, the first token if the tail was read, the error if it failed), the
@@ -592,15 +576,14 @@ class Conductor:
                 logits, ms = self.serving.decode_round(seqs, host_ids, carry)
                 tokens = [e.sampler(logits[i]) for i, e in enumerate(batch)]
         reads = []
-        for entry, pieces in plan:
+        for entry, chunks, tail in plan:
             seq = entry.seq
             before = seq.start.gpu_ms
             try:
-                chunks = min(pieces, seq.chunks_left)
                 if chunks:
                     self.serving.read_chunks(seq, chunks)
                 first = None
-                if pieces > chunks and seq.chunks_left == 0:
+                if tail and seq.chunks_left == 0:
                     first = self._read_tail(entry)
                 reads.append((seq.start.gpu_ms - before, first, None))
             except Exception as exc:

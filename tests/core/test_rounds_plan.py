@@ -1,0 +1,114 @@
+"""The round planner (qse/core/rounds.py): admission, the prefill order and its starvation bound, the budget's
+pieces, the decoders, a departure: exact decisions from scripted views."""
+
+import pytest
+
+from qse.core.rounds import (MAX_OVERTAKEN, Prompt, Read, RoundPlan, RoundPlanner, Running, chunks_before_tail,
+                             prefill_order)
+
+GRID = 64
+
+
+def opened(key, arrival_no, unread, overtaken=0):
+    return Prompt(key, arrival_no, unread, overtaken, chunks_before_tail(unread, GRID))
+
+
+def test_shortest_prompt_first_ties_first_come_first_served():
+    long_, short1, short2, tie = Prompt("long", 0, 5000), Prompt("s1", 1, 40), Prompt("s2", 2, 40), Prompt("t", 3, 5000)
+    assert [p.key for p in sorted([tie, long_, short2, short1], key=prefill_order)] == ["s1", "s2", "long", "t"]
+
+
+def test_a_prompt_overtaken_max_times_goes_before_every_prompt_not_overdue():
+    long_ = Prompt("long", 0, 5000, overtaken=MAX_OVERTAKEN)
+    late = Prompt("late", 5, 9000, overtaken=MAX_OVERTAKEN)
+    short = Prompt("short", 1, 10, overtaken=MAX_OVERTAKEN - 1)
+    assert [p.key for p in sorted([short, late, long_], key=prefill_order)] == ["long", "late", "short"]
+
+
+def test_overtaken_counts_the_earlier_arrivals_still_waiting():
+    first = Prompt("c", 2, 10)
+    others = [Prompt("a", 0, 900), Prompt("b", 1, 900), Prompt("d", 3, 5)]
+    assert RoundPlanner.overtaken(first, others) == ["a", "b"]
+
+
+def test_the_starvation_bound_holds_under_a_stream_of_short_prompts():
+    """One long prompt and a short one arriving every round, max_running 1, one piece a round: the long one
+    gets its first token after exactly MAX_OVERTAKEN short ones."""
+    planner = RoundPlanner(max_running=1, token_budget=GRID, grid=GRID)
+    waiting = {"long": Prompt("long", 0, 10 * GRID)}
+    reading: dict = {}
+    firsts, arrivals = [], 1
+    while "long" not in firsts:
+        waiting[f"s{arrivals}"] = Prompt(f"s{arrivals}", arrivals, 5)
+        arrivals += 1
+        for key in planner.admit(waiting.values(), len(reading)):
+            p = waiting.pop(key)
+            reading[key] = p._replace(chunks_left=chunks_before_tail(p.unread_tokens, GRID))
+        plan = planner.plan([], reading.values())
+        (read,) = plan.reads
+        p = reading[read.key]
+        reading[read.key] = p._replace(unread_tokens=p.unread_tokens - read.chunks * GRID,
+                                       chunks_left=p.chunks_left - read.chunks)
+        if read.tail:
+            first = reading.pop(read.key)
+            firsts.append(first.key)
+            for key in planner.overtaken(first, list(waiting.values())):
+                waiting[key] = waiting[key]._replace(overtaken=waiting[key].overtaken + 1)
+    assert firsts == [f"s{i}" for i in range(1, MAX_OVERTAKEN + 1)] + ["long"]
+
+
+def test_admission_fills_free_slots_in_prefill_order():
+    planner = RoundPlanner(max_running=3, token_budget=2 * GRID, grid=GRID)
+    waiting = [Prompt("a", 0, 900), Prompt("b", 1, 30), Prompt("c", 2, 500), Prompt("d", 3, 30)]
+    assert planner.admit(waiting, num_busy=0) == ["b", "d", "c"]
+    assert planner.admit(waiting, num_busy=2) == ["b"]
+    assert planner.admit(waiting, num_busy=3) == []
+    assert planner.admit([], num_busy=0) == []
+
+
+def test_the_budget_reads_whole_chunks_then_the_tail_one_prompt_at_a_time():
+    planner = RoundPlanner(max_running=4, token_budget=3 * GRID + 10, grid=GRID)  # 3 pieces a round
+    assert planner.pieces_per_round == 3
+    short, long_ = opened("short", 1, GRID + 5), opened("long", 0, 4 * GRID + 1)  # 1 chunk + tail, 4 + tail
+    plan = planner.plan([], [long_, short])
+    assert plan.reads == (Read("short", 1, True), Read("long", 1, False))
+    assert plan.first_tokens == ("short",)
+    assert sum(r.pieces for r in plan.reads) == 3
+
+
+def test_a_prompt_on_its_tail_alone_and_a_budget_under_a_chunk_still_advance():
+    planner = RoundPlanner(max_running=2, token_budget=10, grid=GRID)
+    assert planner.pieces_per_round == 1
+    plan = planner.plan([], [opened("x", 0, GRID), opened("y", 1, 3 * GRID)])  # x: the tail only (GRID ids)
+    assert plan.reads == (Read("x", 0, True),)
+    plan = planner.plan([], [opened("y", 1, 3 * GRID)])
+    assert plan.reads == (Read("y", 1, False),)
+
+
+def test_running_turns_with_ids_left_decode_and_a_departed_one_is_gone():
+    planner = RoundPlanner(max_running=3, token_budget=GRID, grid=GRID)
+    running = [Running("a", 5), Running("b", 0), Running("c", 1)]  # b: its last id is in flight
+    plan = planner.plan(running, [opened("d", 3, 10)])
+    assert plan == RoundPlan(("a", "c"), (Read("d", 0, True),))
+    # a leaves (its client went): the next round decodes c only; its slot lets a waiting turn in
+    running = [r for r in running if r.key != "a"]
+    assert planner.plan(running, []).decode == ("c",)
+    assert planner.admit([Prompt("e", 4, 70)], num_busy=len(running)) == ["e"]
+    assert not planner.plan([Running("b", 0)], [])  # nothing to run: no round
+
+
+def test_chunks_before_tail_leaves_one_to_grid_ids():
+    assert [chunks_before_tail(n, GRID) for n in (1, GRID, GRID + 1, 2 * GRID, 2 * GRID + 1)] == [0, 0, 1, 1, 2]
+
+
+@pytest.mark.parametrize("kwargs, word", [(dict(max_running=0, token_budget=1, grid=GRID), "max_running"),
+                                          (dict(max_running=1, token_budget=-1, grid=GRID), "budget"),
+                                          (dict(max_running=1, token_budget=1, grid=0), "grid")])
+def test_bad_settings_are_named(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        RoundPlanner(**kwargs)
+
+
+def test_an_unopened_prompt_cannot_be_read():
+    with pytest.raises(ValueError, match="not opened"):
+        RoundPlanner(1, GRID, GRID).plan([], [Prompt("w", 0, 10)])
