@@ -81,9 +81,9 @@ def fill_session(reader: ShadowReader, session_id: str, tokens: int, num_checkpo
         t.copy_(noise(t))
     cache.length = session.committed = tokens
     lines = [reader.grid * max(1, (tokens // reader.grid) * (i + 1) // num_checkpoints) for i in range(num_checkpoints)]
-    for position in sorted(set(lines)):
-        session.checkpoints.append(Checkpoint(position, [noise(t) for t in cache.recurrent], [noise(t) for t in cache.conv]))
-        session.checkpoint_lines.add(position)
+    session.checkpoints = [Checkpoint(position, [noise(t) for t in cache.recurrent], [noise(t) for t in cache.conv])
+                           for position in sorted(set(lines))]
+    session.checkpoint_lines |= set(lines)
     return session
 
 

@@ -73,3 +73,8 @@ class Policy:
         return dict(max_checkpoints=self.checkpoints, recent_checkpoints=self.recent_checkpoints,
                     divergence_checkpoints=self.divergence_checkpoints)
 
+    def served_checkpoints(self) -> dict[str, int]:
+        """The served sessions' checkpoint counts, as GridSessions takes them: the reader's prompt-end and recent
+        counts, no divergence checkpoints (the served book and the replay's model of it read this)."""
+        return dict(max_checkpoints=self.checkpoints, recent_checkpoints=self.recent_checkpoints)
+

@@ -19,10 +19,9 @@ A turn start is where freshness is measured. The new prompt keeps what the sessi
 up to `shared_prefix_tokens`; when the whole previous prompt is shared, the previous output is taken
 as kept too (inside a tool loop the template re-renders it verbatim), capped at the new prompt.
 If the reader had read past what is kept, it goes back to its newest checkpoint at or below, or to 0.
-Checkpoints follow qse/shadow/reader.py: every turn's prompt end adds its grid line to the session's
-lines (kept while the session holds that many ids), a chunk that ends on one of those lines takes a
-checkpoint (again after a rollback), and the `checkpoints` highest are kept. Behind = kept - read
-after that; fresh = behind < grid. A session's first turn holds nothing before it and is fresh by
+Which checkpoints a session holds, and where it goes back to, the session's checkpoint book decides
+(qse/core/checkpoints.py: the reader's and the served model's own rules, not a copy of them); the
+replay only tells it what was fed and read. Behind = kept - read after that; fresh = behind < grid. A session's first turn holds nothing before it and is fresh by
 definition; the report gives both all turn starts and follow-up turns only, and the cause of every
 miss (`MISS_CAUSES`).
 
@@ -58,7 +57,8 @@ from typing import Iterable, NamedTuple
 
 from qse.core import (ChunkCostEstimator, DriveResult, GpuLedger, IdleWindow, PlanDriver, Role, Stop, TurnRation,
                       Window, plan_read, whole_chunks)
-from qse.core.plan import check_group, group_size
+from qse.core.checkpoints import Change, CheckpointBook, CheckpointRules
+from qse.core.plan import check_group
 from qse.policy import Policy
 from qse.replay.read_model import ReadModel, group_share
 from qse.replay.usage import UsageRecord, sessions_of
@@ -143,9 +143,14 @@ class SimOptions:
         return self.policy.grid
 
     @property
+    def checkpoint_rules(self) -> CheckpointRules:
+        """The reader's checkpoint rules (the policy's counts) with the replay's two switches."""
+        return CheckpointRules.counted(self.grid, **self.policy.reader_checkpoints(), at_line=self.checkpoint_at_line,
+                                       pin_first=self.pin_first_checkpoint)
+
+    @property
     def max_checkpoints_per_session(self) -> int:
-        p = self.policy
-        return p.checkpoints + p.recent_checkpoints + (1 if self.pin_first_checkpoint else 0) + p.divergence_checkpoints
+        return self.checkpoint_rules.max_held
 
     def to_json(self) -> dict:
         """The options as the report shows them: the policy's fields and the replay's, side by side (paths as text)."""
@@ -382,18 +387,13 @@ class _SessionReplay:
         self.committed = 0  # rows read, a multiple of grid
         self.known = 0  # ids the session holds
         self.prompt = 0  # the current turn's prompt length
-        self.checkpoints: list[int] = []  # prompt-end rows with a recurrent-state checkpoint, lowest first
-        self.lines: set[int] = set()  # prompt-end grid lines: a chunk ending on one takes a checkpoint
-        self.recent: list[int] = []  # recent_checkpoints: the newest grid lines read, oldest first
-        self.pinned: int | None = None  # pin_first_checkpoint: the lowest prompt-end checkpoint, kept
-        self.div_lines: list[int] = []  # divergence_checkpoints: lines of the newest re-renders, oldest first
-        self.div_cps: set[int] = set()  # ... and those of them with a checkpoint
+        policy = self.opt.policy
+        # the reader's checkpoints, by the reader's rules (and the replay's two switches)
+        self.book = CheckpointBook(self.opt.checkpoint_rules)
         # the served model's own session (qse/sessions/served.py): the line its state stands on after a turn,
-        # and the lines it holds checkpoints at (prompt ends' lines reached and the newest recent lines)
+        # and its checkpoints, by the served sessions' rules
         self.served_line = 0
-        self.served_lines: set[int] = set()  # its prompt ends' lines: reading through one takes a checkpoint
-        self.served_prompt_cps: list[int] = []
-        self.served_recent: list[int] = []
+        self.served_book = CheckpointBook(CheckpointRules.counted(self.grid, **policy.served_checkpoints()))
         self.now = 0.0
         self.turn = 0
         self.ready_target = 0
@@ -401,27 +401,12 @@ class _SessionReplay:
         self.arrival = 0.0
 
     # -- reading ---------------------------------------------------------------------------------
-    def _checkpoint(self, row: int) -> None:
-        """A prompt-end checkpoint at `row` (as the reader's _take_checkpoint: the highest `checkpoints` kept)."""
-        cps = sorted({c for c in self.checkpoints if c != row} | {row})
-        while len(cps) > self.opt.policy.checkpoints:
-            low = cps.pop(0)
-            if self.opt.pin_first_checkpoint and self.pinned is None:
-                self.pinned = low
-        self.checkpoints = cps
-        self.sim.result.num_checkpoints_taken += 1
-        self._note_held()
-
-    def _note_held(self) -> None:
-        held = len(self._all_checkpoints())
-        if held > self.sim.result.max_checkpoints_held:
-            self.sim.result.max_checkpoints_held = held
-
-    def _all_checkpoints(self) -> set[int]:
-        held = set(self.checkpoints) | set(self.recent) | self.div_cps
-        if self.pinned is not None:
-            held.add(self.pinned)
-        return held
+    def _taken(self, change: Change) -> None:
+        """Count what the book took (a kind added at a row is one checkpoint taken) and the most held."""
+        if change.added:
+            result = self.sim.result
+            result.num_checkpoints_taken += len(change.added)
+            result.max_checkpoints_held = max(result.max_checkpoints_held, len(self.book))
 
     def _read_chunk(self, row: int) -> float:
         ms = self.sim.read_model.ms_per_chunk(row, self.grid)
@@ -431,7 +416,7 @@ class _SessionReplay:
     def _read_group(self, row: int, chunks: int) -> tuple[float, int]:
         """A chunk group from `row`, as the reader forms it (a power of two up to `chunks`, ending at the first
         prompt or divergence line inside it); (its ms, the chunks it read)."""
-        count = group_size(row, chunks, self.grid, self.lines, self.div_lines)
+        count = self.book.group_chunks(row, chunks)
         share = group_share(count)
         total = 0.0
         for i in range(count):
@@ -445,16 +430,7 @@ class _SessionReplay:
         reader takes them)."""
         self.now += ms / 1000
         end = row + self.grid
-        if end in self.lines:
-            self._checkpoint(end)
-        if end in self.div_lines and end not in self.div_cps:
-            self.div_cps.add(end)
-            self.sim.result.num_checkpoints_taken += 1
-            self._note_held()
-        if self.opt.policy.recent_checkpoints and launch_end:
-            self.recent = (self.recent + [end])[-self.opt.policy.recent_checkpoints:]
-            self.sim.result.num_checkpoints_taken += 1
-            self._note_held()
+        self._taken(self.book.after_chunk(end, launch_end))
         if self.ready_at is None and end >= self.ready_target:
             self.ready_at = self.now - self.arrival
 
@@ -563,22 +539,12 @@ class _SessionReplay:
                     kept = prev.prompt_tokens
             kept = min(kept, self.known)
         behind_without = max(0, kept - self.committed)
-        held = self._all_checkpoints()
+        held = self.book.positions(None)
         rolled_back = 0
-        if self.committed > kept:
-            back_to = max((c for c in held if c <= kept), default=0)
+        if self.committed > kept:  # the reader's feed: back to the book's row at or below what is kept
+            back_to = self.book.roll_back(kept).row
             rolled_back = self.committed - back_to
             self.committed = back_to
-            self.checkpoints = [c for c in self.checkpoints if c <= back_to]
-            self.recent = [c for c in self.recent if c <= back_to]
-            if self.pinned is not None and self.pinned > back_to:
-                self.pinned = None
-            self.div_cps = {c for c in self.div_cps if c <= back_to}
-            div_line = (kept // self.grid) * self.grid
-            if self.opt.policy.divergence_checkpoints and div_line > 0:
-                self.div_lines = ([c for c in self.div_lines if c != div_line]
-                                  + [div_line])[-self.opt.policy.divergence_checkpoints:]
-                self.div_cps &= set(self.div_lines)
         behind = max(0, kept - self.committed)
         fresh = behind < self.grid
         backlog_ms = 0.0
@@ -619,22 +585,14 @@ class _SessionReplay:
             chunks = sum(model.ms_per_chunk(r, grid) for r in range(start, line, grid))
             return chunks + model.ms_per_chunk(line, grid) * tail / grid
 
-        held = {self.served_line, *self.served_prompt_cps, *self.served_recent}
-        start = max((c for c in held if c <= min(kept, line)), default=0)
-        # the state the turn leaves: its last line; checkpoints above the start row are rewritten this turn
-        self.served_prompt_cps = [c for c in self.served_prompt_cps if c <= start]
-        self.served_recent = [c for c in self.served_recent if c <= start]
-        end_line = (prompt_tokens // grid) * grid
-        if end_line > 0:
-            self.served_lines.add(end_line)
-        self.served_lines = {p for p in self.served_lines if p <= prompt_tokens}
-        taken = {p for p in self.served_lines if start < p <= line}
-        if taken and self.opt.policy.checkpoints:
-            self.served_prompt_cps = sorted(set(self.served_prompt_cps) | taken)[-self.opt.policy.checkpoints:]
-        if self.opt.policy.recent_checkpoints:
-            read = list(range(start + grid, line + 1, grid))
-            self.served_recent = sorted(set(self.served_recent) | set(read))[-self.opt.policy.recent_checkpoints:]
-        self.served_line = line
+        book = self.served_book
+        start = self.served_line
+        if start > min(kept, line):  # the turn's feed goes back (a turn keeps at most `line`: its tail holds an id)
+            start = book.roll_back(min(kept, line)).row
+        book.feed(prompt_tokens, prompt_tokens, standing=start)
+        for end in range(start + grid, line + 1, grid):  # one chunk a launch, as the served turn reads
+            book.after_chunk(end)
+        self.served_line = line  # the state the turn leaves: its last line
         return ttft_ms(start), ttft_ms(0), start
 
     def run(self, recs: list[UsageRecord]) -> None:
@@ -669,13 +627,9 @@ class _SessionReplay:
             ledger.open_turn(turn_id)
             self.prompt = rec.prompt_tokens
             self.known = rec.prompt_tokens
-            # the reader's feed(prompt, prompt_end): the prompt end's line joins the lines, kept while held
+            # the reader's feed(prompt, prompt_end): the prompt end's line joins the book's lines
+            self._taken(self.book.feed(rec.prompt_tokens, rec.prompt_tokens, standing=self.committed))
             line = (rec.prompt_tokens // self.grid) * self.grid
-            if line > 0:
-                self.lines.add(line)
-            self.lines = {p for p in self.lines if p <= rec.prompt_tokens}
-            if self.opt.checkpoint_at_line and line > 0 and line == self.committed and line not in self.checkpoints:
-                self._checkpoint(line)
             self.ready_target = line
             self.ready_at = 0.0 if self.committed >= line else None
             pending = start_rec

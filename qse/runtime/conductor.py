@@ -997,6 +997,6 @@ def served_sessions(engine: Engine, policy: Policy, residency=None) -> ServedSes
     """The served model's sessions as the policy sizes them (residency: the store with its host and disk
     tiers; None drops least recently fed sessions past the pool)."""
     book = GridSessions(engine, grid=policy.served_grid, pool_bytes=int(policy.served_kv_gb * (1 << 30)),
-                        max_checkpoints=policy.checkpoints, recent_checkpoints=policy.recent_checkpoints,
-                        residency=residency, graphs=None if policy.served_graphs else False, who="the served model")
+                        **policy.served_checkpoints(), residency=residency,
+                        graphs=None if policy.served_graphs else False, who="the served model")
     return ServedSessions(book, max_running=policy.max_running)

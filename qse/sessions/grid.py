@@ -18,12 +18,13 @@ from typing import Any, Protocol
 
 import torch
 
-from ..core.plan import check_group, group_size
+from ..core.checkpoints import CheckpointBook, CheckpointRules
+from ..core.plan import check_group
 from ..core.prefix import common_prefix
 from ..engine.engine import DeviceClock, Engine, Stopwatch
 from ..engine.graphs import ForwardGraphs, capture_mode
 from ..engine.kv import KVPool, PagedKV
-from .session import DIVERGENCE, PROMPT, RECENT, Checkpoint, GridSession
+from .session import GridSession
 
 
 class SessionError(ValueError):
@@ -183,7 +184,9 @@ class GridSessions:
                 raise SessionError(f"{name} must be a whole number >= 0, got {value!r}")
         _check_chunks(chunk_group, "chunk_group")
         self.chunk_group = chunk_group
-        self.caps = {PROMPT: max_checkpoints, RECENT: recent_checkpoints, DIVERGENCE: divergence_checkpoints}
+        # every session's checkpoint book follows these (qse/core/checkpoints.py: the one copy of the rules)
+        self.checkpoint_rules = CheckpointRules.counted(grid, max_checkpoints, recent_checkpoints,
+                                                        divergence_checkpoints)
         cfg = engine.cfg
         page_rows = page_rows or grid
         if grid % page_rows:
@@ -224,9 +227,13 @@ class GridSessions:
     def open(self, session_id: str) -> GridSession:
         session = self.sessions.get(session_id)
         if session is None:
-            session = GridSession(session_id, self.grid, self._new_cache(), mode=self.mode)
+            session = self.new_session(session_id, self._new_cache(), mode=self.mode)
             self.sessions[session_id] = session
         return session
+
+    def new_session(self, session_id: str, cache=None, **fields) -> GridSession:
+        """A session with this book's checkpoint rules (not registered: the caller adds it to `sessions`)."""
+        return GridSession(session_id, self.grid, cache, book=CheckpointBook(self.checkpoint_rules), **fields)
 
     def _new_cache(self):
         return self.engine.new_cache(kv=PagedKV(self.pool))
@@ -243,7 +250,7 @@ class GridSessions:
             session.kv.release_all()
         session.cache = None
         session.committed = 0
-        session.checkpoints.clear()
+        session.apply_dropped(session.book.clear())
         self.stats.drops += 1
 
     def ensure_resident(self, session: GridSession) -> None:
@@ -255,7 +262,7 @@ class GridSessions:
             return
         session.cache = self._new_cache()
         session.committed = 0
-        session.checkpoints.clear()
+        session.apply_dropped(session.book.clear())
         session.mode = self.mode
 
     # ---- feeding -----------------------------------------------------------------------------
@@ -270,19 +277,11 @@ class GridSessions:
             if first_diff < session.committed:
                 rolled_back = self.rollback(session, first_diff)
         session.ids = list(ids)
-        if prompt_end is not None:
-            if not 0 <= prompt_end <= len(ids):
-                raise SessionError(f"prompt_end {prompt_end} is outside [0, {len(ids)}]")
-            line = (prompt_end // self.grid) * self.grid
-            if line > 0:
-                session.checkpoint_lines.add(line)
-        session.checkpoint_lines = {p for p in session.checkpoint_lines if p <= len(ids)}
-        if (prompt_end is not None and session.cache is not None and 0 < session.committed == line
-                and line not in session.checkpoint_positions(PROMPT)):
-            # the reader already stands on this prompt's line (it read into the output last turn and the
-            # new prompt re-rendered at or above the line): the state is here now, keep it (the replay of
-            # the weka trace: 94.06 -> 95.00 % fresh turn starts)
-            self._take_checkpoint(session, PROMPT)
+        if prompt_end is not None and not 0 <= prompt_end <= len(ids):
+            raise SessionError(f"prompt_end {prompt_end} is outside [0, {len(ids)}]")
+        # the prompt end's line joins the lines; where the state already stands on it, it is kept now
+        session.apply(session.book.feed(len(ids), prompt_end,
+                                        session.committed if session.cache is not None else None))
         session.behind_at_turn_start = session.behind
         self.residency.after_feed(self, session)
         self.residency.note_ids(self, session)
@@ -309,14 +308,13 @@ class GridSessions:
                 raise SessionError(f"token id {i!r} is outside the vocabulary [0, {vocab})")
 
     def rollback(self, session: GridSession, first_diff: int) -> int:
-        """Go back to the newest checkpoint at or below `first_diff` (row 0 without one): KV rows below it
-        stay, the GDN state is the checkpoint's; returns the row gone back to."""
-        usable = [c for c in session.checkpoints if c.position <= first_diff]  # of any kind
-        target = max(usable, key=lambda c: c.position) if usable else None
-        position = target.position if target else 0
+        """Go back to the newest checkpoint at or below `first_diff` (row 0 without one; the book decides):
+        KV rows below it stay, the GDN state is the checkpoint's; returns the row gone back to."""
         cache = session.cache
         assert cache is not None
-        if target is None:
+        back = session.book.roll_back(first_diff)
+        position = back.row
+        if position == 0:
             for t in cache.recurrent:
                 t.zero_()
             for t in cache.conv:
@@ -324,18 +322,13 @@ class GridSessions:
             session.stats.restarts += 1
             self.stats.restarts += 1
         else:
-            cache.set_state(target.recurrent, target.conv)
+            cache.set_state(*session.states[position])
+        session.apply_dropped(back.dropped)
         session.kv.truncate(position)
         session.stats.ids_reread += session.committed - position
         session.stats.rollbacks += 1
         cache.length = position
         session.committed = position
-        session.checkpoints = [c for c in session.checkpoints if c.position <= position]
-        cap = self.caps[DIVERGENCE]
-        line = (first_diff // self.grid) * self.grid
-        if cap and line > 0:  # the next re-render at this place finds the state here
-            session.divergence_lines = ([p for p in session.divergence_lines if p != line] + [line])[-cap:]
-            self._drop_kind(session, DIVERGENCE, keep=set(session.divergence_lines))
         return position
 
     # ---- reading -----------------------------------------------------------------------------
@@ -402,8 +395,7 @@ class GridSessions:
         _check_chunks(chunks, "chunks")
         if chunks == 1 or self.graphs is None:
             return 1
-        return group_size(session.committed, min(chunks, backlog // self.grid), self.grid,
-                          session.checkpoint_lines, session.divergence_lines)
+        return session.book.group_chunks(session.committed, min(chunks, backlog // self.grid))
 
     def finish_step(self, pending: "PendingChunk") -> ChunkReport:
         """Wait for a launched chunk (or group); its report, with the device time it took."""
@@ -451,40 +443,15 @@ class GridSessions:
                 reports.append(self.finish_step(in_flight.popleft()))
         return reports
 
-    def _checkpoints_after_chunk(self, session: GridSession) -> None:
-        row = session.committed
-        if row in session.checkpoint_lines:
-            self._take_checkpoint(session, PROMPT)
-        if row in session.divergence_lines and row not in session.checkpoint_positions(DIVERGENCE):
-            self._take_checkpoint(session, DIVERGENCE)
-        if self.caps[RECENT]:
-            self._take_checkpoint(session, RECENT)
-
-    def chunk_may_checkpoint(self, session: GridSession) -> bool:
-        """Whether the session's next chunk may take a checkpoint (what a byte cap must leave room for)."""
-        end = session.committed + self.grid
-        return end in session.checkpoint_lines or end in session.divergence_lines or self.caps[RECENT] > 0
-
-    def _take_checkpoint(self, session: GridSession, kind: str) -> None:
-        """The state at the committed row, held (also) for `kind`; that kind's lowest rows past its cap go."""
-        cache = session.cache
-        assert cache is not None
-        row = session.committed
-        held = next((c for c in session.checkpoints if c.position == row), None)
-        if held is None:
-            held = Checkpoint(row, *cache.clone_state(), set())
-            session.checkpoints.append(held)
-            session.checkpoints.sort(key=lambda c: c.position)
-        held.kinds.add(kind)
-        rows = session.checkpoint_positions(kind)
-        self._drop_kind(session, kind, keep=set(rows[max(0, len(rows) - self.caps[kind]):]))
+    @staticmethod
+    def _checkpoints_after_chunk(session: GridSession) -> None:
+        """The book's checkpoints at a launch's end (the committed row)."""
+        session.apply(session.book.after_chunk(session.committed))
 
     @staticmethod
-    def _drop_kind(session: GridSession, kind: str, keep: set[int]) -> None:
-        for c in session.checkpoints:
-            if kind in c.kinds and c.position not in keep:
-                c.kinds.discard(kind)
-        session.checkpoints = [c for c in session.checkpoints if c.kinds]
+    def chunk_may_checkpoint(session: GridSession) -> bool:
+        """Whether the session's next chunk may take a checkpoint (what a byte cap must leave room for)."""
+        return session.book.may_take_at(session.committed + session.grid)
 
     def sessions_with_backlog(self) -> list[GridSession]:
         """Sessions with a whole chunk to read, least behind first (cheapest to make fresh)."""

@@ -4,8 +4,9 @@
     |<------------------ committed (k x grid) ------------------>|<-- tail (< grid, or backlog) -->|
     | chunk 0 | chunk 1 | chunk 2 |   ...   | chunk k-1          | waits until a whole chunk exists |
     KV rows [0, committed) in pool pages;  GDN recurrent + conv state as of row `committed`
-    checkpoints: GDN state at grid lines g1 < g2 < ... (<= 6), each the last grid line at or
-                 below a turn's prompt end; row 0 (zero state) is always an implicit checkpoint
+    checkpoints: GDN state at grid lines g1 < g2 < ..., which ones the session's checkpoint book
+                 decides (qse/core/checkpoints.py: prompt ends, recent lines, re-render places);
+                 row 0 (zero state) is always an implicit checkpoint
 
 Invariant: the state equals, bit for bit, a fresh prefill of ids[:committed] read chunk by chunk on
 the same grid, because every chunk runs the same kernels on the same inputs at the same absolute
@@ -19,21 +20,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..core.checkpoints import DIVERGENCE, KINDS, PROMPT, RECENT, CheckpointBook, CheckpointRules
 from ..engine.kv import PagedKV
 from ..models.cache import SequenceCache
 
 
-PROMPT, RECENT, DIVERGENCE = "prompt", "recent", "divergence"
-KINDS = frozenset((PROMPT, RECENT, DIVERGENCE))
-
-
 @dataclass
 class Checkpoint:
-    """The GDN state at a grid line, held for one or more reasons (its kinds):
-    prompt      the last grid line at or below a turn's prompt end (up to max_checkpoints)
-    recent      one of the newest grid lines read (up to recent_checkpoints; 4 under `qse serve`)
-    divergence  the line at or below a place where a prompt re-rendered (up to divergence_checkpoints)
-    """
+    """The GDN state at a grid line and the kinds the book holds it for (qse/core/checkpoints.py: prompt,
+    recent, divergence): how a session's checkpoints are handed out and back (the store's records)."""
 
     position: int  # a grid line
     recurrent: list[torch.Tensor]
@@ -64,14 +59,63 @@ class GridSession:
     cache: SequenceCache | None  # None while parked or dropped (state lives elsewhere or nowhere)
     ids: list[int] = field(default_factory=list)
     committed: int = 0
-    checkpoints: list[Checkpoint] = field(default_factory=list)
-    checkpoint_lines: set[int] = field(default_factory=set)  # grid lines to snapshot when reached
-    divergence_lines: list[int] = field(default_factory=list)  # the newest re-render lines, oldest first
+    # which rows hold a checkpoint and why (None: the book's default rules on this grid; GridSessions.open
+    # gives each session its book's rules)
+    book: CheckpointBook | None = None
+    # the states at the book's held rows: (recurrent, conv) by row; this session applies the book's changes
+    states: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
     stats: SessionStats = field(default_factory=SessionStats)
     mode: str = "eager"  # which execution mode wrote the state ('eager' or 'graph')
     last_fed_s: float = 0.0
     pinned: bool = False  # a served turn runs on it: the residency manager must not move or drop its state
     behind_at_turn_start: int = 0
+
+    def __post_init__(self) -> None:
+        if self.book is None:
+            self.book = CheckpointBook(CheckpointRules(self.grid))
+
+    # ---- the checkpoint book's lines and held rows, as the states' holder sees them ------------
+    @property
+    def checkpoint_lines(self) -> set[int]:
+        """Prompt ends' grid lines: a chunk that ends on one takes a checkpoint."""
+        return self.book.lines
+
+    @checkpoint_lines.setter
+    def checkpoint_lines(self, lines: set[int]) -> None:
+        self.book.lines = set(lines)
+
+    @property
+    def divergence_lines(self) -> list[int]:
+        """The newest re-render places' lines, oldest first."""
+        return self.book.divergence_lines
+
+    @divergence_lines.setter
+    def divergence_lines(self, lines: list[int]) -> None:
+        self.book.divergence_lines = list(lines)
+
+    @property
+    def checkpoints(self) -> list[Checkpoint]:
+        """The held checkpoints, lowest first (a new list: set it to replace them)."""
+        return [Checkpoint(row, *self.states[row], set(self.book.kinds_at(row))) for row in self.book.positions(None)]
+
+    @checkpoints.setter
+    def checkpoints(self, held: list[Checkpoint]) -> None:
+        """Checkpoints handed back (a parked session's record), kinds and all; [] holds none."""
+        self.book.load({c.position: set(c.kinds) for c in held})
+        self.states = {c.position: (c.recurrent, c.conv) for c in held}
+
+    def apply(self, change) -> None:
+        """Carry out a book's Change on the states: the committed row's state copied where the book takes one,
+        the dropped rows' freed."""
+        self.apply_dropped(change.dropped)
+        if change.take is not None:
+            assert self.cache is not None and change.take == self.committed, (change, self.committed)
+            self.states[change.take] = self.cache.clone_state()
+
+    def apply_dropped(self, rows) -> None:
+        """The states at rows the book no longer holds, freed."""
+        for row in rows:
+            self.states.pop(row, None)
 
     @property
     def kv(self) -> PagedKV:
@@ -106,8 +150,12 @@ class GridSession:
         if self.cache is None:
             return 0
         sections = sum(t.numel() * t.element_size() for t in (*self.cache.recurrent, *self.cache.conv))
-        return self.kv.nbytes + sections + sum(c.nbytes for c in self.checkpoints)
+        held = sum(t.numel() * t.element_size() for rec, conv in self.states.values() for t in (*rec, *conv))
+        return self.kv.nbytes + sections + held
 
     def checkpoint_positions(self, kind: str | None = PROMPT) -> list[int]:
         """Rows of the checkpoints of one kind (None: of every kind), lowest first."""
-        return [c.position for c in self.checkpoints if kind is None or kind in c.kinds]
+        return self.book.positions(kind)
+
+
+__all__ = ["DIVERGENCE", "KINDS", "PROMPT", "RECENT", "Checkpoint", "GridSession", "SessionStats"]

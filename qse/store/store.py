@@ -601,7 +601,8 @@ class ShadowStore:
                     self._unlink(path)  # the resident state is newer than any file
                 continue
             if existing is None:
-                session = GridSession(session_id, reader.grid, None, ids=ids, checkpoint_lines=lines, stats=stats)
+                session = reader.new_session(session_id, ids=ids, stats=stats)
+                session.checkpoint_lines = lines
                 reader.sessions[session_id] = session
             else:  # known but dropped: keep what it was fed since; bring_back goes back where ids differ
                 session = existing
@@ -639,7 +640,8 @@ class ShadowStore:
                 continue
             session = reader.sessions.get(session_id)
             if session is None:
-                session = GridSession(session_id, reader.grid, None, ids=ids, checkpoint_lines=lines)
+                session = reader.new_session(session_id, ids=ids)
+                session.checkpoint_lines = lines
                 reader.sessions[session_id] = session
                 known += 1
             elif not session.is_resident:

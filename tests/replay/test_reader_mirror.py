@@ -3,7 +3,8 @@
 The simulator's decisions (which chunks each window read) are carried out on a real ShadowReader over
 the tiny embedded model, fed as the conductor feeds it: the prompt with its end at a turn start, then
 the turn's output. At every turn start the reader must stand where the simulator says (the same
-rollback, the same row), and at the end it must hold the same checkpoints. The simulator's checkpoint
+rollback, the same row), and at the end it must hold the same checkpoints. Both ask one checkpoint book
+(qse/core/checkpoints.py), so this checks the simulator's feeding and reading end to end. The simulator's checkpoint
 switches are the reader's too (recent and divergence checkpoints, off by default in both).
 """
 
@@ -16,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qse.core import Window
+from qse.core.checkpoints import DIVERGENCE, PROMPT, RECENT
 from qse.replay.read_model import ReadModel
 from qse.replay.simulator import SimOptions, Simulator, _SessionReplay
 from qse.replay.usage import UsageRecord
@@ -91,8 +93,10 @@ def _mirror(tiny_engine, turns, seed: int, checkpoints: int, recent: int = 0, di
         carry_out(k, {Window.RATION, Window.PREFILL})
     carry_out(len(prompts), {Window.IDLE})
     assert reader.get("s").committed == replay.committed
-    assert reader.get("s").checkpoint_positions() == sorted(replay.checkpoints)
-    assert reader.get("s").checkpoint_positions(None) == sorted(replay._all_checkpoints())
+    # the same rules (one book) fed the same: the same held rows, kind by kind
+    for kind in (PROMPT, RECENT, DIVERGENCE, None):
+        assert reader.get("s").checkpoint_positions(kind) == replay.book.positions(kind), kind
+    assert reader.get("s").divergence_lines == replay.book.divergence_lines
     reader.close("s")
     return starts
 
