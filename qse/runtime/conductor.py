@@ -846,6 +846,8 @@ class Conductor:
         if not self.idle.may_open(request_running=board.engine.locked, request_waiting=board.engine.num_waiting > 0,
                                   hold_on=board.holds > 0, box_locked=board.box.locked):
             return 0
+        # a safe point (never inside a ration slice): the reader's spills go to the mover, the host cap holds
+        await self.reader_exec.run(self.reader.safe_point)
         if not self._idle_has_work():
             return 0
         held = HeldLocks()
@@ -943,9 +945,9 @@ class Conductor:
         """The served sessions' cache: queries and hits in tokens, hits per tier, the store's tiers."""
         serving = self.serving
         book = serving.book
-        out: dict[str, Any] = {"grid": book.grid, "sessions": len(book.sessions),
-                               "resident_sessions": sum(1 for s in list(book.sessions.values()) if s.is_resident),
-                               "resident_bytes": book.resident_nbytes(), **serving.counts}
+        snap = book.snapshot  # taken on the served engine's thread: read whole, never iterated as it changes
+        out: dict[str, Any] = {"grid": book.grid, "sessions": len(snap.sessions), "resident_sessions": snap.num_resident,
+                               "resident_bytes": snap.resident_nbytes, **dict(serving.counts)}
         store = book.residency.stats()
         if store:
             out["store"] = store
@@ -967,20 +969,20 @@ class Conductor:
         if self.reader is None:
             return out
         r = self.reader
-        sessions = list(r.sessions.values())  # one copy: the reader's thread may add a session meanwhile
+        snap = r.snapshot  # taken on the reader's thread: read whole, never iterated as it changes
         out.update({
             "slot": {"model": r.engine.name, "grid": r.grid, "device": str(r.engine.device), "dtype": str(r.engine.dtype).replace("torch.", ""),
                      "kernels": r.engine.kernels, "mode": r.mode,
                      "pool_pages": r.pool.num_pages, "pool_free_pages": r.pool.num_free},
             "sessions": [
-                {"session": s.session_id, "position": s.committed, "known": len(s.ids), "backlog": s.backlog,
-                 "behind": s.behind, "bytes": s.nbytes, "resident": s.is_resident,
-                 "checkpoints": s.checkpoint_positions(), "rollbacks": s.stats.rollbacks,
-                 "ids_reread": s.stats.ids_reread, "chunks_read": s.stats.chunks_read}
-                for s in sessions
+                {"session": v.session_id, "position": v.position, "known": v.known, "backlog": v.backlog,
+                 "behind": v.behind, "bytes": v.nbytes, "resident": v.resident,
+                 "checkpoints": list(v.checkpoints), "rollbacks": v.rollbacks,
+                 "ids_reread": v.ids_reread, "chunks_read": v.chunks_read}
+                for v in snap.sessions
             ],
-            "backlog": sum(s.backlog for s in sessions),
-            "resident_bytes": r.resident_nbytes(),
+            "backlog": snap.backlog,
+            "resident_bytes": snap.resident_nbytes,
             "last_answers": list(r.stats.last_answers),
             "router_pending": self.router.num_pending,
             "router": msgspec.structs.asdict(self.router.counts),

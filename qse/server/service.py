@@ -18,7 +18,7 @@ import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 import msgspec
 import structlog
@@ -97,16 +97,6 @@ def head_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     prompt (or a first question) have in common."""
     first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages) - 1)
     return messages[: first_user + 1]
-
-
-def _retry(fn: Callable[[], Any], attempts: int = 5) -> Any:
-    """Reads of the reader's dicts outside its thread can race it growing them; read again."""
-    for _ in range(attempts - 1):
-        try:
-            return fn()
-        except RuntimeError:  # dictionary changed size during iteration
-            continue
-    return fn()
 
 
 class Service:
@@ -279,8 +269,7 @@ class Service:
         The prefix search walks every session's ids: off the event loop."""
         if explicit:
             return tenant.key(explicit)
-        mapped = await asyncio.to_thread(
-            _retry, lambda: self.conductor.map_session(prompt_ids, None, tenant.namespace, head_tokens))
+        mapped = await asyncio.to_thread(self.conductor.map_session, prompt_ids, None, tenant.namespace, head_tokens)
         return mapped or f"{tenant.namespace}s-{uuid.uuid4().hex[:16]}"
 
     async def prepare_chat(self, req: wire.ChatCompletionRequest, request_id: str, session: str | None,
@@ -764,11 +753,11 @@ class Service:
     def status(self, tenant: Tenant | None = None) -> dict[str, Any]:
         """The conductor's status, the parked sessions and the narrations; with `tenant`, only what it owns,
         under the ids it uses (None: everything, for /metrics). No absolute paths."""
-        out = _retry(self.conductor.status)
+        out = self.conductor.status()  # built from snapshots the owning threads publish
         out["profile"] = self.profile.name
         out["queue"] = {"running": self.admission.num_running, "waiting": self.admission.num_waiting}
         if self.store is not None:
-            parked = _retry(lambda: list(self.store.parked.values()))
+            parked = list(self.store.parked.values())  # one C-level copy: never iterated as it changes
             out["parked"] = [{"session": p.session_id, "bytes": p.nbytes, "written_s": p.written_s,
                               "committed": p.committed} for p in parked]
         for store in (out.get("store"), (out.get("served_cache") or {}).get("store")):

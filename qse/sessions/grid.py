@@ -14,7 +14,7 @@ rows). The residency manager (qse/store) asks and moves sessions only through th
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -145,6 +145,45 @@ class DropLRU:
         return {}
 
 
+class SessionView(NamedTuple):
+    """One session as a status shows it, taken on the book's owning thread."""
+
+    session_id: str
+    position: int  # committed rows
+    known: int  # ids the session holds
+    backlog: int
+    behind: int
+    nbytes: int
+    resident: bool
+    checkpoints: tuple[int, ...]  # prompt-end checkpoint rows
+    rollbacks: int
+    ids_reread: int
+    chunks_read: int
+
+
+class BookSnapshot(NamedTuple):
+    """Every session's view at one moment of the owning thread (immutable: any thread may read it)."""
+
+    sessions: tuple[SessionView, ...] = ()
+
+    @property
+    def resident_nbytes(self) -> int:
+        return sum(v.nbytes for v in self.sessions)
+
+    @property
+    def num_resident(self) -> int:
+        return sum(1 for v in self.sessions if v.resident)
+
+    @property
+    def backlog(self) -> int:
+        return sum(v.backlog for v in self.sessions)
+
+
+def _view(s: GridSession) -> SessionView:
+    return SessionView(s.session_id, s.committed, len(s.ids), s.backlog, s.behind, s.nbytes, s.is_resident,
+                       tuple(s.checkpoint_positions()), s.stats.rollbacks, s.stats.ids_reread, s.stats.chunks_read)
+
+
 @dataclass
 class BookStats:
     chunks: int = 0
@@ -200,6 +239,9 @@ class GridSessions:
         self.graphs = self._make_graphs(graphs)
         self._device_clock = DeviceClock(engine.device)
         self.mode = "graph" if self.graphs is not None else "eager"
+        # the status: views rebuilt on the owning thread after each change (`publish`), read from anywhere
+        self._views: dict[str, SessionView] = {}
+        self.snapshot = BookSnapshot()
 
     def _make_graphs(self, graphs: bool | str | None) -> ForwardGraphs | None:
         capture = capture_mode(self.engine, graphs, self.who, SessionError)
@@ -243,6 +285,7 @@ class GridSessions:
         self.residency.forget(self, session)
         self.drop_state(session)
         del self.sessions[session_id]
+        self.publish()
 
     def drop_state(self, session: GridSession) -> None:
         """Forget the state (not the ids): the session is read again from row 0 when fed."""
@@ -285,6 +328,7 @@ class GridSessions:
         session.behind_at_turn_start = session.behind
         self.residency.after_feed(self, session)
         self.residency.note_ids(self, session)
+        self.publish()  # a feed may have moved other sessions too
         return FeedReport(session_id, session.committed, session.backlog, len(ids) - session.readable_end,
                           rolled_back, first_diff)
 
@@ -297,6 +341,7 @@ class GridSessions:
         session.last_fed_s = self.clock() if now is None else now
         session.behind_at_turn_start = session.behind
         self.residency.after_feed(self, session)
+        self.publish(session)
         return FeedReport(session_id, session.committed, session.backlog, len(session.ids) - session.readable_end, None, None)
 
     def _check_ids(self, ids: list[int]) -> None:
@@ -407,6 +452,7 @@ class GridSessions:
         session.stats.total_chunk_ms += gpu_ms
         self.stats.chunks += pending.chunks
         self.stats.gpu_ms += gpu_ms
+        self.publish(session)
         return ChunkReport(session.session_id, end, max(0, session.readable_end - end), gpu_ms, pending.start,
                            pending.chunks)
 
@@ -505,6 +551,22 @@ class GridSessions:
         # dict in one step under the GIL, a generator over the live view would fail mid-way
         return sum(s.nbytes for s in list(self.sessions.values()))
 
+    def safe_point(self) -> None:
+        """Between rounds or in the idle window, on the owning thread: the residency manager lands its moves
+        and keeps its caps (never inside a ration slice), and the snapshot shows where sessions now are."""
+        self.residency.safe_point(self)
+        self.publish()
+
+    def publish(self, session: GridSession | None = None) -> None:
+        """On the owning thread, after a change: `session`'s view (None: every session's) rebuilt and the
+        snapshot replaced whole, so another thread reads one consistent moment and never iterates what this
+        thread is changing. A move made for room inside a read shows at the next feed or safe point."""
+        if session is None:
+            self._views = {sid: _view(s) for sid, s in self.sessions.items()}
+        elif session.session_id in self.sessions:
+            self._views[session.session_id] = _view(session)
+        self.snapshot = BookSnapshot(tuple(self._views.values()))
+
 
 
 def _check_chunks(value: int, name: str) -> None:
@@ -515,5 +577,5 @@ def _check_chunks(value: int, name: str) -> None:
         raise SessionError(str(exc)) from None
 
 
-__all__ = ["BookStats", "ChunkReport", "DropLRU", "FeedReport", "GridSessions", "PendingChunk", "Residency", "SessionError",
+__all__ = ["BookSnapshot", "BookStats", "SessionView", "ChunkReport", "DropLRU", "FeedReport", "GridSessions", "PendingChunk", "Residency", "SessionError",
            "UnknownSession"]

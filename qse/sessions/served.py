@@ -357,7 +357,7 @@ class ServedSessions:
         session.pinned = False
         if session.cache is not None:
             self.book.end_fork(session)
-        self.book.residency.safe_point(self.book)  # between rounds: moves land, the host cap is kept
+        self.book.safe_point()  # between rounds: moves land, the host cap is kept
 
 
 def _grew(before: dict[str, float], after: dict[str, float], phase: str) -> float:

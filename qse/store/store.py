@@ -507,7 +507,7 @@ class ShadowStore:
         return True
 
     def host_nbytes(self) -> int:
-        return sum(e.nbytes for e in self.host.values())
+        return sum(e.nbytes for e in list(self.host.values()))  # a copy first: status reads it off-thread
 
     def _keep_host_cap(self, reader: GridSessions) -> None:
         while self.host and self.host_nbytes() > self.host_cap_nbytes:
@@ -675,13 +675,13 @@ class ShadowStore:
     # ---- status --------------------------------------------------------------------------------
     def stats(self) -> dict:
         reader = self._reader
-        resident = [s for s in list(reader.sessions.values()) if s.is_resident] if reader is not None else []
+        snap = reader.snapshot if reader is not None else None  # the owning thread's, read whole
         c = self.counts
         return {
             "moving_sessions": len(self.writing),
             "cap_bytes": self.cap_nbytes,
-            "resident_bytes": reader.resident_nbytes() if reader is not None else 0,
-            "resident_sessions": len(resident),
+            "resident_bytes": snap.resident_nbytes if snap is not None else 0,
+            "resident_sessions": snap.num_resident if snap is not None else 0,
             "parked_sessions": len(self.parked),
             "host_sessions": len(self.host),
             "host_bytes": self.host_nbytes(),
