@@ -51,15 +51,26 @@ def test_status_under_concurrent_feeds_never_raises(tiny_engine):
 
 
 def test_a_safe_point_keeps_the_host_cap_of_the_readers_book(tiny_engine, tmp_path):
-    per_session = tiny_engine.state_bytes_per_token() * 4 * GRID
-    store = ShadowStore(cap_nbytes=per_session * 2, disk_dir=tmp_path, host_cap_nbytes=per_session)
-    book = GridSessions(tiny_engine, grid=GRID, pool_bytes=per_session * 8, residency=store, graphs=False)
+    """Reads push other sessions out by copies to the host only (the mover writes files); the safe point the
+    conductor's idle window calls hands the oldest host states to the mover until the host cap holds."""
+    pool = tiny_engine.state_bytes_per_token() * 40 * GRID
     gen = torch.Generator().manual_seed(1)
-    for k in range(5):  # each feed past the device cap moves older sessions to the host
-        book.feed(f"s{k}", _ids(gen, 3 * GRID + 1))
-        book.read_all(f"s{k}")
-    assert store.counts.host_moves > 0  # sessions went to the host tier
-    book.safe_point()  # what the conductor's idle window calls
-    store.poll(book)
-    assert store.host_nbytes() <= store.host_cap_nbytes
-    assert book.snapshot.num_resident == sum(1 for s in book.sessions.values() if s.is_resident)
+    prompts = [_ids(gen, 3 * GRID + 1 + k) for k in range(5)]
+    probe = GridSessions(tiny_engine, grid=GRID, pool_bytes=pool, graphs=False)
+    probe.feed("p", prompts[0])
+    probe.read_all("p")
+    one = probe.get("p").nbytes
+    store = ShadowStore(cap_nbytes=int(one * 1.5), disk_dir=tmp_path, host_cap_nbytes=int(one * 1.5),
+                        background_writes=True)
+    book = GridSessions(tiny_engine, grid=GRID, pool_bytes=pool, residency=store, graphs=False)
+    try:
+        for k, ids in enumerate(prompts):
+            book.feed(f"s{k}", ids)
+            book.read_all(f"s{k}")
+            book.safe_point()  # what the conductor's idle window calls
+            assert store.host_nbytes() <= store.host_cap_nbytes
+            assert book.snapshot.num_resident == sum(1 for s in book.sessions.values() if s.is_resident)
+        store.flush(book)
+        assert store.counts.host_moves > 0 and store.counts.host_spills > 0
+    finally:
+        store.flush(book)
