@@ -56,7 +56,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampler = Sampler(SamplingParams(temperature=args.temperature, seed=args.seed), chat.tokenizer.vocab_size)
     cache = engine.new_cache()
     t0 = time.perf_counter()
-    logits, prefill_ms = engine.forward(cache, torch.tensor(ids), "last")
+    logits, prefill_ms = engine.prefill(cache, torch.tensor(ids), SETTINGS.get("QSE_SERVED_GRID"))
     out: list[int] = []
     decode_ms = 0.0
     for _ in range(args.max_tokens):

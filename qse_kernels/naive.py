@@ -231,34 +231,78 @@ def recurrent_gated_delta_rule_from_gates(
     return recurrent_gated_delta_rule(q, k, v, g, beta, state, out_state)
 
 
+# Scores held at once by one attention call (fp32 elements: 64 MiB). A call under it (every grid chunk up to a
+# few thousand rows of context, every test's shapes) is the einsum below, readable top to bottom. Past it the
+# einsum would hold T x L scores three times over (a 16k prompt read whole took 12.8 GB), so the queries go in
+# blocks of this // (H * L) rows through torch's fused attention, which never holds a block's scores either:
+# memory grows linearly in the context. Which path a call takes depends only on its shapes, so the same call
+# gives the same bits (the exactness contract compares like with like); the two paths agree within rounding.
+ATTENTION_SCORE_ELEMENTS = 1 << 24
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float | None = None) -> torch.Tensor:
     """Causal GQA attention of T queries at absolute positions q_start.. over L = q_start + T rows.
 
-    q [T, H, D]; k, v [L, Hkv, D]. Scores and softmax in fp32; returns [T, H, D] in q's dtype.
-    """
+    q [T, H, D]; k, v [L, Hkv, D]. Scores and softmax in fp32; returns [T, H, D] in q's dtype. Past
+    ATTENTION_SCORE_ELEMENTS scores: query blocks through the fused attention (each over the rows it sees)."""
     num_q, num_heads, head_dim = q.shape
-    num_rows, num_kv = k.shape[0], k.shape[1]
     scale = head_dim ** -0.5 if scale is None else scale
+    block = _query_block(num_q, num_heads, k.shape[0])
+    if block >= num_q:
+        return _attention_block(q, k.float(), v.float(), q_start, scale)
+    out = torch.empty_like(q)
+    kf, vf = k.float(), v.float()
+    for first in range(0, num_q, block):
+        last = min(num_q, first + block)
+        rows = q_start + last  # the rows these queries can see
+        out[first:last] = _sdpa_block(q[first:last].float(), kf[:rows], vf[:rows], q_start + first, scale).to(q.dtype)
+    return out
+
+
+def _query_block(num_q: int, num_heads: int, num_rows: int) -> int:
+    return max(1, min(num_q, ATTENTION_SCORE_ELEMENTS // max(1, num_heads * num_rows)))
+
+
+def _attention_block(q: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, q_start: int, scale: float) -> torch.Tensor:
+    """attention of q's rows over fp32 kf, vf [L, Hkv, D] (L = q_start + T)."""
+    num_q, num_heads, head_dim = q.shape
+    num_rows, num_kv = kf.shape[0], kf.shape[1]
     group = num_heads // num_kv
     qf = q.float().view(num_q, num_kv, group, head_dim)
-    scores = torch.einsum("tkgd,lkd->kgtl", qf, k.float()) * scale  # [Hkv, G, T, L]
+    scores = torch.einsum("tkgd,lkd->kgtl", qf, kf) * scale  # [Hkv, G, T, L]
     q_pos = torch.arange(q_start, q_start + num_q, device=q.device)
     k_pos = torch.arange(num_rows, device=q.device)
-    scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))  # in place: one [T, L] buffer less
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("kgtl,lkd->tkgd", probs, v.float())
+    del scores
+    out = torch.einsum("kgtl,lkd->tkgd", probs, vf)
     return out.reshape(num_q, num_heads, head_dim).to(q.dtype)
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int) -> torch.Tensor:
-    """The same result through torch's fused attention (used on CUDA where the einsum would not fit)."""
+    """The same result through torch's fused attention (used on CUDA where the einsum would not fit); queries
+    in the same blocks as `attention`, so the boolean mask is never T x L."""
+    num_q, num_heads, _ = q.shape
+    block = _query_block(num_q, num_heads, k.shape[0])
+    if block >= num_q:
+        return _sdpa_block(q, k, v, q_start)
+    out = torch.empty_like(q)
+    for first in range(0, num_q, block):
+        last = min(num_q, first + block)
+        rows = q_start + last
+        out[first:last] = _sdpa_block(q[first:last], k[:rows], v[:rows], q_start + first)
+    return out
+
+
+def _sdpa_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int,
+                scale: float | None = None) -> torch.Tensor:
     num_q, num_heads, _ = q.shape
     num_rows, num_kv = k.shape[0], k.shape[1]
     q_pos = torch.arange(q_start, q_start + num_q, device=q.device)
-    mask = torch.arange(num_rows, device=q.device)[None, :] <= q_pos[:, None]
+    mask = torch.arange(num_rows, device=q.device)[None, :] <= q_pos[:, None]  # [T, L] bools: the block's only T x L
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-        attn_mask=mask[None, None], enable_gqa=num_heads != num_kv,
+        attn_mask=mask[None, None], enable_gqa=num_heads != num_kv, scale=scale,
     )
     return out[0].transpose(0, 1)
 

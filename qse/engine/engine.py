@@ -115,6 +115,22 @@ class Engine:
             out = self.model.forward(ids.to(self.device), cache, logits, logit_row=logit_row)
         return out, watch.gpu_ms
 
+    def prefill(self, cache: SequenceCache, ids: torch.Tensor, chunk: int) -> tuple[torch.Tensor, float]:
+        """Read ids on top of cache in pieces of `chunk` rows; returns the last row's logits and the device ms.
+        A whole prompt read in one forward holds every row's activations at once; in pieces it holds one
+        piece's, whatever the prompt's length."""
+        if chunk < 1:
+            raise ValueError(f"chunk must be a positive number of rows, got {chunk}")
+        if ids.numel() == 0:
+            raise ValueError("empty input: at least one token id is needed")
+        total_ms, logits = 0.0, None
+        for first in range(0, ids.shape[0], chunk):
+            piece = ids[first : first + chunk]
+            last = first + chunk >= ids.shape[0]
+            logits, ms = self.forward(cache, piece, "last" if last else "none")
+            total_ms += ms
+        return logits, total_ms
+
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

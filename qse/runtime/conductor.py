@@ -25,7 +25,7 @@ import math
 import time
 import uuid
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, AsyncIterator, Callable
 
 import msgspec
@@ -34,7 +34,7 @@ import structlog
 from ..core.chunk_cost import ChunkCostEstimator
 from ..core.drive import Stop
 from ..core.idle import IdleBurst, IdleWindow, SessionBacklog, pick_idle_session
-from ..core.ledger import Role
+from ..core.ledger import Role, ms_to_us
 from ..core.locks import HeldLocks, LockRank, Priority
 from ..core.plan import ROLE_OF_WINDOW, Window, whole_chunks
 from ..core.prefix import common_prefix
@@ -47,7 +47,7 @@ from ..engine.sampling import Sampler, SamplingParams
 from ..policy import Policy
 from ..sessions.grid import GridSessions
 from ..sessions.served import LaunchedRound, ServedSessions, ServedTurn
-from ..shadow.reader import AskResult, ShadowError, ShadowReader
+from ..shadow.reader import READ_FIRST, AskResult, ShadowError, ShadowReader
 from .executor import EngineExecutor
 from .ledger import RuntimeLedger
 from .locks import LockBoard
@@ -807,7 +807,8 @@ class Conductor:
             if outcome.result.stop is Stop.REFUSED:
                 log.error("chunk_not_recorded", window=window.value, session=session_id,
                           gpu_ms=outcome.reports[-1].gpu_ms if outcome.reports else None)
-            answered = await self._answer_router(session_id) if (outcome.reports or outcome.is_at_question) else 0
+            answered = (await self._answer_router(session_id, window, turn_id, decision)
+                        if (outcome.reports or outcome.is_at_question) else 0)
             if not outcome.is_at_question or not answered:  # (a gate with nothing to answer would spin)
                 return num_chunks, outcome.result.stop
 
@@ -895,7 +896,10 @@ class Conductor:
         """A question as the reader's chat format asks it (the format is the model's business, not ours)."""
         return self.reader.engine.chat.question_ids(question)
 
-    async def ask(self, session_id: str, question: str, choices: list[str], upto: int | None = None) -> AskResult:
+    async def ask(self, session_id: str, question: str, choices: list[str], upto: int | None = None,
+                  behind: str = READ_FIRST) -> AskResult:
+        """A question on a fork. Whole chunks the reader has not read are read on the grid first and kept for
+        the session (behind="read", charged to the question), or left unseen (behind="answer_now")."""
         if self.reader is None:
             raise ShadowError("the shadow reader is off in this profile")
         self.reader.get(session_id)
@@ -906,13 +910,35 @@ class Conductor:
         async with self.board.engine_lock(Priority.QUESTION):
             self._refuse_if_stopped()
             self._refuse_if_released()
-            result = await self.reader_exec.run(self.reader.ask, session_id, ids, choices, upto)
-            self.ledger.record(Role.READER_ASK, result.gpu_ms)
-        return result
+            read_ms, read_tokens = await self._catch_up(session_id, upto, behind)
+            result = await self.reader_exec.run(self.reader.ask, session_id, ids, choices, upto, behind)
+            self.ledger.record(Role.READER_ASK, result.gpu_ms + read_ms)
+        self._note_backlog(session_id)
+        return replace(result, gpu_ms=result.gpu_ms + read_ms, read_ms=result.read_ms + read_ms,
+                       read_tokens=result.read_tokens + read_tokens)
 
-    async def summarize(self, session_id: str, prompt: str, max_tokens: int):
+    async def _catch_up(self, session_id: str, upto: int | None, behind: str) -> tuple[float, int]:
+        """Before a question: where router questions wait inside the backlog, read up to each, answer it, and
+        go on (a question's read must not pass them); the reader's own catch-up reads the rest. Returns the
+        device ms and the ids read."""
+        if behind != READ_FIRST or not self.router.pending.get(session_id):
+            return 0.0, 0
+        spent, rows = 0.0, 0
+        while self.router.pending.get(session_id):
+            session = self.reader.get(session_id)
+            stops = [r for r in self.router.stop_rows(session_id) if r >= session.committed]
+            end = len(session.ids) if upto is None else upto
+            reports = await self.reader_exec.run(self.reader.catch_up, session_id, min([end, *stops]))
+            spent += sum(r.gpu_ms for r in reports)
+            rows += sum(r.chunks for r in reports) * self.reader.grid
+            if not await self._answer_router(session_id):
+                break
+        return spent, rows
+
+    async def summarize(self, session_id: str, prompt: str, max_tokens: int, behind: str = READ_FIRST):
         """A summary on a fork, asked outside a turn (the summarize route, or a turn whose thought the live
-        narrator did not reach): it waits for the engine behind the turns and questions."""
+        narrator did not reach): it waits for the engine behind the turns and questions, then reads what is
+        still behind (charged to the narrator), or answers at once with behind="answer_now"."""
         if self.reader is None:
             raise ShadowError("the shadow reader is off in this profile")
         self.reader.get(session_id)
@@ -921,24 +947,41 @@ class Conductor:
         async with self.board.engine_lock(Priority.NARRATOR):
             self._refuse_if_stopped()
             self._refuse_if_released()
-            result = await self.reader_exec.run(self.reader.summarize, session_id, ids, max_tokens, stop)
-            self.ledger.record(Role.NARRATOR, result.gpu_ms)
-        return result
+            read_ms, read_tokens = await self._catch_up(session_id, None, behind)
+            result = await self.reader_exec.run(self.reader.summarize, session_id, ids, max_tokens, stop, behind)
+            self.ledger.record(Role.NARRATOR, result.gpu_ms + read_ms)
+        self._note_backlog(session_id)
+        return replace(result, gpu_ms=result.gpu_ms + read_ms, read_ms=result.read_ms + read_ms,
+                       read_tokens=result.read_tokens + read_tokens)
 
     def _committed(self, session_id: str) -> int | None:
         session = self.reader.sessions.get(session_id) if self.reader is not None else None
         return None if session is None else session.committed
 
-    async def _answer_router(self, session_id: str) -> int:
-        """Answer the pending router questions the reader has reached (the next chunk would pass them)."""
+    async def _answer_router(self, session_id: str, window: Window | None = None, turn_id: str | None = None,
+                             decision: IdleBurst | RationSlice | None = None) -> int:
+        """Answer the pending router questions the reader has reached (the next chunk would pass them). One
+        answered inside a turn's slice (a ration's, the narrator's) is charged to that slice's role and turn
+        and spends the slice's budget; elsewhere (the idle window, before a question) it is a question's."""
         ids = self.render_question(ROUTER_QUESTION)
 
         async def ask(position: int) -> Answer:
             result = await self.reader_exec.run(self.reader.ask, session_id, ids, ROUTER_LETTERS, position)
-            self.ledger.record(Role.READER_ASK, result.gpu_ms)
+            if window is not None and turn_id is not None:
+                self.ledger.record(ROLE_OF_WINDOW[window], result.gpu_ms, turn_id=turn_id)
+                if decision is not None:
+                    decision.spent_us += ms_to_us(result.gpu_ms) or 0
+            else:
+                self.ledger.record(Role.READER_ASK, result.gpu_ms)
             return Answer(result.label, result.probability)
 
         return await self.router.answer_ready(session_id, self._committed(session_id), ask, self.journal)
+
+    def served_session_rows(self) -> int | None:
+        """The rows one served session can hold: the whole served KV pool (other sessions' pages are made room
+        for), less one page a turn may hold above its rows while it decodes."""
+        pool = self.serving.book.pool
+        return max(0, (pool.num_pages - 1) * pool.page_rows)
 
     # ---- status ------------------------------------------------------------------------------
     def served_cache_status(self) -> dict[str, Any]:

@@ -257,10 +257,21 @@ class Service:
         if len(ids) > self.max_prompt_tokens:
             raise bad_request(f"the prompt has {len(ids)} tokens, over the limit of {self.max_prompt_tokens} "
                               "(QSE_MAX_PROMPT_TOKENS)", param, "context_length_exceeded")
+        takes, why = self.turn_capacity()
+        if takes is not None and len(ids) + max_tokens > takes:
+            raise bad_request(f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) is over the {takes} "
+                              f"tokens a turn can hold on this server ({why}): send a prompt of at most "
+                              f"{max(0, takes - max_tokens)} tokens, or a smaller max_tokens", param,
+                              "context_length_exceeded")
+
+    def turn_capacity(self) -> tuple[int | None, str]:
+        """The most rows (prompt plus output) one turn can hold here, and what sets it: the model's window or
+        the served model's KV pool (a turn past it could not be read, so it is refused up front)."""
         window = self.max_context_tokens
-        if window is not None and len(ids) + max_tokens > window:
-            raise bad_request(f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) is over the model's "
-                              f"window of {window} tokens", param, "context_length_exceeded")
+        pool = self.conductor.served_session_rows()
+        if pool is not None and (window is None or pool < window):
+            return pool, "the served model's KV pool, QSE_SERVED_KV_GB"
+        return window, "the model's window"
 
     async def session_for(self, prompt_ids: list[int], explicit: str | None, tenant: Tenant,
                           head_tokens: int) -> str:
@@ -721,7 +732,7 @@ class Service:
             raise bad_request(f"the question has {n} tokens, over the limit of {self.max_question_tokens} "
                               "(QSE_MAX_QUESTION_TOKENS)", "question", "question_too_long")
         try:
-            result = await self.conductor.ask(key, req.question, list(req.choices), req.at)
+            result = await self.conductor.ask(key, req.question, list(req.choices), req.at, req.behind)
         except UnknownSession:
             raise self._unknown(req.session) from None
         except ShadowError as exc:
@@ -730,7 +741,8 @@ class Service:
         return wire.AskResponse(session=tenant.shown(result.session_id), distribution=result.distribution,
                                 label=result.label, probability=result.probability, position=result.position,
                                 committed=result.committed,
-                                latency_ms=round(result.latency_ms, 3), gpu_ms=round(result.gpu_ms, 3))
+                                latency_ms=round(result.latency_ms, 3), gpu_ms=round(result.gpu_ms, 3),
+                                read_tokens=result.read_tokens, behind=result.behind)
 
     async def summarize(self, req: wire.SummarizeRequest, tenant: Tenant = LONE) -> wire.SummaryResponse:
         self._need_shadow()
@@ -740,7 +752,7 @@ class Service:
             raise bad_request(f"the prompt has {n} tokens, over the limit of {self.max_question_tokens} "
                               "(QSE_MAX_QUESTION_TOKENS)", "prompt", "question_too_long")
         try:
-            result = await self.conductor.summarize(tenant.key(req.session), prompt, req.max_tokens)
+            result = await self.conductor.summarize(tenant.key(req.session), prompt, req.max_tokens, req.behind)
         except UnknownSession:
             raise self._unknown(req.session) from None
         except ShadowError as exc:
@@ -748,7 +760,8 @@ class Service:
         return wire.SummaryResponse(session=tenant.shown(result.session_id), text=result.text,
                                     tokens=len(result.token_ids), position=result.position,
                                     gpu_ms=round(result.gpu_ms, 3),
-                                    ms_per_token=round(result.ms_per_token, 3))
+                                    ms_per_token=round(result.ms_per_token, 3),
+                                    read_tokens=result.read_tokens, behind=result.behind)
 
     def status(self, tenant: Tenant | None = None) -> dict[str, Any]:
         """The conductor's status, the parked sessions and the narrations; with `tenant`, only what it owns,

@@ -191,11 +191,17 @@ SESSION_ID_MAX_CHARS = 256
 SessionId = Annotated[str, Meta(min_length=1, max_length=SESSION_ID_MAX_CHARS)]
 
 
+# A question about a session the reader is behind on by whole chunks: "read" them first (kept for the session,
+# the question pays for them), or "answer_now" over what the reader has read (the answer says how far behind).
+Behind = Literal["read", "answer_now"]
+
+
 class AskRequest(Struct, forbid_unknown_fields=True):
     session: SessionId
     question: Annotated[str, Meta(min_length=1)]
     choices: Annotated[list[Annotated[str, Meta(min_length=1, max_length=32)]], Meta(min_length=1, max_length=64)]
     at: Annotated[int, Meta(ge=0)] | None = None
+    behind: Behind = "read"
 
 
 class ReaderAction(Struct, forbid_unknown_fields=True):
@@ -208,6 +214,7 @@ class SummarizeRequest(Struct, forbid_unknown_fields=True):
     session: SessionId
     prompt: Annotated[str, Meta(min_length=1)] | None = None
     max_tokens: Annotated[int, Meta(ge=1, le=1024)] = 64
+    behind: Behind = "read"
 
 
 # ---- responses --------------------------------------------------------------------------------
@@ -370,7 +377,9 @@ class AskResponse(Struct):
     position: int  # the absolute position the answer was read over
     committed: int  # rows the reader had committed when it answered
     latency_ms: float
-    gpu_ms: float
+    gpu_ms: float  # the fork's and the chunks read for it
+    read_tokens: int = 0  # ids read on the grid for this question and kept for the session
+    behind: int = 0  # ids of the session the answer did not see (behind="answer_now")
 
 
 class SummaryResponse(Struct):
@@ -380,6 +389,8 @@ class SummaryResponse(Struct):
     position: int
     gpu_ms: float
     ms_per_token: float
+    read_tokens: int = 0
+    behind: int = 0
 
 
 # ---- decoding and checks ----------------------------------------------------------------------

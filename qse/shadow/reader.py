@@ -4,12 +4,20 @@ The sessions' state on the grid (feeding, reading chunk by chunk, checkpoints, r
 is the engine-neutral machinery of qse/sessions/grid.py; this module adds what only the reader does:
 questions (`ask`) and summaries (`summarize`), each on a fork: the pending tail and the question are
 read above the committed rows, and the state is put back afterwards.
+
+A question about a session that is behind by whole chunks (`behind`):
+- "read" (the default): those chunks are read on the grid first and kept, as the idle reader would have
+  read them (the session's state advances; the asker pays for them), and the fork holds only the tail
+  under one chunk and the question. A fork never holds a backlog: its memory and its cost are bounded by
+  one chunk plus the question, and nothing read for a question is thrown away.
+- "answer_now": nothing is read; the question is asked over the committed rows alone, and the answer
+  says how many of the session's ids it did not see (`behind`).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +36,9 @@ ShadowSession = GridSession
 FORK_ALIGN = 64
 PAD_ID = 0
 
+READ_FIRST, ANSWER_NOW = "read", "answer_now"
+BEHIND_MODES = (READ_FIRST, ANSWER_NOW)  # what a question does about whole chunks the reader has not read
+
 @dataclass
 class AskResult:
     session_id: str
@@ -37,8 +48,12 @@ class AskResult:
     position: int  # absolute position of the question's last token + 1 (what it answered over)
     committed: int
     tokens_forwarded: int
-    gpu_ms: float
+    gpu_ms: float  # the fork's and the chunks read for it (read_ms)
     latency_ms: float
+    read_tokens: int = 0  # ids read on the grid for this question (kept for the session)
+    read_ms: float = 0.0  # their device time
+    behind: int = 0  # the session's ids the answer did not see (answer_now on a session behind)
+    logits: torch.Tensor | None = field(default=None, repr=False)  # fp32 [vocab]: the answer row's logits
 
 
 @dataclass
@@ -47,8 +62,11 @@ class SummaryResult:
     token_ids: list[int]
     text: str
     position: int
-    gpu_ms: float
+    gpu_ms: float  # the summary's and the chunks read for it (read_ms)
     ms_per_token: float
+    read_tokens: int = 0
+    read_ms: float = 0.0
+    behind: int = 0
 
 
 class ShadowReader(GridSessions):
@@ -58,6 +76,28 @@ class ShadowReader(GridSessions):
         super().__init__(engine, *args, graphs=graphs, who="the reader", **kwargs)
 
     # ---- forks -------------------------------------------------------------------------------
+    def catch_up(self, session_id: str, limit: int | None = None) -> list[ChunkReport]:
+        """Read the session's whole chunks below `limit` (None: every whole chunk known) on the grid and keep
+        them: what a question does before its fork (the idle reader would have read the same chunks, to the
+        same bits)."""
+        return self.read_all(session_id, limit=limit)
+
+    def _before_fork(self, session: ShadowSession, upto: int | None, behind: str) -> tuple[list[ChunkReport], int]:
+        """A question's whole chunks behind, per `behind`: read (and kept) or left; returns the reports and
+        the end of the ids the fork holds."""
+        if behind not in BEHIND_MODES:
+            raise ShadowError(f"behind={behind!r}: expected one of {', '.join(BEHIND_MODES)}")
+        self.ensure_resident(session)  # (a dropped session's committed rows are 0 from here)
+        end = len(session.ids) if upto is None else upto
+        if end < session.committed:
+            raise ShadowError(f"cannot answer at position {end}: the reader already committed {session.committed} rows")
+        if end - session.committed < self.grid:  # under one chunk: the fork holds it
+            return [], end
+        if behind == ANSWER_NOW:
+            return [], session.committed
+        reports = self.catch_up(session.session_id, end)
+        return reports, end
+
     def _fork_logits(self, session: ShadowSession, extra: list[int], upto: int | None):
         """The logits after ids[committed:upto] + extra, read above the committed rows; the state is put
         back. The fork is padded to a multiple of FORK_ALIGN rows (the padding sits after the last real
@@ -117,8 +157,10 @@ class ShadowReader(GridSessions):
             ids.append(tid)
         return ids
 
-    def ask(self, session_id: str, question_ids: list[int], choices: list[str], upto: int | None = None) -> AskResult:
-        """The letters' softmax from one forward of the question over the whole session."""
+    def ask(self, session_id: str, question_ids: list[int], choices: list[str], upto: int | None = None,
+            behind: str = READ_FIRST) -> AskResult:
+        """The letters' softmax from one forward of the question over the session up to `upto` (None: all of
+        it); whole chunks behind are read first and kept, or left unseen with behind="answer_now"."""
         session = self.get(session_id)
         letters = self.letter_ids(choices)
         if not question_ids:
@@ -127,28 +169,34 @@ class ShadowReader(GridSessions):
         if len(question_ids) > window:
             raise ShadowError(f"the question has {len(question_ids)} tokens, longer than the model window {window}")
         t0 = time.perf_counter()
-        logits, gpu_ms, total, forwarded = self._fork_logits(session, question_ids, upto)
+        reports, end = self._before_fork(session, upto, behind)
+        read_ms = sum(r.gpu_ms for r in reports)
+        logits, gpu_ms, total, forwarded = self._fork_logits(session, question_ids, end)
         probs = torch.softmax(logits[letters], dim=-1).tolist()
         latency_ms = (time.perf_counter() - t0) * 1e3
         best = max(range(len(choices)), key=lambda i: probs[i])
         result = AskResult(session_id, dict(zip(choices, probs)), choices[best], probs[best], total,
-                           session.committed, forwarded, gpu_ms, latency_ms)
+                           session.committed, forwarded, gpu_ms + read_ms, latency_ms,
+                           sum(r.chunks for r in reports) * self.grid, read_ms, len(session.ids) - end, logits)
         self.stats.asks += 1
         self.stats.last_answers = (self.stats.last_answers + [{
             "session": session_id, "label": result.label, "probability": round(result.probability, 6),
             "position": total}])[-16:]
         return result
 
-    def summarize(self, session_id: str, prompt_ids: list[int], max_tokens: int, stop_ids: tuple[int, ...] = ()) -> SummaryResult:
+    def summarize(self, session_id: str, prompt_ids: list[int], max_tokens: int, stop_ids: tuple[int, ...] = (),
+                  behind: str = READ_FIRST) -> SummaryResult:
         """Greedy decode on a fork: a short summary over the whole session (decode steps replay one graph
-        where graphs are on)."""
+        where graphs are on); whole chunks behind as in `ask`."""
         session = self.get(session_id)
         if max_tokens < 1:
             raise ShadowError(f"max_tokens must be >= 1, got {max_tokens}")
+        reports, seen = self._before_fork(session, None, behind)
+        read_ms = sum(r.gpu_ms for r in reports)
         self.ensure_resident(session)
         cache = session.cache
         assert cache is not None
-        ids = session.ids[session.committed :] + list(prompt_ids)
+        ids = session.ids[session.committed : seen] + list(prompt_ids)
         end = session.committed + len(ids)
         window = self.engine.cfg.max_position_embeddings
         if end + max_tokens > window:
@@ -194,7 +242,8 @@ class ShadowReader(GridSessions):
             self.end_fork(session)
         self.stats.summaries += 1
         return SummaryResult(session_id, out_ids, self.engine.chat.tokenizer.decode(out_ids),
-                             end, prefill_ms + decode_ms, decode_ms / max(1, steps))
+                             end, prefill_ms + decode_ms + read_ms, decode_ms / max(1, steps),
+                             sum(r.chunks for r in reports) * self.grid, read_ms, len(session.ids) - seen)
 
     def _greedy_on_graph(self, entry, first: int, pos: int, vocab: int, stop_ids: tuple[int, ...],
                          max_tokens: int) -> tuple[list[int], float, int]:
@@ -234,5 +283,5 @@ class ShadowReader(GridSessions):
         return out_ids, clock.ms(start, last) if steps else 0.0, steps
 
 
-__all__ = ["AskResult", "ChunkReport", "DropLRU", "FeedReport", "Residency", "ShadowError", "ShadowReader",
-           "SummaryResult", "UnknownSession"]
+__all__ = ["ANSWER_NOW", "AskResult", "BEHIND_MODES", "ChunkReport", "DropLRU", "FeedReport", "READ_FIRST", "Residency",
+           "ShadowError", "ShadowReader", "SummaryResult", "UnknownSession"]

@@ -155,3 +155,33 @@ def test_state_moves_whole_between_caches_in_one_copy_a_buffer(tiny_engine):
     assert rec[0].data_ptr() != rec_buf.data_ptr() and rec[1].data_ptr() == rec[0].data_ptr() + rec[0].nbytes
     rec_loose, _ = loose.clone_state()
     assert all(torch.equal(a, b) for a, b in zip(rec_loose, source.recurrent))
+
+
+# ---- memory bounded by the chunk, not the prompt -----------------------------------------------------
+def test_attention_past_the_score_budget_goes_in_query_blocks(monkeypatch):
+    """Past ATTENTION_SCORE_ELEMENTS the twin attends in query blocks through the fused attention: the same
+    result within rounding, the same bits on every call, and no T x L score matrix held (checked at 64k by
+    tests/engine/test_prompt_memory.py)."""
+    from qse_kernels import naive
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(n, h, 32, generator=gen) for n, h in ((96, 4), (160, 2), (160, 2)))
+    whole = naive.attention(q, k, v, 64)
+    monkeypatch.setattr(naive, "ATTENTION_SCORE_ELEMENTS", 4 * 160 * 10)  # blocks of 10 queries
+    assert naive._query_block(96, 4, 160) == 10
+    blocked = naive.attention(q, k, v, 64)
+    assert torch.allclose(blocked, whole, atol=1e-5, rtol=1e-5)
+    assert torch.equal(blocked, naive.attention(q, k, v, 64))
+    assert torch.allclose(naive.sdpa_attention(q, k, v, 64), whole, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_reads_a_prompt_in_pieces(tiny_engine):
+    """Engine.prefill: a prompt read in pieces of `chunk` rows, the same bits as those pieces read one by one."""
+    ids = torch.randint(0, 248000, (2 * GRID + 9,), generator=torch.Generator().manual_seed(5))
+    cache = tiny_engine.new_cache()
+    logits, _ = tiny_engine.prefill(cache, ids, GRID)
+    by_hand, pieces = _read_on_grid(tiny_engine.model, ids)
+    assert cache.length == len(ids) and torch.equal(logits, pieces[-1])
+    assert _equal(_state(tiny_engine.model, cache), _state(tiny_engine.model, by_hand))
+    with pytest.raises(ValueError, match="chunk must be a positive"):
+        tiny_engine.prefill(cache, ids, 0)

@@ -49,6 +49,9 @@ class ScriptedConductor:
     def map_session(self, prompt_ids, explicit, namespace="", head_tokens=0):
         return explicit
 
+    def served_session_rows(self):
+        return None  # no KV pool: the window alone bounds a turn
+
     async def generate(self, req):
         arrival = self.clock()
         n = 0
