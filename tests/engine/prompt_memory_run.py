@@ -4,22 +4,22 @@ what the model itself took.
 
 The session's rows below the prompt's last chunks come back as a parked state (as the store brings back a
 session read earlier: random rows here, since their values do not change what a read holds in memory); the
-rest of the prompt is read on the grid over the whole 64k of context, the tail and a question on forks. Reading
-all 64k rows from row 0 costs the same memory a chunk (what a chunk holds depends only on the context it
-attends over, and the last chunks attend over the most) but hours of one shared core: benchmarks/prompt_memory.py
-does that run.
+rest of the prompt is read on the grid over the whole 64k of context, the tail and a question on forks. What a
+read holds depends only on the rows it reads and the context it attends over, and the last chunks attend over
+the most; reading all 64k rows from row 0 would hold no more, but takes many minutes of a shared core.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-PROMPT = 65536
+PROMPT = int(os.environ.get("QSE_TEST_PROMPT", 65536 + 100))  # 64Ki and a tail
 GRID = 512
 
 
@@ -38,6 +38,12 @@ def parked_state(engine, length: int, seed: int):
              for name, t in fresh.views.items()}
     sections = {name: torch.randn(t.shape, generator=gen).to(t.dtype) * 0.1 for name, t in fresh.sections.items()}
     return type(fresh)(sections=sections, views=views, length=length)
+
+
+def park(book, session_id: str, ids: list[int]) -> None:
+    """The session known and its state parked (as the store leaves it): the next read brings it back."""
+    book.feed(session_id, ids)
+    book.drop_state(book.get(session_id))
 
 
 def main(cache_dir: str, parked_rows: int) -> None:
@@ -71,15 +77,16 @@ def main(cache_dir: str, parked_rows: int) -> None:
 
     served = ServedSessions(GridSessions(engine, grid=GRID, pool_bytes=pool_bytes, residency=Parked(parked_rows),
                                          graphs=False, who="the served model"))
+    park(served.book, "served", ids)
     turn, logits = served.begin("served", ids)  # reads the chunks above the parked rows, then the tail
     start = turn.start
     token = int(logits[0].argmax())
     served.decode(turn, token)
     served.finish(turn)
 
-    # the reader's session comes back one chunk further on: its question forks the tail under one chunk
-    reader = ShadowReader(engine, grid=GRID, pool_bytes=pool_bytes, residency=Parked(parked_rows + GRID), graphs=False)
-    reader.feed("read", ids)
+    # the reader's question: the whole chunk behind is read (and kept), then the tail and the question on a fork
+    reader = ShadowReader(engine, grid=GRID, pool_bytes=pool_bytes, residency=Parked(parked_rows), graphs=False)
+    park(reader, "read", ids)
     answer = reader.ask("read", question, ["A", "B"])  # reads the chunks behind (kept), forks the tail + question
     print(json.dumps({
         "prompt_tokens": PROMPT, "parked_rows": parked_rows, "model_bytes": model_bytes,
