@@ -2,10 +2,13 @@
 the asker (READER_ASK, the narrator's for a summary) and kept for the session; "answer_now" reads nothing; a
 router question waiting inside the backlog is still answered at its own position."""
 
+import json
+
 from runtime_rig import GRID, prompt_ids
 
 from qse.core.ledger import Role, ms_to_us
 from qse.runtime.conductor import ShadowOptions
+from qse.runtime.router import PendingQuestion
 
 
 async def test_the_backlog_read_for_a_question_is_the_askers_and_is_kept(make_rig):
@@ -35,10 +38,9 @@ async def test_a_question_stops_at_a_waiting_router_question(make_rig, tmp_path)
     c, reader = rig.conductor, rig.reader
     reader.feed("r", prompt_ids(5 * GRID + 9))
     position = 2 * GRID + 5  # where a turn inserted its router question
-    c._router_pending["r"] = [{"request_id": "q1", "position": position, "router_label": None,
-                               "behind_at_turn_start": 0, "asked_at": c.clock()}]
+    c.router.pending["r"] = [PendingQuestion("q1", position, None, 0, c.clock())]
     answer = await c.ask("r", "Yes or no?", ["A", "B"])
     assert reader.get("r").committed == 5 * GRID and answer.read_tokens == 5 * GRID
-    assert not c._router_pending.get("r") and c.router_counts["answered"] == 1
+    assert not c.router.pending.get("r") and c.router.counts.answered == 1
     journal = (tmp_path / "shadow" / "shadow.jsonl").read_text().splitlines()
-    assert len(journal) == 1 and '"position": %d' % position in journal[0]
+    assert len(journal) == 1 and json.loads(journal[0])["position"] == position

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from test_app import body, real_service, serving, settings_for
 
-from qse.runtime.conductor import Conductor, ConductorConfig, ShadowOptions
+from qse.policy import Policy
+from qse.runtime.conductor import Conductor, ShadowOptions
 from qse.server.profiles import Profile, ShadowBlock
 from qse.server.service import Service
 from qse.shadow.reader import ShadowReader
@@ -15,7 +16,7 @@ def small_pool_service(engine, tmp_path, pages: int = 4, grid: int = 64) -> Serv
     """A server whose served KV pool holds `pages` pages of `grid` rows."""
     page_bytes = grid * engine.state_bytes_per_token()
     reader = ShadowReader(engine, grid=grid, pool_bytes=16 << 20)
-    conductor = Conductor(engine, reader, ShadowOptions(), ConductorConfig(
+    conductor = Conductor(engine, reader, ShadowOptions(), Policy(
         idle_poll_s=0.05, journal_dir=tmp_path / "shadow", served_grid=grid, served_kv_gb=pages * page_bytes / (1 << 30)))
     return Service(conductor, engine.chat, engine.name, Profile(shadow=ShadowBlock()), settings_for(tmp_path),
                    max_context_tokens=engine.cfg.max_position_embeddings)
