@@ -194,11 +194,14 @@ class ServedSessions:
         except BaseException:
             session.pinned = False
             raise
+        limit = ((len(prompt_ids) - 1) // book.grid) * book.grid
+        rolled_back_to = report.rolled_back_to
+        if session.committed > limit:  # the prompt ends on a line the session holds: its last chunk is the tail,
+            rolled_back_to = book.rollback(session, limit)  # read again for the first token's logits
         cached = session.committed
         self._reserved += 1
-        limit = ((len(prompt_ids) - 1) // book.grid) * book.grid
         turn = ServedTurn(session, TurnStart(session_id, len(prompt_ids), cached, tier if cached else None,
-                                             report.rolled_back_to, 0, len(prompt_ids) - cached, 0.0),
+                                             rolled_back_to, 0, len(prompt_ids) - cached, 0.0),
                           pos=cached, prompt_ids=list(prompt_ids), limit=limit, is_reserved=True)
         spent1 = book.residency.spent_ms()
         turn.start.restore_ms = _grew(spent0, spent1, "restore")

@@ -280,3 +280,21 @@ def test_a_prompt_read_in_pieces_between_decode_rounds_equals_a_cold_prefill(tin
     assert served.book.state_equal(served.book.get("b"), b_cold.book.get("cold")) == {
         "committed": True, "kv": True, "recurrent": True, "conv": True}
     assert served.rounds.num_free == 2 and served._reserved == 0
+
+
+def test_a_prompt_that_is_a_grid_line_prefix_of_the_kept_ids_rolls_back_a_chunk(tiny_engine):
+    """The new prompt ends on a grid line the session holds: the first token still needs the last chunk's
+    logits, so the turn starts from the line before and reads that chunk as its tail."""
+    gen = torch.Generator().manual_seed(11)
+    long = _ids(gen, 4 * GRID + 9)
+    served = _served(tiny_engine)
+    _turn(served, "s", long, steps=2)
+    short = long[:3 * GRID]
+    first, tokens, start = _turn(served, "s", short, steps=2)
+    cold_first, cold_tokens, cold = _cold(tiny_engine, short, steps=2)
+    assert torch.equal(first, cold_first)
+    assert tokens == cold_tokens
+    assert 1 <= start.tail_tokens <= GRID
+    assert start.cached_tokens + start.chunks_read * GRID + start.tail_tokens == len(short)
+    assert served.book.state_equal(served.book.get("s"), cold.book.get("cold")) == {
+        "committed": True, "kv": True, "recurrent": True, "conv": True}
