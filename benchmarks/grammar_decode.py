@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     held_rate = sorted(r["grammar"]["tokens_per_s"] for r in rows)[len(rows) // 2]
     result = {**result_header("llguidance", device=None if device.type == "cuda" else device.type),
               "model": engine.name, "mode": serving.mode, "path": "Conductor.generate (the round loop)",
-              "max_tokens": args.tokens, "schema": SCHEMA,
+              "max_tokens": args.tokens, "schema": SCHEMA, "launch_ahead": config.launch_ahead,
               "pairs": rows, "plain_tokens_per_s_median": plain_rate, "grammar_tokens_per_s_median": held_rate,
               "ratio": round(held_rate / plain_rate, 4), "goal_ratio": 0.95}
     print(json.dumps({k: result[k] for k in ("model", "mode", "plain_tokens_per_s_median",

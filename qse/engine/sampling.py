@@ -9,8 +9,10 @@ vocabulary's row). The draw is the exponential race (argmax of p / E, E ~ Exp(1)
 multinomial draw without its synchronisation, from a generator on the logits' device seeded by `seed`.
 
 The conductor calls `Sampler(params, vocab_limit=...)` once a turn and `sampler(logits_row)` once a
-token on the served executor's thread. The sampler sees every id it returns, so the state that grows
-with the output (the counts the penalties read, the grammar's matcher) lives here.
+token on the served executor's thread, or, for rounds launched ahead, `sampler.on_device(logits_row)` and
+`sampler.taken(id)` once that id is read back (a grammar's next mask is built from it while the device runs
+the next round's forward). The sampler sees every id it returns, so the state that grows with the output
+(the counts the penalties read, the grammar's matcher) lives here.
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ class Sampler:
         self._counts: torch.Tensor | None = None  # [vocab] int32: occurrences of each id in the output
         self._in_prompt: torch.Tensor | None = None  # [vocab] bool: ids of the prompt (repetition_penalty)
         self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._untaken = False  # a grammar's id chosen on the device that its matcher has not taken yet
 
     def _setup(self, device: torch.device, vocab: int) -> None:
         p = self.params
@@ -124,24 +127,45 @@ class Sampler:
 
     @property
     def is_on_device(self) -> bool:
-        """Whether the id can be chosen without the host: no grammar (its matcher runs on the host) and no
-        log-probabilities to hand back. Such a sampler's id may feed the next decode round before it is read."""
-        return self.grammar is None and (self.params.top_logprobs is None or self.record is None)
+        """Whether the id can be chosen without reading it back at once: no log-probabilities to hand back. Such a
+        sampler's id may feed the next decode round before it is read; a grammar's matcher then takes it when it
+        is read (`taken`), and the next step's mask is built on the host while the device runs that round."""
+        return self.params.top_logprobs is None or self.record is None
 
     def on_device(self, logits: torch.Tensor) -> torch.Tensor:
         """The id as a 0-d long tensor on the logits' device, never read back here (is_on_device samplers);
-        the penalties' counts see it on the device. The same choice as __call__."""
+        the penalties' counts see it on the device. The same choice as __call__. With a grammar, the id must
+        be handed to `taken` (once read) before the next step is sampled: its mask follows from it."""
         if not self.is_on_device:
-            raise ValueError("this sampler needs the host (a grammar or log-probabilities): call it instead")
+            raise ValueError("this sampler needs the host (log-probabilities): call it instead")
         logits = logits.reshape(-1)
         if self.vocab_limit is not None:
             logits = logits[: self.vocab_limit]
         if self.params.is_plain_greedy:
             return torch.argmax(logits)
-        token = self._choose(*self._shaped(logits))
+        self._check_taken()
+        x, logits = self._shaped(logits)
+        if self.grammar is not None:
+            x = self.grammar.apply(x)
+        token = self._choose(x, logits)
+        if isinstance(token, int):  # a closing id forced on the host: a fill, no copy
+            token = torch.full((), token, dtype=torch.long, device=logits.device)
         if self._counts is not None:
             self._counts[token] += 1  # stays on the device: an index, no read
+        self._untaken = self.grammar is not None
         return token
+
+    def taken(self, token: int) -> None:
+        """The id `on_device` chose last, read back: the grammar's worker has the matcher take it and builds the
+        next mask (no-op without a grammar)."""
+        if self._untaken:
+            self._untaken = False
+            self.grammar.advance(token)
+
+    def _check_taken(self) -> None:
+        if self._untaken:
+            raise RuntimeError("the grammar's last id chosen on the device was not taken: "
+                               "call taken(id) before the next step")
 
     def _shaped(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The row in fp32 after penalties and bias (a copy: the model's row stays as it was), and the row."""
@@ -176,6 +200,7 @@ class Sampler:
             # on the logits' device: 4 bytes come back, not the vocabulary's 1 MB (first maximum on ties,
             # on CPU and CUDA alike)
             return int(torch.argmax(logits))
+        self._check_taken()
         x, logits = self._shaped(logits)
         if self.grammar is not None:
             x = self.grammar.apply(x)  # the mask built on the host while the device ran the step; in place

@@ -514,9 +514,11 @@ class Conductor:
         rows = {id(e): i for i, e in enumerate(in_flight[0])} if in_flight is not None else {}
         carry = [rows.get(id(e), -1) if e.in_flight else -1 for e in batch]
         ahead = self.policy.launch_ahead and bool(batch) and all(e.sampler.is_on_device for e in batch)
+        # the earlier round's samplers that take its ids (a grammar's matcher): those of turns still running
+        takers = [e.sampler if e in self._running else None for e in in_flight[0]] if in_flight else []
         try:
             launched, tokens, ms, reads, earlier = await self.served_exec.run(
-                self._round_on_thread, batch, carry, ahead, plan.reads, in_flight[1] if in_flight else None)
+                self._round_on_thread, batch, carry, ahead, plan.reads, in_flight[1] if in_flight else None, takers)
         except Exception as exc:  # the round failed: every turn in it ends with the error
             for entry in batch + [r.key for r in plan.reads] + (in_flight[0] if in_flight else []):
                 if not entry.done.done():
@@ -562,18 +564,36 @@ class Conductor:
         await self._emit(entry, token)
 
     def _round_on_thread(self, batch: list["_Running"], carry: list[int], ahead: bool,
-                         plan: tuple[Read, ...], earlier: LaunchedRound | None):
+                         plan: tuple[Read, ...], earlier: LaunchedRound | None, takers: list[Sampler | None]):
         """The decode of `batch` (launched ahead, or sampled on the host and waited for), each planned read, then
         the earlier round's ids. Returns (the round launched ahead or None, the batch's ids when not ahead, their
         device ms, for each read (device ms, the first token if the tail was read, the error if it failed), the
-        earlier round's (ids, device ms) or None)."""
+        earlier round's (ids, device ms) or None).
+
+        A grammar turn's next mask needs its last id on the host: where the earlier round holds one, its ids are
+        read back between this round's forward and its sampling (the forward never waits for them; the matcher
+        and the mask run on the host while the device runs the forward), each taker taking its row's id."""
         launched, tokens, ms = None, [], 0.0
+        back: tuple[list[int], float] | None = None
+
+        def take_earlier() -> None:
+            nonlocal back
+            if earlier is not None and back is None:
+                back = earlier.finish()
+                for sampler, token in zip(takers, back[0]):
+                    if sampler is not None:
+                        sampler.taken(token)
+
+        take_first = any(s is not None and s.grammar is not None for s in takers)
         if batch:
             seqs, host_ids = [e.seq for e in batch], [0 if c >= 0 else e.token for e, c in zip(batch, carry)]
             if ahead:
-                launched = self.serving.launch_round(seqs, host_ids, carry, [e.sampler for e in batch])
+                launched = self.serving.launch_round(seqs, host_ids, carry, [e.sampler for e in batch],
+                                                     between=take_earlier if take_first else None)
             else:
                 logits, ms = self.serving.decode_round(seqs, host_ids, carry)
+                if take_first:
+                    take_earlier()
                 tokens = [e.sampler(logits[i]) for i, e in enumerate(batch)]
         reads = []
         for entry, chunks, tail in plan:
@@ -589,7 +609,8 @@ class Conductor:
             except Exception as exc:
                 self.serving.finish(seq)
                 reads.append((seq.start.gpu_ms - before, None, exc))
-        return launched, tokens, ms, reads, earlier.finish() if earlier is not None else None
+        take_earlier()
+        return launched, tokens, ms, reads, back
 
     def _read_tail(self, entry: "_Running") -> int:
         """The prompt's tail and the first token, on the served thread."""

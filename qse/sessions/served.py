@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -314,15 +314,19 @@ class ServedSessions:
         return logits, watch.gpu_ms
 
     def launch_round(self, turns: list[ServedTurn], tokens: list[int], carry: list[int] | None,
-                     samplers: list[Sampler]) -> "LaunchedRound":
+                     samplers: list[Sampler], between: Callable[[], None] | None = None) -> "LaunchedRound":
         """decode_round without waiting: each row's id chosen on the device (every sampler is_on_device; plain
         greedy rows in one argmax) into the rounds' `sampled` row i, where the next round may read it (carry),
-        and on its way to the host; nothing here waits for the device."""
+        and on its way to the host; nothing here waits for the device. between: called once the forward is
+        enqueued and before the sampling (a grammar's matcher takes the last round's ids there and builds this
+        step's mask on the host while the device runs the forward; the sampling stays outside any graph)."""
         if not all(s.is_on_device for s in samplers):
-            raise ValueError("launch_round samples on the device: a grammar or log-probabilities need decode_round")
+            raise ValueError("launch_round samples on the device: log-probabilities need decode_round")
         self._before_round(turns)
         begin = self._clock.mark()
         logits = self.rounds.run([t.slot for t in turns], tokens, carry)
+        if between is not None:
+            between()
         num_rows = len(turns)
         sampled = self.rounds.sampled
         limit = samplers[0].vocab_limit if samplers else None

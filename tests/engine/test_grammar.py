@@ -102,3 +102,33 @@ def test_an_answer_the_budget_cuts_is_not_done(chat):
     for _ in range(3):
         sampler(torch.randn(g.tokenizer.vocab_size, generator=gen))
     assert not record.grammar_done
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_ids_chosen_on_the_device_and_taken_later_equal_the_host_path(chat, temperature):
+    """The rounds launched ahead choose a grammar turn's id on the device and hand it to the matcher one step
+    later (`taken`): the same ids as the host path, the seeded draws and the closing steps included; an id not
+    taken before the next step is refused rather than sampled under a stale mask."""
+    max_tokens = 40
+    g = grammar(chat, max_tokens)
+    params = SamplingParams(temperature=temperature, seed=11, frequency_penalty=0.3, grammar=g)
+    host, device = (Sampler(replace(params, record=SampleRecord()), vocab_limit=g.tokenizer.vocab_size)
+                    for _ in range(2))
+    gen = torch.Generator().manual_seed(21)
+    rows = [torch.randn(g.tokenizer.vocab_size + 7, generator=gen) for _ in range(max_tokens)]
+    want = []
+    for row in rows:
+        want.append(host(row))
+        if want[-1] == g.tokenizer.eos_id:
+            break
+    got = []
+    for row in rows[:len(want)]:
+        token = device.on_device(row)
+        assert isinstance(token, torch.Tensor) and token.dim() == 0
+        if len(got) == 2:
+            with pytest.raises(RuntimeError, match="taken"):
+                device.on_device(row)  # the id before was not taken yet
+        device.taken(int(token))
+        got.append(int(token))
+    assert got == want and want[-1] == g.tokenizer.eos_id
+    assert device.record.grammar_done and json.loads(chat.tokenizer.decode(got[:-1]))["items"] is not None

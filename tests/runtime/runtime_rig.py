@@ -122,9 +122,9 @@ class Probe:
             out, ms = real(turns, tokens, *rest)
             return out, leave(t0, len(turns), ms)
 
-        def launch_round(turns, tokens, *rest):
+        def launch_round(turns, tokens, *rest, **kwargs):
             t0 = enter()
-            launched = real_launch(turns, tokens, *rest)
+            launched = real_launch(turns, tokens, *rest, **kwargs)
             _, ms = launched.finish()
             launched.gpu_ms = leave(t0, len(turns), ms)
             return launched

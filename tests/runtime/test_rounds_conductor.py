@@ -4,11 +4,14 @@ gets alone; a client that leaves frees its slot at the next round; the ledger ho
 from __future__ import annotations
 
 import asyncio
+import json
 
+import pytest
 from runtime_rig import GRID, prompt_ids
 
 from qse.core.ledger import Role
 from qse.core.ledger import ms_to_us
+from qse.engine.sampling import SamplingParams
 from qse.runtime.conductor import GenerateRequest
 
 PROMPTS = {"a": prompt_ids(GRID + 9, start=3000), "b": prompt_ids(2 * GRID + 3, start=9000),
@@ -158,3 +161,99 @@ async def test_a_stop_id_read_one_round_late_ends_the_turn_with_its_state_on_the
     session = rig.conductor.serving.book.get("s")
     assert session.committed == 2 * GRID and session.cache.length == 2 * GRID and len(session.kv.pages) == 2 * GRID // session.kv.pool.page_rows
     assert rig.conductor.serving.rounds.num_free == 2
+
+
+def _grammar_params(rig, temperature: float, max_tokens: int):
+    """A json_schema-like answer held by a grammar, on the rig's tokenizer; its end id stops the turn."""
+    from qse.engine.grammar import Grammar, json_rule
+    from qse.engine.sampling import SampleRecord, SamplingParams
+
+    schema = {"type": "object", "required": ["title", "n"], "additionalProperties": False,
+              "properties": {"title": {"type": "string", "maxLength": 10}, "n": {"type": "integer"}}}
+    tok = rig.conductor.served.chat.tokenizer.grammar_tokenizer()
+    g = Grammar.compile("start: answer\nanswer: " + json_rule(schema) + "\n", tok, max_tokens)
+    return SamplingParams(temperature=temperature, seed=4, grammar=g, record=SampleRecord()), tok.eos_id
+
+
+async def _held_turn(rig, prompt, temperature: float, max_tokens: int, session: str):
+    params, eos = _grammar_params(rig, temperature, max_tokens)
+    req = GenerateRequest(prompt_ids=prompt, max_tokens=max_tokens, sampling=params, stop_ids=(eos,),
+                          session_id=session)
+    return [t async for t in rig.conductor.generate(req)], params.record
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded-draw"])
+async def test_a_grammar_turn_launched_ahead_gets_the_synchronous_tokens(make_rig, temperature):
+    """A grammar turn's rounds launch ahead (the forward of step n+1 fed step n's id on the device, the mask built
+    while it runs): the same ids as the rounds that wait for each id, a valid answer, its end seen one round late
+    (that round dropped) and the session left with its prompt's grid line only."""
+    prompt = prompt_ids(2 * GRID + 5, start=6000)
+    outs, decodes = {}, {}
+    for ahead in (False, True):
+        rig = make_rig(max_running=2, served_grid=GRID, launch_ahead=ahead)
+        outs[ahead], record = await _held_turn(rig, prompt, temperature, 40, "s")
+        await rig.conductor.rounds_ended()
+        decodes[ahead] = len(rig.probe.of("decode"))
+        assert rig.records[0].finish_reason == "stop" and record.grammar_done
+        answer = json.loads(rig.conductor.served.chat.tokenizer.decode(outs[ahead]))
+        assert set(answer) == {"title", "n"} and isinstance(answer["n"], int)
+        session = rig.conductor.serving.book.get("s")
+        assert session.committed == 2 * GRID and session.cache.length == 2 * GRID
+        assert rig.conductor.serving.rounds.num_free == 2
+    assert outs[True] == outs[False]
+    assert decodes[False] == len(outs[False])  # one round a token after the first, and the end id's
+    assert decodes[True] == decodes[False] + 1  # the round launched before the end id was read
+
+
+async def test_a_grammar_turn_and_plain_turns_in_one_round_each_get_their_solo_tokens(make_rig):
+    grammar_prompt, greedy_prompt = prompt_ids(GRID + 9, start=3000), prompt_ids(17, start=15000)
+    drawn_prompt = prompt_ids(2 * GRID + 3, start=9000)
+    drawn = SamplingParams(temperature=0.9, seed=8, frequency_penalty=0.2)
+
+    async def plain(rig, prompt, params, session):
+        req = GenerateRequest(prompt_ids=prompt, max_tokens=10, sampling=params, session_id=session)
+        return [t async for t in rig.conductor.generate(req)]
+
+    solo_rig = make_rig(max_running=4, launch_ahead=False)
+    alone = {"g": (await _held_turn(solo_rig, grammar_prompt, 0.8, 30, "g"))[0],
+             "p": await plain(solo_rig, greedy_prompt, SamplingParams(), "p"),
+             "d": await plain(solo_rig, drawn_prompt, drawn, "d")}
+    rig = make_rig(max_running=4, launch_ahead=True)
+    hold = rig.probe.hold("prefill", 1)
+    tasks = {"g": asyncio.create_task(_held_turn(rig, grammar_prompt, 0.8, 30, "g")),
+             "p": asyncio.create_task(plain(rig, greedy_prompt, SamplingParams(), "p")),
+             "d": asyncio.create_task(plain(rig, drawn_prompt, drawn, "d"))}
+    await hold.entered
+    hold.release.set()
+    together = {k: await t for k, t in tasks.items()}
+    together["g"] = together["g"][0]
+    assert together == alone
+    assert max(c.num_ids for c in rig.probe.of("decode")) == 3  # the three turns shared rounds
+    assert rig.conductor.serving.rounds.num_free == 4
+
+
+async def test_a_grammar_id_in_flight_is_taken_when_a_logprobs_turn_makes_the_rounds_wait(make_rig):
+    """A grammar turn decodes ahead alone; a turn asking for log-probabilities joins, so the next rounds sample on
+    the host: the grammar's id still on the device is taken before its next step, and it gets its solo ids."""
+    from qse.engine.sampling import SampleRecord
+
+    grammar_prompt, other = prompt_ids(GRID + 9, start=3000), prompt_ids(17, start=15000)
+    solo_rig = make_rig(max_running=2, launch_ahead=False)
+    alone = (await _held_turn(solo_rig, grammar_prompt, 0.8, 30, "g"))[0]
+    rig = make_rig(max_running=2, launch_ahead=True)
+    hold = rig.probe.hold("decode", 3)
+    held = asyncio.create_task(_held_turn(rig, grammar_prompt, 0.8, 30, "g"))
+    await hold.entered
+    record = SampleRecord()
+    req = GenerateRequest(prompt_ids=other, max_tokens=4, session_id="l",
+                          sampling=SamplingParams(top_logprobs=2, record=record))
+    joined = asyncio.create_task(_collect(rig.conductor.generate(req)))
+    await rig.conductor.wait_for_waiting(1)
+    hold.release.set()
+    assert (await held)[0] == alone
+    assert len(await joined) == 4 and len(record.logprobs) == 4
+    assert max(c.num_ids for c in rig.probe.of("decode")) == 2  # they shared rounds
+
+
+async def _collect(gen) -> list[int]:
+    return [t async for t in gen]
