@@ -35,6 +35,7 @@ writes files from host tensors it is handed and never touches the store's books.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -116,6 +117,20 @@ class StoreCounts:
     restore_nbytes: int = 0
     last_park_ms: dict[str, float] = dataclasses.field(default_factory=dict)
     last_restore_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def _publishes(method):
+    """A store verb called from outside the book changes where sessions are: the book's snapshot (what status
+    reads off-thread) is published again on this, the owning, thread before the verb returns."""
+
+    @functools.wraps(method)
+    def verb(self, reader: GridSessions, *args, **kwargs):
+        try:
+            return method(self, reader, *args, **kwargs)
+        finally:
+            reader.publish()
+
+    return verb
 
 
 class ShadowStore:
@@ -333,6 +348,7 @@ class ShadowStore:
             self._count_write_miss(session, FileMiss(disk.write_reason(exc), exc.strerror or str(exc)))
 
     # ---- parking -------------------------------------------------------------------------------
+    @_publishes
     def park(self, reader: GridSessions, session: GridSession, wait: bool = True) -> bool:
         """Write a resident session to disk and free its state; False (it stays resident) if it cannot.
         The state is copied to the host and detached at once; the file is written by the mover thread
@@ -437,6 +453,7 @@ class ShadowStore:
             if writing.future.done():
                 self._land(reader, writing)
 
+    @_publishes
     def flush(self, reader: GridSessions) -> None:
         """Wait for every move in flight and land it (a planned stop, a status that must be exact, tests)."""
         for entry in list(self.host.values()):
@@ -489,6 +506,7 @@ class ShadowStore:
             self._release_held(entry)
 
     # ---- the host tier -------------------------------------------------------------------------
+    @_publishes
     def move_to_host(self, reader: GridSessions, session: GridSession, keep_cap: bool = True) -> bool:
         """A resident session's state into pinned host memory, its pool pages freed; older host states
         spill to disk (or are dropped) to keep the host cap. False (it stays resident) if it cannot fit."""
@@ -532,6 +550,7 @@ class ShadowStore:
         self.events.append(("drop", entry.session_id))
         return False
 
+    @_publishes
     def park_all(self, reader: GridSessions) -> dict:
         """Planned stop: write every resident session, least recently fed first (so the disk cap keeps
         the newest). Sessions that cannot be written stay resident and are reported."""
@@ -550,6 +569,7 @@ class ShadowStore:
         log.info("store_park_all", **report)
         return report
 
+    @_publishes
     def attach(self, reader: GridSessions) -> dict:
         """At start: register every usable file's session as parked (ids known, state on disk), so it
         resumes without reading again; remove torn temporaries and unusable files (misses)."""
@@ -650,6 +670,7 @@ class ShadowStore:
             session.checkpoint_lines = {p for p in session.checkpoint_lines if p <= len(session.ids)}
         return known
 
+    @_publishes
     def sweep(self, reader: GridSessions, now: float | None = None, incoming_nbytes: int = 0) -> list[str]:
         """Remove files past the time-to-live, then the oldest until the disk cap holds (with room
         for a file of `incoming_nbytes`); their sessions are read again when fed. Returns their ids."""
