@@ -10,77 +10,20 @@ import pytest
 import torch
 
 from qse.engine.engine import Engine
-from qse.engine.kv import KVPool, PagedKV
+from qse.engine.kv import PagedKV
 from qse.engine.rounds import DecodeRounds
 from qse.models import resolve
-
-PAGE_ROWS = 64  # the attention kernels' key block divides a page
-PROMPTS = [list(range(100, 110)), list(range(200, 263)), [31, 32, 33] * 9]  # the second crosses a page line
-ROUNDS = 2
-
-
-def _engine(kernels: str, model_dir, cache_dir) -> Engine:
-    """conftest's small model (four layers, each kind twice; a 1,000-token vocabulary: the interpreted head and
-    the one-row projections stay cheap)."""
-    torch.manual_seed(0)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    engine = Engine(resolve(str(model_dir), torch.device(device), dtype, cache_dir), kernels=kernels)
-    assert engine.kernels == kernels
-    return engine
-
-
-def _pool(engine) -> KVPool:
-    cfg = engine.cfg
-    return KVPool(16, PAGE_ROWS, len(cfg.attention_layers), cfg.num_key_value_heads, cfg.head_dim, engine.dtype,
-                  engine.device)
-
-
-def _decode(engine, prompts, max_running: int) -> list[list[torch.Tensor]]:
-    """Each prompt's logits rows over ROUNDS rounds of all of them together (greedy tokens)."""
-    pool = _pool(engine)
-    rounds = DecodeRounds(engine, pool, max_running=max_running, graphs="static")
-    slots, tokens, rows = [], [], [[] for _ in prompts]
-    for prompt in prompts:
-        cache = engine.new_cache(kv=PagedKV(pool))
-        logits, _ = engine.forward(cache, engine.ids_tensor(prompt), "last")
-        slots.append(rounds.admit(cache))
-        tokens.append(int(logits[-1].argmax()))
-    for _ in range(ROUNDS):
-        logits = rounds.run(slots, tokens)
-        for i in range(len(prompts)):
-            rows[i].append(logits[i].clone())
-        tokens = logits.argmax(-1).tolist()
-    return rows
-
-
-def _single(engine, prompt) -> list[torch.Tensor]:
-    """The same through Engine.forward one token at a time (a paged cache: the same attention kernel)."""
-    cache = engine.new_cache(kv=PagedKV(_pool(engine)))
-    logits, _ = engine.forward(cache, engine.ids_tensor(prompt), "last")
-    rows = []
-    for _ in range(ROUNDS):
-        logits, _ = engine.forward(cache, engine.ids_tensor([int(logits[-1].argmax())]), "last")
-        rows.append(logits[-1].clone())
-    return rows
+from rounds_rig import PROMPTS, decode_rounds, make_engine, make_pool
 
 
 def test_invariant_rounds_give_every_row_the_bits_it_gets_alone(small_model_dir, cache_dir):
-    engine = _engine("invariant", small_model_dir, cache_dir)
-    together = _decode(engine, PROMPTS, max_running=4)  # three rows in the bucket of four: one padding row
+    engine = make_engine("invariant", small_model_dir, cache_dir)
+    together = decode_rounds(engine, PROMPTS, max_running=4)  # three rows in the bucket of four: one padding row
     for i, prompt in enumerate(PROMPTS):
-        alone = _decode(engine, [prompt], max_running=1)[0]
+        alone = decode_rounds(engine, [prompt], max_running=1)[0]
         assert all(torch.equal(a, b) for a, b in zip(together[i], alone))
     # (the single-sequence path against a round of one: test_a_round_of_one_is_the_single_sequence_path; its
     # head is torch's, not row-invariant, so this set is compared there only through the triton kernels)
-
-
-@pytest.mark.parametrize("kernels", ["triton"])
-def test_a_round_of_one_is_the_single_sequence_path(small_model_dir, cache_dir, kernels):
-    engine = _engine(kernels, small_model_dir, cache_dir)
-    prompt = PROMPTS[1]
-    alone = _decode(engine, [prompt], max_running=1)[0]
-    assert all(torch.equal(a, b) for a, b in zip(alone, _single(engine, prompt)))
 
 
 @pytest.mark.gpu
@@ -94,7 +37,7 @@ def test_rounds_under_cuda_graphs_equal_the_static_flow(cache_dir, kernels):
     prompts = [list(range(300, 300 + n)) for n in (60, 130, 7, 200)]
     out = {}
     for graphs in (True, "static"):
-        pool = _pool(engine)
+        pool = make_pool(engine)
         rounds = DecodeRounds(engine, pool, max_running=4, graphs=graphs)
         assert rounds.capture == (graphs is True)
         rounds.warm()
