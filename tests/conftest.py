@@ -25,6 +25,36 @@ def shared_path(*parts: str) -> Path:
     return path
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test: on a small shared CPU, OpenMP's spinning makes tiny forwards many
+    times slower at random, and two contending threads are slower than one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def scripted_sampler(monkeypatch):
+    """The served sampler's stand-in for this test: the turn's ids are the class's `script` (set it), sampled
+    on the host, so the rounds read each round back before the next."""
+
+    class ScriptedSampler:
+        script: list[int] = []
+        is_on_device = False
+
+        def __init__(self, params, vocab_limit=None):
+            self.i = 0
+
+        def __call__(self, logits) -> int:
+            self.i += 1
+            return self.script[self.i - 1]
+
+    monkeypatch.setattr("qse.runtime.conductor.Sampler", ScriptedSampler)
+    return ScriptedSampler
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("qse-cache")

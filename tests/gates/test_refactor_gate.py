@@ -33,14 +33,6 @@ RECORD = os.environ.get("QSE_GATE_RECORD", "") == "1"
 VARIANTS = ["naive", "triton"]
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _recorded(kernels: str) -> dict[str, torch.Tensor]:
     if not FIXTURE.exists():
         pytest.fail(f"{FIXTURE} is missing: record it with QSE_GATE_RECORD=1 (see this module's docstring)")

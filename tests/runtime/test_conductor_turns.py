@@ -117,22 +117,8 @@ async def test_a_short_turn_spends_no_ration_inside_the_delay(make_rig):
     assert await rig.conductor.idle_once() == 5  # the idle window after it reads the backlog
 
 
-class ScriptedSampler:
-    """Stands in for the served sampler: the turn's ids are a script (a thought, its end marker, an answer)."""
-
-    script: list[int] = []
-    is_on_device = False  # sampled on the host: the rounds read each round back before the next
-
-    def __init__(self, params, vocab_limit=None):
-        self.i = 0
-
-    def __call__(self, logits) -> int:
-        self.i += 1
-        return self.script[self.i - 1]
-
-
 @pytest.mark.parametrize("ration_after_s", [0.0, 5.0], ids=["reader-undelayed", "reader-after-5s"])
-async def test_the_live_narrator_summarises_the_thought_before_the_answer_ends(make_rig, monkeypatch,
+async def test_the_live_narrator_summarises_the_thought_before_the_answer_ends(make_rig, scripted_sampler,
                                                                                  ration_after_s):
     # the reader's delay does not move the narrator's share
     rig = make_rig(script_ms=SCRIPT, chunk_prior_ms=20.0, ration_after_s=ration_after_s,
@@ -140,11 +126,10 @@ async def test_the_live_narrator_summarises_the_thought_before_the_answer_ends(m
     c, probe = rig.conductor, rig.probe
     think_end = c.served.chat.thought_end_id
     thought, answer = prompt_ids(10, start=30_000), prompt_ids(60, start=40_000)
-    monkeypatch.setattr(ScriptedSampler, "script", thought + [think_end] + answer)
-    monkeypatch.setattr("qse.runtime.conductor.Sampler", ScriptedSampler)
+    scripted_sampler.script = thought + [think_end] + answer
     prompt = prompt_ids(3 * GRID + 5)
     events: list = []
-    req = GenerateRequest(prompt_ids=prompt, max_tokens=len(ScriptedSampler.script), session_id="a",
+    req = GenerateRequest(prompt_ids=prompt, max_tokens=len(scripted_sampler.script), session_id="a",
                           narrate=events.append)
     async for token in c.generate(req):
         events.append(token)

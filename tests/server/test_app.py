@@ -390,27 +390,12 @@ async def test_the_openai_client_reads_tool_calls_streamed_and_whole(tiny_engine
         await service.stop()
 
 
-class ScriptedSampler:
-    """The served sampler's stand-in: a thought, its end marker, an answer (the tiny model's weights are random)."""
-
-    script: list[int] = []
-    is_on_device = False  # sampled on the host: the rounds read each round back before the next
-
-    def __init__(self, params, vocab_limit=None):
-        self.i = 0
-
-    def __call__(self, logits) -> int:
-        self.i += 1
-        return self.script[self.i - 1]
-
-
 async def test_the_live_narrator_streams_before_the_answer_ends_and_the_openai_client_reads_on(
-        tiny_engine, tmp_path, monkeypatch):
+        tiny_engine, tmp_path, scripted_sampler):
     openai = pytest.importorskip("openai")
     tok, chat = tiny_engine.chat.tokenizer, tiny_engine.chat
     thought, answer = tok.encode("The user says hello; I will greet them."), tok.encode(" Hello to you too." * 8)
-    monkeypatch.setattr(ScriptedSampler, "script", thought + [chat.thought_end_id] + tok.encode("\n\n") + answer)
-    monkeypatch.setattr("qse.runtime.conductor.Sampler", ScriptedSampler)
+    scripted_sampler.script = thought + [chat.thought_end_id] + tok.encode("\n\n") + answer
     profile = Profile(name="narrated", shadow=ShadowBlock(narrator="on", narrator_max_tokens=3),
                       ui=UiBlock(narrator="on"))
     reader = ShadowReader(tiny_engine, grid=64, pool_bytes=16 << 20)
@@ -426,7 +411,7 @@ async def test_the_live_narrator_streams_before_the_answer_ends_and_the_openai_c
             client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=http, max_retries=0)
             stream = await client.chat.completions.create(
                 model=service.model_name, messages=[{"role": "user", "content": "Hello!"}], stream=True,
-                max_tokens=len(ScriptedSampler.script), extra_headers={"X-Session-Id": "narrated-1"})
+                max_tokens=len(scripted_sampler.script), extra_headers={"X-Session-Id": "narrated-1"})
             events, content = [], ""
             async for chunk in stream:  # the client takes the narrator's chunk as any other
                 narration = (chunk.model_extra or {}).get("qse_narrator")

@@ -15,15 +15,6 @@ from qse.shadow.reader import ANSWER_NOW, BEHIND_MODES, ShadowError, ShadowReade
 LETTERS = ["A", "B", "C", "D"]
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny ops on a shared box run far faster on one thread than on two that contend."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, 248000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 

@@ -31,10 +31,6 @@ def ref(engine) -> ShadowReader:
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a small shared CPU, OpenMP's spinning makes these tiny forwards
-    10x slower at random; the states compared are all read in this process at this setting."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def store_tests_on_one_thread(one_thread):
+    """Every store test on one thread (the root conftest's fixture): the states compared are all read in
+    this process at this setting."""
