@@ -921,19 +921,30 @@ class Conductor:
                   behind: str = READ_FIRST) -> AskResult:
         """A question on a fork. Whole chunks the reader has not read are read on the grid first and kept for
         the session (behind="read", charged to the question), or left unseen (behind="answer_now")."""
-        if self.reader is None:
-            raise ShadowError("the shadow reader is off in this profile")
-        self.reader.get(session_id)
-        ids = self.render_question(question)
+        ids = self._question_ids(session_id, question)
         limit = self.policy.max_question_tokens
         if len(ids) > limit:
             raise ShadowError(f"the question has {len(ids)} tokens, over the limit of {limit} (QSE_MAX_QUESTION_TOKENS)")
-        async with self.board.engine_lock(Priority.QUESTION):
+        return await self._on_fork(session_id, Priority.QUESTION, Role.READER_ASK, upto, behind,
+                                   self.reader.ask, session_id, ids, choices, upto, behind)
+
+    def _question_ids(self, session_id: str, text: str) -> list[int]:
+        """A known session's question, rendered; refused at once where there is no reader."""
+        if self.reader is None:
+            raise ShadowError("the shadow reader is off in this profile")
+        self.reader.get(session_id)
+        return self.render_question(text)
+
+    async def _on_fork(self, session_id: str, priority: Priority, role: Role, upto: int | None, behind: str,
+                       call, *args):
+        """A question's or a summary's turn on the engine: behind the turns, catch up (router questions first)
+        and run `call` on the reader's thread; the catch-up's device time and ids count in its result."""
+        async with self.board.engine_lock(priority):
             self._refuse_if_stopped()
             self._refuse_if_released()
             read_ms, read_tokens = await self._catch_up(session_id, upto, behind)
-            result = await self.reader_exec.run(self.reader.ask, session_id, ids, choices, upto, behind)
-            self.ledger.record(Role.READER_ASK, result.gpu_ms + read_ms)
+            result = await self.reader_exec.run(call, *args)
+            self.ledger.record(role, result.gpu_ms + read_ms)
         self._note_backlog(session_id)
         return replace(result, gpu_ms=result.gpu_ms + read_ms, read_ms=result.read_ms + read_ms,
                        read_tokens=result.read_tokens + read_tokens)
@@ -960,20 +971,10 @@ class Conductor:
         """A summary on a fork, asked outside a turn (the summarize route, or a turn whose thought the live
         narrator did not reach): it waits for the engine behind the turns and questions, then reads what is
         still behind (charged to the narrator), or answers at once with behind="answer_now"."""
-        if self.reader is None:
-            raise ShadowError("the shadow reader is off in this profile")
-        self.reader.get(session_id)
-        ids = self.render_question(prompt)
+        ids = self._question_ids(session_id, prompt)
         stop = (self.reader.engine.chat.turn_end_id,)
-        async with self.board.engine_lock(Priority.NARRATOR):
-            self._refuse_if_stopped()
-            self._refuse_if_released()
-            read_ms, read_tokens = await self._catch_up(session_id, None, behind)
-            result = await self.reader_exec.run(self.reader.summarize, session_id, ids, max_tokens, stop, behind)
-            self.ledger.record(Role.NARRATOR, result.gpu_ms + read_ms)
-        self._note_backlog(session_id)
-        return replace(result, gpu_ms=result.gpu_ms + read_ms, read_ms=result.read_ms + read_ms,
-                       read_tokens=result.read_tokens + read_tokens)
+        return await self._on_fork(session_id, Priority.NARRATOR, Role.NARRATOR, None, behind,
+                                   self.reader.summarize, session_id, ids, max_tokens, stop, behind)
 
     def _committed(self, session_id: str) -> int | None:
         session = self.reader.sessions.get(session_id) if self.reader is not None else None
