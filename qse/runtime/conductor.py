@@ -39,9 +39,8 @@ from ..core.locks import HeldLocks, LockRank, Priority
 from ..core.plan import ROLE_OF_WINDOW, Window, whole_chunks
 from ..core.prefix import common_prefix
 from ..core.ration import RationSlice, TurnRation
-from ..core.rounds import MAX_OVERTAKEN, Prompt, Read, RoundPlan, RoundPlanner  # noqa: F401 (MAX_OVERTAKEN: tests)
+from ..core.rounds import Prompt, Read, RoundPlan, RoundPlanner
 from ..core.rounds import Running as RunningView
-from ..core.rounds import prefill_order as rounds_prefill_order
 from ..engine.engine import Engine
 from ..engine.sampling import Sampler, SamplingParams
 from ..policy import Policy
@@ -177,11 +176,6 @@ class _Running:
             return Prompt(self, self.arrival_no, self.unread_tokens, self.overtaken)
         return Prompt(self, self.arrival_no, self.seq.start.prompt_tokens - self.seq.session.committed,
                       self.overtaken, self.seq.chunks_left)
-
-
-def prefill_order(entry: _Running) -> tuple[int, int, int]:
-    """The round planner's order of prompts (qse/core/rounds.py), on the conductor's turns."""
-    return rounds_prefill_order(entry.prompt())
 
 
 class Conductor:

@@ -97,7 +97,11 @@ async def test_a_long_prompt_is_read_a_chunk_a_round_while_a_turn_decodes(make_r
 async def test_short_prompts_go_first_but_an_overtaken_one_is_not_starved(make_rig):
     """Prompts waiting together are read shortest first, ties in arrival order; a long prompt overtaken by
     MAX_OVERTAKEN later arrivals goes before any prompt not yet overdue."""
-    from qse.runtime.conductor import MAX_OVERTAKEN, _Running, prefill_order
+    from qse.core.rounds import MAX_OVERTAKEN, prefill_order as core_order
+    from qse.runtime.conductor import _Running
+
+    def prefill_order(entry: _Running) -> tuple[int, int, int]:  # the planner's order, on the conductor's turns
+        return core_order(entry.prompt())
 
     def entry(no: int, unread: int, overtaken: int = 0) -> _Running:
         return _Running(None, None, None, arrival_no=no, unread_tokens=unread, overtaken=overtaken)
