@@ -26,5 +26,11 @@ def test_a_tiny_run_writes_its_result(script, tmp_path, cache_dir):
                                                                                    (2, False)]
         assert all(lv["output_tokens"] == 4 * lv["users"] for lv in result["levels"])
     else:
-        turns = result["presets"][0]["turns"]
-        assert turns[0]["cached_tokens"] == 0 and all(t["cached_tokens"] > 0 for t in turns[1:])
+        preset = result["presets"][0]
+        turns = preset["turns"]
+        for tier in ("device", "host", "disk"):
+            # each copy of the session is found in its own tier on every turn after the first, and reused
+            assert turns[0][tier]["cached_tokens"] == 0
+            assert all(t[tier]["cached_tokens"] > 0 and t[tier]["tier"] == tier for t in turns[1:]), tier
+            assert preset[f"{tier}_found_in"] == [tier]
+        assert preset["ttft_cached_p50_ms"] == preset["ttft_device_p50_ms"]
