@@ -551,13 +551,18 @@ class Service:
                  for c in d.tool_calls]
         return wire.Delta(content=d.content or None, reasoning_content=d.reasoning or None, tool_calls=calls or None)
 
+    async def _run_whole(self, choice: TurnPlan) -> OutputText:
+        """One choice of a non-streamed answer, run to its end: its text as the stops left it."""
+        out = OutputText(self.chat.tokenizer.decode, choice.stops)
+        async for _ in self.drive(choice, out):
+            pass
+        return out
+
     async def chat_answer(self, plan: TurnPlan) -> wire.ChatCompletion:
         choices, total = [], 0
         for index in range(plan.n):
             choice = plan.choice(index)
-            out = OutputText(self.chat.tokenizer.decode, choice.stops)
-            async for _ in self.drive(choice, out):
-                pass
+            out = await self._run_whole(choice)
             sections = self._sections(choice)
             sections.finish(out.text)
             calls = [wire.ToolCallOut(id=c["id"], type=c["type"], function=wire.FunctionCallOut(**c["function"]))
@@ -605,9 +610,7 @@ class Service:
         choices, total = [], 0
         for index in range(plan.n):
             choice = plan.choice(index)
-            out = OutputText(self.chat.tokenizer.decode, choice.stops)
-            async for _ in self.drive(choice, out):
-                pass
+            out = await self._run_whole(choice)
             head = choice.prompt_text if choice.echo else ""
             choices.append(wire.CompletionChoice(index, head + out.text, choice.finish_reason,
                                                  self._completion_logprobs(choice, 0, out.num_ids, len(head))))
