@@ -13,6 +13,7 @@ rows). The residency manager (qse/store) asks and moves sessions only through th
 
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -89,6 +90,15 @@ class Residency(Protocol):
     def tier_of(self, session_id: str) -> str | None:
         """Where a non-resident session's state is ("host", "disk"), or None: it is read again."""
 
+    def ready(self, session_id: str) -> bool:
+        """Whether bringing the session back reads no file on the owning thread (resident, in host memory, read
+        ahead, or nowhere); False while its state is only in a file or still loading (`prefetch`). Any thread
+        may ask."""
+
+    def prefetch(self, reader: "GridSessions", session_id: str) -> "Future | None":
+        """Start reading a parked session's state into host memory beside the device work; the load in flight
+        (it lands at the next safe point, then `ready`), or None when there is nothing to wait for."""
+
     def safe_point(self, reader: "GridSessions") -> None:
         """Between rounds or in the idle window (never inside a ration slice): land finished moves, keep
         the tiers' caps. A feed is one too (`after_feed`)."""
@@ -130,6 +140,12 @@ class DropLRU:
         return None
 
     def tier_of(self, session_id: str) -> str | None:
+        return None
+
+    def ready(self, session_id: str) -> bool:
+        return True
+
+    def prefetch(self, reader: "GridSessions", session_id: str) -> "Future | None":
         return None
 
     def safe_point(self, reader: "GridSessions") -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -269,6 +270,21 @@ class ServedSessions:
             return len(prompt_ids)
         kept = common_prefix(session.ids, prompt_ids, session.committed)
         return len(prompt_ids) - (kept // self.grid) * self.grid
+
+    def is_ready(self, session_id: str) -> bool:
+        """Whether a turn on this session may open without reading a file on the served thread: its state is
+        resident, in host memory, read ahead, or nowhere (a cold read). Any thread may ask (one moment's
+        answer: a state may move before the turn opens, and then it is read as before)."""
+        return self.book.residency.ready(session_id)
+
+    def prefetch(self, session_ids: list[str]) -> list[Future]:
+        """Between rounds (a safe point): what has finished moving lands, and each of these sessions whose state
+        is only in a file starts loading into host memory beside the device work; the loads still in flight
+        (their turns open once they have landed: `is_ready`)."""
+        book = self.book
+        book.safe_point()
+        loads = [book.residency.prefetch(book, sid) for sid in session_ids]
+        return [f for f in loads if f is not None]
 
     def _tier_before(self, session: GridSession | None) -> str | None:
         if session is None:

@@ -28,8 +28,18 @@ is brought back from its host copy (waiting only for that session's device-to-ho
 running), and the late file is removed. `safe_point` lands finished moves and keeps the host cap; a
 planned stop (`park_all`) and `flush` wait for every move.
 
-All calls come from the owner's thread (the executor that owns its device work); the mover thread only
-writes files from host tensors it is handed and never touches the store's books.
+A parked session comes back without a file read on the owner's thread when it is asked for ahead:
+`prefetch` hands its file to the loader thread (its own, so a load never queues behind big writes),
+which reads it into (pinned) host memory and checks the header, the fingerprint and the checksum; the
+read lands at the next `poll` (a safe point, a feed, a restore) as a fetched copy of the file, and
+`ready` says so. The file stays parked until the session comes back (the fetched copy is a read-ahead,
+never the only copy: it may be let go at any time), so the tier a turn reports stays "disk". A bad file
+found by the loader is a miss when it lands; a load whose session came back, was closed or lost its
+file meanwhile is dropped when it lands. A restore that meets its own load in flight waits for it.
+
+All calls come from the owner's thread (the executor that owns its device work); the mover and the
+loader threads only write files from host tensors they are handed, or read one file into host tensors,
+and never touch the store's books.
 """
 
 from __future__ import annotations
@@ -72,6 +82,7 @@ class Parked:
     nbytes: int  # the file's size
     written_s: float  # wall clock at the rename
     committed: int
+    no_prefetch: bool = False  # a read-ahead failed for a reason not the file's: it is read when it comes back
 
 
 @dataclass
@@ -103,6 +114,25 @@ class Writing:
 
 
 @dataclass
+class Loading:
+    """A parked session's file being read by the loader thread (`prefetch`)."""
+
+    parked: Parked  # the file read: the load lands only while the session is still parked in this one
+    future: Future  # -> (_Record on the host, ms the read took); FileMiss for a file that cannot be used
+
+
+@dataclass
+class Fetched:
+    """A parked session's file read ahead into host memory; the file stays parked until the session is back."""
+
+    parked: Parked
+    record: "_Record"
+    nbytes: int
+    read_ms: float  # the loader thread's read (off the owner's thread)
+    landed_s: float  # monotonic: the oldest fetched copy is let go first
+
+
+@dataclass
 class StoreCounts:
     evictions: int = 0  # resident sessions pushed out by the cap or the pool (parked or dropped)
     parks: int = 0  # files written (evictions and park_all)
@@ -110,6 +140,8 @@ class StoreCounts:
     host_moves: int = 0  # resident states moved to pinned host memory
     host_restores: int = 0  # host states brought back into the pool
     host_spills: int = 0  # host states written to disk to keep the host cap
+    prefetches: int = 0  # files read ahead by the loader thread that landed (usable)
+    prefetch_drops: int = 0  # read-ahead copies let go unused (the session went, or another needed the room)
     drops: int = 0  # states forgotten by the store (no disk, write failed, file expired or evicted)
     expired: int = 0  # files removed by the time-to-live
     disk_evictions: int = 0  # files removed by the disk cap
@@ -174,6 +206,9 @@ class ShadowStore:
         self._spent = {"evict": 0.0, "restore": 0.0}
         self.writing: dict[str, Writing] = {}
         self._mover = ThreadPoolExecutor(1, thread_name_prefix="qse-mover") if background_writes else None
+        self.loading: dict[str, Loading] = {}
+        self.fetched: dict[str, Fetched] = {}
+        self._loader: ThreadPoolExecutor | None = None  # made on the first prefetch
         self._stream = None  # the device-to-host copies' own stream (CUDA), made on first use
 
     @classmethod
@@ -208,6 +243,35 @@ class ShadowStore:
         if session_id in self.parked:
             return "disk"
         return None
+
+    def ready(self, session_id: str) -> bool:
+        """Whether bringing the session back reads no file on the owner's thread: its state is resident, in
+        host memory, read ahead (`prefetch` landed), or nowhere (read again from row 0). False while it is only
+        in a file, or still loading. Any thread may ask (an answer of one moment)."""
+        parked = self.parked.get(session_id)
+        return parked is None or parked.no_prefetch or session_id in self.fetched
+
+    @_publishes
+    def prefetch(self, reader: GridSessions, session_id: str) -> Future | None:
+        """Start reading a parked session's file on the loader thread, into host memory (pinned on CUDA); the
+        load in flight (done once read; it lands at the next `poll`), or None when there is nothing to wait
+        for (`ready`). Lands what has finished first."""
+        self._bind(reader)
+        self.poll(reader)
+        if self.ready(session_id):
+            return None
+        loading = self.loading.get(session_id)
+        if loading is not None:
+            return loading.future
+        parked = self.parked[session_id]
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="qse-loader")
+        engine = reader.engine
+        future = self._loader.submit(_load_job, parked.path, self._fingerprint_of(reader), session_id, reader.grid,
+                                     engine.cfg.vocab_size, engine.device.type == "cuda")
+        self.loading[session_id] = Loading(parked, future)
+        self.events.append(("prefetch", session_id))
+        return future
 
     # ---- the Residency protocol ----------------------------------------------------------------
     def make_room(self, reader: GridSessions, pages: int, keep: GridSession) -> bool:
@@ -245,10 +309,17 @@ class ShadowStore:
             held.wait_copied()  # this session's own copies, if they are still on their way
             self._release_held(held)
             return self._bring_in(reader, session, held.record, None, held.nbytes, time.perf_counter(), time.perf_counter())
+        loading = self.loading.get(session.session_id)
+        if loading is not None:  # the same read, already under way, is no slower than a new one
+            self._land_load(reader, loading)  # waits for it
         entry = self.parked.pop(session.session_id, None)
+        fetched = self.fetched.pop(session.session_id, None)
         if entry is None:
             return False
         t0 = time.perf_counter()
+        if fetched is not None and fetched.parked is entry:
+            return self._bring_in(reader, session, fetched.record, entry.path, entry.nbytes, t0, t0,
+                                  prefetch_ms=fetched.read_ms)
         try:
             record = self._load(reader, entry.path, session.session_id)
         except (FileMiss, *_BAD_FIELD) as exc:
@@ -257,9 +328,10 @@ class ShadowStore:
         return self._bring_in(reader, session, record, entry.path, entry.nbytes, t0, time.perf_counter())
 
     def _bring_in(self, reader: GridSessions, session: GridSession, record: "_Record", path: Path | None, nbytes: int,
-                  t0: float, t_read: float, count: bool = True) -> bool:
-        """A record (from the host tier, or a file at `path`) into the pool; False is a miss. count=False: a
-        move that could not go ahead put back (no restore counted)."""
+                  t0: float, t_read: float, count: bool = True, prefetch_ms: float = 0.0) -> bool:
+        """A record (from the host tier, or a file at `path`, read here or ahead by the loader: prefetch_ms)
+        into the pool; False is a miss. count=False: a move that could not go ahead put back (no restore
+        counted)."""
         tier = "disk" if path is not None else "host"
         where = path if path is not None else Path(session.session_id)
         state = record.state
@@ -303,9 +375,10 @@ class ShadowStore:
             self.counts.host_restores += 1
         self.events.append(("restore" if tier == "disk" else "host_restore", session.session_id))
         self.counts.last_restore_ms = {"read_ms": (t_read - t0) * 1e3, "restore_ms": (t_done - t_read) * 1e3,
-                                       "total_ms": (t_done - t0) * 1e3, "nbytes": nbytes, "tier": tier}
+                                       "total_ms": (t_done - t0) * 1e3, "nbytes": nbytes, "tier": tier,
+                                       "prefetch_ms": prefetch_ms}
         log.info("store_restore", session=session.session_id, tier=tier, position=session.committed, nbytes=nbytes,
-                 ms=round((t_done - t0) * 1e3, 3), rolled_back_to=session.committed if first_diff < state.length else None)
+                 ms=round((t_done - t0) * 1e3, 3), prefetched=prefetch_ms > 0, rolled_back_to=session.committed if first_diff < state.length else None)
         return True
 
     def after_feed(self, reader: GridSessions, session: GridSession) -> None:
@@ -323,6 +396,7 @@ class ShadowStore:
         writing = self.writing.get(session.session_id)
         if writing is not None:
             writing.cancelled = True
+        self._let_go(session.session_id)  # a load in flight is dropped when it lands: its file is gone
         entry = self.parked.pop(session.session_id, None)
         if entry is not None:
             self._unlink(entry.path)
@@ -452,6 +526,9 @@ class ShadowStore:
         for writing in list(self.writing.values()):
             if writing.future.done():
                 self._land(reader, writing)
+        for loading in list(self.loading.values()):
+            if loading.future.done():
+                self._land_load(reader, loading)
 
     @_publishes
     def flush(self, reader: GridSessions) -> None:
@@ -461,6 +538,43 @@ class ShadowStore:
             self._release_held(entry)
         for writing in list(self.writing.values()):
             self._land(reader, writing)
+        for loading in list(self.loading.values()):
+            self._land_load(reader, loading)
+
+    def _land_load(self, reader: GridSessions, loading: Loading) -> None:
+        """A read-ahead has finished (waits for it): a fetched copy of the file, where the session is still
+        parked in it; a file that cannot be used is a miss now (the session is read again from row 0)."""
+        exc = loading.future.exception()  # waits
+        parked = loading.parked
+        sid = parked.session_id
+        if self.loading.get(sid) is loading:
+            del self.loading[sid]
+        session = reader.sessions.get(sid)
+        if self.parked.get(sid) is not parked or session is None or session.is_resident:
+            return  # the session came back, was closed, or its file went meanwhile: the read is stale
+        if isinstance(exc, FileMiss):
+            del self.parked[sid]
+            self._miss(parked.path, sid, exc)
+            reader.drop_state(session)  # no state anywhere now: the ids are read again from row 0
+            return
+        if exc is not None:  # not the file's fault (host memory, say): it is read when the session comes back
+            parked.no_prefetch = True
+            log.warning("store_prefetch_failed", session=sid, error=repr(exc), path=str(parked.path))
+            return
+        record, read_ms = loading.future.result()
+        self.fetched[sid] = Fetched(parked, record, _record_nbytes(record), read_ms, time.monotonic())
+        self.counts.prefetches += 1
+        self.events.append(("fetched", sid))
+        log.info("store_prefetched", session=sid, nbytes=parked.nbytes, read_ms=round(read_ms, 3))
+        # read-ahead copies are held within the host cap, the newest kept whatever its size
+        while len(self.fetched) > 1 and sum(f.nbytes for f in self.fetched.values()) > self.host_cap_nbytes:
+            self._let_go(min((f for f in self.fetched.values() if f is not self.fetched[sid]),
+                             key=lambda f: f.landed_s).parked.session_id)
+
+    def _let_go(self, session_id: str) -> None:
+        """A read-ahead copy unused: its file is still parked (or gone with the session)."""
+        if self.fetched.pop(session_id, None) is not None:
+            self.counts.prefetch_drops += 1
 
     def safe_point(self, reader: GridSessions) -> None:
         """Between rounds or in the idle window: land finished moves and keep the host cap (spills go to the
@@ -680,6 +794,7 @@ class ShadowStore:
         for why, ids in (("expired", decision.expired), ("disk_cap", decision.evicted)):
             for sid in ids:
                 entry = self.parked.pop(sid)
+                self._let_go(sid)
                 self._unlink(entry.path)
                 if why == "expired":
                     self.counts.expired += 1
@@ -710,6 +825,11 @@ class ShadowStore:
             "host_moves": c.host_moves,
             "host_restores": c.host_restores,
             "host_spills": c.host_spills,
+            "loading_sessions": len(self.loading),
+            "fetched_sessions": len(self.fetched),
+            "fetched_bytes": sum(f.nbytes for f in list(self.fetched.values())),
+            "prefetches": c.prefetches,
+            "prefetch_drops": c.prefetch_drops,
             "parked_bytes": sum(p.nbytes for p in list(self.parked.values())),
             "files": len(self.parked),
             "disk_dir": str(self.disk_dir) if self.disk_dir is not None else None,
@@ -794,13 +914,10 @@ class ShadowStore:
         return True
 
     def _load(self, reader: GridSessions, path: Path, session_id: str) -> "_Record":
-        fp = self._fingerprint_of(reader)
-        header = disk.read_header(path)
-        fp.check(header.meta)
-        if header.meta.get("session_id") != session_id:
-            raise FileMiss("session_id", f"file holds session {header.meta.get('session_id')!r}, expected {session_id!r}")
+        """On the owner's thread: the file straight to the device (a session not read ahead)."""
+        header = _checked_header(path, self._fingerprint_of(reader), session_id)
         tensors = disk.read_tensors(header, device=reader.engine.device)  # verifies the checksum
-        return _decode(header, tensors, reader)
+        return _decode(header, tensors, reader.grid, reader.engine.cfg.vocab_size)
 
     def _miss(self, path: Path, session_id: str | None, miss: FileMiss, unlink: bool = True) -> None:
         self.misses[miss.reason] += 1
@@ -906,6 +1023,29 @@ def _host_record(reader: GridSessions, session: GridSession, stream=None) -> tup
     return record, copied
 
 
+def _checked_header(path: Path, fp: Fingerprint, session_id: str) -> FileHeader:
+    header = disk.read_header(path)
+    fp.check(header.meta)
+    if header.meta.get("session_id") != session_id:
+        raise FileMiss("session_id", f"file holds session {header.meta.get('session_id')!r}, expected {session_id!r}")
+    return header
+
+
+def _load_job(path: Path, fp: Fingerprint, session_id: str, grid: int, vocab_size: int,
+              pin: bool) -> tuple["_Record", float]:
+    """On the loader thread: one parked file into host memory (pinned with `pin`), header, fingerprint and
+    checksum checked; (the record, ms). A file that cannot be used raises FileMiss; anything else (host
+    memory, say) is not the file's fault and raises as it is."""
+    t0 = time.perf_counter()
+    header = _checked_header(path, fp, session_id)
+    tensors = disk.read_tensors(header, pin=pin)  # verifies the checksum
+    try:
+        record = _decode(header, tensors, grid, vocab_size)
+    except _BAD_FIELD as exc:
+        raise _as_miss(exc) from None
+    return record, (time.perf_counter() - t0) * 1e3
+
+
 def _write_job(copied, path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> int:
     """On the mover thread: wait for the host copies (that session's only), then write the file."""
     if copied is not None:
@@ -974,7 +1114,7 @@ def _same_layout(tensors: list[torch.Tensor], sections: dict[str, torch.Tensor],
     return all(r is not None and r.shape == t.shape and r.dtype == t.dtype for r, t in zip(refs, tensors))
 
 
-def _decode(header: FileHeader, tensors: dict[str, torch.Tensor], reader: GridSessions) -> _Record:
+def _decode(header: FileHeader, tensors: dict[str, torch.Tensor], grid: int, vocab_size: int) -> _Record:
     meta = header.meta
     committed = _meta_int(meta, "committed")
     positions = [int(p) for p in _meta_json(meta, "checkpoints")]
@@ -986,11 +1126,11 @@ def _decode(header: FileHeader, tensors: dict[str, torch.Tensor], reader: GridSe
         raise FileMiss("corrupt", f"checkpoint kinds {kinds!r} do not fit the positions")
     if "ids" not in tensors:
         raise FileMiss("corrupt", "no ids tensor")
-    ids = _check_ids(tensors["ids"], reader.engine.cfg.vocab_size)
+    ids = _check_ids(tensors["ids"], vocab_size)
     sections = {k[len("state.s."):]: t for k, t in tensors.items() if k.startswith("state.s.")}
     views = {k[len("state.v."):]: t for k, t in tensors.items() if k.startswith("state.v.")}
-    if committed > len(ids) or committed % reader.grid or any(v.shape[0] != committed for v in views.values()):
-        raise FileMiss("corrupt", f"committed {committed} does not fit {len(ids)} ids, grid {reader.grid} and the KV rows")
+    if committed > len(ids) or committed % grid or any(v.shape[0] != committed for v in views.values()):
+        raise FileMiss("corrupt", f"committed {committed} does not fit {len(ids)} ids, grid {grid} and the KV rows")
     checkpoints = []
     if len(counts) != len(positions):
         raise FileMiss("corrupt", "checkpoint positions and counts differ")
@@ -1000,7 +1140,7 @@ def _decode(header: FileHeader, tensors: dict[str, torch.Tensor], reader: GridSe
             cnv = [tensors[f"ckpt.{i}.conv.{j}"] for j in range(num_conv)]
         except KeyError as exc:
             raise FileMiss("corrupt", f"checkpoint {i} lacks {exc}") from None
-        if not 0 < position <= committed or position % reader.grid or not (
+        if not 0 < position <= committed or position % grid or not (
                 _same_layout(rec, sections, "recurrent") and _same_layout(cnv, sections, "conv")):
             raise FileMiss("corrupt", f"checkpoint {i} at {position} does not match the state")
         checkpoints.append(Checkpoint(position, rec, cnv, set(kinds[i])))
@@ -1008,4 +1148,4 @@ def _decode(header: FileHeader, tensors: dict[str, torch.Tensor], reader: GridSe
                    div_lines)
 
 
-__all__ = ["GIB", "HostEntry", "Parked", "ShadowStore", "StoreCounts"]
+__all__ = ["GIB", "Fetched", "HostEntry", "Loading", "Parked", "ShadowStore", "StoreCounts"]
