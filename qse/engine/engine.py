@@ -17,7 +17,7 @@ import torch
 
 from ..models import ResolvedModel
 from ..models.cache import SequenceCache
-from ..models.state import ModelState
+from ..models.state import ModelState, StateManifest
 
 
 @dataclass
@@ -81,6 +81,7 @@ class Engine:
         self.dtype = self.model.dtype
         self.name = resolved.name
         self.kernels = self._pick_kernels(kernels or "auto")
+        self._manifest = self.model.manifest()
 
     def _pick_kernels(self, requested: str) -> str:
         """Swap the model's ops for qse_kernels' Triton kernels where asked (and where they can run).
@@ -139,52 +140,46 @@ class Engine:
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     # ---- cold verbs --------------------------------------------------------------------------
-    def state_bytes_per_token(self) -> int:
-        cfg = self.cfg
-        return 2 * len(cfg.attention_layers) * cfg.num_key_value_heads * cfg.head_dim * torch.empty((), dtype=self.dtype).element_size()
+    # A state's tensors are the model adapter's to name (`manifest()`); these verbs only walk its list.
+    def manifest(self) -> StateManifest:
+        """Every tensor of a sequence's state, as the model's adapter lists it (and its signature)."""
+        return self._manifest
 
-    def recurrent_nbytes(self) -> int:
-        cfg = self.cfg
-        n = len(cfg.gdn_layers)
-        rec = n * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-        conv = n * (cfg.linear_conv_kernel_dim - 1) * cfg.gdn_conv_dim * torch.empty((), dtype=self.dtype).element_size()
-        return rec + conv
+    def cost(self, length: int) -> int:
+        """The bytes of a sequence's state at `length` tokens (cost(0): the fixed-size sections alone)."""
+        return self._manifest.cost(length)
+
+    def state_bytes_per_token(self) -> int:
+        """The bytes one more token adds to a state (its KV rows): what a KV pool is sized by."""
+        return self._manifest.view_nbytes_per_token
 
     def cache_state(self, cache: SequenceCache, length: int | None = None) -> ModelState:
-        """The cache as a ModelState (copies): sections = GDN state, views = KV rows [0, length)."""
+        """The cache as a ModelState (copies): the manifest's sections, and its views' rows [0, length)."""
         length = cache.length if length is None else length
-        sections = {}
-        for i, t in enumerate(cache.recurrent):
-            sections[f"gdn.{i}.recurrent"] = t.clone()
-        for i, t in enumerate(cache.conv):
-            sections[f"gdn.{i}.conv"] = t.clone()
-        views = {}
-        for slot in range(len(self.cfg.attention_layers)):
-            k, v = cache.kv.read(slot, length) if length else self._empty_rows()
-            views[f"kv.{slot}.k"] = k.clone()
-            views[f"kv.{slot}.v"] = v.clone()
+        held = cache.state_tensors()
+        sections = {t.name: held[t.index].clone() for t in self._manifest.sections}
+        views, rows = {}, {}
+        for t in self._manifest.views:
+            if not length:
+                views[t.name] = torch.empty((0, *t.shape), dtype=t.dtype, device=self.device)
+                continue
+            if t.index not in rows:  # one read a KV slot (a paged read gathers its pages)
+                rows[t.index] = cache.kv.read(t.index, length)
+            views[t.name] = rows[t.index][t.part].clone()
         return ModelState(sections=sections, views=views, length=length)
 
-    def _empty_rows(self):
-        shape = (0, self.cfg.num_key_value_heads, self.cfg.head_dim)
-        e = torch.empty(shape, dtype=self.dtype, device=self.device)
-        return e, e
-
-    def state_signature(self) -> str:
-        return self.cache_state(self.new_cache(), 0).signature()
-
     def restore_cache(self, state: ModelState, kv) -> SequenceCache | None:
-        """A cache holding `state`, KV rows written into `kv`; None if kv has no room."""
-        state.check_compatible(self.state_signature())
+        """A cache holding `state`, KV rows written into `kv`; None if kv has no room. A state that is not
+        what this model's manifest lists raises StateMismatch."""
+        self._manifest.check(state)
         cache = self.new_cache(kv=kv)
         if state.length and not kv.ensure(state.length):
             return None
-        for i, t in enumerate(cache.recurrent):
-            t.copy_(state.sections[f"gdn.{i}.recurrent"])
-        for i, t in enumerate(cache.conv):
-            t.copy_(state.sections[f"gdn.{i}.conv"])
-        for slot in range(len(self.cfg.attention_layers)):
-            if state.length:
-                kv.write(slot, 0, state.views[f"kv.{slot}.k"].to(self.device), state.views[f"kv.{slot}.v"].to(self.device))
+        held = cache.state_tensors()
+        for t in self._manifest.sections:
+            held[t.index].copy_(state.sections[t.name])
+        if state.length:
+            for slot, names in self._manifest.kv_slots().items():
+                kv.write(slot, 0, *(state.views[name].to(self.device) for name in names))
         cache.length = state.length
         return cache

@@ -142,20 +142,3 @@ class PagedKV:
             else:
                 self._table = host.to(device)
         return self._table
-
-    def export_rows(self, length: int) -> dict[str, torch.Tensor]:
-        """Rows [0, length) of every slot as contiguous tensors (for ModelState views)."""
-        out = {}
-        for slot in range(self.pool.num_slots):
-            k, v = self.read(slot, length)
-            out[f"kv.{slot}.k"] = k.clone()
-            out[f"kv.{slot}.v"] = v.clone()
-        return out
-
-    def import_rows(self, views: dict[str, torch.Tensor], length: int) -> bool:
-        if not self.ensure(length):
-            return False
-        for slot in range(self.pool.num_slots):
-            self.write(slot, 0, views[f"kv.{slot}.k"][:length].to(self.pool.k.device),
-                       views[f"kv.{slot}.v"][:length].to(self.pool.v.device))
-        return True

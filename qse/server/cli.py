@@ -122,7 +122,7 @@ def served_claim(served, policy, settings: EngineSettings):
     from ..store import GIB
 
     pools = (("kv_pool", int(policy.served_kv_gb * GIB)),
-             ("state_slots", policy.max_running * served.recurrent_nbytes()),
+             ("state_slots", policy.max_running * served.cost(0)),
              ("session_cache", int(settings.get("QSE_SERVED_CACHE_GB") * GIB)))
     return Claim("served", "served:" + served.name, served.model.weights_nbytes(), pools)
 

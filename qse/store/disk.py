@@ -81,7 +81,7 @@ class Fingerprint:
 
     weights_id: str
     grid: int
-    signature: str  # ModelState signature: tensor names, shapes and dtypes
+    signature: str  # the engine's StateManifest signature: state tensor names, shapes and dtypes
     kernel: str  # kernels, torch build and device that wrote the state
 
     def metadata(self) -> dict[str, str]:

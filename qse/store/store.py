@@ -59,7 +59,7 @@ import structlog
 import torch
 
 from ..engine.kv import PagedKV
-from ..models.state import ModelState, StateMismatch
+from ..models.state import ModelState, StateManifest, StateMismatch
 from ..settings import EngineSettings
 from ..core.prefix import common_prefix
 from ..sessions.grid import GridSessions
@@ -268,7 +268,7 @@ class ShadowStore:
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="qse-loader")
         engine = reader.engine
         future = self._loader.submit(_load_job, parked.path, self._fingerprint_of(reader), session_id, reader.grid,
-                                     engine.cfg.vocab_size, engine.device.type == "cuda")
+                                     engine.cfg.vocab_size, engine.manifest(), engine.device.type == "cuda")
         self.loading[session_id] = Loading(parked, future)
         self.events.append(("prefetch", session_id))
         return future
@@ -278,7 +278,7 @@ class ShadowStore:
         """Free `pages` pool pages and keep the cap with them (and the checkpoint the chunk may take)."""
         need_nbytes = pages * reader.pool.page_nbytes
         if keep.is_resident and reader.chunk_may_checkpoint(keep):
-            need_nbytes += reader.engine.recurrent_nbytes()
+            need_nbytes += reader.engine.cost(0)
         return self._fit(reader, keep, pages, need_nbytes)
 
     def spent_ms(self) -> dict[str, float]:
@@ -294,7 +294,7 @@ class ShadowStore:
         if restored:
             return True
         # the reader now makes a fresh state (recurrent + conv): keep the cap with it
-        self._fit(reader, session, 0, reader.engine.recurrent_nbytes())
+        self._fit(reader, session, 0, reader.engine.cost(0))
         return False
 
     def _restore(self, reader: GridSessions, session: GridSession) -> bool:
@@ -857,7 +857,7 @@ class ShadowStore:
     def _fingerprint_of(self, reader: GridSessions) -> Fingerprint:
         if self._fingerprint is None:
             engine = reader.engine
-            self._fingerprint = Fingerprint(engine.resolved.weights_id, reader.grid, engine.state_signature(),
+            self._fingerprint = Fingerprint(engine.resolved.weights_id, reader.grid, engine.manifest().signature(),
                                             disk.kernel_fingerprint(engine.device, getattr(engine, "kernels", None),
                                                                     getattr(engine, "model", None)))
         return self._fingerprint
@@ -917,7 +917,7 @@ class ShadowStore:
         """On the owner's thread: the file straight to the device (a session not read ahead)."""
         header = _checked_header(path, self._fingerprint_of(reader), session_id)
         tensors = disk.read_tensors(header, device=reader.engine.device)  # verifies the checksum
-        return _decode(header, tensors, reader.grid, reader.engine.cfg.vocab_size)
+        return _decode(header, tensors, reader.grid, reader.engine.cfg.vocab_size, reader.engine.manifest())
 
     def _miss(self, path: Path, session_id: str | None, miss: FileMiss, unlink: bool = True) -> None:
         self.misses[miss.reason] += 1
@@ -1031,7 +1031,7 @@ def _checked_header(path: Path, fp: Fingerprint, session_id: str) -> FileHeader:
     return header
 
 
-def _load_job(path: Path, fp: Fingerprint, session_id: str, grid: int, vocab_size: int,
+def _load_job(path: Path, fp: Fingerprint, session_id: str, grid: int, vocab_size: int, manifest: StateManifest,
               pin: bool) -> tuple["_Record", float]:
     """On the loader thread: one parked file into host memory (pinned with `pin`), header, fingerprint and
     checksum checked; (the record, ms). A file that cannot be used raises FileMiss; anything else (host
@@ -1040,7 +1040,7 @@ def _load_job(path: Path, fp: Fingerprint, session_id: str, grid: int, vocab_siz
     header = _checked_header(path, fp, session_id)
     tensors = disk.read_tensors(header, pin=pin)  # verifies the checksum
     try:
-        record = _decode(header, tensors, grid, vocab_size)
+        record = _decode(header, tensors, grid, vocab_size, manifest)
     except _BAD_FIELD as exc:
         raise _as_miss(exc) from None
     return record, (time.perf_counter() - t0) * 1e3
@@ -1106,15 +1106,8 @@ def _read_ids(header: FileHeader, vocab_size: int) -> list[int]:
     return _check_ids(ids, vocab_size)
 
 
-def _same_layout(tensors: list[torch.Tensor], sections: dict[str, torch.Tensor], kind: str) -> bool:
-    """Checkpoint tensor j is the GDN layer j's `kind` state: same count, shapes and dtypes."""
-    if len(tensors) != sum(1 for k in sections if k.endswith("." + kind)):
-        return False
-    refs = [sections.get(f"gdn.{j}.{kind}") for j in range(len(tensors))]
-    return all(r is not None and r.shape == t.shape and r.dtype == t.dtype for r, t in zip(refs, tensors))
-
-
-def _decode(header: FileHeader, tensors: dict[str, torch.Tensor], grid: int, vocab_size: int) -> _Record:
+def _decode(header: FileHeader, tensors: dict[str, torch.Tensor], grid: int, vocab_size: int,
+            manifest: StateManifest) -> _Record:
     meta = header.meta
     committed = _meta_int(meta, "committed")
     positions = [int(p) for p in _meta_json(meta, "checkpoints")]
@@ -1140,8 +1133,8 @@ def _decode(header: FileHeader, tensors: dict[str, torch.Tensor], grid: int, voc
             cnv = [tensors[f"ckpt.{i}.conv.{j}"] for j in range(num_conv)]
         except KeyError as exc:
             raise FileMiss("corrupt", f"checkpoint {i} lacks {exc}") from None
-        if not 0 < position <= committed or position % grid or not (
-                _same_layout(rec, sections, "recurrent") and _same_layout(cnv, sections, "conv")):
+        # a checkpoint holds the GDN state: the manifest's sections, in the cache's order
+        if not 0 < position <= committed or position % grid or not manifest.fits_sections([*rec, *cnv]):
             raise FileMiss("corrupt", f"checkpoint {i} at {position} does not match the state")
         checkpoints.append(Checkpoint(position, rec, cnv, set(kinds[i])))
     return _Record(ids, ModelState(sections=sections, views=views, length=committed), checkpoints, meta.get("mode", "eager"),

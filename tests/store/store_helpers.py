@@ -19,7 +19,7 @@ GRID = 32
 def session_nbytes(engine: Engine, reader: ShadowReader, rows: int, checkpoints: int = 0) -> int:
     """What a resident session of `rows` committed rows holds (pages are whole)."""
     pages = -(-rows // reader.pool.page_rows)
-    return pages * reader.pool.page_nbytes + (1 + checkpoints) * engine.recurrent_nbytes()
+    return pages * reader.pool.page_nbytes + (1 + checkpoints) * engine.cost(0)
 
 
 def make_reader(engine: Engine, disk_dir: Path | None, cap_nbytes: int = 1 << 30, pool_bytes: int = 4 << 20,

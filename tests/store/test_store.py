@@ -7,7 +7,10 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
+from qse.engine.engine import Engine
+from qse.models import resolve
 from qse.shadow.reader import ShadowReader
 from qse.store import ShadowStore, disk
 from store_helpers import GRID, assert_fresh, assert_same, make_reader, random_ids, rewrite_meta, session_nbytes, snapshot
@@ -273,6 +276,43 @@ def test_a_file_of_another_model_is_refused_and_read_again(engine, ref, tmp_path
     reader.feed("b", reader.get("b").ids, now=6.0)
     reader.read_all("b")
     assert_same(reader, reader.get("b"), snap_b)
+
+
+def test_a_file_of_another_manifest_is_refused_at_start(engine, store_cache_dir, tmp_path):
+    """The same weights in another dtype: the state tensors' dtypes differ, so the manifest's signature does."""
+    wide = Engine(resolve("", torch.device("cpu"), torch.float64, store_cache_dir))
+    assert wide.manifest().signature() != engine.manifest().signature()
+    other, other_store = make_reader(wide, tmp_path)
+    ids = random_ids(1, 3 * GRID)
+    other.feed("s", ids, now=1.0)
+    other.read_all("s")
+    other_store.park_all(other)
+    reader, store = make_reader(engine, tmp_path)
+    report = store.attach(reader)
+    assert report["sessions"] == 0 and report["misses"] == {"signature": 1}
+    assert files_in(tmp_path) == [] and "s" not in reader.sessions
+
+
+def test_a_file_whose_tensors_are_not_the_manifests_is_a_miss(engine, ref, tmp_path):
+    """Fingerprints that match over tensors that do not (a renamed section): the restore refuses it, the
+    session is read again from row 0."""
+    reader, store = make_reader(engine, tmp_path)
+    ids = random_ids(2, 3 * GRID)
+    reader.feed("s", ids, now=1.0)
+    reader.read_all("s")
+    store.park(reader, reader.get("s"))
+    path = tmp_path / disk.file_name("s")
+    header = disk.read_header(path)
+    tensors = disk.read_tensors(header)
+    name = next(k for k in tensors if k.startswith("state.s."))
+    tensors["state.s.foreign"] = tensors.pop(name)
+    disk.write_file(path, tensors, header.meta)
+    reader.feed("s", ids, now=2.0)
+    reader.read_all("s")
+    assert store.stats()["misses"] == {"signature": 1}
+    assert reader.get("s").stats.chunks_read == 6  # 3 before, 3 again from row 0
+    assert_fresh(reader, "s", ref)
+    assert files_in(tmp_path) == []
 
 
 def test_a_file_of_another_grid_is_refused_at_start(engine, tmp_path):

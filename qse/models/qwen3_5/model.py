@@ -29,6 +29,7 @@ import qse_kernels.naive as naive_ops
 
 from ..cache import ContiguousKV, SequenceCache, SlotStates
 from ..linear import DenseLinear
+from ..state import SECTION, VIEW, StateManifest, StateTensor
 from .config import TextConfig
 from .layout import LoadedWeights
 
@@ -153,26 +154,44 @@ class Qwen35Model:
         return tuple(self._mm(f"layers.{layer}.{parent}.{m}.weight", h) for m in FUSED_PROJECTIONS[group])
 
     # ---- state -------------------------------------------------------------------------------
+    def _gdn_state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One GDN layer's recurrent state [Hv, Dk, Dv] (fp32) and conv state [K-1, C] (model dtype)."""
+        cfg = self.cfg
+        return ((cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+                (cfg.linear_conv_kernel_dim - 1, cfg.gdn_conv_dim))
+
+    def manifest(self) -> StateManifest:
+        """A sequence's state by name: per GDN layer i its recurrent and conv sections (`gdn.{i}.recurrent`,
+        `gdn.{i}.conv`: SequenceCache.state_tensors() is the recurrent states, then the conv states), per
+        attention slot its K and V rows [Hkv, D] a token (`kv.{slot}.k`, `kv.{slot}.v`)."""
+        cfg, n = self.cfg, len(self.cfg.gdn_layers)
+        rec, conv = self._gdn_state_shapes()
+        tensors = [StateTensor(f"gdn.{i}.recurrent", SECTION, rec, torch.float32, i) for i in range(n)]
+        tensors += [StateTensor(f"gdn.{i}.conv", SECTION, conv, self.dtype, n + i) for i in range(n)]
+        row = (cfg.num_key_value_heads, cfg.head_dim)
+        for slot in range(len(cfg.attention_layers)):
+            tensors += [StateTensor(f"kv.{slot}.k", VIEW, row, self.dtype, slot, 0),
+                        StateTensor(f"kv.{slot}.v", VIEW, row, self.dtype, slot, 1)]
+        return StateManifest(tuple(tensors))
+
     def new_cache(self, kv=None, capacity: int = 1024) -> SequenceCache:
         cfg = self.cfg
         if kv is None:
             kv = ContiguousKV(len(cfg.attention_layers), cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device, capacity)
         n = len(cfg.gdn_layers)
+        rec, conv = self._gdn_state_shapes()
         # the layers' states are rows of one stack a kind (SequenceCache.stacked: whole-state copies in two)
-        recurrent = torch.zeros(n, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                                dtype=torch.float32, device=self.device)
-        conv = torch.zeros(n, cfg.linear_conv_kernel_dim - 1, cfg.gdn_conv_dim, dtype=self.dtype, device=self.device)
-        return SequenceCache(kv=kv, recurrent=list(recurrent.unbind(0)), conv=list(conv.unbind(0)), length=0,
-                             stacked=(recurrent, conv))
+        recurrent = torch.zeros(n, *rec, dtype=torch.float32, device=self.device)
+        conv_state = torch.zeros(n, *conv, dtype=self.dtype, device=self.device)
+        return SequenceCache(kv=kv, recurrent=list(recurrent.unbind(0)), conv=list(conv_state.unbind(0)), length=0,
+                             stacked=(recurrent, conv_state))
 
     def new_slot_states(self, num_slots: int) -> SlotStates:
         """Zeroed GDN state for num_slots sequences (what decode_step steps in place)."""
-        cfg, n = self.cfg, len(self.cfg.gdn_layers)
-        recurrent = torch.zeros(n, num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                cfg.linear_value_head_dim, dtype=torch.float32, device=self.device)
-        conv = torch.zeros(n, num_slots, cfg.linear_conv_kernel_dim - 1, cfg.gdn_conv_dim, dtype=self.dtype,
-                           device=self.device)
-        return SlotStates(recurrent, conv)
+        n = len(self.cfg.gdn_layers)
+        rec, conv = self._gdn_state_shapes()
+        return SlotStates(torch.zeros(n, num_slots, *rec, dtype=torch.float32, device=self.device),
+                          torch.zeros(n, num_slots, *conv, dtype=self.dtype, device=self.device))
 
     def check_ids(self, ids: torch.Tensor) -> None:
         if ids.dim() != 1:
