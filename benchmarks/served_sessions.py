@@ -13,7 +13,9 @@ on a server with room for it (the headline: ttft_cached_p50_ms); "host" is moved
 prompt read again, today's path before the cache) runs once a turn in the same run. TTFT here is the wall time
 of the turn's start on the served executor (reuse, the chunks read, the tail, the first token's logits and its
 argmax), synchronised; each row also splits a cached turn's start into restore_ms, evict_ms, read_ms and
-tail_ms. The served model is warmed with a tail of every length class first (ServedSessions.warm), as `qse
+tail_ms. The restores bring the long session back from the host, from the disk on the engine's thread, and from
+the disk read ahead by the store's loader thread ("disk_prefetched": `ms` is what the engine's thread holds,
+`load_ms` the read beside it). The served model is warmed with a tail of every length class first (ServedSessions.warm), as `qse
 serve` does on CUDA.
 """
 
@@ -62,12 +64,21 @@ def restore_s(served, store: ShadowStore, sid: str, tier: str) -> dict:
     moved = store.move_to_host(book, session) if tier == "host" else store.park(book, session)
     if not moved:
         return {"tier": tier, "moved": False}
+    load_ms = None
+    if tier == "disk_prefetched":  # the file read ahead on the loader thread: what the engine's thread then holds
+        t0 = time.perf_counter()
+        load = store.prefetch(book, sid)
+        if load is not None:
+            load.result()
+        store.safe_point(book)
+        load_ms = round((time.perf_counter() - t0) * 1e3, 3)
     served.engine.synchronize()
     t0 = time.perf_counter()
     book.ensure_resident(session)
     served.engine.synchronize()
     return {"tier": tier, "moved": True, "ms": round((time.perf_counter() - t0) * 1e3, 3), "nbytes": nbytes,
-            "committed": session.committed}
+            "committed": session.committed, "load_ms": load_ms,
+            "prefetched": store.counts.last_restore_ms.get("prefetch_ms", 0.0) > 0}
 
 
 def summary(long_rows: list[dict]) -> dict:
@@ -124,7 +135,8 @@ def run_preset(spec: str, turns: list[dict], device: torch.device, dtype: torch.
         row["ttft_cold_ms"] = round(cold * 1e3, 3)
         rows.append(row)
         print(json.dumps({"preset": spec, **row}), flush=True)
-    restores = [restore_s(served, store, "host", tier) for tier in ("host", "disk", "host", "disk")]
+    restores = [restore_s(served, store, "host", tier)
+                for tier in ("host", "disk", "disk_prefetched", "host", "disk", "disk_prefetched")]
     long_rows = [r for r in rows if r["prompt_tokens"] >= min_prompt and r["turn"] > 0]
     out = {"preset": spec, "model": engine.name, "kernels": engine.kernels, "mode": served.mode, "grid": grid,
            "warm_s": round(warm_s, 3), "turns": rows, "restores": restores, "long_turns": len(long_rows),

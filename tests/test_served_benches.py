@@ -34,3 +34,6 @@ def test_a_tiny_run_writes_its_result(script, tmp_path, cache_dir):
             assert all(t[tier]["cached_tokens"] > 0 and t[tier]["tier"] == tier for t in turns[1:]), tier
             assert preset[f"{tier}_found_in"] == [tier]
         assert preset["ttft_cached_p50_ms"] == preset["ttft_device_p50_ms"]
+        # the disk restores read ahead by the loader thread came back from that read, not the file
+        prefetched = [r for r in preset["restores"] if r["tier"] == "disk_prefetched"]
+        assert prefetched and all(r["moved"] and r["prefetched"] for r in prefetched)

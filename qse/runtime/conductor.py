@@ -463,12 +463,44 @@ class Conductor:
 
     async def _open_turns(self) -> None:
         """Waiting turns open (their sessions' states ready, a slot each reserved) as the planner admits them,
-        one at a time: a turn that arrives while one opens is weighed before the next opens."""
-        while admit := self.round_planner.admit([e.prompt() for e in self._waiting],
+        one at a time: a turn that arrives while one opens is weighed before the next opens. A turn whose served
+        state is only in a file is not admitted until its load (beside the rounds) has landed: it then opens
+        with a host copy, and no round waits for a file read."""
+        loads = await self._prefetch_waiting()
+        while admit := self.round_planner.admit([e.prompt() for e in self._waiting
+                                                 if self.serving.is_ready(e.turn.session_id)],
                                                 len(self._reading) + len(self._running)):
             entry = admit[0]
             self._waiting.remove(entry)
             await self._start_turn(entry)
+        if loads and not (self._reading or self._running or self._in_flight):
+            await self._until_loaded(loads)
+
+    async def _prefetch_waiting(self) -> list:
+        """Waiting turns' sessions whose state is only in a file start loading, and finished loads land (one hop
+        to the served thread, between rounds); the loads still in flight."""
+        sids = [e.turn.session_id for e in self._waiting if not self.serving.is_ready(e.turn.session_id)]
+        return await self.served_exec.run(self.serving.prefetch, sids) if sids else []
+
+    async def _until_loaded(self, loads: list) -> None:
+        """Nothing runs and the waiting turns' states are loading: until one load is done or a turn arrives."""
+        loop, loaded = asyncio.get_running_loop(), asyncio.Event()
+
+        def wake(_) -> None:  # on the loader's thread (a load's future is never cancelled from here)
+            try:
+                loop.call_soon_threadsafe(loaded.set)
+            except RuntimeError:  # the loop has closed: nobody waits
+                pass
+
+        for load in loads:
+            load.add_done_callback(wake)
+        self._waiting_changed.clear()  # (no await since the waiting turns were weighed: no arrival is missed)
+        waits = [asyncio.ensure_future(loaded.wait()), asyncio.ensure_future(self._waiting_changed.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
 
     async def _start_turn(self, entry: "_Running") -> None:
         """The turn opens: the reader learns the prompt, the served session reuses what it holds and reserves a
@@ -849,10 +881,10 @@ class Conductor:
                 log.error("idle_read_failed", error=repr(exc))
 
     def _idle_has_work(self) -> bool:
-        reader = self.reader
-        if any(s.backlog >= reader.grid for s in reader.sessions.values()):
+        reader, ready = self.reader, self.runner.is_ready
+        if any(s.backlog >= reader.grid and ready(s.session_id) for s in reader.sessions.values()):
             return True
-        return bool(self.router.sessions_ready(self._committed))
+        return any(ready(sid) for sid in self.router.sessions_ready(self._committed))
 
     async def idle_once(self) -> int:
         """One look at the idle window: read up to idle_burst_s if nothing runs or waits. Returns chunks read."""
@@ -862,8 +894,9 @@ class Conductor:
         if not self.idle.may_open(request_running=board.engine.locked, request_waiting=board.engine.num_waiting > 0,
                                   hold_on=board.holds > 0, box_locked=board.box.locked):
             return 0
-        # a safe point (never inside a ration slice): the reader's spills go to the mover, the host cap holds
-        await self.reader_exec.run(self.reader.safe_point)
+        # a safe point (never inside a ration slice): the reader's spills go to the mover, the host cap holds,
+        # parked sessions with a backlog start loading (the window reads them once loaded, never their files)
+        await self.reader_exec.run(self.runner.safe_point)
         if not self._idle_has_work():
             return 0
         held = HeldLocks()
@@ -887,14 +920,16 @@ class Conductor:
 
     async def _idle_burst(self) -> int:
         for sid in self.router.sessions_ready(self._committed):
-            await self._answer_router(sid)  # the reader already stands where these were asked
+            if self.runner.is_ready(sid):
+                await self._answer_router(sid)  # the reader already stands where these were asked
         burst = self.idle.open(self.clock())
         chunks = 0
         while True:
             now = self.clock()
             backlogs = {s.session_id: SessionBacklog(self._unread_since.setdefault(s.session_id, now),
                                                      s.backlog // self.reader.grid)
-                        for s in self.reader.sessions.values() if s.backlog >= self.reader.grid}
+                        for s in self.reader.sessions.values()
+                        if s.backlog >= self.reader.grid and self.runner.is_ready(s.session_id)}
             sid = pick_idle_session(backlogs)
             if sid is None:
                 break

@@ -20,6 +20,7 @@ A pending router question stops the plan before the chunk that would pass its po
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -94,6 +95,21 @@ class ChunkRunner:
         self.launch_lead_ms = launch_lead_ms
         self.sleep_until = sleep_until or self._sleep_until
         self.driver = PlanDriver(estimator=estimator, ledger=ledger, clock=clock, sleep_until=self.sleep_until)
+
+    def safe_point(self) -> list[Future]:
+        """Before an idle window, on the reader's thread (never inside a ration slice): the reader's moves land,
+        and each session with a whole chunk waiting whose state is only in a file starts loading beside the work.
+        The window reads such a session once its load has landed (`is_ready`), never the file on this thread.
+        Returns the loads in flight."""
+        reader = self.reader
+        reader.safe_point()
+        loads = [reader.residency.prefetch(reader, s.session_id) for s in reader.sessions_with_backlog()
+                 if not reader.residency.ready(s.session_id)]
+        return [f for f in loads if f is not None]
+
+    def is_ready(self, session_id: str) -> bool:
+        """Whether reading the session reads no file on this thread (any thread may ask)."""
+        return self.reader.residency.ready(session_id)
 
     def _sleep_until(self, t: float) -> None:
         left = t - self.clock()

@@ -9,7 +9,7 @@ from runtime_rig import GRID, Probe, Rig, ScriptedClock
 
 from qse.engine.engine import Engine
 from qse.policy import Policy
-from qse.runtime.conductor import Conductor, ShadowOptions, TurnRecord
+from qse.runtime.conductor import Conductor, ShadowOptions, TurnRecord, served_sessions
 from qse.shadow.reader import ShadowReader
 
 
@@ -20,7 +20,7 @@ def make_rig(tiny_engine, tmp_path):
 
     def make(*, clock: Callable[[], float] | None = None, script_ms: dict[str, float] | None = None,
              shared: bool = False, options: ShadowOptions | None = None, residency=None, reader_graphs=None,
-             **config) -> Rig:
+             served_residency=None, **config) -> Rig:
         clock = clock or ScriptedClock()
         served = Engine(tiny_engine.resolved)  # a fresh wrapper over the one tiny model
         reader_engine = served if shared else Engine(tiny_engine.resolved)
@@ -30,8 +30,11 @@ def make_rig(tiny_engine, tmp_path):
         probe.attach(reader_engine)
         records: list[TurnRecord] = []
         config.setdefault("journal_dir", tmp_path / "shadow")
-        conductor = Conductor(served, reader, options or ShadowOptions(), Policy(**config),
-                              on_turn=records.append, clock=clock)
+        policy = Policy(**config)
+        # served_residency: the served sessions' store (None: the conductor's own sessions, without tiers)
+        serving = served_sessions(served, policy, served_residency) if served_residency is not None else None
+        conductor = Conductor(served, reader, options or ShadowOptions(), policy,
+                              on_turn=records.append, clock=clock, serving=serving)
         probe.attach_rounds(conductor.serving)
         made.append(conductor)
         return Rig(conductor, reader, probe, records, clock)

@@ -122,3 +122,31 @@ def test_a_turns_evictions_only_copy_to_the_host_and_the_caps_hold_after_it(tiny
     cold = _served(tiny_engine)
     cold_first, _ = _turn(cold, "cold", prompts["a"] + [3])
     assert start.tier == "disk" and torch.equal(first, cold_first)
+
+
+def test_a_turn_runs_while_a_parked_session_loads_and_the_loaded_one_equals_a_cold_prefill(tiny_engine, tmp_path,
+                                                                                           held_loads):
+    store = _store(tmp_path)
+    served = _served(tiny_engine, store)
+    gen = torch.Generator().manual_seed(24)
+    a, b = _ids(gen, 3 * GRID + 5), _ids(gen, 2 * GRID + 3)
+    _turn(served, "a", a)
+    assert store.park(served.book, served.book.get("a"))
+    store.flush(served.book)
+    assert not served.is_ready("a")
+    loads = served.prefetch(["a", "b"])  # b is not parked: nothing to load
+    assert len(loads) == 1 and held_loads["started"].wait(timeout=60)
+    _, start = _turn(served, "b", b)  # another session's turn runs while the load waits
+    assert start.tail_tokens > 0 and not served.is_ready("a") and not served.book.get("a").is_resident
+    held_loads["release"].set()
+    loads[0].result(timeout=60)
+    assert served.prefetch(["a"]) == [] and served.is_ready("a")  # landed at that safe point
+    nxt = a + _ids(gen, GRID + 2)
+    first, start = _turn(served, "a", nxt)
+    assert (start.tier, start.cached_tokens) == ("disk", 3 * GRID) and start.restore_ms > 0
+    cold = _served(tiny_engine)
+    cold_first, _ = _turn(cold, "cold", nxt)
+    assert torch.equal(first, cold_first)
+    assert served.book.state_equal(served.book.get("a"), cold.book.get("cold")) == {
+        "committed": True, "kv": True, "recurrent": True, "conv": True}
+    assert served.counts["hits_disk"] == 1 and store.stats()["restores"] == 1 and held_loads["calls"] == 1

@@ -4,31 +4,11 @@ bit for bit; a bad file found by the loader is a miss; a session fed or closed m
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
-
-import pytest
 
 import qse.store.store as store_mod
 from qse.store import disk
 from store_helpers import GRID, assert_fresh, assert_same, make_reader, random_ids, snapshot
-
-
-@pytest.fixture
-def held_loads(monkeypatch):
-    """The loader's reads wait for `release`; `started` is set when one is waiting; `calls` counts them."""
-    gate = {"release": threading.Event(), "started": threading.Event(), "calls": 0}
-    real = store_mod._load_job
-
-    def job(*args):
-        gate["calls"] += 1
-        gate["started"].set()
-        gate["release"].wait()
-        return real(*args)
-
-    monkeypatch.setattr(store_mod, "_load_job", job)
-    yield gate
-    gate["release"].set()
 
 
 def _parked(engine, tmp_path: Path, sid: str = "a", rows: int = 3 * GRID + 5, **store_kwargs):
