@@ -28,11 +28,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# The model the interpreted whole-model tests run: the embedded default's widths (GQA on both layer kinds)
-# with every layer kind twice in four layers and a vocabulary that is not a multiple of any block size
+# The model the interpreted whole-model tests run: the embedded default's widths and head dims with half its
+# heads (GQA two to one on both layer kinds, as there: the per-head kernels' launches cost their program
+# count), every layer kind twice in four layers and a vocabulary that is not a multiple of any block size
 # (the GEMV head's masked tail). Under the interpreter the real 248,320-row head cost ~100 s a question.
 SMALL_VOCAB = 1000
-SMALL_SHAPE = dict(num_hidden_layers=4, full_attention_interval=2, vocab_size=SMALL_VOCAB, eos_token_id=SMALL_VOCAB - 2)
+SMALL_SHAPE = dict(num_hidden_layers=4, full_attention_interval=2, vocab_size=SMALL_VOCAB, eos_token_id=SMALL_VOCAB - 2,
+                   num_attention_heads=2, num_key_value_heads=1, linear_num_key_heads=1, linear_num_value_heads=2)
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +45,19 @@ def small_model_dir(tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("small-model") / "small-qwen3.5"
     presets.write_checkpoint(model_dir, config, presets.random_tensors(parse_config(config), presets.EMBEDDED_SEED))
     return model_dir
+
+
+@pytest.fixture
+def few_programs(monkeypatch):
+    """Wide tiles for the whole-model tests: the interpreter runs every program as a Python loop, so a launch
+    costs its program count (the GEMV's pinned 4-row tiles made the 1,000-row head 250 programs, over 80 % of
+    a decode step). The tile sizes are constexprs of the same code; the kernels' own tests keep the pinned ones."""
+    from qse_kernels import conv1d, fused, gdn_chunk, gemv
+
+    monkeypatch.setattr(gemv, "NARROW_ROWS", 64)  # BK = TILE_ELEMENTS / 64 = 64: the model's hidden size
+    monkeypatch.setattr(conv1d, "CONV_BLOCK_T", 64)  # a grid chunk's rows in one program row
+    monkeypatch.setattr(fused, "SILU_BLOCK_T", 64)
+    monkeypatch.setattr(gdn_chunk, "SCAN_BLOCK_V", 32)  # a head's whole value dim
 
 
 @pytest.fixture

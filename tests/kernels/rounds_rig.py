@@ -32,30 +32,40 @@ def make_pool(engine) -> KVPool:
                   engine.device)
 
 
-def decode_rounds(engine, prompts, max_running: int) -> list[list[torch.Tensor]]:
-    """Each prompt's logits rows over ROUNDS rounds of all of them together (greedy tokens)."""
+def prefill(engine, prompts) -> list[tuple]:
+    """Each prompt read once (interpreted prefills are most of these tests' time): its state and greedy next
+    token, which every run below starts from (a copy: Engine.restore_cache into that run's pool)."""
+    starts = []
+    for prompt in prompts:
+        cache = engine.new_cache(kv=PagedKV(make_pool(engine)))
+        logits, _ = engine.forward(cache, engine.ids_tensor(prompt), "last")
+        starts.append((engine.cache_state(cache), int(logits[-1].argmax())))
+    return starts
+
+
+def decode_rounds(engine, starts, max_running: int) -> list[list[torch.Tensor]]:
+    """Each prefilled sequence's logits rows over ROUNDS rounds of all of them together (greedy tokens)."""
     pool = make_pool(engine)
     rounds = DecodeRounds(engine, pool, max_running=max_running, graphs="static")
-    slots, tokens, rows = [], [], [[] for _ in prompts]
-    for prompt in prompts:
-        cache = engine.new_cache(kv=PagedKV(pool))
-        logits, _ = engine.forward(cache, engine.ids_tensor(prompt), "last")
-        slots.append(rounds.admit(cache))
-        tokens.append(int(logits[-1].argmax()))
+    slots, tokens, rows = [], [], [[] for _ in starts]
+    for state, token in starts:
+        slots.append(rounds.admit(engine.restore_cache(state, PagedKV(pool))))
+        tokens.append(token)
     for _ in range(ROUNDS):
         logits = rounds.run(slots, tokens)
-        for i in range(len(prompts)):
+        for i in range(len(starts)):
             rows[i].append(logits[i].clone())
         tokens = logits.argmax(-1).tolist()
     return rows
 
 
-def decode_single(engine, prompt) -> list[torch.Tensor]:
+def decode_single(engine, start) -> list[torch.Tensor]:
     """The same through Engine.forward one token at a time (a paged cache: the same attention kernel)."""
-    cache = engine.new_cache(kv=PagedKV(make_pool(engine)))
-    logits, _ = engine.forward(cache, engine.ids_tensor(prompt), "last")
+    state, token = start
+    cache = engine.restore_cache(state, PagedKV(make_pool(engine)))
     rows = []
     for _ in range(ROUNDS):
-        logits, _ = engine.forward(cache, engine.ids_tensor([int(logits[-1].argmax())]), "last")
+        logits, _ = engine.forward(cache, engine.ids_tensor([token]), "last")
         rows.append(logits[-1].clone())
+        token = int(logits[-1].argmax())
     return rows

@@ -12,6 +12,8 @@ from qse.engine.engine import Engine
 from qse.models import resolve
 from qse.shadow.reader import ShadowReader
 
+pytestmark = pytest.mark.usefixtures("few_programs")
+
 GRID = 64
 
 

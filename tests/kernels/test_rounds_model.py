@@ -13,14 +13,17 @@ from qse.engine.engine import Engine
 from qse.engine.kv import PagedKV
 from qse.engine.rounds import DecodeRounds
 from qse.models import resolve
-from rounds_rig import PROMPTS, decode_rounds, make_engine, make_pool
+from rounds_rig import PROMPTS, decode_rounds, make_engine, make_pool, prefill
+
+pytestmark = pytest.mark.usefixtures("few_programs")
 
 
 def test_invariant_rounds_give_every_row_the_bits_it_gets_alone(small_model_dir, cache_dir):
     engine = make_engine("invariant", small_model_dir, cache_dir)
-    together = decode_rounds(engine, PROMPTS, max_running=4)  # three rows in the bucket of four: one padding row
-    for i, prompt in enumerate(PROMPTS):
-        alone = decode_rounds(engine, [prompt], max_running=1)[0]
+    starts = prefill(engine, PROMPTS)
+    together = decode_rounds(engine, starts, max_running=4)  # three rows in the bucket of four: one padding row
+    for i, start in enumerate(starts):
+        alone = decode_rounds(engine, [start], max_running=1)[0]
         assert all(torch.equal(a, b) for a, b in zip(together[i], alone))
     # (the single-sequence path against a round of one: test_a_round_of_one_is_the_single_sequence_path; its
     # head is torch's, not row-invariant, so this set is compared there only through the triton kernels)

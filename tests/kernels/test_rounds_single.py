@@ -6,12 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rounds_rig import PROMPTS, decode_rounds, decode_single, make_engine
+from rounds_rig import PROMPTS, decode_rounds, decode_single, make_engine, prefill
+
+pytestmark = pytest.mark.usefixtures("few_programs")
 
 
 @pytest.mark.parametrize("kernels", ["triton"])
 def test_a_round_of_one_is_the_single_sequence_path(small_model_dir, cache_dir, kernels):
     engine = make_engine(kernels, small_model_dir, cache_dir)
-    prompt = PROMPTS[1]
-    alone = decode_rounds(engine, [prompt], max_running=1)[0]
-    assert all(torch.equal(a, b) for a, b in zip(alone, decode_single(engine, prompt)))
+    [start] = prefill(engine, [PROMPTS[1]])
+    alone = decode_rounds(engine, [start], max_running=1)[0]
+    assert all(torch.equal(a, b) for a, b in zip(alone, decode_single(engine, start)))
