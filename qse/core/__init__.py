@@ -14,12 +14,13 @@ from qse.core.locks import (EngineLockQueue, HeldLocks, LockRank, LockTable, Pri
 from qse.core.plan import ROLE_OF_WINDOW, Backlog, ReaderPlan, Window, next_backlog, plan_read, whole_chunks
 from qse.core.ration import RationSlice, TurnRation
 from qse.core.rounds import RoundPlan, RoundPlanner
+from qse.core.scheduler import Scheduler
 from qse.core.share import ShareBudget, s_to_us
 
 __all__ = [
     "Backlog", "Balance", "ChunkCostEstimator", "ChunkDecision", "ChunkPipe", "DriveResult", "EngineLockQueue",
     "GpuLedger", "HeldLocks", "IdleBurst", "IdleWindow", "LockRank", "LockTable", "PlanDriver", "Priority",
-    "ROLE_OF_WINDOW", "RationSlice", "ReadEach", "ReaderPlan", "Role", "RoundPlan", "RoundPlanner", "SessionBacklog", "ShareBudget",
+    "ROLE_OF_WINDOW", "RationSlice", "ReadEach", "ReaderPlan", "Role", "RoundPlan", "RoundPlanner", "Scheduler", "SessionBacklog", "ShareBudget",
     "SpendDecision", "Stop", "TurnRation", "Window", "find_deadlock", "may_acquire", "ms_to_us", "next_backlog",
     "pick_idle_session", "plan_read", "s_to_us", "whole_chunks",
 ]

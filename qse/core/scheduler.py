@@ -165,9 +165,10 @@ class Scheduler:
     charges them as chunks are read); the scheduler only reads them."""
 
     def __init__(self, policy, estimator: ChunkCostEstimator, ledger: GpuLedger, *, max_running: int | None = None,
-                 served_grid: int | None = None, wake_on_end: bool = False):
+                 served_grid: int | None = None, reader_grid: int | None = None, wake_on_end: bool = False):
         """policy: qse.policy.Policy (or anything with its fields). max_running/served_grid: the served rounds'
-        (default the policy's). wake_on_end: the idle window looks the moment a turn ends (the replay's switch;
+        (default the policy's); reader_grid: the reader's (default the policy's; the caller sets `reader_grid`
+        when another reader comes). wake_on_end: the idle window looks the moment a turn ends (the replay's switch;
         the runtime looks on its lattice)."""
         self.idle = IdleWindow.of(policy)
         self.rations = {Window.RATION: TurnRation.reader(policy), Window.NARRATOR: TurnRation.narrator(policy)}
@@ -175,7 +176,7 @@ class Scheduler:
                                    policy.round_token_budget, policy.served_grid if served_grid is None else served_grid)
         self.estimator = estimator
         self.ledger = ledger
-        self.reader_grid = policy.grid
+        self.reader_grid = policy.grid if reader_grid is None else reader_grid
         self.wake_on_end = wake_on_end
         self.burst: IdleBurst | None = None  # the idle window's burst while it is open
         self.next_look_s: float | None = None  # the idle window's next look (its lattice)

@@ -7,13 +7,13 @@
     IdleBurst: chunks while <= burst_s,    decode round | reader's slice (2 %) | narrator's slice (3 %) | ...
       none once a request waits            end: feed the output, close the turn's ledger, emit the record
 
-Who decides: qse/core. `IdleWindow`/`IdleBurst` (may the idle reader read, and the next chunk?),
-`TurnRation` (the reader's and the narrator's share of the time since the served model's first token,
-the reader's from `ration_after_s` past it, in slices of whole chunks), `ChunkCostEstimator` (the next chunk's cost at its context, learnt from
-measured chunks), `pick_idle_session`, the lock priorities. Who carries it out: this module on the event
-loop (when a window opens), `ChunkRunner` on the reader's executor thread (plan_read + PlanDriver), and
-the engines' executors for every piece of device work. Every measured piece goes into the GPU-time
-ledger (core's GpuLedger), per turn and in total.
+Who decides: qse/core's `Scheduler` (qse/core/scheduler.py), the one copy the replay runs too: this module
+reports events (a turn arrived, the round loop asks, a round ended, the idle window looks, a read ended, a turn
+ended) with `now` and carries out the action it answers (open a turn, run a round, read a slice or a burst,
+nothing). Who carries it out: this module on the event loop, `ChunkRunner` on the reader's executor thread
+(plan_read + PlanDriver, asking the window's decision before every chunk), and the engines' executors for every
+piece of device work. Every measured piece goes into the GPU-time ledger (core's GpuLedger), per turn and in
+total.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import itertools
-import math
 import time
 import uuid
 from collections import deque
@@ -33,14 +32,16 @@ import structlog
 
 from ..core.chunk_cost import ChunkCostEstimator
 from ..core.drive import Stop
-from ..core.idle import IdleBurst, IdleWindow, SessionBacklog, pick_idle_session
+from ..core.idle import IdleBurst, IdleWindow, SessionBacklog
 from ..core.ledger import Role, ms_to_us
 from ..core.locks import HeldLocks, LockRank, Priority
 from ..core.plan import ROLE_OF_WINDOW, Window, whole_chunks
 from ..core.prefix import common_prefix
-from ..core.ration import RationSlice, TurnRation
-from ..core.rounds import Prompt, Read, RoundPlan, RoundPlanner
+from ..core.ration import RationSlice
+from ..core.rounds import Prompt, Read, RoundPlan
 from ..core.rounds import Running as RunningView
+from ..core.scheduler import (Arrived, Busy, IdleOpened, IdlePoll, OpenIdle, OpenTurn, ReadEnded, ReadPlan,
+                              RoundDue, RoundEnded, RunRound, Scheduler, SliceView, TurnEnded)
 from ..engine.engine import Engine
 from ..engine.sampling import Sampler, SamplingParams
 from ..policy import Policy
@@ -130,9 +131,6 @@ class _Turn:
     first_token_s: float | None = None
     out_ids: list[int] = field(default_factory=list)
     finish: str = "length"
-    # per window: (session, spent us, next chunk's estimate) -> the first moment a slice could open; the ration's
-    # exact arithmetic is skipped before it (decode rounds are ~7 ms apart; the arithmetic cost ~30 us)
-    slice_not_before: dict[Window, tuple[tuple, float]] = field(default_factory=dict)
     ration_wall_s: float = 0.0  # wall time of the reader's slices between rounds
     reader_behind_tokens: int | None = None  # set by _turn_start (TurnRecord says what it is)
     cached_tokens: int = 0
@@ -196,11 +194,12 @@ class Conductor:
         self.ledger = RuntimeLedger()
         cfg = self.policy
         self.estimator = ChunkCostEstimator(cfg.chunk_prior_ms)
-        self.idle = IdleWindow.of(cfg)
-        self.ration = TurnRation.reader(cfg)
-        self.narrator_ration = TurnRation.narrator(cfg)
         self.serving = serving or served_sessions(served, cfg)
-        self.round_planner = RoundPlanner(self.serving.rounds.max_running, cfg.round_token_budget, self.serving.grid)
+        # every decision on what the engine runs next (rounds, slices, the idle window): this module carries
+        # them out and reports what happened
+        self.scheduler = Scheduler(cfg, self.estimator, self.ledger, max_running=self.serving.rounds.max_running,
+                                   served_grid=self.serving.grid,
+                                   reader_grid=self.reader.grid if self.reader is not None else None)
         # before the executors' threads start: it checks the reader's lookahead and lead
         self.runner = (ChunkRunner(self.reader, self.estimator, self.ledger, clock, lookahead=cfg.reader_lookahead,
                                    launch_lead_ms=cfg.launch_lead_ms, idle_group=cfg.idle_group)
@@ -269,6 +268,7 @@ class Conductor:
         cfg = self.policy
         self.reader = reader
         self.router.grid = reader.grid
+        self.scheduler.reader_grid = reader.grid
         self.runner = ChunkRunner(reader, self.estimator, self.ledger, self.clock, lookahead=cfg.reader_lookahead,
                                   launch_lead_ms=cfg.launch_lead_ms, idle_group=cfg.idle_group)
         self.reader_exec = self.served_exec if reader.engine is self.served else EngineExecutor("reader")
@@ -375,6 +375,7 @@ class Conductor:
         decodes it with every other running turn, one batched round a token. Closing the generator ends the
         turn at the next round."""
         arrival = self.clock()
+        self.scheduler.on(Arrived(arrival))
         self._check_prompt(req.prompt_ids)
         self._refuse_if_stopped()
         session_id = self.map_session(req.prompt_ids, req.session_id) or f"s-{uuid.uuid4().hex[:16]}"
@@ -421,23 +422,31 @@ class Conductor:
             self._round_task = asyncio.create_task(self._round_loop(), name="qse-rounds")
 
     async def _round_loop(self) -> None:
-        """Plan, run, account, emit: open waiting turns while slots are free, then one round: a batched decode
-        of every running turn and the next whole grid chunks of the turns being read (round_token_budget ids,
-        the shortest prompt first: prefill_order), then each turn's token (a first token when its prompt's tail
-        was read), then the reader's slice. The engine is held while any turn runs, reads or waits (the idle
-        window and the questions wait for the loop to end)."""
+        """Ask, do, report: the scheduler opens waiting turns while slots are free, then runs one round (a batched
+        decode of every running turn and the next pieces of the prompts being read), then each turn's token (a
+        first token when its prompt's tail was read), then the reader's slice between rounds. The engine is held
+        while any turn runs, reads or waits (the idle window and the questions wait for the loop to end)."""
         try:
             async with self.board.engine_lock(Priority.SERVED, HeldLocks()):
-                while self._waiting or self._reading or self._running or self._in_flight:
+                while True:
                     await self._drop_departed()
-                    await self._open_turns()
-                    plan = self.round_planner.plan([e.running() for e in self._running],
-                                                   [e.prompt() for e in self._reading])
-                    if self._running or plan.reads or self._in_flight:
-                        await self._round(plan)
-                    if self._running:
-                        oldest = min(self._running, key=lambda e: e.turn.first_token_s or 0.0)
-                        await self._between_rounds(oldest.turn)
+                    # a turn whose served state is only in a file is weighed once its load (beside the rounds)
+                    # has landed: it then opens with a host copy, and no round waits for a file read
+                    loads = await self._prefetch_waiting()
+                    ready = [e.prompt() for e in self._waiting if self.serving.is_ready(e.turn.session_id)]
+                    action = self.scheduler.on(RoundDue(
+                        self.clock(), ready, [e.prompt() for e in self._reading],
+                        [e.running() for e in self._running], self._in_flight is not None))
+                    if isinstance(action, OpenTurn):
+                        self._waiting.remove(action.key)
+                        await self._start_turn(action.key)
+                    elif isinstance(action, RunRound):
+                        await self._round(action.plan)
+                        await self._between_rounds()
+                    elif loads:  # nothing runs and the waiting turns' states are loading
+                        await self._until_loaded(loads)
+                    elif not self._waiting:
+                        break
                 # no await between the last look at the queues and this: a turn that arrives now starts a loop
                 self._round_task = None
         finally:
@@ -460,21 +469,6 @@ class Conductor:
         for entry in [e for e in self._reading + self._running if e.closed]:
             entry.turn.finish = "abort"
             await self._end(entry)
-
-    async def _open_turns(self) -> None:
-        """Waiting turns open (their sessions' states ready, a slot each reserved) as the planner admits them,
-        one at a time: a turn that arrives while one opens is weighed before the next opens. A turn whose served
-        state is only in a file is not admitted until its load (beside the rounds) has landed: it then opens
-        with a host copy, and no round waits for a file read."""
-        loads = await self._prefetch_waiting()
-        while admit := self.round_planner.admit([e.prompt() for e in self._waiting
-                                                 if self.serving.is_ready(e.turn.session_id)],
-                                                len(self._reading) + len(self._running)):
-            entry = admit[0]
-            self._waiting.remove(entry)
-            await self._start_turn(entry)
-        if loads and not (self._reading or self._running or self._in_flight):
-            await self._until_loaded(loads)
 
     async def _prefetch_waiting(self) -> list:
         """Waiting turns' sessions whose state is only in a file start loading, and finished loads land (one hop
@@ -585,7 +579,7 @@ class Conductor:
         self._reading.remove(entry)
         self._running.append(entry)
         behind = [e.prompt() for e in list(self._waiting) + self._reading]
-        for other in self.round_planner.overtaken(entry.prompt(), behind):
+        for other in self.scheduler.rounds.overtaken(entry.prompt(), behind):
             other.overtaken += 1  # (prefill_order's starvation bound)
         await self._emit(entry, token)
 
@@ -713,15 +707,26 @@ class Conductor:
             self.router.queue(sid, turn.req.prompt_ids, turn.req.request_id, turn.req.router_label,
                               session.committed, session.behind_at_turn_start)
 
-    async def _between_rounds(self, turn: _Turn) -> None:
-        """The reader's slice (prompt first, then the output so far), then the narrator's for the turns it
-        follows."""
-        if self.reader is None or turn.session_id is None:
+    async def _between_rounds(self) -> None:
+        """The reader's slice where the scheduler opens one (prompt first, then the output so far), then the
+        narrator's for the turns it follows."""
+        if self.reader is None or not self._running:
             return
-        await self._slice(self.ration, turn, turn.session_id)
+        action = self.scheduler.on(RoundEnded(self.clock(), [self._slice_view(e.turn) for e in self._running]))
+        if isinstance(action, ReadPlan):
+            await self._slice(action, action.key)
         for entry in list(self._running):
             if entry.turn.turn_id in self.narrator.followed and not entry.closed:
                 await self._narrate(entry.turn)
+
+    def _slice_view(self, turn: _Turn, upto: int | None = None) -> SliceView:
+        """A running turn as the scheduler weighs its slice: its own session, read up to `upto` ids (None: all
+        it knows)."""
+        session = self.reader.sessions.get(turn.session_id)
+        return SliceView(turn, turn.turn_id, turn.session_id, turn.first_token_s,
+                         session.committed if session is not None else 0,
+                         turn.num_known if upto is None else upto,
+                         session is not None and session.is_resident)
 
     async def _narrate(self, turn: _Turn) -> None:
         """The narrator's slice of a turn it follows: whole chunks of the session toward the thought's end, then,
@@ -733,14 +738,15 @@ class Conductor:
             return
         end = self.narrator.thought_end(turn.turn_id, turn.out_ids)
         if whole_chunks(session.committed, end if end is not None else turn.num_known, self.reader.grid) > 0:
-            await self._slice(self.narrator_ration, turn, sid,
-                              upto_ids=turn.known_ids()[:end] if end is not None else None)
+            action = self.scheduler.slice(Window.NARRATOR, self.clock(), self._slice_view(turn, end))
+            if isinstance(action, ReadPlan):
+                await self._slice(action, turn, upto_ids=turn.known_ids()[:end] if end is not None else None)
             return
         if end is None:
             return  # the thought goes on: nothing to summarise yet
         spent_us = self.ledger.spent_us(Role.NARRATOR, turn.turn_id) or 0
-        if self.narrator_ration.open_slice(self.clock(), turn.first_token_s, spent_us,
-                                           self.narrator.summary_est_ms) is None:
+        if self.scheduler.rations[Window.NARRATOR].open_slice(self.clock(), turn.first_token_s, spent_us,
+                                                              self.narrator.summary_est_ms) is None:
             return  # not earned yet
         ids = self.render_question(NARRATOR_QUESTION)
         result = await self.reader_exec.run(self._summarize_at, sid, turn.known_ids()[:end], ids,
@@ -764,42 +770,20 @@ class Conductor:
                 self.reader.feed(session_id, list(upto))
         return self.reader.summarize(session_id, question_ids, max_tokens, (self.reader.engine.chat.turn_end_id,))
 
-    async def _slice(self, ration: TurnRation, turn: _Turn, session_id: str,
-                     upto_ids: list[int] | None = None) -> None:
-        """One slice of `ration` between two decode rounds, if the next chunk's estimate fits what it earned.
-        upto_ids: read the turn's own session only up to these ids (the narrator: the thought's end)."""
-        session = self.reader.sessions.get(session_id)
-        if session is None or turn.first_token_s is None or not session.is_resident:
-            return  # a parked session comes back in the idle window, never between two decode rounds
-        is_own = session_id == turn.session_id
-        if upto_ids is not None:
-            known = len(upto_ids)
-        else:  # (the ids are copied only when a slice reads: this runs between every two rounds)
-            known = turn.num_known if is_own else len(session.ids)
-        if whole_chunks(session.committed, known, self.reader.grid) == 0:
-            return
-        role = ROLE_OF_WINDOW[ration.window]
-        spent_us = self.ledger.spent_us(role, turn.turn_id) or 0
-        est_ms = self.estimator.estimate_ms(session.committed)
+    async def _slice(self, action: ReadPlan, turn: _Turn, upto_ids: list[int] | None = None) -> None:
+        """Carry out a slice the scheduler opened between two rounds. upto_ids: the turn's ids the session may
+        learn and read up to (None: all it knows; the narrator: up to the thought's end)."""
         now = self.clock()
-        key = (session_id, spent_us, est_ms)
-        held = turn.slice_not_before.get(ration.window)
-        if held is not None and held[0] == key and now < held[1]:
-            return  # the allowance cannot have reached the next chunk's estimate yet
-        sl = ration.open_slice(now, turn.first_token_s, spent_us, est_ms)
-        if sl is None:
-            earliest = ration.earliest_s(turn.first_token_s, spent_us, est_ms)
-            # 2 us short of it: below that, the whole microseconds elapsed cannot have reached it
-            turn.slice_not_before[ration.window] = (key, math.inf if earliest is None else earliest - 2e-6)
-            return
-        if upto_ids is None and is_own:
-            upto_ids = turn.known_ids()
-        num_chunks, _ = await self._read(ration.window, session_id, turn.turn_id, sl, known_ids=upto_ids)
-        if ration.window is Window.RATION:
+        sl = action.decision
+        num_chunks, stop = await self._read(action.window, action.session_id, turn.turn_id, sl,
+                                            known_ids=turn.known_ids() if upto_ids is None else upto_ids)
+        self.scheduler.on(ReadEnded(self.clock(), stop))
+        if action.window is Window.RATION:
             turn.ration_wall_s += self.clock() - now
-        log.info("ration_slice", window=ration.window.value, session=session_id, request_id=turn.req.request_id,
-                 chunks=num_chunks, gpu_ms=sl.spent_us / 1000, budget_ms=sl.budget_us / 1000,
-                 spent_turn_ms=(self.ledger.spent_us(role, turn.turn_id) or 0) / 1000)
+        role = ROLE_OF_WINDOW[action.window]
+        log.info("ration_slice", window=action.window.value, session=action.session_id,
+                 request_id=turn.req.request_id, chunks=num_chunks, gpu_ms=sl.spent_us / 1000,
+                 budget_ms=sl.budget_us / 1000, spent_turn_ms=(self.ledger.spent_us(role, turn.turn_id) or 0) / 1000)
 
     async def _turn_end(self, turn: _Turn) -> None:
         sid = turn.session_id
@@ -809,6 +793,7 @@ class Conductor:
             self._note_backlog(sid)
         balance = self.ledger.close_turn(turn.turn_id)
         end = self.clock()
+        self.scheduler.on(TurnEnded(end, turn.turn_id))
         self.turns += 1
         prefill_ms = balance.gpu_ms(Role.SERVED_PREFILL) if balance else 0.0
         decode_ms = balance.gpu_ms(Role.SERVED_DECODE) if balance else 0.0
@@ -868,7 +853,7 @@ class Conductor:
         assert self._wake is not None
         while not self._stopping:
             try:
-                await asyncio.wait_for(self._wake.wait(), self.idle.poll_s)
+                await asyncio.wait_for(self._wake.wait(), self.scheduler.idle.poll_s)
             except TimeoutError:
                 pass
             if self._stopping:
@@ -886,18 +871,29 @@ class Conductor:
             return True
         return any(ready(sid) for sid in self.router.sessions_ready(self._committed))
 
+    def _idle_backlogs(self, now: float) -> dict[str, SessionBacklog]:
+        """The sessions with a whole chunk unread, as the scheduler picks the idle window's next one (a parked
+        session only once its state has loaded)."""
+        grid, ready = self.reader.grid, self.runner.is_ready
+        return {s.session_id: SessionBacklog(self._unread_since.setdefault(s.session_id, now), s.backlog // grid)
+                for s in self.reader.sessions.values() if s.backlog >= grid and ready(s.session_id)}
+
     async def idle_once(self) -> int:
         """One look at the idle window: read up to idle_burst_s if nothing runs or waits. Returns chunks read."""
         if self.reader is None or self._stopping:
             return 0
         board = self.board
-        if not self.idle.may_open(request_running=board.engine.locked, request_waiting=board.engine.num_waiting > 0,
-                                  hold_on=board.holds > 0, box_locked=board.box.locked):
+        busy = Busy(request_running=board.engine.locked, request_waiting=board.engine.num_waiting > 0,
+                    hold_on=board.holds > 0, box_locked=board.box.locked)
+        if not IdleWindow.may_open(**busy._asdict()):
+            self.scheduler.on(IdlePoll(self.clock(), busy, has_work=False))
             return 0
-        # a safe point (never inside a ration slice): the reader's spills go to the mover, the host cap holds,
-        # parked sessions with a backlog start loading (the window reads them once loaded, never their files)
+        # a safe point on every quiet look (never inside a ration slice): the reader's spills go to the mover, the
+        # host cap holds, parked sessions with a backlog start loading (the window reads them once loaded, never
+        # their files)
         await self.reader_exec.run(self.runner.safe_point)
-        if not self._idle_has_work():
+        action = self.scheduler.on(IdlePoll(self.clock(), busy, self._idle_has_work()))
+        if not isinstance(action, OpenIdle):
             return 0
         held = HeldLocks()
         if not board.engine.try_acquire(Priority.IDLE_READER):  # behind every waiter: it never queues
@@ -919,26 +915,26 @@ class Conductor:
         return chunks
 
     async def _idle_burst(self) -> int:
+        """Ask, read, report: the router's questions the reader stands at first, then the sessions the scheduler
+        picks (the oldest unread chunk first) until it closes the burst."""
         for sid in self.router.sessions_ready(self._committed):
             if self.runner.is_ready(sid):
                 await self._answer_router(sid)  # the reader already stands where these were asked
-        burst = self.idle.open(self.clock())
+        opened = self.clock()
+        action = self.scheduler.on(IdleOpened(opened, self._idle_backlogs(opened)))
+        burst = self.scheduler.burst
         chunks = 0
-        while True:
-            now = self.clock()
-            backlogs = {s.session_id: SessionBacklog(self._unread_since.setdefault(s.session_id, now),
-                                                     s.backlog // self.reader.grid)
-                        for s in self.reader.sessions.values()
-                        if s.backlog >= self.reader.grid and self.runner.is_ready(s.session_id)}
-            sid = pick_idle_session(backlogs)
-            if sid is None:
-                break
-            num, stop = await self._read(Window.IDLE, sid, None, burst)
-            chunks += num
-            if stop is not Stop.BACKLOG:  # a request waits, the burst is spent, or a chunk was not recorded
-                break
-        log.info("idle_burst", chunks=chunks, gpu_ms=burst.spent_us / 1000,
-                 wall_ms=round((self.clock() - burst.opened_s) * 1e3, 3))
+        try:
+            while isinstance(action, ReadPlan):
+                num, stop = await self._read(Window.IDLE, action.session_id, None, action.decision)
+                chunks += num
+                now = self.clock()
+                action = self.scheduler.on(ReadEnded(now, stop, self._idle_backlogs(now)))
+        finally:
+            if self.scheduler.burst is not None:  # a read failed: the burst closes with it
+                self.scheduler.on(ReadEnded(self.clock(), None))
+        log.info("idle_burst", chunks=chunks, gpu_ms=burst.spent_us / 1000 if burst is not None else 0.0,
+                 wall_ms=round((self.clock() - opened) * 1e3, 3))
         return chunks
 
     # ---- questions ----------------------------------------------------------------------------

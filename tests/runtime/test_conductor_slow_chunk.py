@@ -4,6 +4,7 @@ whole slice) is followed by reading in the ration and in the idle window once ch
 from runtime_rig import GRID, prompt_ids
 
 from qse.core.ledger import Role
+from qse.core.plan import Window
 
 
 async def test_a_slow_chunk_is_followed_by_reading_in_the_ration_and_the_idle_window(make_rig):
@@ -14,7 +15,7 @@ async def test_a_slow_chunk_is_followed_by_reading_in_the_ration_and_the_idle_wi
     c._note_backlog("old")
     assert await c.idle_once() == 1  # the one chunk took 2.5 s: the burst is spent
     slow_ms = c.estimator.estimate_ms(reader.sessions["old"].committed)
-    assert slow_ms == 2500.0 > c.idle.burst_s * 1000 > c.ration.slice_ms  # larger than any window
+    assert slow_ms == 2500.0 > c.scheduler.idle.burst_s * 1000 > c.scheduler.rations[Window.RATION].slice_ms  # larger than any window
 
     probe.script_ms["chunk"] = 10.0  # the load has gone
     mark = len(probe.calls)

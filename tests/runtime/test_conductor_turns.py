@@ -11,6 +11,7 @@ from runtime_rig import GRID, prompt_ids
 
 from qse.core.ledger import Role, ms_to_us
 from qse.core.locks import Priority
+from qse.core.plan import Window
 from qse.runtime.conductor import GenerateRequest, ShadowOptions
 from qse.runtime.narrator import Narration
 
@@ -92,7 +93,7 @@ async def test_the_ration_never_exceeds_what_the_turn_earned_and_reads_whole_chu
 async def test_the_ration_counts_from_ration_after_s_past_the_first_token(make_rig):
     rig = make_rig(script_ms=SCRIPT, chunk_prior_ms=20.0, ration_after_s=2.0)
     c, probe = rig.conductor, rig.probe
-    assert (c.ration.after_s, c.narrator_ration.after_s) == (2.0, 0.0)
+    assert (c.scheduler.rations[Window.RATION].after_s, c.scheduler.rations[Window.NARRATOR].after_s) == (2.0, 0.0)
     out = await rig.turn(prompt_ids(4 * GRID + 12), 40, session="s")  # 39 rounds of 100 ms: a 3.9 s decode
     assert len(out) == 40
     record = rig.records[0]

@@ -25,8 +25,8 @@ def named(plans, name_of):
 async def test_replayed_rounds_plan_as_the_conductor_does(make_rig):
     rig = make_rig(max_running=2, served_grid=GRID, round_token_budget=GRID)
     c = rig.conductor
-    plans, real_plan = [], c.round_planner.plan
-    c.round_planner.plan = lambda *a: plans.append(real_plan(*a)) or plans[-1]  # (a spy: the decisions taken)
+    plans, real_plan = [], c.scheduler.rounds.plan
+    c.scheduler.rounds.plan = lambda *a: plans.append(real_plan(*a)) or plans[-1]  # (a spy: the decisions taken)
     hold = rig.probe.hold("decode", 1)
     a = asyncio.create_task(rig.turn(prompt_ids(PROMPTS["a"], start=100), MAX_TOKENS, session="a"))
     await hold.entered
@@ -40,7 +40,7 @@ async def test_replayed_rounds_plan_as_the_conductor_does(make_rig):
 
     planner = RoundPlanner(2, GRID, GRID)
     assert (planner.max_running, planner.token_budget, planner.grid) == (
-        c.round_planner.max_running, c.round_planner.token_budget, c.round_planner.grid)
+        c.scheduler.rounds.max_running, c.scheduler.rounds.token_budget, c.scheduler.rounds.grid)
     # virtual time: a's tail is read in microseconds, a decode round takes a second: b and c arrive inside it
     records = [UsageRecord(session=s, arrival_s=t, first_token_s=None, end_s=t, prompt_tokens=PROMPTS[s],
                            shared_prefix_tokens=0, output_tokens=MAX_TOKENS)
