@@ -80,6 +80,11 @@ def replay_parser() -> argparse.ArgumentParser:
                    help="checkpoint the grid lines of the newest N re-render points (QSE_SHADOW_DIVERGENCE_CHECKPOINTS)")
     p.add_argument("--idle-group", type=int, default=None,
                    help="chunks an idle launch may read, as a chunk group (QSE_SHADOW_IDLE_GROUP)")
+    p.add_argument("--served-rounds", action="store_true",
+                   help="also serve every record on one served model in the scheduler's rounds (QSE_MAX_RUNNING, "
+                        "QSE_ROUND_TOKEN_BUDGET): the report's served_rounds gives TTFT and tokens/s under rounds")
+    p.add_argument("--decode-round-ms", type=float, default=None,
+                   help="a decode round's ms for --served-rounds (default: the records' median decode ms per id)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
@@ -127,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             checkpoints=args.checkpoints, prefill_share=args.prefill_share, wake_on_end=args.wake_on_end,
             ration_from=args.ration_from, checkpoint_at_line=args.checkpoint_at_line,
             recent_checkpoints=args.recent_checkpoints, pin_first_checkpoint=args.pin_first_checkpoint,
-            divergence_checkpoints=args.divergence_checkpoints, idle_group=args.idle_group)
+            divergence_checkpoints=args.divergence_checkpoints, idle_group=args.idle_group,
+            served_rounds=args.served_rounds, decode_round_ms=args.decode_round_ms)
         converted = convert(args.ledger, args.format, Rates(args.decode_tok_s, args.prefill_tok_s), args.max_sessions)
     except (OSError, TraceError, UsageError, ReadModelError, ValueError) as exc:
         return _fail(str(exc))

@@ -1,21 +1,30 @@
-"""The served model's rounds on a virtual clock, decided by the conductor's own planner (qse/core/rounds.py).
+"""The served model's rounds on a virtual clock, decided by the conductor's own scheduler (qse/core/scheduler.py).
 
-Requests of a usage ledger that overlap in time share rounds as they do in the server: each round the planner
-admits waiting turns up to `max_running`, decodes every running turn in one batched forward and reads
+Requests of a usage ledger that overlap in time share rounds as they do in the server: the scheduler opens
+waiting turns up to `max_running`, and each round decodes every running turn in one batched forward and reads
 `round_token_budget` ids of the opened prompts in whole grid chunks and tails. A round costs the decode at its
 batch size (`DecodeCost`) plus its pieces at the read model's cost (a chunk at its context, a tail as its share
 of a chunk), and a turn's tokens come at the ends of its rounds. A session's next turn waits for the one before
 (one turn a session at a time, as the conductor's session lock). Not modelled here: the reader's slices between
-rounds. With `launch_ahead` (the conductor's, where every running turn samples on the device) a round's ids
-come back with the next round, so a turn holds its slot one round past its last decode, as in the server.
+rounds (the per-session replay in simulator.py has them). With `launch_ahead` (the conductor's, where every
+running turn samples on the device) a round's ids come back with the next round, so a turn holds its slot one
+round past its last decode, as in the server.
+
+Rounds that only decode the same turns, with nothing waiting or being read, are the same decision each time:
+they are run as one stretch up to the next arrival or the first turn's last id (a replay of a day of traffic has
+millions of them).
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable, Iterator
 
-from qse.core.rounds import Prompt, RoundPlan, RoundPlanner, Running, chunks_before_tail
+from qse.core.chunk_cost import ChunkCostEstimator
+from qse.core.ledger import GpuLedger
+from qse.core.rounds import Prompt, RoundPlan, Running, chunks_before_tail
+from qse.core.scheduler import Nothing, OpenTurn, RoundDue, Scheduler
 from qse.replay.read_model import ReadModel
 from qse.replay.usage import UsageRecord
 
@@ -59,34 +68,75 @@ class ServedTurn:
         return self.ids / (self.end_s - self.record.arrival_s)
 
 
+def _dist(values: list[float]) -> dict:
+    ordered = sorted(values)
+
+    def pct(p: float) -> float | None:
+        return ordered[max(1, -(-len(ordered) * p // 100)) - 1] if ordered else None
+
+    return {"n": len(ordered), "p50": pct(50), "p90": pct(90), "p99": pct(99), "max": ordered[-1] if ordered else None}
+
+
 @dataclass
 class RoundsResult:
     turns: list[ServedTurn]
-    plans: list[tuple[float, RoundPlan]] = field(default_factory=list)  # (round start s, plan), keys: turn index
+    # (round start s, plan), keys: turn index; only where simulate_rounds was asked to keep them
+    plans: list[tuple[float, RoundPlan]] = field(default_factory=list)
+    num_rounds: int = 0
 
     def report(self) -> dict:
-        return {"num_rounds": len(self.plans),
+        return {"num_rounds": self.num_rounds,
                 "turns": [{"session": t.record.session, "arrival_s": t.record.arrival_s, "ttft_s": t.ttft_s,
                            "tokens_per_s": t.tokens_per_s, "output_tokens": t.ids} for t in self.turns]}
 
+    def summary(self) -> dict:
+        """The served turns under rounds: time to the first token, each turn's tokens/s, and all turns' ids over
+        the wall time from the first arrival to the last end."""
+        ended = [t for t in self.turns if t.end_s is not None]
+        span = (max(t.end_s for t in ended) - min(t.record.arrival_s for t in self.turns)) if ended else 0.0
+        return {"num_rounds": self.num_rounds, "num_turns": len(self.turns),
+                "ttft_s": _dist([t.ttft_s for t in self.turns if t.ttft_s is not None]),
+                "tokens_per_s": _dist([t.tokens_per_s for t in ended if t.tokens_per_s is not None]),
+                "aggregate_tokens_per_s": (sum(t.ids for t in ended) / span) if span > 0 else None}
 
-def simulate_rounds(records: Iterable[UsageRecord], planner: RoundPlanner, read_model: ReadModel,
-                    decode: DecodeCost, launch_ahead: bool = False) -> RoundsResult:
+
+class _Views:
+    """The queue's turns as the scheduler sees them, built only if it looks (it does not while every slot is
+    taken: a replay of an overloaded hour keeps thousands waiting)."""
+
+    def __init__(self, keys: list[int], view: Callable[[int], Prompt]):
+        self.keys, self.view = keys, view
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __iter__(self) -> Iterator[Prompt]:
+        return map(self.view, self.keys)
+
+
+def simulate_rounds(records: Iterable[UsageRecord], policy, read_model: ReadModel, decode: DecodeCost,
+                    keep_plans: bool = True) -> RoundsResult:
     """Replay `records` (in arrival order; a record's `cached_tokens` whole grid chunks are taken as reused)
-    through `planner`'s rounds. Turn keys in the plans are the records' indices in arrival order."""
-    grid = planner.grid
+    through the scheduler's rounds as `policy` (qse.policy.Policy: max_running, round_token_budget, served_grid,
+    launch_ahead) sets them. Turn keys in the plans are the records' indices in arrival order."""
+    # the rounds need neither the estimator nor the ledger (they are the reader's)
+    sched = Scheduler(policy, ChunkCostEstimator(policy.chunk_prior_ms), GpuLedger())
+    planner, grid, launch_ahead = sched.rounds, policy.served_grid, policy.launch_ahead
     recs = sorted(records, key=lambda r: r.arrival_s)
     turns = []
     for no, rec in enumerate(recs):
         cached = (min(rec.cached_tokens, rec.prompt_tokens - 1) // grid) * grid
         turns.append(ServedTurn(rec, no, rec.prompt_tokens - cached, cached, rec.arrival_s))
+    after: dict[int, int] = {}  # turn -> the next turn of its session (it joins when this one ends)
     last_of_session: dict[str, int] = {}
-    blocked: dict[int, int] = {}  # turn -> the turn of its session it waits for
+    ready: list[tuple[float, int]] = []  # (when it may join the queue, turn): not yet in the queue
     for i, t in enumerate(turns):
         if t.record.session in last_of_session:
-            blocked[i] = last_of_session[t.record.session]
+            after[last_of_session[t.record.session]] = i
+        else:
+            ready.append((t.ready_s, i))
         last_of_session[t.record.session] = i
-    pending = list(range(len(turns)))  # not yet in the queue
+    heapq.heapify(ready)
     waiting: list[int] = []
     reading: list[int] = []
     running: list[int] = []
@@ -97,21 +147,48 @@ def simulate_rounds(records: Iterable[UsageRecord], planner: RoundPlanner, read_
         t = turns[i]
         return Prompt(i, t.arrival_no, t.unread_tokens, t.overtaken, t.chunks_left)
 
-    while pending or waiting or reading or running:  # (a turn with an id in flight is still running)
-        for i in [i for i in pending if i not in blocked and turns[i].ready_s <= now]:
-            pending.remove(i)
-            waiting.append(i)
+    def ids_to_launch(i: int) -> int:
+        return turns[i].record.output_tokens - turns[i].ids - turns[i].in_flight
+
+    def note(plan: RoundPlan) -> None:
+        result.num_rounds += 1
+        if keep_plans:
+            result.plans.append((now, plan))
+
+    while ready or waiting or reading or running:  # (a turn with an id in flight is still running)
+        while ready and ready[0][0] <= now:
+            waiting.append(heapq.heappop(ready)[1])
         if not (waiting or reading or running):  # idle until the next turn can join
-            now = max(now, min(turns[i].ready_s for i in pending if i not in blocked))
+            now = max(now, ready[0][0])
             continue
-        for i in planner.admit([prompt(i) for i in waiting], len(reading) + len(running)):
+        action = sched.on(RoundDue(now, _Views(waiting, prompt), [prompt(i) for i in reading],
+                                   [Running(i, ids_to_launch(i)) for i in running],
+                                   any(turns[i].in_flight for i in running)))
+        if isinstance(action, OpenTurn):
+            i = action.key
             waiting.remove(i)
             turns[i].chunks_left = chunks_before_tail(turns[i].unread_tokens, grid)
             reading.append(i)
-        plan = planner.plan([Running(i, turns[i].record.output_tokens - turns[i].ids - turns[i].in_flight)
-                             for i in running],
-                            [prompt(i) for i in reading])
+            continue
+        if isinstance(action, Nothing):  # (nothing waits, reads or runs: the loop above ends first)
+            break
+        plan = action.plan
         cost_ms = decode.ms(len(plan.decode)) if plan.decode else 0.0
+        stretch = min((ids_to_launch(i) for i in running), default=0) - 1
+        if not (waiting or reading or plan.reads) and stretch >= 2 and len(plan.decode) == len(running):
+            # the same decode round until a turn joins the queue or one has its last id to launch
+            done = 0
+            while done < stretch and not (ready and ready[0][0] <= now):
+                note(plan)
+                now += cost_ms / 1000
+                done += 1
+            for i in running:
+                t = turns[i]
+                if launch_ahead:
+                    t.ids, t.in_flight = t.ids + t.in_flight + done - 1, 1
+                else:
+                    t.ids += done
+            continue
         for read in plan.reads:
             t = turns[read.key]
             for _ in range(read.chunks):
@@ -119,7 +196,7 @@ def simulate_rounds(records: Iterable[UsageRecord], planner: RoundPlanner, read_
                 t.row += grid
             if read.tail:
                 cost_ms += read_model.ms_per_chunk(t.row, grid) * (t.unread_tokens - read.chunks * grid) / grid
-        result.plans.append((now, plan))
+        note(plan)
         now += cost_ms / 1000
         ended = []
         for read in plan.reads:  # (the conductor hands out the first tokens before the round's decoded ids)
@@ -130,7 +207,7 @@ def simulate_rounds(records: Iterable[UsageRecord], planner: RoundPlanner, read_
                 t.first_token_s, t.ids, t.unread_tokens = now, 1, 0
                 reading.remove(read.key)
                 running.append(read.key)
-                for j in planner.overtaken(prompt(read.key), [prompt(j) for j in waiting + reading]):
+                for j in planner.overtaken(prompt(read.key), _Views(waiting + reading, prompt)):
                     turns[j].overtaken += 1
         for i in running:  # the round launched ahead last time comes back with this one
             turns[i].ids += turns[i].in_flight
@@ -146,9 +223,9 @@ def simulate_rounds(records: Iterable[UsageRecord], planner: RoundPlanner, read_
                 ended.append(i)
         for i in ended:
             turns[i].end_s = now
-            for j, k in list(blocked.items()):
-                if k == i:
-                    del blocked[j]
-                    turns[j].ready_s = max(turns[j].ready_s, now)
+            if i in after:
+                j = after[i]
+                turns[j].ready_s = max(turns[j].ready_s, now)
+                heapq.heappush(ready, (turns[j].ready_s, j))
     return result
 

@@ -3,8 +3,11 @@
 Each session of a usage ledger is replayed on its own engine (the served model serves only that
 session, as for one agent or one user): its turns arrive as recorded, the served model prefills
 from arrival to first token and decodes to the end, and the reader reads the session in whole grid
-chunks whenever qse/core lets it (`IdleWindow`/`IdleBurst` between turns, `TurnRation` between decode
-rounds), through the same `PlanDriver` loop the runtime runs, charging the same `GpuLedger`. A chunk
+chunks whenever the conductor's own scheduler (qse/core/scheduler.py) lets it: the replay feeds it the
+events the conductor feeds it (a turn arrives, a round ends, the idle window looks, a read ends, a turn
+ends) on the virtual clock and carries out its actions through the same `PlanDriver` loop the runtime
+runs, charging the same `GpuLedger`. With `served_rounds`, every record is also served on one served model
+in the scheduler's rounds (qse/replay/rounds.py), for the served TTFT and tokens/s under rounds. A chunk
 costs what the read model says at its context; the estimator learns from those costs, so decisions
 are taken on estimates and accounted on "measurements", as in the server. The replay reads one chunk
 at a time; the server launches the next chunk while the device runs the one before (`ReaderPlan.lookahead`),
@@ -55,12 +58,15 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Iterable, NamedTuple
 
-from qse.core import (ChunkCostEstimator, DriveResult, GpuLedger, IdleWindow, PlanDriver, Role, Stop, TurnRation,
-                      Window, plan_read, whole_chunks)
+from qse.core import (ChunkCostEstimator, DriveResult, GpuLedger, PlanDriver, Role, SessionBacklog, Stop,
+                      TurnRation, Window, plan_read, whole_chunks)
 from qse.core.checkpoints import Change, CheckpointBook, CheckpointRules
 from qse.core.plan import check_group
+from qse.core.scheduler import (Arrived, Busy, IdleOpened, IdlePoll, OpenIdle, ReadEnded, ReadPlan, RoundEnded,
+                                Scheduler, SliceView, TurnEnded)
 from qse.policy import Policy
 from qse.replay.read_model import ReadModel, group_share
+from qse.replay.rounds import DecodeCost, RoundsResult, simulate_rounds
 from qse.replay.usage import UsageRecord, sessions_of
 
 RATION_FROM = ("first_token", "turn_start")
@@ -108,6 +114,11 @@ class SimOptions:
     # checkpoint switches (as the runtime's reader by default)
     checkpoint_at_line: bool = True  # the runtime's reader does this since 2026-11-29
     pin_first_checkpoint: bool = False
+    # the served rounds over all records at once on one served model (simulate_rounds; off by default: a
+    # public trace of many users on one model is an overload study that takes minutes); a decode round's ms,
+    # None: the records' median decode time per output id (no record with a first token: no rounds)
+    served_rounds: bool = False
+    decode_round_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.short_prompt_kept not in SHORT_PROMPT_KEPT:
@@ -207,6 +218,8 @@ class SimResult:
     num_overlapping_turns: int = 0
     num_checkpoints_taken: int = 0
     max_checkpoints_held: int = 0
+    rounds: RoundsResult | None = None  # the served rounds over all records (None: not run)
+    decode_round_ms: float | None = None  # what a decode round cost there
 
     def report(self) -> dict:
         return build_report(self)
@@ -297,6 +310,25 @@ def freshness_goal(report: dict) -> dict:
     }
 
 
+def served_rounds(result: SimResult) -> dict | None:
+    """The served turns of all sessions at once, in the conductor's rounds (None where they were not run)."""
+    if result.rounds is None:
+        return None
+    return {**result.rounds.summary(), "decode_round_ms": result.decode_round_ms,
+            "definition": ("every record served in the scheduler's rounds on one served model: turns that overlap "
+                           "in time share rounds (max_running, round_token_budget); a prompt piece costs the read "
+                           "model's chunk at its context (from the record's cached_tokens), a decode round "
+                           "decode_round_ms; ttft_s from arrival, tokens_per_s a turn's ids over arrival to end, "
+                           "aggregate_tokens_per_s all ids over the first arrival to the last end")}
+
+
+def decode_round_ms(records: list[UsageRecord]) -> float | None:
+    """The records' median decode time per output id, ms (None: no record says when its first token came)."""
+    per_id = sorted((r.end_s - r.first_token_s) * 1000 / r.output_tokens for r in records
+                    if r.first_token_s is not None and r.output_tokens > 0 and r.end_s > r.first_token_s)
+    return per_id[len(per_id) // 2] if per_id else None
+
+
 def build_report(result: SimResult) -> dict:
     starts = result.turn_starts
     follow = [s for s in starts if s.turn > 0]
@@ -340,6 +372,7 @@ def build_report(result: SimResult) -> dict:
                         "bytes_each_0_8b": CHECKPOINT_BYTES_0_8B,
                         "max_bytes_per_session_0_8b": result.max_checkpoints_held * CHECKPOINT_BYTES_0_8B,
                         "num_taken": result.num_checkpoints_taken},
+        "served_rounds": served_rounds(result),
         "options": result.options.to_json(),
     }
     report["goal"] = freshness_goal(report)
@@ -356,14 +389,15 @@ class Simulator:
         policy = options.policy
         prior = read_model.ms_per_chunk(0, policy.grid) if options.prior_from_read_model else policy.chunk_prior_ms
         self.estimator = ChunkCostEstimator(prior, options.estimator_bucket_tokens)
-        self.idle = IdleWindow.of(policy)
-        self.ration = TurnRation.reader(policy)
         self.prefill = (TurnRation(options.prefill_share, policy.slice_ms, Window.PREFILL)
                         if options.prefill_share > 0 else None)
         self.result = SimResult(options)
 
     # -- the whole replay ----------------------------------------------------------------------
     def run(self, records: Iterable[UsageRecord], progress: bool = False) -> SimResult:
+        """Each session on its own engine (freshness, the reader's windows), then every record in the served
+        rounds together (the served TTFT and tokens/s)."""
+        records = list(records)
         sessions = sessions_of(records)
         items: Iterable = sessions.items()
         if progress:
@@ -373,6 +407,12 @@ class Simulator:
         for session_id, recs in items:
             _SessionReplay(self, session_id).run(recs)
             self.result.num_sessions += 1
+        opt = self.options
+        round_ms = opt.decode_round_ms if opt.decode_round_ms is not None else decode_round_ms(records)
+        if opt.served_rounds and round_ms is not None and records:
+            self.result.decode_round_ms = round_ms
+            self.result.rounds = simulate_rounds(records, opt.policy, self.read_model, DecodeCost(round_ms),
+                                                 keep_plans=False)
         return self.result
 
 
@@ -394,6 +434,9 @@ class _SessionReplay:
         # and its checkpoints, by the served sessions' rules
         self.served_line = 0
         self.served_book = CheckpointBook(CheckpointRules.counted(self.grid, **policy.served_checkpoints()))
+        # the conductor's own scheduler, on this session's engine (the estimator and ledger are the replay's)
+        self.sched = Scheduler(policy, sim.estimator, sim.result.ledger, wake_on_end=self.opt.wake_on_end)
+        self.next_look_s = 0.0  # the idle window's first look after the last turn's end
         self.now = 0.0
         self.turn = 0
         self.ready_target = 0
@@ -453,22 +496,32 @@ class _SessionReplay:
         return res
 
     # -- the idle window between two turns -------------------------------------------------------
-    def _idle(self, free_s: float, arrival_s: float, next_poll_s: float) -> tuple[float, float]:
-        """Idle reading from `free_s` (the engine is free) until the request arriving at `arrival_s`.
-        Returns (when the turn may start, the next poll)."""
-        idle = self.sim.idle
-        t = free_s if self.opt.wake_on_end else idle.first_poll_at_or_after(next_poll_s, free_s)
+    def _backlogs(self) -> dict[str, SessionBacklog]:
+        num = whole_chunks(self.committed, self.known, self.grid)
+        return {self.session_id: SessionBacklog(0.0, num)} if num else {}
+
+    def _idle(self, arrival_s: float) -> float:
+        """The scheduler's idle window from its first look after the last turn's end until the request arriving
+        at `arrival_s` (no request runs or waits before it). Returns when the turn may start."""
+        sched = self.sched
+        t = self.next_look_s
         start = arrival_s
         while t < arrival_s:
-            if whole_chunks(self.committed, self.known, self.grid) == 0:
-                return start, t
-            est = self.sim.estimator.estimate_ms(self.committed)
+            action = sched.on(IdlePoll(t, Busy(), has_work=bool(self._backlogs())))
+            if not isinstance(action, OpenIdle):
+                return start
             self.now = t
-            burst = idle.open(t)
-            self._drive(Window.IDLE, burst, None, arrival_s, idle.burst_s * 1000, est)
+            action = sched.on(IdleOpened(t, self._backlogs()))
+            while isinstance(action, ReadPlan):
+                res = self._carry_out(action, arrival_s)
+                action = sched.on(ReadEnded(self.now, res.stop if res is not None else None, self._backlogs()))
             start = max(start, self.now)
-            t = idle.next_poll_s(self.now)
-        return start, t
+            t = action.until
+        return start
+
+    def _carry_out(self, action: ReadPlan, waiting_at: float | None) -> DriveResult | None:
+        est = self.sim.estimator.estimate_ms(self.committed)
+        return self._drive(action.window, action.decision, action.turn_id, waiting_at, action.budget_ms(self.now), est)
 
     # -- the served prefill (exploratory window) -------------------------------------------------
     def _prefill(self, turn_id: str, start_s: float, prefill_s: float) -> float:
@@ -495,9 +548,7 @@ class _SessionReplay:
 
     # -- the ration between decode rounds --------------------------------------------------------
     def _decode(self, turn_id: str, first_token_s: float, since_s: float, decode_s: float, output_tokens: int) -> float:
-        """The ration's slices between decode rounds; returns the reader's time inside the decode (s)."""
-        ration = self.sim.ration
-        ledger = self.sim.result.ledger
+        """The scheduler's slices between decode rounds; returns the reader's time inside the decode (s)."""
         if output_tokens < 2 or decode_s <= 0:
             return 0.0
         round_s = decode_s / output_tokens
@@ -505,25 +556,23 @@ class _SessionReplay:
         i = 1  # the boundary after round i: i output ids are known
         while i <= output_tokens - 1:
             self.known = self.prompt + i
-            if whole_chunks(self.committed, self.known, self.grid) == 0:
-                i = self.committed + self.grid - self.prompt  # the round that completes the next chunk
-                continue
-            est = self.sim.estimator.estimate_ms(self.committed)
             t_i = first_token_s + i * round_s + reader_s
-            spent_us = ledger.spent_us(Role.READER_RATION, turn_id) or 0
-            sl = ration.open_slice(t_i, since_s, spent_us, est)
-            if sl is None:
-                t_star = ration.earliest_s(since_s, spent_us, est)
-                if t_star is None:
-                    break
-                # skip the boundaries well before t_star; the core decides at the ones near it (it
-                # rounds time to whole microseconds, so the float boundary just below may still do)
-                i = max(i + 1, math.floor((t_star - first_token_s - reader_s) / round_s) - 1)
-                continue
-            self.now = t_i
-            self._drive(Window.RATION, sl, turn_id, None, sl.budget_us / 1000, est)
-            reader_s += self.now - t_i
-            i += 1
+            view = SliceView(None, turn_id, self.session_id, since_s, self.committed, self.known)
+            action = self.sched.on(RoundEnded(t_i, (view,)))
+            if isinstance(action, ReadPlan):
+                self.now = t_i
+                self._carry_out(action, None)
+                self.sched.on(ReadEnded(self.now, None))
+                reader_s += self.now - t_i
+                i += 1
+            elif action.until is None:  # no whole chunk: the round that completes the next one
+                i = self.committed + self.grid - self.prompt
+            elif math.isinf(action.until):  # the share never pays for a chunk
+                break
+            else:
+                # skip the boundaries well before the first moment a slice could open; the scheduler decides at
+                # the ones near it (the core rounds time to whole microseconds, so the boundary just below may do)
+                i = max(i + 1, math.floor((action.until - first_token_s - reader_s) / round_s) - 1)
         return reader_s
 
     # -- one session -----------------------------------------------------------------------------
@@ -600,7 +649,6 @@ class _SessionReplay:
         ledger = result.ledger
         shift_s = 0.0  # how much later than recorded this session runs, from the reader's time
         free_s: float | None = None  # when the previous turn ended
-        next_poll_s = recs[0].arrival_s if recs else 0.0
         prev: UsageRecord | None = None
         pending: TurnStart | None = None
         committed_at_end = 0
@@ -612,8 +660,9 @@ class _SessionReplay:
                 shift_s += free_s - arrival
                 arrival = free_s
             idle_gap_s = 0.0 if free_s is None else arrival - free_s
+            self.sched.on(Arrived(arrival))  # (the idle window's lattice starts with the first request)
             if free_s is not None:
-                start, next_poll_s = self._idle(free_s, arrival, next_poll_s)
+                start = self._idle(arrival)
                 if start > arrival:
                     result.request_waits_ms.append((start - arrival) * 1000)
                     shift_s += start - arrival
@@ -646,6 +695,7 @@ class _SessionReplay:
 
             shift_s += reader_prefill_s + reader_decode_s
             free_s = first_token + decode_s + reader_decode_s
+            self.next_look_s = self.sched.on(TurnEnded(free_s, turn_id)).until
             self.known = rec.prompt_tokens + rec.output_tokens
             committed_at_end = self.committed
             result.served_prefill_s += prefill_s
@@ -653,7 +703,7 @@ class _SessionReplay:
             prev = rec
         if free_s is not None:  # after the last turn the idle window reads until the reader catches up
             self.turn = len(recs)
-            self._idle(free_s, math.inf, next_poll_s)
+            self._idle(math.inf)
         if pending is not None:
             result.turn_starts.append(pending._replace(prompt_ready_s=self.ready_at))
 

@@ -2,12 +2,16 @@
 
 import pytest
 
-from qse.core.rounds import RoundPlanner
+from qse.policy import Policy
 from qse.replay.read_model import ReadModel
 from qse.replay.rounds import DecodeCost, simulate_rounds
 from qse.replay.usage import UsageRecord
 
 GRID = 10
+
+
+def policy(max_running=2, launch_ahead=False):
+    return Policy(max_running=max_running, round_token_budget=GRID, served_grid=GRID, launch_ahead=launch_ahead)
 
 
 def rec(session, arrival_s, prompt_tokens, output_tokens):
@@ -21,7 +25,7 @@ def test_two_overlapping_requests_share_rounds():
     y 5); round 4 decodes x and reads y's tail; round 5 decodes both, and both end."""
     read_model = ReadModel.flat(1000.0, grid=GRID)
     sim = simulate_rounds([rec("y", 0.015, 5, 2), rec("x", 0.0, 2 * GRID + 1, 3)],
-                          RoundPlanner(max_running=2, token_budget=GRID, grid=GRID), read_model, DecodeCost(5.0))
+                          policy(), read_model, DecodeCost(5.0))
     x, y = sim.turns  # in arrival order
     assert (x.record.session, y.record.session) == ("x", "y")
     assert [round(t, 6) for t, _ in sim.plans] == [0.0, 0.01, 0.02, 0.021, 0.031]
@@ -33,15 +37,63 @@ def test_two_overlapping_requests_share_rounds():
 
 
 def test_a_sessions_next_turn_waits_for_the_one_before():
-    sim = simulate_rounds([rec("s", 0.0, 5, 2), rec("s", 0.001, 5, 1)], RoundPlanner(2, GRID, GRID),
+    sim = simulate_rounds([rec("s", 0.0, 5, 2), rec("s", 0.001, 5, 1)], policy(),
                           ReadModel.flat(1000.0, grid=GRID), DecodeCost(5.0))
     first, second = sim.turns
     assert second.first_token_s > first.end_s  # it joined the queue when the first turn ended
 
 
 def test_launched_ahead_a_turn_holds_its_slot_one_round_longer():
-    args = ([rec("a", 0.0, 5, 2), rec("b", 0.0, 6, 1)], RoundPlanner(1, GRID, GRID),
-            ReadModel.flat(1000.0, grid=GRID), DecodeCost(5.0))
-    plain, ahead = simulate_rounds(*args), simulate_rounds(*args, launch_ahead=True)
+    recs, model = [rec("a", 0.0, 5, 2), rec("b", 0.0, 6, 1)], ReadModel.flat(1000.0, grid=GRID)
+    plain = simulate_rounds(recs, policy(1), model, DecodeCost(5.0))
+    ahead = simulate_rounds(recs, policy(1, launch_ahead=True), model, DecodeCost(5.0))
     assert len([p for _, p in ahead.plans]) == len(plain.plans) + 1  # the round that brings a's last id back
     assert ahead.turns[1].first_token_s == plain.turns[1].first_token_s  # (that round costs no device time)
+
+
+@pytest.mark.parametrize("launch_ahead", [False, True], ids=["plain", "ahead"])
+def test_a_stretch_of_decode_rounds_stops_where_a_turn_arrives_or_ends(launch_ahead):
+    """Long decodes: the same decode rounds run as one stretch, which stops at the first round boundary at or
+    after an arrival (c opens and is read there) and before a turn's last id; every round is still counted."""
+    recs = [rec("a", 0.0, 5, 60), rec("b", 0.0, 25, 40), rec("c", 0.2, 12, 50)]
+    sim = simulate_rounds(recs, policy(3, launch_ahead), ReadModel.flat(1000.0, grid=GRID), DecodeCost(5.0, 1.0))
+    a, b, c = sim.turns
+    assert sim.num_rounds == len(sim.plans)
+    assert [t.ids for t in sim.turns] == [60, 40, 50]
+    for t in sim.turns:  # a first token at a round's end, then one id a round
+        assert sum(t.arrival_no in p.decode for _, p in sim.plans) == t.record.output_tokens - 1
+    reads_c = [k for k, (_, p) in enumerate(sim.plans) if any(r.key == 2 for r in p.reads)]
+    assert sim.plans[reads_c[0]][0] >= 0.2 > sim.plans[reads_c[0] - 1][0]
+    for (s0, p0), (s1, _) in zip(sim.plans, sim.plans[1:]):  # each round starts where the one before ended
+        if not p0.reads:
+            assert s1 - s0 == pytest.approx((5.0 + 1.0 * len(p0.decode)) / 1000)
+    # b ends first; its round is the last with three decodes
+    assert b.end_s < a.end_s and b.end_s < c.end_s
+
+
+def test_the_simulator_reports_the_served_rounds_of_all_sessions_together(tmp_path, capsys):
+    """One entry point: `qse replay --served-rounds` serves every record in the scheduler's rounds beside the
+    per-session replay; the same records through simulate_rounds give the same figures."""
+    from qse.replay.cli import main
+    from qse.replay.simulator import SimOptions, simulate
+    from qse.replay.usage import write_usage
+
+    recs = [UsageRecord(session=s, arrival_s=a, first_token_s=a + 0.5, end_s=a + 0.5 + out * 0.01,
+                        prompt_tokens=p, shared_prefix_tokens=0, output_tokens=out)
+            for s, a, p, out in (("a", 0.0, 3000, 40), ("b", 0.1, 700, 20), ("c", 5.0, 100, 10))]
+    model = ReadModel.flat(87.0)
+    res = simulate(recs, model, SimOptions.of(served_rounds=True))
+    alone = simulate_rounds(recs, res.options.policy, model, DecodeCost(10.0), keep_plans=False)
+    got = res.report()["served_rounds"]
+    assert res.decode_round_ms == pytest.approx(10.0)  # the records' decode ms per id
+    assert got["num_rounds"] == alone.num_rounds > 0 and got["num_turns"] == 3
+    assert got["ttft_s"] == alone.summary()["ttft_s"]
+    assert got["aggregate_tokens_per_s"] == pytest.approx(70 / (max(t.end_s for t in alone.turns) - 0.0))
+    assert simulate(recs, model).report()["served_rounds"] is None  # off unless asked
+
+    ledger = tmp_path / "u.jsonl"
+    write_usage(ledger, recs)
+    assert main([str(ledger), "--served-rounds", "--decode-round-ms", "10", "--no-progress"]) == 0
+    report = __import__("json").loads(capsys.readouterr().out)
+    assert report["served_rounds"]["num_rounds"] == alone.num_rounds
+    assert report["options"]["decode_round_ms"] == 10.0
