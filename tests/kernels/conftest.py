@@ -52,9 +52,10 @@ def few_programs(monkeypatch):
     """Wide tiles for the whole-model tests: the interpreter runs every program as a Python loop, so a launch
     costs its program count (the GEMV's pinned 4-row tiles made the 1,000-row head 250 programs, over 80 % of
     a decode step). The tile sizes are constexprs of the same code; the kernels' own tests keep the pinned ones."""
-    from qse_kernels import conv1d, fused, gdn_chunk, gemv
+    from qse_kernels import conv1d, fused, gdn_chunk, gemm, gemv
 
     monkeypatch.setattr(gemv, "NARROW_ROWS", 64)  # BK = TILE_ELEMENTS / 64 = 64: the model's hidden size
+    monkeypatch.setattr(gemm, "BLOCK_N", 256)  # the 1,000-row head in four column tiles, the last one partial
     monkeypatch.setattr(conv1d, "CONV_BLOCK_T", 64)  # a grid chunk's rows in one program row
     monkeypatch.setattr(fused, "SILU_BLOCK_T", 64)
     monkeypatch.setattr(gdn_chunk, "SCAN_BLOCK_V", 32)  # a head's whole value dim
