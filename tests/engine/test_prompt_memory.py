@@ -11,9 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 RUN = Path(__file__).with_name("prompt_memory_run.py")
 PROMPT, GRID = 65536 + 100, 512  # 64Ki tokens and a tail under one chunk
 LIMIT = 2 << 30
+
+pytestmark = pytest.mark.slow
 
 
 def test_a_64k_prompt_peaks_under_2_gb_above_the_model(cache_dir):

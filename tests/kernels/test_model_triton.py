@@ -12,7 +12,7 @@ from qse.engine.engine import Engine
 from qse.models import resolve
 from qse.shadow.reader import ShadowReader
 
-pytestmark = pytest.mark.usefixtures("few_programs")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("few_programs")]
 
 GRID = 64
 

@@ -15,7 +15,7 @@ from qse.engine.rounds import DecodeRounds
 from qse.models import resolve
 from rounds_rig import PROMPTS, decode_rounds, make_engine, make_pool, prefill
 
-pytestmark = pytest.mark.usefixtures("few_programs")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("few_programs")]
 
 
 def test_invariant_rounds_give_every_row_the_bits_it_gets_alone(small_model_dir, cache_dir):

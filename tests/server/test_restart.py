@@ -9,6 +9,9 @@ import subprocess
 import sys
 
 import httpx
+import pytest
+
+pytestmark = pytest.mark.slow  # real servers started and stopped
 
 
 def test_sessions_survive_a_restart(launcher, tmp_path):
