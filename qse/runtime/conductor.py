@@ -24,6 +24,7 @@ import itertools
 import time
 import uuid
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, AsyncIterator, Callable
 
@@ -963,16 +964,58 @@ class Conductor:
     async def _on_fork(self, session_id: str, priority: Priority, role: Role, upto: int | None, behind: str,
                        call, *args):
         """A question's or a summary's turn on the engine: behind the turns, catch up (router questions first)
-        and run `call` on the reader's thread; the catch-up's device time and ids count in its result."""
-        async with self.board.engine_lock(priority):
-            self._refuse_if_stopped()
-            self._refuse_if_released()
-            read_ms, read_tokens = await self._catch_up(session_id, upto, behind)
-            result = await self.reader_exec.run(call, *args)
-            self.ledger.record(role, result.gpu_ms + read_ms)
+        and run `call` on the reader's thread; the catch-up's device time and ids count in its result.
+
+        A session whose reader state is only in a file loads first, holding nothing (`_reader_loaded`): the
+        rounds, an arriving request and the reader's other work go on while its file is read, and the engine
+        is taken once the load has landed, so the restore under it is a host copy. A session parked again
+        while its asker waited for the engine is loaded again the same way (a few times at most: then its
+        file is read under the engine, as a session never read ahead is)."""
+        for attempt in range(_LOAD_ATTEMPTS):
+            await self._reader_loaded(session_id)
+            async with self.board.engine_lock(priority):
+                self._refuse_if_stopped()
+                self._refuse_if_released()
+                if not await self._bring_back_if_ready(session_id, force=attempt == _LOAD_ATTEMPTS - 1):
+                    continue
+                read_ms, read_tokens = await self._catch_up(session_id, upto, behind)
+                result = await self.reader_exec.run(call, *args)
+                self.ledger.record(role, result.gpu_ms + read_ms)
+                break
         self._note_backlog(session_id)
         return replace(result, gpu_ms=result.gpu_ms + read_ms, read_ms=result.read_ms + read_ms,
                        read_tokens=result.read_tokens + read_tokens)
+
+    async def _reader_loaded(self, session_id: str) -> None:
+        """Until bringing the session's reader state back reads no file on the reader's thread (`ready`): a
+        state only in a file starts loading on the store's loader thread (one short hop to the reader's
+        thread), and the load is awaited on the event loop, holding no lock and no thread. A file that cannot
+        be used lands as a miss (the session is read again from row 0)."""
+        while (reader := self.reader) is not None and not self._stopped and not reader.residency.ready(session_id):
+            load = await self.reader_exec.run(reader.residency.prefetch, reader, session_id)
+            if load is None:  # landed at that hop (or the session is gone: the question says so under the lock)
+                return
+            await _landed(load)
+
+    async def _bring_back_if_ready(self, session_id: str, force: bool = False) -> bool:
+        """Under the engine lock: the session's reader state resident again where that reads no file on the
+        reader's thread (force: whatever it reads); False when it was parked again meanwhile and must load."""
+        session = self.reader.sessions.get(session_id)
+        if session is None or session.is_resident:  # nothing on this loop moves a session while we hold the engine
+            return True
+        return await self.reader_exec.run(self._restore_if_ready, session_id, force)
+
+    def _restore_if_ready(self, session_id: str, force: bool) -> bool:
+        """On the reader's thread: the readiness check and the restore in one step (nothing runs between)."""
+        reader = self.reader
+        session = reader.sessions.get(session_id)
+        if session is None:
+            return True
+        if not force and not reader.residency.ready(session_id):
+            log.info("reader_load_again", session=session_id)
+            return False
+        reader.ensure_resident(session)
+        return True
 
     async def _catch_up(self, session_id: str, upto: int | None, behind: str) -> tuple[float, int]:
         """Before a question: where router questions wait inside the backlog, read up to each, answer it, and
@@ -1083,6 +1126,25 @@ class Conductor:
         if store:
             out["store"] = store
         return out
+
+
+_LOAD_ATTEMPTS = 3  # loads a question's session may need before its file is read under the engine
+
+
+async def _landed(load: Future) -> None:
+    """Until a load of the store's loader thread is done, whatever its outcome (the store lands it, a bad file as
+    a miss). Cancelling the waiter never cancels the load (the store waits for every load it started)."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def wake(_) -> None:  # on the loader's thread, or here when the load is done already
+        try:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+        except RuntimeError:  # the loop has closed: nobody waits
+            pass
+
+    load.add_done_callback(wake)
+    await done
 
 
 def served_sessions(engine: Engine, policy: Policy, residency=None) -> ServedSessions:
