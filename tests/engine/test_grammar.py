@@ -33,7 +33,7 @@ def grammar(chat, max_tokens: int = 256) -> Grammar:
 def naive_masked(state, logits: torch.Tensor) -> torch.Tensor:
     """The reference: llguidance's byte per id (its own path, not the bitmask), over the whole vocabulary."""
     vocab = state.grammar.tokenizer.vocab_size
-    allowed = torch.tensor(list(state._matcher.compute_logit_bias()[:vocab])) != 0
+    allowed = torch.frombuffer(bytearray(state._matcher.compute_logit_bias()[:vocab]), dtype=torch.uint8) != 0
     return logits.masked_fill(~allowed, float("-inf"))
 
 
