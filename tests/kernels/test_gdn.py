@@ -176,11 +176,15 @@ def _same(out, ref, exact: bool, rel):
         assert rel(o, ref_o) < (1e-5 if o.dtype == torch.float32 else 1e-2) and rel(s, ref_s) < 1e-5
 
 
+# (entry, rule, T, GATE_IN_PREPARE): the chunk entry both ways it gates (in the prepare kernel, or the gating
+# kernel before it: the default); the recurrent entry does not read the flag
 FROM_GATES = {
-    "chunk-T70": (gdn_chunk.chunk_gated_delta_rule_from_gates, gdn_chunk.chunk_gated_delta_rule, 70),
-    "chunk-T5": (gdn_chunk.chunk_gated_delta_rule_from_gates, gdn_chunk.chunk_gated_delta_rule, 5),
-    "recurrent-T1": (gdn_recurrent.recurrent_gated_delta_rule_from_gates, gdn_recurrent.recurrent_gated_delta_rule, 1),
-    "recurrent-T3": (gdn_recurrent.recurrent_gated_delta_rule_from_gates, gdn_recurrent.recurrent_gated_delta_rule, 3),
+    f"{how}-chunk-T{t}": (gdn_chunk.chunk_gated_delta_rule_from_gates, gdn_chunk.chunk_gated_delta_rule, t, flag)
+    for how, flag in (("gate-in-prepare", True), ("gating-kernel", False)) for t in (70, 5)
+} | {
+    f"recurrent-T{t}": (gdn_recurrent.recurrent_gated_delta_rule_from_gates, gdn_recurrent.recurrent_gated_delta_rule,
+                        t, False)
+    for t in (1, 3)
 }
 
 
@@ -192,10 +196,11 @@ def gate_in_prepare(request, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("fused,rule,num_tokens", FROM_GATES.values(), ids=FROM_GATES.keys())
-def test_from_gates_is_gating_then_rule(device, rel, fused, rule, num_tokens, dtype, gate_in_prepare):
+@pytest.mark.parametrize("fused,rule,num_tokens,in_prepare", FROM_GATES.values(), ids=FROM_GATES.keys())
+def test_from_gates_is_gating_then_rule(device, rel, fused, rule, num_tokens, in_prepare, dtype, monkeypatch):
     """The rule gating a, b in its own kernel == the gating kernel, then the rule on g, beta (a partial
     last chunk included: its padded tokens must stay ungated zeros); and close to the naive twin."""
+    monkeypatch.setattr(gdn_chunk, "GATE_IN_PREPARE", in_prepare)
     q, k, v, _, _, state = _inputs(num_tokens, 1, 2, 16, 16, dtype, device, seed=8)
     gates = _gates(num_tokens, 2, dtype, device)
     out = fused(q, k, v, *gates, state)
