@@ -58,6 +58,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Iterable, NamedTuple
 
+import msgspec
+
 from qse.core import (ChunkCostEstimator, DriveResult, GpuLedger, PlanDriver, Role, SessionBacklog, Stop,
                       TurnRation, Window, plan_read, whole_chunks)
 from qse.core.checkpoints import Change, CheckpointBook, CheckpointRules
@@ -317,7 +319,8 @@ def served_rounds(result: SimResult) -> dict | None:
     return {**result.rounds.summary(), "decode_round_ms": result.decode_round_ms,
             "definition": ("every record served in the scheduler's rounds on one served model: turns that overlap "
                            "in time share rounds (max_running, round_token_budget); a prompt piece costs the read "
-                           "model's chunk at its context (from the record's cached_tokens), a decode round "
+                           "model's chunk at its context, from the row the session cache reuses (the record's "
+                           "cached_tokens or, where larger, the per-session replay's served book), a decode round "
                            "decode_round_ms; ttft_s from arrival, tokens_per_s a turn's ids over arrival to end, "
                            "aggregate_tokens_per_s all ids over the first arrival to the last end")}
 
@@ -411,9 +414,17 @@ class Simulator:
         round_ms = opt.decode_round_ms if opt.decode_round_ms is not None else decode_round_ms(records)
         if opt.served_rounds and round_ms is not None and records:
             self.result.decode_round_ms = round_ms
-            self.result.rounds = simulate_rounds(records, opt.policy, self.read_model, DecodeCost(round_ms),
-                                                 keep_plans=False)
+            self.result.rounds = simulate_rounds(self._with_served_reuse(sessions), opt.policy, self.read_model,
+                                                 DecodeCost(round_ms), keep_plans=False)
         return self.result
+
+    def _with_served_reuse(self, sessions: dict[str, list[UsageRecord]]) -> list[UsageRecord]:
+        """Every record with the prompt rows the session cache reuses, as its per-session replay found them
+        (`served_from`: the served book's rule, applied once): a public trace records no cached tokens, and
+        its turns would otherwise all be read cold in the rounds."""
+        reused = {(s.session, s.turn): s.served_from for s in self.result.turn_starts}
+        return [msgspec.structs.replace(rec, cached_tokens=max(rec.cached_tokens, reused.get((sid, k), 0)))
+                for sid, recs in sessions.items() for k, rec in enumerate(recs)]
 
 
 class _SessionReplay:

@@ -97,3 +97,23 @@ def test_the_simulator_reports_the_served_rounds_of_all_sessions_together(tmp_pa
     report = __import__("json").loads(capsys.readouterr().out)
     assert report["served_rounds"]["num_rounds"] == alone.num_rounds
     assert report["options"]["decode_round_ms"] == 10.0
+
+
+def test_the_served_rounds_reuse_what_the_session_cache_keeps():
+    """A public trace records no cached tokens: the rounds take a follow-up turn's reuse from the per-session
+    replay's served book (the state the previous turn kept at its prompt's last grid line), so only the new
+    rows are read; a session's first turn reads its whole prompt."""
+    from qse.replay.simulator import SimOptions, simulate
+
+    grid = SimOptions().policy.served_grid
+    recs = [UsageRecord(session="a", arrival_s=0.0, first_token_s=0.5, end_s=0.6, prompt_tokens=6 * grid + 40,
+                        shared_prefix_tokens=0, output_tokens=10),
+            UsageRecord(session="a", arrival_s=30.0, first_token_s=30.5, end_s=30.6, prompt_tokens=8 * grid + 7,
+                        shared_prefix_tokens=6 * grid + 50, output_tokens=10)]
+    res = simulate(recs, ReadModel.flat(87.0), SimOptions.of(served_rounds=True, decode_round_ms=5.0))
+    starts = {s.turn: s.served_from for s in res.turn_starts}
+    assert starts == {0: 0, 1: 6 * grid}
+    first, second = sorted(res.rounds.turns, key=lambda t: t.record.arrival_s)
+    chunk_s = 87.0 * grid / 1000 / 1000  # the flat read model's chunk
+    assert first.ttft_s == pytest.approx(chunk_s * (6 + 40 / grid))  # six chunks and the tail
+    assert second.ttft_s == pytest.approx(chunk_s * (2 + 7 / grid))  # from the kept line: two chunks and the tail
