@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("script", ["served_load.py", "served_sessions.py"])
+@pytest.mark.parametrize("script", ["served_load.py", "served_sessions.py", "served_moves.py"])
 def test_a_tiny_run_writes_its_result(script, tmp_path, cache_dir):
     out = subprocess.run([sys.executable, f"benchmarks/{script}", "--tiny", "--out", str(tmp_path)], cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
@@ -25,6 +25,12 @@ def test_a_tiny_run_writes_its_result(script, tmp_path, cache_dir):
         assert [(lv["users"], lv["launch_ahead"]) for lv in result["levels"]] == [(1, True), (2, True), (1, False),
                                                                                    (2, False)]
         assert all(lv["output_tokens"] == 4 * lv["users"] for lv in result["levels"])
+    elif script == "served_moves.py":
+        for rep in result["repeats"]:
+            # B's parked session came back from its file, reused, while A decoded every id it asked for
+            assert rep["parked"] and rep["b_tier"] == "disk" and rep["b_cached_tokens"] > 0
+            assert rep["a_tokens"] == result["out_tokens"] and rep["b_ttft_ms"] > 0
+        assert result["store"]["restores"] == len(result["repeats"]) and not result["store"]["misses"]
     else:
         preset = result["presets"][0]
         turns = preset["turns"]
