@@ -1,7 +1,7 @@
 """Byte-compile the installed modules that qse and its tests import, and no others (scripts/setup).
 
-pip byte-compiles every module of every package it installs, one at a time: about a minute of set-up, most
-of it for modules nothing here imports (transformers' hundreds of other models, most of sympy and openai's
+pip byte-compiles every module of every package it installs, one at a time: most of that work is for
+modules nothing here imports (transformers' hundreds of other models, most of sympy and openai's
 types). scripts/setup installs with --no-compile and runs this instead: it imports what the server and the
 test suite load, writing the bytecode of each module as it goes (even where PYTHONDONTWRITEBYTECODE is set,
 as pip would have). A module left out is compiled when imported, as any module without bytecode is; one

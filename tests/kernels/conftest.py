@@ -50,8 +50,8 @@ def small_model_dir(tmp_path_factory):
 @pytest.fixture
 def few_programs(monkeypatch):
     """Wide tiles for the whole-model tests: the interpreter runs every program as a Python loop, so a launch
-    costs its program count (the GEMV's pinned 4-row tiles made the 1,000-row head 250 programs, over 80 % of
-    a decode step). The tile sizes are constexprs of the same code; the kernels' own tests keep the pinned ones."""
+    costs its program count (the GEMV's pinned 4-row tiles made the 1,000-row head 250 programs, most of a
+    decode step). The tile sizes are constexprs of the same code; the kernels' own tests keep the pinned ones."""
     from qse_kernels import conv1d, fused, gdn_chunk, gemm, gemv
 
     monkeypatch.setattr(gemv, "NARROW_ROWS", 64)  # BK = TILE_ELEMENTS / 64 = 64: the model's hidden size
