@@ -232,6 +232,14 @@ class Scheduler:
             return Nothing(until)
         return ReadPlan(window, turn.session_id, sl, turn.turn_id, turn.key)
 
+    def summary_earned(self, now: float, turn: SliceView, est_ms: float) -> bool:
+        """Whether the narrator's share of `turn` has earned a summary of `est_ms` now (the narrator's chunks
+        read: what is left is the summary on a fork, charged to the same share)."""
+        if turn.first_token_s is None:
+            return False
+        spent_us = self.ledger.spent_us(ROLE_OF_WINDOW[Window.NARRATOR], turn.turn_id) or 0
+        return self.rations[Window.NARRATOR].open_slice(now, turn.first_token_s, spent_us, est_ms) is not None
+
     def _turn_ended(self, ev: TurnEnded) -> Action:
         for window in self.rations:
             self._not_before.pop((ev.turn_id, window), None)

@@ -745,9 +745,7 @@ class Conductor:
             return
         if end is None:
             return  # the thought goes on: nothing to summarise yet
-        spent_us = self.ledger.spent_us(Role.NARRATOR, turn.turn_id) or 0
-        if self.scheduler.rations[Window.NARRATOR].open_slice(self.clock(), turn.first_token_s, spent_us,
-                                                              self.narrator.summary_est_ms) is None:
+        if not self.scheduler.summary_earned(self.clock(), self._slice_view(turn, end), self.narrator.summary_est_ms):
             return  # not earned yet
         ids = self.render_question(NARRATOR_QUESTION)
         result = await self.reader_exec.run(self._summarize_at, sid, turn.known_ids()[:end], ids,

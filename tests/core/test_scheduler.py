@@ -139,3 +139,16 @@ def test_rounds_open_admitted_turns_one_at_a_time_then_run_and_end():
 def test_an_unknown_event_is_refused_by_name():
     with pytest.raises(TypeError, match="no event 'x'"):
         scheduler().on("x")
+
+
+def test_a_summary_is_earned_by_the_narrators_share_and_spent_from_it():
+    """The narrator's summary opens once its share of the time since the first token covers the summary's
+    estimate, and what the narrator already spent on the turn counts against it."""
+    s = scheduler(Policy(**{**POLICY.__dict__, "narrator_share": 0.03}))
+    turn = SliceView("k", "t1", "a", first_token_s=10.0, committed_rows=0, known_tokens=0)
+    s.ledger.open_turn("t1")
+    assert not s.summary_earned(11.0, turn, est_ms=60.0)  # 3 % of 1 s: 30 ms
+    assert s.summary_earned(13.0, turn, est_ms=60.0)  # 3 % of 3 s: 90 ms
+    assert s.ledger.record(Role.NARRATOR, 50.0, turn_id="t1") == 50_000
+    assert not s.summary_earned(13.0, turn, est_ms=60.0)  # 90 - 50 left
+    assert not s.summary_earned(99.0, turn._replace(first_token_s=None), est_ms=1.0)  # no first token, no summary
