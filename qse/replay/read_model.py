@@ -54,6 +54,10 @@ class ReadModel:
                 raise ReadModelError(f"read model point [{c}, {ms}] must have context >= 0 and ms > 0")
         if self.grid <= 0:
             raise ReadModelError(f"read model grid must be positive, got {self.grid}")
+        # derived, not fields: the contexts for the lookup, and per grid the running sums of whole chunks from
+        # row 0 (a replay asks for millions of chunks and of spans)
+        object.__setattr__(self, "_contexts", tuple(contexts))
+        object.__setattr__(self, "_sums", {})
 
     @classmethod
     def flat(cls, ms_per_1000_tokens: float = SEED_MS_PER_1000_TOKENS, grid: int = 512, source: str = "") -> "ReadModel":
@@ -128,7 +132,7 @@ class ReadModel:
 
     def ms_per_chunk(self, context_tokens: int, grid: int | None = None) -> float:
         """GPU ms to read one chunk of `grid` rows above `context_tokens` committed rows."""
-        cs = [c for c, _ in self.points]
+        cs = self._contexts
         i = bisect.bisect_right(cs, context_tokens)
         if i == 0:
             ms = self.points[0][1]
@@ -144,6 +148,18 @@ class ReadModel:
         if grid is not None and grid != self.grid:
             ms *= grid / self.grid
         return ms
+
+    def chunks_ms(self, start_row: int, end_row: int, grid: int) -> float:
+        """GPU ms of the whole chunks of `grid` rows from `start_row` up to `end_row` (both on grid lines):
+        the sum of ms_per_chunk over them, from running sums kept per grid."""
+        if start_row % grid or end_row % grid:
+            raise ValueError(f"rows {start_row} and {end_row} must be on {grid}-row grid lines")
+        if end_row <= start_row:
+            return 0.0
+        sums = self._sums.setdefault(grid, [0.0])  # sums[k]: the chunks below row k * grid
+        while len(sums) <= end_row // grid:
+            sums.append(sums[-1] + self.ms_per_chunk((len(sums) - 1) * grid, grid))
+        return sums[end_row // grid] - sums[start_row // grid]
 
 
 # A grid chunk's device time inside a chunk group of k chunks, against alone: a + b / k (the fill and drain of

@@ -611,8 +611,7 @@ class _SessionReplay:
         prev_prompt_read = prev is None or committed_at_prev_end >= (prev.prompt_tokens // self.grid) * self.grid
         if prev is not None and rolled_back == 0:
             line = (kept // self.grid) * self.grid
-            model = self.sim.read_model
-            backlog_ms = sum(model.ms_per_chunk(r, self.grid) for r in range(committed_at_prev_end, line, self.grid))
+            backlog_ms = self.sim.read_model.chunks_ms(committed_at_prev_end, line, self.grid)
         if prev is None:
             cause = "first_turn"
         elif fresh:
@@ -642,8 +641,7 @@ class _SessionReplay:
         tail = prompt_tokens - line
 
         def ttft_ms(start: int) -> float:
-            chunks = sum(model.ms_per_chunk(r, grid) for r in range(start, line, grid))
-            return chunks + model.ms_per_chunk(line, grid) * tail / grid
+            return model.chunks_ms(start, line, grid) + model.ms_per_chunk(line, grid) * tail / grid
 
         book = self.served_book
         start = self.served_line

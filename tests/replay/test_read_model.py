@@ -112,3 +112,13 @@ def test_shadow_measure_without_usable_rows(tmp_path):
 def test_flat_source_names_the_seed_only_for_the_seed_figure():
     assert "seed 000" in ReadModel.flat().source
     assert ReadModel.flat(8.0).source == "flat 8 ms per 1000 tokens at grid 512"
+
+
+@pytest.mark.parametrize("grid", [512, 256])
+def test_a_span_of_chunks_costs_the_sum_of_its_chunks(grid):
+    model = ReadModel(((0, 40.0), (32768, 52.0), (100000, 75.0)), 512)
+    for start, end in ((0, 0), (0, grid), (grid, 70 * grid), (3 * grid, 400 * grid), (0, 500 * grid)):
+        direct = sum(model.ms_per_chunk(r, grid) for r in range(start, end, grid))
+        assert model.chunks_ms(start, end, grid) == pytest.approx(direct, rel=1e-12)
+    with pytest.raises(ValueError, match="grid lines"):
+        model.chunks_ms(10, grid, grid)
