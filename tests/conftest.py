@@ -51,6 +51,28 @@ def one_thread():
 
 
 @pytest.fixture
+def held_writes(monkeypatch):
+    """The store's mover waits for `release` before each file write; `started` is set when one waits; `calls`
+    counts them (a test orders a write against other work with these, never by sleeping)."""
+    import threading
+
+    import qse.store.store as store_mod
+
+    gate = {"release": threading.Event(), "started": threading.Event(), "calls": 0}
+    real = store_mod._write_job
+
+    def job(*args):
+        gate["calls"] += 1
+        gate["started"].set()
+        gate["release"].wait()
+        return real(*args)
+
+    monkeypatch.setattr(store_mod, "_write_job", job)
+    yield gate
+    gate["release"].set()
+
+
+@pytest.fixture
 def held_loads(monkeypatch):
     """The store's loader thread waits for `release` before each read; `started` is set when one waits; `calls`
     counts them (a test orders a load against other work with these, never by sleeping)."""

@@ -282,14 +282,16 @@ class Conductor:
             self._start_idle()
 
     async def detach_reader(self) -> ShadowReader | None:
-        """Release the reader: every resident session is written to its disk tier (when it has one), its
-        thread stops, and the conductor serves without it. The caller holds the engine lock."""
+        """Release the reader: every resident session leaves the device for its disk tier (when it has one),
+        its thread stops, and the conductor serves without it. The caller holds the engine lock, so only the
+        copies off the device happen under it: the files are written after it (the caller lands them with the
+        residency's `flush` once it has let the engine go)."""
         reader = self.reader
         if reader is None:
             return None
-        parked = await self.reader_exec.run(reader.residency.park_all, reader)
-        if parked:
-            log.info("conductor_parked", book="reader", result=parked)
+        queued = await self.reader_exec.run(reader.residency.park_all, reader, False)
+        if queued:
+            log.info("conductor_parked", book="reader", result=queued)
         self.reader = None
         self.runner = None
         self.router.pending.clear()

@@ -249,6 +249,8 @@ class ResidencyPlanner:
             async with board.engine_lock(Priority.NARRATOR, held):
                 async with board.box_lock(held):
                     reader = await self.conductor.detach_reader()
+            if reader is not None:  # its files are written with the engine serving again (nothing else owns them now)
+                await asyncio.to_thread(reader.residency.flush, reader)
             parked = reader.residency.stats().get("parked_sessions", 0) if reader is not None else 0
             self.reader = None
             if self.on_reader is not None:

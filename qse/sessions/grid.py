@@ -107,9 +107,13 @@ class Residency(Protocol):
         """Running totals of the wall ms the manager spent, by phase ("evict": moving other sessions out;
         "restore": bringing a session back, its file read included): a turn reports their growth."""
 
-    def park_all(self, reader: "GridSessions") -> dict:
+    def park_all(self, reader: "GridSessions", wait: bool = True) -> dict:
         """Planned stop: write every resident session where a restart finds it; a report of what was
-        parked, or {} where there is nowhere to park (nothing is written)."""
+        parked, or {} where there is nowhere to park (nothing is written). wait=False: the sessions leave
+        the device and their writes are queued, not waited for (`flush` lands them)."""
+
+    def flush(self, reader: "GridSessions") -> None:
+        """Wait for every move in flight and land it."""
 
     def stats(self) -> dict:
         """The tiers and their counts, for status (a store's include "parked_sessions"); {} without a store."""
@@ -154,8 +158,11 @@ class DropLRU:
     def spent_ms(self) -> dict[str, float]:
         return {}
 
-    def park_all(self, reader: "GridSessions") -> dict:
+    def park_all(self, reader: "GridSessions", wait: bool = True) -> dict:
         return {}
+
+    def flush(self, reader: "GridSessions") -> None:
+        return None
 
     def stats(self) -> dict:
         return {}

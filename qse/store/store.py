@@ -665,9 +665,11 @@ class ShadowStore:
         return False
 
     @_publishes
-    def park_all(self, reader: GridSessions) -> dict:
+    def park_all(self, reader: GridSessions, wait: bool = True) -> dict:
         """Planned stop: write every resident session, least recently fed first (so the disk cap keeps
-        the newest). Sessions that cannot be written stay resident and are reported."""
+        the newest). Sessions that cannot be written stay resident and are reported. wait=False: every
+        session leaves the device (a copy to pinned memory) and its write is queued; `flush` lands them, so
+        a caller holding the engine (a reader's release) holds it for the copies, not for the writes."""
         t0 = time.perf_counter()
         resident = sorted((s for s in reader.sessions.values() if s.is_resident), key=lambda s: s.last_fed_s)
         queued, failed = [], []
@@ -675,6 +677,10 @@ class ShadowStore:
             (queued if self._spill(reader, entry) else failed).append(entry.session_id)
         for s in resident:
             (queued if self.park(reader, s, wait=False) else failed).append(s.session_id)
+        if not wait:
+            report = {"queued": len(queued), "failed": failed, "seconds": time.perf_counter() - t0}
+            log.info("store_park_all", **report)
+            return report
         self.flush(reader)  # every write lands before the stop
         parked = [sid for sid in queued if sid in self.parked]
         failed += [sid for sid in queued if sid not in self.parked]

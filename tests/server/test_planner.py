@@ -175,3 +175,44 @@ def test_a_claims_weights_before_the_load_are_what_the_load_holds(cache_dir, tin
 
     assert _weights_estimate("", torch.float32, cache_dir) == tiny_engine.model.weights_nbytes()
     assert _weights_estimate("no-such-preset-or-dir", torch.float32, cache_dir) is None
+
+
+async def test_a_release_writes_the_readers_files_with_the_engine_serving(cache_dir, tmp_path, held_writes):
+    """Only the copies off the device happen under the engine: while the released reader's files are being
+    written (the mover held), a served request runs to its end; then the files land and a reader loaded again
+    answers as before, from them."""
+    import asyncio
+
+    disk = tmp_path / "disk"
+    service = build_service(profile="coding", grid=64, device="cpu", dtype="float32", reader_load="start",
+                            settings=_settings(cache_dir, tmp_path, QSE_SHADOW_DISK=str(disk)))
+    content = "Explain how a grid chunk is read and kept, and what a checkpoint holds. " * 6
+    async with serving(service) as client:
+        body, headers = chat("keep", content)
+        r = await client.post("/v1/chat/completions", json=body, headers=headers)
+        ask = {"session": "keep", "question": "Is this about data structures?", "choices": ["A", "B", "C"],
+               "at": r.json()["usage"]["prompt_tokens"]}
+        await caught_up(service)
+        before = (await client.post("/v1/conductor/shadow/ask", json=ask)).json()
+
+        release = asyncio.create_task(client.post("/v1/conductor/shadow/reader", json={"action": "release"}))
+        try:
+            assert await asyncio.to_thread(held_writes["started"].wait, 60)  # a file write waits on the mover
+            body, headers = chat("meanwhile")
+            served = asyncio.create_task(client.post("/v1/chat/completions", json=body, headers=headers))
+            # (a release that wrote under the engine would hold this request until the writes land: never here)
+            await asyncio.wait({served}, timeout=120)
+            assert served.done() and served.result().status_code == 200, "the request waited for the writes"
+            assert not release.done()  # served while the release's writes are held
+        finally:
+            held_writes["release"].set()  # (also when it failed: the server can then stop)
+        r = await release
+        assert r.status_code == 200, r.text
+        assert sorted(p.name for p in disk.glob("*.safetensors")), "the reader's session was written"
+
+        r = await client.post("/v1/conductor/shadow/reader", json={"action": "load"})
+        assert r.status_code == 200, r.text
+        await caught_up(service)
+        after = (await client.post("/v1/conductor/shadow/ask", json=ask)).json()
+    assert after["distribution"] == before["distribution"] and after["position"] == before["position"]
+    assert service.store.counts.restores >= 1  # the session came back from its file, not read again

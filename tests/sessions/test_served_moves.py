@@ -4,12 +4,10 @@ copy to the host (the host cap is kept at the next safe point, by the mover)."""
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
 
-import qse.store.store as store_mod
 from qse.sessions.grid import GridSessions
 from qse.sessions.served import ServedSessions
 from qse.store import ShadowStore
@@ -33,23 +31,6 @@ def _turn(served, sid, prompt):
     first = logits[-1].clone()
     served.finish(turn)
     return first, turn.start
-
-
-@pytest.fixture
-def held_writes(monkeypatch):
-    """The mover's writes wait for `release`; `started` is set when one is waiting; `calls` counts them."""
-    gate = {"release": threading.Event(), "started": threading.Event(), "calls": 0}
-    real = store_mod._write_job
-
-    def job(*args):
-        gate["calls"] += 1
-        gate["started"].set()
-        gate["release"].wait()
-        return real(*args)
-
-    monkeypatch.setattr(store_mod, "_write_job", job)
-    yield gate
-    gate["release"].set()
 
 
 def _store(tmp_path, cap=1 << 40, host_cap=0):
