@@ -68,26 +68,28 @@ def replay_profile(reader: ShadowReader, sid: str) -> dict:
 
 
 def window_phases(reader: ShadowReader, sid: str, reps: int = 8) -> dict:
-    """The stopwatch window of a graph chunk, phase by phase: device ms (events) and host ms (wall)."""
+    """The stopwatch window of a graph chunk, phase by phase: device ms (events) and host ms (wall). (It
+    times the steps ForwardGraphs.run_chunks keeps inside, so it calls them one by one.)"""
     graphs, session = reader.graphs, reader.get(sid)
     out: dict[str, list[float]] = {}
     for _ in range(reps):
         start = session.committed
         ids = session.ids[start : start + reader.grid]
-        entry = graphs.prepare(len(ids), "none")
+        entry = graphs._prepare(len(ids), "none")
         session.kv.ensure(start + len(ids))
         torch.cuda.synchronize()
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
         host = []
         t = time.perf_counter()
         marks[0].record()
-        graphs.load(session.cache)
+        graphs._load(session.cache)
         host.append(time.perf_counter() - t)
         marks[1].record()
-        graphs.run(entry, ids, start)
+        graphs._stage(ids, start)
+        graphs._replay(entry)
         host.append(time.perf_counter() - t)
         marks[2].record()
-        graphs.store(session.cache)
+        graphs._store(session.cache)
         host.append(time.perf_counter() - t)
         marks[3].record()
         torch.cuda.synchronize()

@@ -16,24 +16,41 @@ replay calls the forward again. It is the CPU rehearsal of the graph path, which
 bits equal an eager forward whenever the kernels do not depend on the launch (ours do not: see
 qse_kernels.attention on split counts).
 
-A chunk group (`prepare_group`) reads several grid chunks of one session in one replay, skewed over
+A chunk group reads several grid chunks of one session in one replay, skewed over
 streams: the layers split into GROUP_STAGES ranges, range s of every chunk on stream s, so the first
 half of the layers of chunk i+1 runs beside the second half of chunk i (two ranges). The ranges touch
 different layers' state and KV rows, and chunk i+1's range s needs only chunk i's range s (the same
 stream), so the only edge between streams is a chunk's hand-over from one range to the next. Every
 layer still runs the same kernels on the same values: the bits of reading the chunks one at a time (the
 group only lets the device fill the SMs one range's latency-bound kernels leave idle).
+
+The callers' verbs (the order of capture, staging, state copies and replay stays in here):
+
+    graphs.warm(rows, group)                        capture the chunk graphs now (else on first use)
+    graphs.can_group(n, rows)                       a group of n chunks can run (captured); False: read one
+    begin = graphs.run_chunks(cache, ids, start, n) read n chunks into cache; a device mark before them
+    logits, gpu_ms = graphs.answer(cache, ids, pos, row)  a question's forward on a working copy
+    with graphs.decoding(cache) as fork:            greedy decode on a fork, never stored back
+        logits = fork.prefill(ids, pos)             eager (any length)
+        logits = fork(token, pos)                   the one-row graph, launched without waiting
+
+Order that matters under CUDA (a CPU test cannot see it): a capture runs the forward on the working state
+and the scratch pages, so every entry is captured before the working state is loaded; a chunk's ids are
+staged before its state is loaded, so the host's share of the launch goes out before the device's;
+`run_chunks` and a fork's steps never wait on the device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 
 from ..models.cache import SequenceCache
 from ..models.qwen3_5.model import Step
+from .engine import DeviceClock, Stopwatch
 from .kv import KVPool, PagedKV
 
 # a chunk group's layers run in this many ranges on as many streams. A 0.8B 64k read (chunk_groups-sweep*,
@@ -112,6 +129,7 @@ class ForwardGraphs:
         self._entries: dict[tuple, _Entry] = {}
         self._sides: list = []  # the side streams of chunk groups
         self._graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self._clock = DeviceClock(self.device)
         # warm-up and capture run the forward for real: their KV rows go to pages of their own
         self._scratch: list[int] = []
         if self.capture:
@@ -139,18 +157,83 @@ class ForwardGraphs:
     def supports(self, num_tokens: int) -> bool:
         return 1 <= num_tokens <= self.max_tokens
 
+    # ---- the callers' verbs -------------------------------------------------------------------
+    def warm(self, rows: int, group: int = 1) -> None:
+        """Capture now, rather than on the first read, the graphs reading chunks of `rows` rows: one chunk,
+        and groups of 2, 4, ... up to `group` chunks (every group size a launch may take)."""
+        self._prepare(rows, "none")
+        count = 2
+        while count <= group:
+            self._prepare_group(count, rows)
+            count *= 2
+
+    def can_group(self, num_chunks: int, rows: int) -> bool:
+        """Whether a group of `num_chunks` chunks of `rows` rows can run: its graph is captured (on first
+        use). False when the pool has no room for the capture's scratch pages or the device no memory for
+        the capture (the caller reads one chunk instead); a shape no group takes is a ValueError."""
+        try:
+            self._prepare_group(num_chunks, rows)
+        except (MemoryError, torch.cuda.OutOfMemoryError):
+            return False
+        return True
+
+    def run_chunks(self, cache: SequenceCache, ids: list[int] | torch.Tensor, start: int, chunks: int = 1) -> Any:
+        """Read `ids` at `start` into `cache` (its GDN state and its KV rows; cache.length becomes start +
+        len(ids)): one chunk, or `chunks` > 1 chunks of len(ids) / chunks rows in one group. The cache's
+        pages must already hold the rows (kv.ensure). Never waits on the device. Returns a device mark
+        taken after any capture, before the read's first device work: with a launch still in flight it
+        stamps when the device comes to this one (time it with DeviceClock.ms against a mark after)."""
+        if chunks == 1:
+            entry = self._prepare(len(ids), "none")
+        elif chunks > 1 and len(ids) % chunks == 0:
+            entry = self._prepare_group(chunks, len(ids) // chunks)
+        else:
+            raise ValueError(f"a read of {len(ids)} ids cannot split into {chunks} equal chunks")
+        begin = self._clock.mark()
+        self._stage(ids, start)  # first: the host's share goes out before the device's
+        self._load(cache)
+        self._replay(entry)
+        self._store(cache)
+        cache.length = start + len(ids)
+        return begin
+
+    def answer(self, cache: SequenceCache, ids: list[int], pos: int, logit_row: int) -> tuple[torch.Tensor, float]:
+        """A question's forward: `ids` at `pos` over the cache's state, on the working copy (the cache's
+        GDN state is not written; its KV rows from `pos` are, so its pages must hold them). Returns row
+        `logit_row`'s logits (a copy, fp32 [vocab]) and the device ms of the forward, state copy included
+        and any capture excluded (waits for the device)."""
+        entry = self._prepare(len(ids), "row")
+        watch = Stopwatch(self.device)
+        with watch.measure():
+            self._stage(ids, pos, logit_row)
+            self._load(cache)
+            logits = self._replay(entry)[0].clone()
+        return logits, watch.gpu_ms
+
+    @contextmanager
+    def decoding(self, cache: SequenceCache) -> Iterator["ForkDecode"]:
+        """Greedy decode on a fork of `cache`: the one-row graph captured on entry, the cache's GDN state
+        loaded into the working copy at the fork's first forward and never stored back (the cache's KV
+        rows from the fork's first position are the fork's own: drop them after). Nothing else may run on
+        these graphs inside the block."""
+        fork = ForkDecode(self, cache, self._prepare(1, "last"))
+        try:
+            yield fork
+        finally:
+            fork.closed = True
+
     # ---- the working state -------------------------------------------------------------------
-    def load(self, cache: SequenceCache) -> None:
+    def _load(self, cache: SequenceCache) -> None:
         """The session's GDN state into the working copy, its pages into the table."""
         self.cache.copy_state_from(cache)
         self.kv.load(cache.kv)
 
-    def store(self, cache: SequenceCache) -> None:
+    def _store(self, cache: SequenceCache) -> None:
         cache.copy_state_from(self.cache)
 
     # ---- replays -----------------------------------------------------------------------------
-    def prepare(self, num_tokens: int, logits: str) -> _Entry:
-        """The entry for this shape, captured on first use. Call before `load`: a capture runs the forward
+    def _prepare(self, num_tokens: int, logits: str) -> _Entry:
+        """The entry for this shape, captured on first use. Call before `_load`: a capture runs the forward
         on the working state and the scratch pages."""
         if not self.supports(num_tokens):
             raise ValueError(f"graphs serve 1..{self.max_tokens} rows, not {num_tokens}")
@@ -167,10 +250,10 @@ class ForwardGraphs:
             self._entries[key] = entry
         return entry
 
-    def prepare_group(self, num_chunks: int, rows: int, stages: int | None = None) -> _Entry:
+    def _prepare_group(self, num_chunks: int, rows: int, stages: int | None = None) -> _Entry:
         """The entry reading `num_chunks` chunks of `rows` rows at start, start + rows, ... in one replay
         (logits "none"; stage all their ids at once), the layers in `stages` ranges on as many streams
-        (None: GROUP_STAGES). Call before `load`, as `prepare`."""
+        (None: GROUP_STAGES). Call before `_load`, as `_prepare`."""
         stages = GROUP_STAGES if stages is None else stages
         num_layers = len(self.model.cfg.layer_types)
         if num_chunks < 2 or not self.supports(rows) or num_chunks * rows > (1 << 20):
@@ -261,7 +344,7 @@ class ForwardGraphs:
             out = forward()
         return _Entry(graph.replay, out)
 
-    def stage(self, ids: list[int] | torch.Tensor, pos: int, logit_row: int = 0) -> None:
+    def _stage(self, ids: list[int] | torch.Tensor, pos: int, logit_row: int = 0) -> None:
         """The replay's inputs (ids, start, logit row) into the buffers it reads, without waiting on the
         device: host ids go through a pinned buffer by an asynchronous copy (a pageable copy synchronises
         the stream, and the GPU then idles while the host goes on to launch the replay)."""
@@ -283,17 +366,12 @@ class ForwardGraphs:
         self.start.fill_(pos)
         self.logit_row.fill_(logit_row)
 
-    def replay(self, entry: _Entry) -> Any:
+    def _replay(self, entry: _Entry) -> Any:
         """Replay `entry` on the working state and the staged inputs; returns its output buffer."""
         out = entry.replay()
         return entry.out if self.capture else out
 
-    def run(self, entry: _Entry, ids: list[int] | torch.Tensor, pos: int, logit_row: int = 0) -> Any:
-        """Replay `entry` on the working state with ids at `pos`; returns its output buffer."""
-        self.stage(ids, pos, logit_row)
-        return self.replay(entry)
-
-    def forward_eager(self, ids: list[int], pos: int, logits: str) -> Any:
+    def _forward_eager(self, ids: list[int], pos: int, logits: str) -> Any:
         """An eager forward on the working state (a shape no graph serves, e.g. a summary's prompt)."""
         self.start.fill_(pos)
         step = Step(self.start, len(ids), pos, self.logit_row, pos + len(ids))
@@ -301,4 +379,37 @@ class ForwardGraphs:
             return self.model.forward_step(torch.as_tensor(ids, dtype=torch.long).to(self.device), self.cache, step, logits)
 
 
-__all__ = ["ForwardGraphs", "StaticPagedKV", "capture_mode"]
+class ForkDecode:
+    """One fork's decode on ForwardGraphs' working copy (from `ForwardGraphs.decoding`): the first forward
+    loads the session's GDN state (inside whatever the caller times), every forward steps the working copy,
+    and nothing is stored back."""
+
+    def __init__(self, graphs: ForwardGraphs, cache: SequenceCache, entry: _Entry):
+        self._graphs, self._cache, self._entry = graphs, cache, entry
+        self._loaded = False
+        self.closed = False
+
+    def _ready(self) -> ForwardGraphs:
+        if self.closed:
+            raise RuntimeError("this fork's decode has ended: open another with ForwardGraphs.decoding")
+        if not self._loaded:
+            self._graphs._load(self._cache)
+            self._loaded = True
+        return self._graphs
+
+    def prefill(self, ids: list[int], pos: int) -> Any:
+        """An eager forward of `ids` at `pos` (any length; a shape no graph serves); the last row's logits."""
+        return self._ready()._forward_eager(ids, pos, "last")
+
+    def __call__(self, ids: list[int] | torch.Tensor, pos: int) -> Any:
+        """One decode step: the token `ids` (one id; a device tensor may be the last step's on-device argmax)
+        at `pos` through the one-row graph, without waiting on the device. Returns the logits buffer
+        [1, vocab], overwritten by the next step: read it, or queue device work on it, before then."""
+        if len(ids) != 1:
+            raise ValueError(f"a decode step reads one token, not {len(ids)}")
+        graphs = self._ready()
+        graphs._stage(ids, pos)
+        return graphs._replay(self._entry)
+
+
+__all__ = ["ForkDecode", "ForwardGraphs", "StaticPagedKV", "capture_mode"]

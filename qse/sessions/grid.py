@@ -276,11 +276,7 @@ class GridSessions:
         """Capture the grid chunk's graph now rather than on the first read (a capture takes a few
         hundred ms; a server does it before it takes requests)."""
         if self.graphs is not None:
-            self.graphs.prepare(self.grid, "none")
-            count = 2
-            while count <= self.chunk_group:  # every group size a launch may take
-                self.graphs.prepare_group(count, self.grid)
-                count *= 2
+            self.graphs.warm(self.grid, self.chunk_group)
 
     # ---- sessions ----------------------------------------------------------------------------
     def get(self, session_id: str) -> GridSession:
@@ -411,8 +407,8 @@ class GridSessions:
         and the device runs the launches in order. Every pending chunk must go through `finish_step`, in
         launch order, before anything else of the reader runs.
 
-        chunks > 1 (graph path): up to that many chunks in one replay, a chunk group (ForwardGraphs.
-        prepare_group: one chunk's second half of the layers beside the next one's first half), the same
+        chunks > 1 (graph path): up to that many chunks in one replay, a chunk group (qse/engine/graphs.py:
+        one chunk's second half of the layers beside the next one's first half), the same
         bits as one at a time. A group is a power of two of chunks, never more than are waiting, and ends
         at the first prompt or divergence line inside it, so its checkpoints fall on its end (recent ones
         are taken at a launch's end, one a group)."""
@@ -423,11 +419,8 @@ class GridSessions:
             return None
         start = session.committed
         count = self._group_size(session, chunks, backlog)
-        if count > 1:
-            try:  # captured on first use; no room for the capture's scratch pages or its memory: one chunk
-                self.graphs.prepare_group(count, self.grid)
-            except (MemoryError, torch.cuda.OutOfMemoryError):
-                count = 1
+        if count > 1 and not self.graphs.can_group(count, self.grid):  # no room to capture it: one chunk
+            count = 1
         while True:  # a group the pool has no room for reads one chunk instead
             rows = count * self.grid
             pages = session.kv.pages_for(start + rows) - len(session.kv.pages)
@@ -481,18 +474,9 @@ class GridSessions:
 
     def _launch_graph_chunk(self, session: GridSession, ids: list[int], start: int, chunks: int = 1) -> Any:
         """Launch the chunk's (or the group's) replay; the device mark before it."""
-        graphs, cache = self.graphs, session.cache
-        entry = graphs.prepare(len(ids), "none") if chunks == 1 else graphs.prepare_group(chunks, self.grid)
         if not session.kv.ensure(start + len(ids)):
             raise MemoryError(f"{self.who}'s KV pool cannot hold session {session.session_id!r} at {start + len(ids)} rows")
-        # the mark goes down first: with a chunk still in flight it stamps when the device comes to this one
-        begin = self._device_clock.mark()
-        graphs.stage(ids, start)  # first: the host's share goes out before the device's
-        graphs.load(cache)
-        graphs.replay(entry)
-        graphs.store(cache)
-        cache.length = start + len(ids)
-        return begin
+        return self.graphs.run_chunks(session.cache, ids, start, chunks)
 
     def read_all(self, session_id: str, lookahead: int = 1, group: int | None = None,
                  limit: int | None = None) -> list[ChunkReport]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.engine import DeviceClock, Stopwatch
+from ..engine.graphs import ForkDecode
 from ..sessions.grid import (ChunkReport, DropLRU, FeedReport, GridSessions, PendingChunk, Residency, SessionError,
                              UnknownSession)
 from ..sessions.session import GridSession
@@ -120,13 +121,7 @@ class ShadowReader(GridSessions):
         graphs = self.graphs
         try:
             if graphs is not None and graphs.supports(padded):
-                entry = graphs.prepare(padded, "row")
-                watch = Stopwatch(self.engine.device)
-                with watch.measure():
-                    graphs.stage(ids_padded, session.committed, len(ids) - 1)
-                    graphs.load(cache)
-                    logits = graphs.replay(entry)[0].clone()
-                gpu_ms = watch.gpu_ms
+                logits, gpu_ms = graphs.answer(cache, ids_padded, session.committed, len(ids) - 1)
             else:
                 saved = cache.clone_state()
                 try:
@@ -210,21 +205,18 @@ class ShadowReader(GridSessions):
         saved = None
         try:
             if graphs is not None:
-                entry = graphs.prepare(1, "last")
-                with watch.measure():
-                    graphs.load(cache)
-                    logits = graphs.forward_eager(ids, session.committed, "last")
-                    token = int(torch.argmax(logits[-1, :vocab]))
+                with graphs.decoding(cache) as fork:
+                    with watch.measure():
+                        logits = fork.prefill(ids, session.committed)
+                        token = int(torch.argmax(logits[-1, :vocab]))
+                    prefill_ms = watch.gpu_ms
+                    out_ids, decode_ms, steps = self._greedy_on_graph(fork, token, end, vocab, stop_ids, max_tokens)
             else:
                 saved = cache.clone_state()
                 with watch.measure():
                     logits, _ = self.engine.forward(cache, self.engine.ids_tensor(ids), "last")
                     token = int(torch.argmax(logits[-1, :vocab]))
-            prefill_ms = watch.gpu_ms
-            pos = end
-            if graphs is not None:
-                out_ids, decode_ms, steps = self._greedy_on_graph(entry, token, pos, vocab, stop_ids, max_tokens)
-            else:
+                prefill_ms = watch.gpu_ms
                 steps = 0
                 while token not in stop_ids:
                     out_ids.append(token)
@@ -235,7 +227,6 @@ class ShadowReader(GridSessions):
                         token = int(torch.argmax(logits[-1, :vocab]))
                     decode_ms += watch.gpu_ms
                     steps += 1
-                    pos += 1
         finally:
             if saved is not None:
                 cache.set_state(*saved)
@@ -245,7 +236,7 @@ class ShadowReader(GridSessions):
                              end, prefill_ms + decode_ms + read_ms, decode_ms / max(1, steps),
                              sum(r.chunks for r in reports) * self.grid, read_ms, len(session.ids) - seen)
 
-    def _greedy_on_graph(self, entry, first: int, pos: int, vocab: int, stop_ids: tuple[int, ...],
+    def _greedy_on_graph(self, fork: ForkDecode, first: int, pos: int, vocab: int, stop_ids: tuple[int, ...],
                          max_tokens: int) -> tuple[list[int], float, int]:
         """Greedy decode steps replayed on the one-row graph, pipelined: a step is launched on the device's
         argmax of the step before, ahead of the host reading that token back, so the host's launch overlaps
@@ -254,7 +245,7 @@ class ShadowReader(GridSessions):
         and working state, which the fork drops. Returns (tokens, device ms of the steps launched, steps)."""
         if first in stop_ids:
             return [], 0.0, 0
-        graphs, clock = self.graphs, DeviceClock(self.engine.device)
+        clock = DeviceClock(self.engine.device)
         out_ids = [first]
         pending = torch.tensor([first], dtype=torch.long, device=self.engine.device)  # the next step's input
         unread = None  # (readback, mark) of a token the device produced and the host has not read
@@ -263,8 +254,7 @@ class ShadowReader(GridSessions):
         while True:
             step = None
             if len(out_ids) + (unread is not None) < max_tokens:  # the pending token's step will be wanted
-                graphs.stage(pending, pos)
-                logits = graphs.replay(entry)
+                logits = fork(pending, pos)
                 pending = torch.argmax(logits[-1:, :vocab], dim=-1)
                 readback = pending.to("cpu", non_blocking=True)
                 last = clock.mark()

@@ -1,5 +1,5 @@
 """Chunk groups: several grid chunks of one session in one launch, each chunk's second half of the layers
-beside the next chunk's first half (qse/engine/graphs.py, prepare_group). The bits must be those of reading
+beside the next chunk's first half (qse/engine/graphs.py, run_chunks). The bits must be those of reading
 the chunks one at a time; a group must end where a checkpoint is due.
 
 On CPU the group runs in the graph path's static form (the halves one after the other, the same buffers
@@ -115,7 +115,7 @@ def test_eager_reads_one_chunk_a_launch_and_bad_group_sizes_are_refused(tiny_eng
         with pytest.raises(ShadowError, match="chunk_group must be a whole number"):
             _reader(tiny_engine, chunk_group=bad)
     with pytest.raises(ValueError, match="a chunk group is 2 or more chunks"):
-        static.graphs.prepare_group(1, GRID)
+        static.graphs.can_group(1, GRID)
 
 
 @pytest.mark.parametrize("stages", [2, 3, 8])
@@ -132,7 +132,7 @@ def test_groups_of_any_layer_split_read_the_same_bits(tiny_engine, monkeypatch, 
     assert _same_state(single, single.get("s"), grouped.get("s"))
     assert ("group", 2, GRID, stages) in grouped.graphs._entries
     with pytest.raises(ValueError, match="ranges"):
-        grouped.graphs.prepare_group(2, GRID, stages=len(tiny_engine.cfg.layer_types) + 1)
+        grouped.graphs._prepare_group(2, GRID, stages=len(tiny_engine.cfg.layer_types) + 1)
 
 
 def test_layer_bounds_are_as_even_as_whole_layers_allow():
@@ -171,7 +171,7 @@ def test_a_group_whose_capture_runs_out_of_device_memory_reads_one_chunk(tiny_en
         def refuse(*args, _error=error, **kwargs):
             raise _error
 
-        monkeypatch.setattr(reader.graphs, "prepare_group", refuse)
+        monkeypatch.setattr(reader.graphs, "_prepare_group", refuse)
         pending = reader.launch_step("s", 4)
         assert pending.chunks == 1
         reader.finish_step(pending)
