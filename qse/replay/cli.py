@@ -54,6 +54,11 @@ def replay_parser() -> argparse.ArgumentParser:
                    help="ops of that row (naive, triton, ...), needed when the preset was measured with several")
     p.add_argument("--ms-per-1000", type=float, default=SEED_MS_PER_1000_TOKENS,
                    help="flat read rate when no --read-model (seed's GB10: 87)")
+    p.add_argument("--served-read-model", type=Path, default=None,
+                   help="the served model's chunk costs (the --read-model format) for its TTFT and rounds; "
+                        "default: the reader's")
+    p.add_argument("--served-ms-per-1000", type=float, default=None,
+                   help="the served model's flat read rate, ms per 1000 tokens (instead of --served-read-model)")
     p.add_argument("--out", type=Path, default=None, help="write report.json and replay.png here")
     p.add_argument("--json-out", type=Path, default=None, help="write the report (indented JSON) to this file")
     p.add_argument("--chart", type=Path, default=None, help="write the chart (PNG) to this file")
@@ -125,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--read-model-preset and --read-model-ops need --read-model")
         else:
             read_model = ReadModel.flat(args.ms_per_1000)
+        if args.served_read_model is not None and args.served_ms_per_1000 is not None:
+            raise ValueError("--served-read-model and --served-ms-per-1000 name the same thing: give one")
+        served_model = (ReadModel.load(args.served_read_model) if args.served_read_model is not None
+                        else ReadModel.flat(args.served_ms_per_1000) if args.served_ms_per_1000 is not None
+                        else None)
         # the entry point: the policy from the QSE_* switches, the flags over it
         options = SimOptions.of(
             Policy.from_settings(SETTINGS), ration=args.ration, ration_after_s=args.ration_after_s,
@@ -138,11 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, TraceError, UsageError, ReadModelError, ValueError) as exc:
         return _fail(str(exc))
     show = not args.no_progress and sys.stderr.isatty() and len({r.session for r in converted.records}) >= 50
-    result = simulate(converted.records, read_model, options, progress=show)
+    result = simulate(converted.records, read_model, options, progress=show, served_model=served_model)
     report = result.report()
     report["command"] = shlex.join(["qse", "replay", *argv])
     report["input"] = {"path": str(args.ledger), **converted.meta}
     report["read_model"] = read_model.to_json()["read_model"]
+    report["served_read_model"] = (served_model or read_model).to_json()["read_model"]
     report["engine_model"] = "one engine per session: each session replayed alone on its own served model and reader"
     if args.out is not None or args.chart is not None:
         from qse.replay.chart import ChartUnavailable, write_chart

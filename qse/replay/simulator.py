@@ -282,8 +282,8 @@ def miss_breakdown(starts: list[TurnStart], grid: int) -> dict:
 
 
 def served_ttft(starts: list[TurnStart]) -> dict:
-    """The served model's time to the first token on follow-up turns, with the session cache and cold (in
-    read-model ms: scale by the served model's chunk cost over the read model's for its own figures)."""
+    """The served model's time to the first token on follow-up turns, with the session cache and cold, in ms
+    of the served read model (the reader's read model where none was given)."""
     cached = [s.served_ttft_cached_ms for s in starts]
     cold = [s.served_ttft_cold_ms for s in starts]
     p50_cached, p50_cold = _percentile(cached, 50), _percentile(cold, 50)
@@ -385,8 +385,12 @@ def build_report(result: SimResult) -> dict:
 class Simulator:
     """Replays sessions; one estimator and one ledger over the whole replay (an engine that has been running)."""
 
-    def __init__(self, read_model: ReadModel, options: SimOptions = SimOptions(), record_decisions: bool = False):
+    def __init__(self, read_model: ReadModel, options: SimOptions = SimOptions(), record_decisions: bool = False,
+                 served_model: ReadModel | None = None):
         self.read_model = read_model
+        # what a grid chunk of the served model costs (its TTFT with and without the cache, its rounds' prompt
+        # pieces); None: the reader's read model stands in for it
+        self.served_model = served_model or read_model
         self.options = options
         self.record_decisions = record_decisions
         policy = options.policy
@@ -414,7 +418,7 @@ class Simulator:
         round_ms = opt.decode_round_ms if opt.decode_round_ms is not None else decode_round_ms(records)
         if opt.served_rounds and round_ms is not None and records:
             self.result.decode_round_ms = round_ms
-            self.result.rounds = simulate_rounds(self._with_served_reuse(sessions), opt.policy, self.read_model,
+            self.result.rounds = simulate_rounds(self._with_served_reuse(sessions), opt.policy, self.served_model,
                                                  DecodeCost(round_ms), keep_plans=False)
         return self.result
 
@@ -636,7 +640,7 @@ class _SessionReplay:
         state it holds at or below `kept` (the line it stands on, a checkpoint, or row 0), reads whole chunks
         up to the last grid line below the prompt's end and then the tail (1..grid ids, charged as that share
         of a chunk at its context); cold reads the same from row 0. Returns (cached ms, cold ms, start row)."""
-        grid, model = self.grid, self.sim.read_model
+        grid, model = self.grid, self.sim.served_model
         line = ((prompt_tokens - 1) // grid) * grid
         tail = prompt_tokens - line
 
@@ -735,7 +739,8 @@ class _ReplayPipe:
 
 def simulate(records: Iterable[UsageRecord], read_model: ReadModel | None = None,
              options: SimOptions = SimOptions(), progress: bool = False,
-             record_decisions: bool = False) -> SimResult:
-    """Replay `records` and return the result (`.report()` for the summary)."""
-    sim = Simulator(read_model or ReadModel.flat(), options, record_decisions)
+             record_decisions: bool = False, served_model: ReadModel | None = None) -> SimResult:
+    """Replay `records` and return the result (`.report()` for the summary). served_model: the served
+    model's chunk costs (default: the reader's read model)."""
+    sim = Simulator(read_model or ReadModel.flat(), options, record_decisions, served_model)
     return sim.run(records, progress=progress)

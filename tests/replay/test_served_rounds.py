@@ -117,3 +117,34 @@ def test_the_served_rounds_reuse_what_the_session_cache_keeps():
     chunk_s = 87.0 * grid / 1000 / 1000  # the flat read model's chunk
     assert first.ttft_s == pytest.approx(chunk_s * (6 + 40 / grid))  # six chunks and the tail
     assert second.ttft_s == pytest.approx(chunk_s * (2 + 7 / grid))  # from the kept line: two chunks and the tail
+
+
+def test_the_served_model_has_its_own_chunk_costs(tmp_path, capsys):
+    """A served model that reads a chunk in twice the reader's time doubles the served TTFT, with the cache and
+    cold, and leaves the reader's own figures as they were; the CLI takes it as a flat rate or a file."""
+    from qse.replay.cli import main
+    from qse.replay.simulator import SimOptions, simulate
+    from qse.replay.usage import write_usage
+
+    grid = SimOptions().policy.served_grid
+    recs = [UsageRecord(session="a", arrival_s=0.0, first_token_s=0.5, end_s=0.6, prompt_tokens=6 * grid + 40,
+                        shared_prefix_tokens=0, output_tokens=10),
+            UsageRecord(session="a", arrival_s=30.0, first_token_s=30.5, end_s=30.6, prompt_tokens=8 * grid + 7,
+                        shared_prefix_tokens=6 * grid + 50, output_tokens=10)]
+    reader = ReadModel.flat(87.0)
+    alone = simulate(recs, reader).report()
+    slow = simulate(recs, reader, served_model=ReadModel.flat(174.0)).report()
+    for arm in ("cached", "cold"):
+        assert slow["served_ttft_ms"][arm]["p50"] == pytest.approx(2 * alone["served_ttft_ms"][arm]["p50"])
+    assert slow["fresh_share"] == alone["fresh_share"] and slow["reader_ms"] == alone["reader_ms"]
+
+    ledger = tmp_path / "u.jsonl"
+    write_usage(ledger, recs)
+    assert main([str(ledger), "--served-ms-per-1000", "174", "--no-progress"]) == 0
+    report = __import__("json").loads(capsys.readouterr().out)
+    assert report["served_ttft_ms"]["cold"]["p50"] == pytest.approx(slow["served_ttft_ms"]["cold"]["p50"])
+    assert report["served_read_model"]["points"] == [[0, 174.0 * grid / 1000]]
+    model = tmp_path / "served.json"
+    model.write_text(__import__("json").dumps(ReadModel.flat(174.0).to_json()))
+    assert main([str(ledger), "--served-read-model", str(model), "--served-ms-per-1000", "1", "--no-progress"]) == 2
+    assert "give one" in capsys.readouterr().err
