@@ -31,12 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.results_io import result_header, write_result  # noqa: E402
+from benchmarks.served_engine import served_engine  # noqa: E402
 from qse.core.ledger import Role  # noqa: E402
-from qse.engine.engine import Engine  # noqa: E402
-from qse.models import resolve  # noqa: E402
 from qse.runtime.conductor import (Conductor, GenerateRequest, ShadowOptions,  # noqa: E402
                                    served_sessions)
-from qse.policy import Policy  # noqa: E402
 from qse.settings import SETTINGS  # noqa: E402
 
 
@@ -81,12 +79,8 @@ async def level(conductor: Conductor, users: int, prompt_tokens: int, out_tokens
 
 
 async def run(args) -> dict:
-    if args.tiny:
-        device, dtype, spec = torch.device("cpu"), torch.float32, ""
-    else:
-        device, dtype, spec = torch.device("cuda"), torch.bfloat16, args.preset
-    policy = Policy.from_settings(SETTINGS)  # the benchmark is an entry point: it reads the switches once
-    engine = Engine(resolve(spec, device, dtype, SETTINGS.cache_dir()), kernels=policy.kernels)
+    engine, policy = served_engine(args.preset, args.tiny)
+    spec = "" if args.tiny else args.preset
     users = [int(u) for u in args.users.split(",")]
     config = dataclasses.replace(policy, max_running=max(users), journal_dir=None, served_kv_gb=args.kv_gb)
     serving = served_sessions(engine, config)  # no store: sessions past the pool are dropped

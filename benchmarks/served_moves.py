@@ -30,12 +30,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.results_io import result_header, write_result  # noqa: E402
-from qse.engine.engine import Engine  # noqa: E402
-from qse.models import resolve  # noqa: E402
-from qse.policy import Policy  # noqa: E402
+from benchmarks.served_engine import served_engine  # noqa: E402
 from qse.runtime.conductor import (Conductor, GenerateRequest, ShadowOptions,  # noqa: E402
                                    served_sessions)
-from qse.settings import SETTINGS  # noqa: E402
 from qse.store import ShadowStore  # noqa: E402
 
 
@@ -87,12 +84,8 @@ async def drain(conductor: Conductor, req: GenerateRequest) -> None:
 
 
 async def run(args, disk: Path) -> dict:
-    if args.tiny:
-        device, dtype, spec = torch.device("cpu"), torch.float32, ""
-    else:
-        device, dtype, spec = torch.device("cuda"), torch.bfloat16, args.preset
-    policy = Policy.from_settings(SETTINGS)  # the benchmark is an entry point: it reads the switches once
-    engine = Engine(resolve(spec, device, dtype, SETTINGS.cache_dir()), kernels=policy.kernels)
+    engine, policy = served_engine(args.preset, args.tiny)
+    spec = "" if args.tiny else args.preset
     config = dataclasses.replace(policy, journal_dir=None, served_grid=args.grid,
                                  served_kv_gb=engine.state_bytes_per_token() * 4 * args.prompt_tokens / (1 << 30) + 0.05)
     store = ShadowStore(1 << 62, disk, host_cap_nbytes=0)  # no host tier: a parked session is on disk only

@@ -50,16 +50,15 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture
-def held_writes(monkeypatch):
-    """The store's mover waits for `release` before each file write; `started` is set when one waits; `calls`
-    counts them (a test orders a write against other work with these, never by sleeping)."""
+def _held(monkeypatch, job_name: str):
+    """The store's `job_name` (run on one of its threads) waits for `release` before each call; `started` is set
+    when one waits; `calls` counts them (a test orders that thread's work against other work, never by sleeping)."""
     import threading
 
     import qse.store.store as store_mod
 
     gate = {"release": threading.Event(), "started": threading.Event(), "calls": 0}
-    real = store_mod._write_job
+    real = getattr(store_mod, job_name)
 
     def job(*args):
         gate["calls"] += 1
@@ -67,29 +66,22 @@ def held_writes(monkeypatch):
         gate["release"].wait()
         return real(*args)
 
-    monkeypatch.setattr(store_mod, "_write_job", job)
+    monkeypatch.setattr(store_mod, job_name, job)
+    return gate
+
+
+@pytest.fixture
+def held_writes(monkeypatch):
+    """The store's mover holds each file write until `release` (see _held)."""
+    gate = _held(monkeypatch, "_write_job")
     yield gate
     gate["release"].set()
 
 
 @pytest.fixture
 def held_loads(monkeypatch):
-    """The store's loader thread waits for `release` before each read; `started` is set when one waits; `calls`
-    counts them (a test orders a load against other work with these, never by sleeping)."""
-    import threading
-
-    import qse.store.store as store_mod
-
-    gate = {"release": threading.Event(), "started": threading.Event(), "calls": 0}
-    real = store_mod._load_job
-
-    def job(*args):
-        gate["calls"] += 1
-        gate["started"].set()
-        gate["release"].wait()
-        return real(*args)
-
-    monkeypatch.setattr(store_mod, "_load_job", job)
+    """The store's loader thread holds each file read until `release` (see _held)."""
+    gate = _held(monkeypatch, "_load_job")
     yield gate
     gate["release"].set()
 
