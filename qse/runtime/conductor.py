@@ -481,18 +481,9 @@ class Conductor:
 
     async def _until_loaded(self, loads: list) -> None:
         """Nothing runs and the waiting turns' states are loading: until one load is done or a turn arrives."""
-        loop, loaded = asyncio.get_running_loop(), asyncio.Event()
-
-        def wake(_) -> None:  # on the loader's thread (a load's future is never cancelled from here)
-            try:
-                loop.call_soon_threadsafe(loaded.set)
-            except RuntimeError:  # the loop has closed: nobody waits
-                pass
-
-        for load in loads:
-            load.add_done_callback(wake)
         self._waiting_changed.clear()  # (no await since the waiting turns were weighed: no arrival is missed)
-        waits = [asyncio.ensure_future(loaded.wait()), asyncio.ensure_future(self._waiting_changed.wait())]
+        waits = [asyncio.ensure_future(_landed(load)) for load in loads]
+        waits.append(asyncio.ensure_future(self._waiting_changed.wait()))
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
