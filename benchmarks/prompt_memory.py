@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.engines import on_this_machine  # noqa: E402
 from benchmarks.results_io import result_header, write_result  # noqa: E402
 from qse.engine.engine import Engine  # noqa: E402
 from qse.models import resolve  # noqa: E402
@@ -64,9 +64,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cache_dir = Path(os.environ.get("QSE_CACHE_DIR", "/tmp/qse-bench-cache"))
+    device, dtype, cache_dir = on_this_machine()
     served = engine_for(args.preset, device, dtype, cache_dir, args.kernels)
     reader_engine = None if args.reader == "none" else engine_for(args.reader, device, dtype, cache_dir, args.kernels)
     most = max(lengths) + args.grid

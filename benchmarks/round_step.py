@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.engines import on_this_machine  # noqa: E402
 from benchmarks.results_io import result_header, write_result  # noqa: E402
 from qse.engine.engine import DeviceClock, Engine  # noqa: E402
 from qse.engine.kv import KVPool, PagedKV  # noqa: E402
@@ -69,9 +69,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cache_dir = Path(os.environ.get("QSE_CACHE_DIR", "/tmp/qse-bench-cache"))
+    device, dtype, cache_dir = on_this_machine()
     spec = "" if args.preset in ("", "embedded") else args.preset
     engine = Engine(resolve(spec, device, dtype, cache_dir), kernels=args.kernels)
     cfg = engine.cfg

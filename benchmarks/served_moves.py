@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.results_io import result_header, write_result  # noqa: E402
-from benchmarks.served_engine import served_engine  # noqa: E402
+from benchmarks.engines import served_engine  # noqa: E402
 from qse.runtime.conductor import (Conductor, GenerateRequest, ShadowOptions,  # noqa: E402
                                    served_sessions)
 from qse.store import ShadowStore  # noqa: E402

@@ -23,7 +23,6 @@ import dataclasses
 import datetime as dt
 import gc
 import json
-import os
 import platform
 import shlex
 import statistics
@@ -43,6 +42,7 @@ from qse.runtime.conductor import served_sessions, Conductor, GenerateRequest, S
 from qse.policy import Policy  # noqa: E402
 from qse.settings import SETTINGS  # noqa: E402
 from qse.shadow.reader import ShadowReader  # noqa: E402
+from benchmarks.engines import on_this_machine  # noqa: E402
 from benchmarks.results_io import versions  # noqa: E402
 
 
@@ -83,9 +83,7 @@ def gap_stats(stamps: list[float]) -> dict:
 
 
 async def main_async(args) -> dict:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cache = Path(os.environ.get("QSE_CACHE_DIR", "/tmp/qse-bench-cache"))
+    device, dtype, cache = on_this_machine()
     served = Engine(resolve(model_spec(args.served), device, dtype, cache), kernels=args.ops)
     reader_engine = (served if model_spec(args.reader) == model_spec(args.served)
                      else Engine(resolve(model_spec(args.reader), device, dtype, cache), kernels=args.ops))
