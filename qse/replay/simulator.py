@@ -318,8 +318,8 @@ def served_rounds(result: SimResult) -> dict | None:
         return None
     return {**result.rounds.summary(), "decode_round_ms": result.decode_round_ms,
             "definition": ("every record served in the scheduler's rounds on one served model: turns that overlap "
-                           "in time share rounds (max_running, round_token_budget); a prompt piece costs the read "
-                           "model's chunk at its context, from the row the session cache reuses (the record's "
+                           "in time share rounds (max_running, round_token_budget); a prompt piece costs the served "
+                           "read model's chunk at its context, from the row the session cache reuses (the record's "
                            "cached_tokens or, where larger, the per-session replay's served book), a decode round "
                            "decode_round_ms; ttft_s from arrival, tokens_per_s a turn's ids over arrival to end, "
                            "aggregate_tokens_per_s all ids over the first arrival to the last end")}
