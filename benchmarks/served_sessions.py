@@ -105,7 +105,9 @@ def run_preset(spec: str, turns: list[dict], device: torch.device, dtype: torch.
     # room for the three copies of the session, a cold one and a turn's rows
     config = dataclasses.replace(policy, served_grid=grid,
                                  served_kv_gb=engine.state_bytes_per_token() * (4 * longest + 8 * grid) / (1 << 30))
-    store = ShadowStore(1 << 62, disk / engine.name.replace("/", "_"), host_cap_nbytes=1 << 62, journal=True)
+    # the host tier's copies in a pinned arena as the server's are: room for the host copy and a parked one
+    store = ShadowStore(1 << 62, disk / engine.name.replace("/", "_"), host_cap_nbytes=1 << 62, journal=True,
+                        host_arena_nbytes=engine.state_bytes_per_token() * 3 * longest + 16 * engine.cost(0))
     served = served_sessions(engine, config, residency=store)
     store.attach(served.book)
     t_warm = time.perf_counter()
@@ -139,7 +141,8 @@ def run_preset(spec: str, turns: list[dict], device: torch.device, dtype: torch.
                 for tier in ("host", "disk", "disk_prefetched", "host", "disk", "disk_prefetched")]
     long_rows = [r for r in rows if r["prompt_tokens"] >= min_prompt and r["turn"] > 0]
     out = {"preset": spec, "model": engine.name, "kernels": engine.kernels, "mode": served.mode, "grid": grid,
-           "warm_s": round(warm_s, 3), "turns": rows, "restores": restores, "long_turns": len(long_rows),
+           "warm_s": round(warm_s, 3), "turns": rows, "restores": restores,
+           "host_arena_fallbacks": store.arena.fallbacks if store.arena is not None else None, "long_turns": len(long_rows),
            "min_prompt_tokens": min_prompt}
     if long_rows:
         out.update(summary(long_rows))

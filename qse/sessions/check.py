@@ -60,7 +60,9 @@ def run_cache_check(engine: Engine, session_file: Path, grid: int, decode_tokens
     pool_bytes = per_token * (longest + decode_tokens + 4 * grid)
     with tempfile.TemporaryDirectory(prefix="qse-cache-check-") as tmp:
         root = Path(disk_dir) if disk_dir is not None else Path(tmp)
-        store = ShadowStore(1 << 62, root, host_cap_nbytes=1 << 62, journal=True)
+        # the host tier's copies in a pinned arena as the server's are (room for two copies of the session)
+        store = ShadowStore(1 << 62, root, host_cap_nbytes=1 << 62, journal=True,
+                            host_arena_nbytes=2 * pool_bytes + 16 * engine.cost(0))
         live = ServedSessions(GridSessions(engine, grid=grid, pool_bytes=pool_bytes, residency=store,
                                            recent_checkpoints=4, who="the served model"))
         cold = ServedSessions(GridSessions(engine, grid=grid, pool_bytes=pool_bytes, recent_checkpoints=4,
@@ -96,7 +98,8 @@ def run_cache_check(engine: Engine, session_file: Path, grid: int, decode_tokens
     return {
         "bit_equal": bit_equal, "turns": len(report), "grid": grid, "mode": live.mode, "kernels": engine.kernels,
         "model": engine.name, "rollbacks": sum(1 for t in report if t["rolled_back_to"] is not None),
-        "hits": hits, "cached_tokens": sum(t["cached_tokens"] for t in report),
+        "hits": hits, "host_arena_fallbacks": store.arena.fallbacks if store.arena is not None else None,
+        "cached_tokens": sum(t["cached_tokens"] for t in report),
         "prompt_tokens": sum(t["prompt_tokens"] for t in report), "per_turn": report,
     }
 

@@ -30,8 +30,8 @@ planned stop (`park_all`) and `flush` wait for every move.
 
 A parked session comes back without a file read on the owner's thread when it is asked for ahead:
 `prefetch` hands its file to the loader thread (its own, so a load never queues behind big writes),
-which reads it into (pinned) host memory and checks the header, the fingerprint and the checksum; the
-read lands at the next `poll` (a safe point, a feed, a restore) as a fetched copy of the file, and
+which reads it (on CUDA straight to the device, through the disk tier's fixed pinned buffers, on a stream
+of its own) and checks the header, the fingerprint and the checksum; the read lands at the next `poll` (a safe point, a feed, a restore) as a fetched copy of the file, and
 `ready` says so. The file stays parked until the session comes back (the fetched copy is a read-ahead,
 never the only copy: it may be let go at any time), so the tier a turn reports stays "disk". A bad file
 found by the loader is a miss when it lands; a load whose session came back, was closed or lost its
@@ -65,6 +65,7 @@ from ..core.prefix import common_prefix
 from ..sessions.grid import GridSessions
 from ..sessions.session import KINDS, PROMPT, Checkpoint, GridSession, SessionStats
 from . import disk
+from .arena import PinnedArena
 from .disk import FileHeader, FileMiss, Fingerprint
 from .policy import ParkedFile, Resident, plan_room, plan_sweep
 
@@ -123,7 +124,8 @@ class Loading:
 
 @dataclass
 class Fetched:
-    """A parked session's file read ahead into host memory; the file stays parked until the session is back."""
+    """A parked session's file read ahead (onto the device on CUDA); the file stays parked until the session is
+    back."""
 
     parked: Parked
     record: "_Record"
@@ -173,18 +175,22 @@ class ShadowStore:
     disk_cap_nbytes: cap on the parked files (QSE_SHADOW_DISK_GB); the oldest go first
     ttl_s:           a parked file older than this is removed (QSE_SHADOW_DISK_TTL_S)
     wall_clock:      seconds since the epoch, for file ages (files outlive the process)
+    host_arena_nbytes: host memory pinned once for the host tier's copies (`arena.py`); 0: each move
+                     allocates its own pinned buffers (tools and tests). The server pins the host cap.
 
     One store serves one reader, and one reader owns a disk directory.
     """
 
     def __init__(self, cap_nbytes: int, disk_dir: Path | str | None = None, disk_cap_nbytes: int = 64 * GIB,
                  ttl_s: float = 48 * 3600.0, wall_clock: Callable[[], float] = time.time, host_cap_nbytes: int = 0,
-                 journal: bool = False, background_writes: bool = False):
+                 journal: bool = False, background_writes: bool = False, host_arena_nbytes: int = 0):
         """background_writes: files are written by the mover thread (the server); False writes them on the
         caller's thread before the call returns (tools and tests that want the file there at once)."""
-        if cap_nbytes < 0 or disk_cap_nbytes < 0 or ttl_s < 0 or host_cap_nbytes < 0:
+        if cap_nbytes < 0 or disk_cap_nbytes < 0 or ttl_s < 0 or host_cap_nbytes < 0 or host_arena_nbytes < 0:
             raise ValueError(f"store caps and ttl must be >= 0, got cap={cap_nbytes} disk_cap={disk_cap_nbytes} "
-                             f"host_cap={host_cap_nbytes} ttl={ttl_s}")
+                             f"host_cap={host_cap_nbytes} ttl={ttl_s} host_arena={host_arena_nbytes}")
+        self.host_arena_nbytes = int(host_arena_nbytes)
+        self.arena: PinnedArena | None = None  # made (and pinned, off this thread) when the store meets its device
         self.cap_nbytes = int(cap_nbytes)
         self.host_cap_nbytes = int(host_cap_nbytes)
         self.host: dict[str, HostEntry] = {}
@@ -209,6 +215,7 @@ class ShadowStore:
         self.loading: dict[str, Loading] = {}
         self.fetched: dict[str, Fetched] = {}
         self._loader: ThreadPoolExecutor | None = None  # made on the first prefetch
+        self._load_stream = None  # the loader's own CUDA stream: its copies never queue behind the rounds
         self._stream = None  # the device-to-host copies' own stream (CUDA), made on first use
 
     @classmethod
@@ -233,7 +240,8 @@ class ShadowStore:
             disk_dir = Path(raw).expanduser() / subdir if subdir else Path(raw).expanduser()
         return cls(int(settings.get(cap_setting) * GIB), disk_dir, int(settings.get("QSE_SHADOW_DISK_GB") * GIB),
                    settings.get("QSE_SHADOW_DISK_TTL_S"), host_cap_nbytes=int(settings.get("QSE_HOST_CACHE_GB") * GIB),
-                   journal=True, background_writes=True)
+                   journal=True, background_writes=True,
+                   host_arena_nbytes=int(settings.get("QSE_HOST_CACHE_GB") * GIB))
 
     def tier_of(self, session_id: str) -> str | None:
         """Where a non-resident session's state is: "host", "disk", or None (nowhere: read again). A session
@@ -253,8 +261,8 @@ class ShadowStore:
 
     @_publishes
     def prefetch(self, reader: GridSessions, session_id: str) -> Future | None:
-        """Start reading a parked session's file on the loader thread, into host memory (pinned on CUDA); the
-        load in flight (done once read; it lands at the next `poll`), or None when there is nothing to wait
+        """Start reading a parked session's file on the loader thread (onto the device on CUDA, into host memory
+        elsewhere); the load in flight (done once read; it lands at the next `poll`), or None when there is nothing to wait
         for (`ready`). Lands what has finished first."""
         self._bind(reader)
         self.poll(reader)
@@ -267,8 +275,10 @@ class ShadowStore:
         if self._loader is None:
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="qse-loader")
         engine = reader.engine
+        if engine.device.type == "cuda" and self._load_stream is None:
+            self._load_stream = torch.cuda.Stream(engine.device)
         future = self._loader.submit(_load_job, parked.path, self._fingerprint_of(reader), session_id, reader.grid,
-                                     engine.cfg.vocab_size, engine.manifest(), engine.device.type == "cuda")
+                                     engine.cfg.vocab_size, engine.manifest(), self._load_stream)
         self.loading[session_id] = Loading(parked, future)
         self.events.append(("prefetch", session_id))
         return future
@@ -561,7 +571,13 @@ class ShadowStore:
             parked.no_prefetch = True
             log.warning("store_prefetch_failed", session=sid, error=repr(exc), path=str(parked.path))
             return
-        record, read_ms = loading.future.result()
+        record, read_ms, copied = loading.future.result()
+        if copied is not None:  # the copies to the device ran on the loader's stream: the owner's work waits for them
+            current = torch.cuda.current_stream(reader.engine.device)
+            current.wait_event(copied)
+            for t in _record_tensors(record):
+                if t.is_cuda:
+                    t.record_stream(current)  # freed with the owner's work, not the loader's
         self.fetched[sid] = Fetched(parked, record, _record_nbytes(record), read_ms, time.monotonic())
         self.counts.prefetches += 1
         self.events.append(("fetched", sid))
@@ -594,7 +610,7 @@ class ShadowStore:
 
     def _detach(self, reader: GridSessions, session: GridSession) -> HostEntry:
         """The session's state copied to the host (asynchronously on CUDA) and detached from the session."""
-        record, copied = _host_record(reader, session, self._copy_stream(reader))
+        record, copied = _host_record(reader, session, self._copy_stream(reader), self.arena)
         entry = HostEntry(session.session_id, record, _record_nbytes(record), time.monotonic(), copied,
                           session.cache if copied is not None else None)
         if copied is None:
@@ -828,6 +844,8 @@ class ShadowStore:
             "host_sessions": len(self.host),
             "host_bytes": self.host_nbytes(),
             "host_cap_bytes": self.host_cap_nbytes,
+            "host_arena_bytes": self.arena.nbytes if self.arena is not None else 0,
+            "host_arena_fallbacks": self.arena.fallbacks if self.arena is not None else 0,
             "host_moves": c.host_moves,
             "host_restores": c.host_restores,
             "host_spills": c.host_spills,
@@ -859,6 +877,10 @@ class ShadowStore:
         if self._reader is not reader:
             self._reader = reader
             self._fingerprint = None
+            if self.arena is None and self.host_arena_nbytes and self.host_cap_nbytes:
+                self.arena = PinnedArena(min(self.host_arena_nbytes, self.host_cap_nbytes),
+                                         pin=reader.engine.device.type == "cuda")
+                self.arena.start()
 
     def _fingerprint_of(self, reader: GridSessions) -> Fingerprint:
         if self._fingerprint is None:
@@ -996,14 +1018,19 @@ def _session_meta(session: GridSession, record: _Record) -> dict[str, str]:
     }
 
 
-def _host_record(reader: GridSessions, session: GridSession, stream=None) -> tuple[_Record, object]:
+def _host_record(reader: GridSessions, session: GridSession, stream=None,
+                 arena: PinnedArena | None = None) -> tuple[_Record, object]:
     """The session's state and checkpoints copied to the host, and the event after the copies (None: they
     are done). On CUDA the copies go to pinned buffers on `stream`, behind the work already launched on the
     current stream, and nothing waits for them here; elsewhere plain copies, done on return."""
     pin = stream is not None
 
     def to_host(t: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+        out = arena.take(t.shape, t.dtype) if arena is not None else None
+        if out is None:
+            if arena is not None:
+                arena.fallbacks += 1
+            out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
         out.copy_(t, non_blocking=pin)
         return out
 
@@ -1038,18 +1065,28 @@ def _checked_header(path: Path, fp: Fingerprint, session_id: str) -> FileHeader:
 
 
 def _load_job(path: Path, fp: Fingerprint, session_id: str, grid: int, vocab_size: int, manifest: StateManifest,
-              pin: bool) -> tuple["_Record", float]:
-    """On the loader thread: one parked file into host memory (pinned with `pin`), header, fingerprint and
-    checksum checked; (the record, ms). A file that cannot be used raises FileMiss; anything else (host
-    memory, say) is not the file's fault and raises as it is."""
+              stream) -> tuple["_Record", float, object]:
+    """On the loader thread: one parked file read, header, fingerprint and checksum checked; (the record, ms, the
+    event after its copies to the device, or None). With a CUDA `stream` the large tensors go to the device
+    through the disk tier's two fixed pinned buffers on that stream, so a load allocates no pinned memory (a
+    fresh pinned allocation of a 60k session's size took about a second on an H200 host) and its
+    landing is a device-to-device copy; without one (CPU) the file is read into host memory. A file that cannot
+    be used raises FileMiss; anything else (device memory, say) is not the file's fault and raises as it is."""
     t0 = time.perf_counter()
     header = _checked_header(path, fp, session_id)
-    tensors = disk.read_tensors(header, pin=pin)  # verifies the checksum
+    copied = None
+    if stream is None:
+        tensors = disk.read_tensors(header)  # verifies the checksum
+    else:
+        with torch.cuda.stream(stream):
+            tensors = disk.read_tensors(header, device=stream.device)
+            copied = torch.cuda.Event()
+            copied.record(stream)
     try:
         record = _decode(header, tensors, grid, vocab_size, manifest)
     except _BAD_FIELD as exc:
         raise _as_miss(exc) from None
-    return record, (time.perf_counter() - t0) * 1e3
+    return record, (time.perf_counter() - t0) * 1e3, copied
 
 
 def _write_job(copied, path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> int:
@@ -1059,11 +1096,14 @@ def _write_job(copied, path: Path, tensors: dict[str, torch.Tensor], meta: dict[
     return disk.write_file(path, tensors, meta)
 
 
-def _record_nbytes(record: _Record) -> int:
+def _record_tensors(record: _Record) -> list[torch.Tensor]:
     state = record.state
-    tensors = [*state.sections.values(), *state.views.values()]
-    tensors += [x for c in record.checkpoints for x in (*c.recurrent, *c.conv)]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return [*state.sections.values(), *state.views.values(),
+            *(x for c in record.checkpoints for x in (*c.recurrent, *c.conv))]
+
+
+def _record_nbytes(record: _Record) -> int:
+    return sum(t.numel() * t.element_size() for t in _record_tensors(record))
 
 
 def _ids_name(session_id: str) -> str:
