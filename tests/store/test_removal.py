@@ -1,0 +1,54 @@
+"""A file that goes (a session brought back, a stale file) is renamed out of the way on the owner's thread and
+removed by the mover: unlinking a large file takes about a second, and the owner's thread runs the rounds."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+from qse.sessions.grid import GridSessions
+from qse.sessions.served import ServedSessions
+from qse.store import ShadowStore, disk
+
+GRID = 32
+
+
+def _served(engine, store=None) -> ServedSessions:
+    book = GridSessions(engine, grid=GRID, pool_bytes=16 << 20, residency=store, graphs=False, who="the served model")
+    return ServedSessions(book)
+
+
+def test_a_restored_sessions_file_is_renamed_away_and_removed_by_the_mover(tiny_engine, tmp_path, monkeypatch):
+    store = ShadowStore(1 << 40, tmp_path / "served", journal=False, background_writes=True)
+    served = _served(tiny_engine, store)
+    prompt = torch.randint(0, 248000, (3 * GRID + 5,), generator=torch.Generator().manual_seed(5)).tolist()
+    turn, _ = served.begin("a", prompt)
+    served.finish(turn)
+    assert store.park(served.book, served.book.get("a"), wait=True)
+    path = store.parked["a"].path
+    assert path.exists()
+    real_unlink = os.unlink
+    owner = threading.get_ident()
+    threads: list[int] = []
+    monkeypatch.setattr(os, "unlink", lambda p: threads.append(threading.get_ident()) or real_unlink(p))
+    turn, _ = served.begin("a", prompt + [11])  # brought back from its file
+    served.finish(turn)
+    assert turn.start.tier == "disk" and not path.exists()  # gone from its name at once
+    store.flush(served.book)
+    left = sorted(os.listdir(path.parent))
+    assert threads and owner not in threads  # the blocks were freed off the owner's thread
+    assert not [n for n in left if disk.is_temp_name(n) or n == path.name], left
+
+
+def test_a_doomed_file_left_by_a_crash_is_removed_at_attach(tiny_engine, tmp_path):
+    root = tmp_path / "served"
+    root.mkdir()
+    doomed = root / f".{disk.file_name('x')}.123.abcd{disk.TMP_SUFFIX}"
+    doomed.write_bytes(b"\0" * 4096)
+    store = ShadowStore(1 << 40, root, background_writes=True)
+    served = _served(tiny_engine, store)
+    store.attach(served.book)
+    store.flush(served.book)
+    assert not doomed.exists()
