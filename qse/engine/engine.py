@@ -176,10 +176,19 @@ class Engine:
         if state.length and not kv.ensure(state.length):
             return None
         held = cache.state_tensors()
+        # copies from the host are queued without a wait each (a wait a tensor left the link idle between
+        # them), and waited for once at the end: the caller may free or reuse the host buffers on return
+        from_host = False
         for t in self._manifest.sections:
-            held[t.index].copy_(state.sections[t.name])
+            src = state.sections[t.name]
+            from_host |= src.device != held[t.index].device
+            held[t.index].copy_(src, non_blocking=True)
         if state.length:
             for slot, names in self._manifest.kv_slots().items():
-                kv.write(slot, 0, *(state.views[name].to(self.device) for name in names))
+                srcs = [state.views[name] for name in names]
+                from_host |= any(x.device != self.device for x in srcs)
+                kv.write(slot, 0, *(x.to(self.device, non_blocking=True) for x in srcs))
+        if from_host and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
         cache.length = state.length
         return cache

@@ -112,8 +112,18 @@ class PagedKV:
             pos += take
 
     def write(self, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        if not self.ensure(start + k.shape[0]):
-            raise MemoryError(f"KV pool has no room for rows up to {start + k.shape[0]}")
+        count = k.shape[0]
+        if not self.ensure(start + count):
+            raise MemoryError(f"KV pool has no room for rows up to {start + count}")
+        rows = self.pool.page_rows
+        first, offset = divmod(start, rows)
+        full = count // rows if offset == 0 else 0
+        if full > 1:  # whole pages in one indexed copy each (a restore writes a session's rows: one launch, not
+            # one a page); the bytes are the same as page by page
+            idx = torch.tensor(self.pages[first : first + full], dtype=torch.long, device=self.pool.k.device)
+            self.pool.k[idx, slot] = k[: full * rows].reshape(full, rows, *k.shape[1:])
+            self.pool.v[idx, slot] = v[: full * rows].reshape(full, rows, *v.shape[1:])
+            start, k, v = start + full * rows, k[full * rows :], v[full * rows :]
         for page, offset, src, take in self._segments(start, k.shape[0]):
             self.pool.k[page, slot, offset : offset + take] = k[src : src + take]
             self.pool.v[page, slot, offset : offset + take] = v[src : src + take]
