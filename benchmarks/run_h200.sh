@@ -80,7 +80,7 @@ for step in $steps; do
       timeout 120 python3 benchmarks/host_copy.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-200 ;;
     cache)  # qse cache-check: the served turns across the three tiers against a cold prefill, 0.8B and 9B
       session
-      for m in qwen3.5-0.8b qwen3.5-9b; do
+      for m in ${CACHE_PRESETS:-qwen3.5-0.8b qwen3.5-9b}; do
         QSE_KERNELS=triton timeout 240 python3 -m qse.cli cache-check --model $m --device cuda --dtype bfloat16 \
           --session /tmp/s12.jsonl --grid 512 > "$OUT/cache-check-$m.json"; head -c 300 "$OUT/cache-check-$m.json"; echo
       done ;;
