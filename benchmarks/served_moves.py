@@ -88,7 +88,9 @@ async def run(args, disk: Path) -> dict:
     spec = "" if args.tiny else args.preset
     config = dataclasses.replace(policy, journal_dir=None, served_grid=args.grid,
                                  served_kv_gb=engine.state_bytes_per_token() * 4 * args.prompt_tokens / (1 << 30) + 0.05)
-    store = ShadowStore(1 << 62, disk, host_cap_nbytes=0)  # no host tier: a parked session is on disk only
+    # no host tier (a parked session is on disk only); the parks copy through a pinned arena as the server's do
+    store = ShadowStore(1 << 62, disk, host_cap_nbytes=0,
+                        host_arena_nbytes=engine.state_bytes_per_token() * 3 * args.prompt_tokens + 16 * engine.cost(0))
     serving = served_sessions(engine, config, residency=store)
     store.attach(serving.book)
     serving.warm()
@@ -108,7 +110,8 @@ async def run(args, disk: Path) -> dict:
     return {"preset": spec or "embedded", "model": engine.name, "kernels": engine.kernels, "mode": serving.mode,
             "grid": args.grid, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
             "out_tokens": args.out_tokens, "arrive_after": args.arrive_after, "repeats": repeats,
-            "store": {"restores": store.counts.restores, "misses": dict(store.misses)}}
+            "store": {"restores": store.counts.restores, "misses": dict(store.misses),
+                      "arena_fallbacks": store.arena.fallbacks if store.arena is not None else None}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -176,8 +176,8 @@ class ShadowStore:
     disk_cap_nbytes: cap on the parked files (QSE_SHADOW_DISK_GB); the oldest go first
     ttl_s:           a parked file older than this is removed (QSE_SHADOW_DISK_TTL_S)
     wall_clock:      seconds since the epoch, for file ages (files outlive the process)
-    host_arena_nbytes: host memory pinned once for the host tier's copies (`arena.py`); 0: each move
-                     allocates its own pinned buffers (tools and tests). The server pins the host cap.
+    host_arena_nbytes: host memory pinned once for the host copies of moves and parks (`arena.py`); 0: each
+                     move allocates its own pinned buffers (tools and tests). The server pins the host cap.
 
     One store serves one reader, and one reader owns a disk directory.
     """
@@ -883,9 +883,8 @@ class ShadowStore:
         if self._reader is not reader:
             self._reader = reader
             self._fingerprint = None
-            if self.arena is None and self.host_arena_nbytes and self.host_cap_nbytes:
-                self.arena = PinnedArena(min(self.host_arena_nbytes, self.host_cap_nbytes),
-                                         pin=reader.engine.device.type == "cuda")
+            if self.arena is None and self.host_arena_nbytes:  # parks copy through it too, host tier or not
+                self.arena = PinnedArena(self.host_arena_nbytes, pin=reader.engine.device.type == "cuda")
                 self.arena.start()
 
     def _fingerprint_of(self, reader: GridSessions) -> Fingerprint:
