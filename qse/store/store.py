@@ -578,9 +578,9 @@ class ShadowStore:
             log.warning("store_prefetch_failed", session=sid, error=repr(exc), path=str(parked.path))
             return
         record, read_ms, copied = loading.future.result()
-        if copied is not None:  # the copies to the device ran on the loader's stream: the owner's work waits for them
+        if copied is not None:  # the loader's copies to the device (done: the job waited for its staging buffers)
+            copied.synchronize()
             current = torch.cuda.current_stream(reader.engine.device)
-            current.wait_event(copied)
             for t in _record_tensors(record):
                 if t.is_cuda:
                     t.record_stream(current)  # freed with the owner's work, not the loader's
