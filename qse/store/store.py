@@ -366,8 +366,11 @@ class ShadowStore:
         device = reader.engine.device
         session.cache = cache
         session.committed = state.length
-        session.checkpoints = [Checkpoint(c.position, [t.to(device) for t in c.recurrent], [t.to(device) for t in c.conv],
-                                          set(c.kinds)) for c in record.checkpoints]
+        # queued without a wait each (hundreds of small tensors); the synchronize below waits for them all, before
+        # the record's host buffers can go
+        session.checkpoints = [Checkpoint(c.position, [t.to(device, non_blocking=True) for t in c.recurrent],
+                                          [t.to(device, non_blocking=True) for t in c.conv], set(c.kinds))
+                               for c in record.checkpoints]
         session.divergence_lines = record.divergence_lines
         session.mode = record.mode
         if path is not None:
@@ -949,7 +952,7 @@ class ShadowStore:
     def _load(self, reader: GridSessions, path: Path, session_id: str) -> "_Record":
         """On the owner's thread: the file straight to the device (a session not read ahead)."""
         header = _checked_header(path, self._fingerprint_of(reader), session_id)
-        tensors = disk.read_tensors(header, device=reader.engine.device)  # verifies the checksum
+        tensors = disk.read_tensors(header, device=reader.engine.device, stream_min_nbytes=0)  # verifies the checksum
         return _decode(header, tensors, reader.grid, reader.engine.cfg.vocab_size, reader.engine.manifest())
 
     def _miss(self, path: Path, session_id: str | None, miss: FileMiss, unlink: bool = True) -> None:
@@ -1097,7 +1100,7 @@ def _load_job(path: Path, fp: Fingerprint, session_id: str, grid: int, vocab_siz
         tensors = disk.read_tensors(header)  # verifies the checksum
     else:
         with torch.cuda.stream(stream):
-            tensors = disk.read_tensors(header, device=stream.device)
+            tensors = disk.read_tensors(header, device=stream.device, stream_min_nbytes=0)
             copied = torch.cuda.Event()
             copied.record(stream)
     try:
