@@ -100,7 +100,10 @@ def cmd_cache_check(args: argparse.Namespace) -> int:
 
     engine = _load(args.model, args.device, args.dtype)
     grid = args.grid or _policy().served_grid
-    _emit(run_cache_check(engine, Path(args.session), grid, decode_tokens=args.decode_tokens))
+    if args.edit_every < 0:
+        raise SystemExit(f"qse cache-check: --edit-every must be >= 0, got {args.edit_every}")
+    _emit(run_cache_check(engine, Path(args.session), grid, decode_tokens=args.decode_tokens,
+                          edit_every=args.edit_every))
     return 0
 
 
@@ -233,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--session", required=True, help="JSONL, one turn a line (the format of shadow-check)")
     c.add_argument("--grid", type=int, default=0, help="default QSE_SERVED_GRID")
     c.add_argument("--decode-tokens", type=int, default=4, help="greedy tokens compared after the first")
+    c.add_argument("--edit-every", type=int, default=3,
+                   help="an edited copy of every N-th turn goes first (ids dropped below the kept line: a rollback); 0: none")
     c.set_defaults(fn=cmd_cache_check)
 
     e = sub.add_parser("router-eval", help="ask the journaled router questions again with another reader or question")

@@ -47,14 +47,34 @@ def load_turns(path: Path, engine: Engine) -> list[dict[str, list[int]]]:
     return turns
 
 
+EDIT_IDS = 64  # ids an edited turn drops: an agent's compaction of an old tool output
+
+
+def with_edits(turns: list[dict[str, list[int]]], grid: int, every: int) -> list[dict[str, Any]]:
+    """The turns with an edited copy before every `every`-th one (0: none): the turn's prompt with EDIT_IDS ids
+    dropped a grid line and a half below the line the previous turn kept, so the served path must go back to
+    a checkpoint under it (a rollback), and the real turn after it goes back again."""
+    out: list[dict[str, Any]] = []
+    for n, turn in enumerate(turns):
+        prompt = turn["prompt_ids"]
+        if every and n and n % every == 0:
+            kept = len(turns[n - 1]["prompt_ids"]) // grid * grid
+            at = kept - grid - grid // 2
+            if at > grid and at + EDIT_IDS < len(prompt):
+                out.append({"prompt_ids": prompt[:at] + prompt[at + EDIT_IDS:], "output_ids": [], "edited": True})
+        out.append({**turn, "edited": False})
+    return out
+
+
 def run_cache_check(engine: Engine, session_file: Path, grid: int, decode_tokens: int = 4,
-                    disk_dir: Path | None = None) -> dict[str, Any]:
+                    disk_dir: Path | None = None, edit_every: int = 3) -> dict[str, Any]:
     """Feed the session's prompts as served turns; between turns the state stays on the device, moves to the
     host, or is parked on disk (SCHEDULE, round robin). Each turn's first-token logits, its greedy tokens and
-    the state it kept are compared with a cold prefill of the same prompt on the same grid."""
+    the state it kept are compared with a cold prefill of the same prompt on the same grid. edit_every: an
+    edited copy of every such turn goes first (`with_edits`), so rollbacks are checked on every session."""
     from ..store import ShadowStore
 
-    turns = load_turns(session_file, engine)
+    turns = with_edits(load_turns(session_file, engine), grid, edit_every)
     longest = max(len(t["prompt_ids"]) for t in turns)
     per_token = engine.state_bytes_per_token()
     pool_bytes = per_token * (longest + decode_tokens + 4 * grid)
@@ -88,7 +108,8 @@ def run_cache_check(engine: Engine, session_file: Path, grid: int, decode_tokens
             cold_ms = (time.perf_counter() - t1) * 1e3
             state = live.book.state_equal(live.book.get("live"), cold.book.get("cold"))
             report.append({
-                "turn": n, "prompt_tokens": len(prompt), "cached_tokens": start.cached_tokens, "tier": start.tier,
+                "turn": n, "edited": turn["edited"], "prompt_tokens": len(prompt), "cached_tokens": start.cached_tokens,
+                "tier": start.tier,
                 "rolled_back_to": start.rolled_back_to, "chunks_read": start.chunks_read, "tail": start.tail_tokens,
                 "logits_equal": torch.equal(first, cold_first), "tokens_equal": tokens == cold_tokens,
                 "state_equal": all(state.values()), "wall_ms": round(live_ms, 3), "cold_wall_ms": round(cold_ms, 3)})

@@ -186,6 +186,7 @@ class ServedSessions:
         if self.rounds.num_free - self._reserved <= 0:
             raise SessionError(f"every decode slot is taken ({self.rounds.max_running} turns run or start)")
         tier = self._tier_before(known)
+        rollbacks0 = known.stats.rollbacks if known is not None else 0
         spent0 = book.residency.spent_ms()
         report = book.feed(session_id, prompt_ids, prompt_end=len(prompt_ids))
         session = book.get(session_id)
@@ -197,6 +198,8 @@ class ServedSessions:
             raise
         limit = ((len(prompt_ids) - 1) // book.grid) * book.grid
         rolled_back_to = report.rolled_back_to
+        if rolled_back_to is None and session.stats.rollbacks > rollbacks0:
+            rolled_back_to = session.committed  # a parked state went back as it came back (the store's restore)
         if session.committed > limit:  # the prompt ends on a line the session holds: its last chunk is the tail,
             rolled_back_to = book.rollback(session, limit)  # read again for the first token's logits
         cached = session.committed
