@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import structlog
 import torch
 
@@ -218,6 +219,7 @@ class ShadowStore:
         self._loader: ThreadPoolExecutor | None = None  # made on the first prefetch
         self._load_stream = None  # the loader's own CUDA stream: its copies never queue behind the rounds
         self._removing: list[Future] = []  # files renamed away, removed by the mover
+        self._journaling: list[Future] = []  # journal writes queued on the mover: an OSError, or None
         self._stream = None  # the device-to-host copies' own stream (CUDA), made on first use
 
     @classmethod
@@ -416,7 +418,7 @@ class ShadowStore:
         if entry is not None:
             self._unlink(entry.path)
         if self.disk_dir is not None:
-            self._unlink(self.disk_dir / _ids_name(session.session_id))
+            self._remove_journal(session.session_id)
 
     def note_ids(self, reader: GridSessions, session: GridSession) -> None:
         """Journal the session's ids (a feed): one small file a session, replaced whole by a rename, so a
@@ -425,16 +427,41 @@ class ShadowStore:
             return
         self._bind(reader)
         assert self.disk_dir is not None
-        ids = torch.tensor(session.ids, dtype=torch.int32)
         meta = {"format": disk.FORMAT, "version": str(disk.VERSION), **self._fingerprint_of(reader).metadata(),
-                "content": "ids", "session_id": session.session_id, "ids_sha256": disk.tensor_sha256(ids),
+                "content": "ids", "session_id": session.session_id,
                 "checkpoint_lines": json.dumps(sorted(session.checkpoint_lines)), "written_s": repr(self.wall_clock())}
-        try:
-            disk.write_file(self.disk_dir / _ids_name(session.session_id), {"ids": ids}, meta, sync=False)
-        except OSError as exc:
-            if isinstance(exc, FileNotFoundError):
-                self._dir_ready = False
-            self._count_write_miss(session, FileMiss(disk.write_reason(exc), exc.strerror or str(exc)))
+        path = self.disk_dir / _ids_name(session.session_id)
+        if self._mover is not None:  # a copy of the list here (fast); the tensor, its hash and the file there
+            try:
+                self._journaling.append(self._mover.submit(_journal_job, path, session.session_id,
+                                                           list(session.ids), meta))
+                return
+            except RuntimeError:  # the mover has shut down (a stop): write it here
+                pass
+        _, error = _journal_job(path, session.session_id, session.ids, meta)
+        if error is not None:
+            self._journal_failed(session.session_id, error)
+
+    def _journal_failed(self, session_id: str, exc: OSError) -> None:
+        if isinstance(exc, FileNotFoundError):
+            self._dir_ready = False
+        self.misses[disk.write_reason(exc)] += 1
+        self.events.append(("miss:" + disk.write_reason(exc), session_id))
+        log.warning("store_miss", session=session_id, reason=disk.write_reason(exc), detail=exc.strerror or str(exc),
+                    dir=str(self.disk_dir), write=True)
+
+    def _remove_journal(self, session_id: str) -> None:
+        """A session's journal goes in order with its writes: behind any still queued on the mover (a journal
+        written after its session was closed would bring the session back at the next start)."""
+        assert self.disk_dir is not None
+        path = self.disk_dir / _ids_name(session_id)
+        if self._mover is not None:
+            try:
+                self._removing.append(self._mover.submit(_remove_file, path))
+                return
+            except RuntimeError:
+                pass
+        _remove_file(path)
 
     # ---- parking -------------------------------------------------------------------------------
     @_publishes
@@ -545,6 +572,7 @@ class ShadowStore:
             if loading.future.done():
                 self._land_load(reader, loading)
         self._removing = [f for f in self._removing if not f.done()]
+        self._land_journals(wait=False)
 
     @_publishes
     def flush(self, reader: GridSessions) -> None:
@@ -559,6 +587,19 @@ class ShadowStore:
         removing, self._removing = self._removing, []
         for fut in removing:
             fut.result()
+        self._land_journals(wait=True)
+
+    def _land_journals(self, wait: bool) -> None:
+        """Journal writes the mover has done: a failed one is counted as a write miss."""
+        still = []
+        for fut in self._journaling:
+            if not wait and not fut.done():
+                still.append(fut)
+                continue
+            session_id, error = fut.result()
+            if error is not None:
+                self._journal_failed(session_id, error)
+        self._journaling = still
 
     def _land_load(self, reader: GridSessions, loading: Loading) -> None:
         """A read-ahead has finished (waits for it): a fetched copy of the file, where the session is still
@@ -1010,7 +1051,7 @@ class _Record:
 
 def _session_tensors(record: _Record) -> dict[str, torch.Tensor]:
     state = record.state
-    out = {"ids": torch.tensor(record.ids, dtype=torch.int32)}
+    out = {"ids": _ids_tensor(record.ids)}
     for i, c in enumerate(record.checkpoints):
         for j, t in enumerate(c.recurrent):
             out[f"ckpt.{i}.recurrent.{j}"] = t
@@ -1115,6 +1156,21 @@ def _write_job(copied, path: Path, tensors: dict[str, torch.Tensor], meta: dict[
     if copied is not None:
         copied.synchronize()
     return disk.write_file(path, tensors, meta)
+
+
+def _ids_tensor(ids: list[int]) -> torch.Tensor:
+    """int32 ids from a list, about three times faster than torch.tensor (a 60k session: ~3 ms against ~8)."""
+    return torch.from_numpy(np.fromiter(ids, dtype=np.int32, count=len(ids)))
+
+
+def _journal_job(path: Path, session_id: str, ids: list[int], meta: dict[str, str]) -> tuple[str, OSError | None]:
+    """Write a session's ids journal (on the mover, or here without one); (the session, the error or None)."""
+    tensor = _ids_tensor(ids)
+    try:
+        disk.write_file(path, {"ids": tensor}, {**meta, "ids_sha256": disk.tensor_sha256(tensor)}, sync=False)
+    except OSError as exc:
+        return session_id, exc
+    return session_id, None
 
 
 def _remove_file(path: Path) -> None:

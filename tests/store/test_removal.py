@@ -52,3 +52,34 @@ def test_a_doomed_file_left_by_a_crash_is_removed_at_attach(tiny_engine, tmp_pat
     store.attach(served.book)
     store.flush(served.book)
     assert not doomed.exists()
+
+
+def test_a_journal_queued_before_its_session_closes_never_outlives_it(tiny_engine, tmp_path):
+    store = ShadowStore(1 << 40, tmp_path / "served", journal=True, background_writes=True)
+    served = _served(tiny_engine, store)
+    store.attach(served.book)
+    gate = threading.Event()
+    store._mover.submit(gate.wait, 60)  # the mover is busy: what follows queues behind it
+    prompt = torch.randint(0, 248000, (2 * GRID + 3,), generator=torch.Generator().manual_seed(6)).tolist()
+    turn, _ = served.begin("a", prompt)  # its feed queues the journal
+    served.finish(turn)
+    served.book.close("a")  # queues the journal's removal
+    journals = [n for n in os.listdir(tmp_path / "served") if n.endswith(".ids" + disk.SUFFIX)]
+    assert journals == []  # nothing written yet
+    gate.set()
+    store.flush(served.book)
+    assert [n for n in os.listdir(tmp_path / "served") if not disk.is_temp_name(n)] == []
+
+
+def test_a_journal_written_by_the_mover_lets_a_restart_know_the_session(tiny_engine, tmp_path):
+    store = ShadowStore(1 << 40, tmp_path / "served", journal=True, background_writes=True)
+    served = _served(tiny_engine, store)
+    store.attach(served.book)
+    prompt = torch.randint(0, 248000, (2 * GRID + 3,), generator=torch.Generator().manual_seed(7)).tolist()
+    turn, _ = served.begin("a", prompt)
+    served.finish(turn)
+    store.flush(served.book)
+    again = ShadowStore(1 << 40, tmp_path / "served", journal=True, background_writes=True)
+    restarted = _served(tiny_engine, again)
+    report = again.attach(restarted.book)
+    assert restarted.book.get("a").ids == prompt and report["journaled"] == 1
