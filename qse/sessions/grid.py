@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from ..core.checkpoints import CheckpointBook, CheckpointRules
@@ -367,9 +368,19 @@ class GridSessions:
         if not isinstance(ids, (list, tuple)):
             raise SessionError(f"ids must be a list of token ids, got {type(ids).__name__}")
         vocab = self.engine.cfg.vocab_size
+        if ids:  # at once in numpy (an agent's whole session every turn: 60k ids, ~10x faster than a loop);
+            # anything numpy does not make a row of integers is looked at one by one for the message
+            try:
+                arr = np.array(ids)
+            except (ValueError, TypeError, OverflowError):
+                arr = None
+            if arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu" and 0 <= arr.min() and arr.max() < vocab:
+                return
         for i in ids:
             if not isinstance(i, int) or not 0 <= i < vocab:
                 raise SessionError(f"token id {i!r} is outside the vocabulary [0, {vocab})")
+        if ids:
+            raise SessionError(f"ids must be token ids (integers in [0, {vocab})), got elements of {type(ids[0]).__name__}")
 
     def rollback(self, session: GridSession, first_diff: int) -> int:
         """Go back to the newest checkpoint at or below `first_diff` (row 0 without one; the book decides):

@@ -214,6 +214,12 @@ def test_bad_prompts_are_refused_by_name(tiny_engine):
     window = tiny_engine.cfg.max_position_embeddings
     with pytest.raises(SessionError, match="window"):
         served.begin("s", [1] * window)
+    for bad, says in (([5, -1, 2], "token id -1 is outside"), ([5, 2.0], "token id 2.0 is outside"),
+                      ([5, "7"], "token id '7' is outside"), ([5, [6]], r"token id \[6\] is outside"),
+                      ([5, None], "token id None is outside"), ([True], "got elements of bool")):
+        with pytest.raises(SessionError, match=says):
+            served.begin("s", bad)
+    assert "s" not in served.book.sessions  # a refused prompt leaves no session behind
 
 
 def test_a_turn_start_reports_where_its_time_went(tiny_engine, tmp_path):
