@@ -195,6 +195,13 @@ _staging: _Staging | None = None
 _staging_lock = threading.Lock()
 
 
+def prepare_staging() -> None:
+    """Pin the staging buffers now (a store meeting its CUDA device, at start): a first pinned allocation
+    holds every thread's CUDA calls while it runs, so it should not happen during the first load."""
+    with _staging_lock:
+        _stager()
+
+
 def _stager() -> _Staging:
     global _staging
     if _staging is None:

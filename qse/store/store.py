@@ -49,6 +49,7 @@ import functools
 import json
 import os
 import secrets
+import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -927,6 +928,8 @@ class ShadowStore:
         if self._reader is not reader:
             self._reader = reader
             self._fingerprint = None
+            if reader.engine.device.type == "cuda" and self.disk_dir is not None:
+                threading.Thread(target=disk.prepare_staging, name="qse-staging", daemon=True).start()
             if self.arena is None and self.host_arena_nbytes:  # parks copy through it too, host tier or not
                 self.arena = PinnedArena(self.host_arena_nbytes, pin=reader.engine.device.type == "cuda")
                 self.arena.start()
