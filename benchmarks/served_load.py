@@ -7,7 +7,8 @@
 Each level starts N turns at once, each on a session of its own with a random prompt (every prompt read cold),
 greedy, no stop id, and times them on the wall from the moment they are handed to the conductor: TTFT to the
 first id, the turn's end, and output tokens over the wall time of the whole level (prefill included), counted
-the same way for one user and for many. The reader is off: this measures the served model's rounds.
+the same way for one user and for many; and the decode phase's rate (the ids all users got while every one of
+them was decoding, over that window), the rounds' own scaling with the prefill left out. The reader is off: this measures the served model's rounds.
 
 Each level runs once per round token budget (--budgets: prompt ids a round reads beside its decode rows) and
 per launch mode (--ahead 1,0: rounds launched ahead of reading their ids back, or waited for each round), and
@@ -40,13 +41,19 @@ from qse.settings import SETTINGS  # noqa: E402
 
 async def one_user(conductor: Conductor, prompt: list[int], out_tokens: int, sid: str, t0: float) -> dict:
     req = GenerateRequest(prompt_ids=prompt, max_tokens=out_tokens, session_id=sid)
-    first = None
-    n = 0
+    stamps = []
     async for _ in conductor.generate(req):
-        n += 1
-        if first is None:
-            first = time.perf_counter() - t0
-    return {"ttft_s": first, "end_s": time.perf_counter() - t0, "tokens": n}
+        stamps.append(time.perf_counter() - t0)
+    return {"ttft_s": stamps[0] if stamps else None, "end_s": time.perf_counter() - t0, "tokens": len(stamps),
+            "stamps": stamps}
+
+
+def decode_phase(rows: list[dict]) -> tuple[float, int]:
+    """The window in which every user decodes (from the last first id to the first turn's last id) and the ids
+    all users got in it: the rounds' own rate, without the prefill the level's figure includes."""
+    start = max(r["stamps"][0] for r in rows)
+    end = min(r["stamps"][-1] for r in rows)
+    return end - start, sum(1 for r in rows for t in r["stamps"] if start < t <= end)
 
 
 def _served_us(conductor: Conductor) -> tuple[int, int, int]:
@@ -68,11 +75,14 @@ async def level(conductor: Conductor, users: int, prompt_tokens: int, out_tokens
     rounds = max(r["tokens"] for r in rows) - 1  # decode rounds of the longest turn: at least this many ran
     ttft = sorted(r["ttft_s"] for r in rows)
     tokens = sum(r["tokens"] for r in rows)
+    phase_s, phase_tokens = decode_phase(rows)
     return {"users": users, "round_token_budget": conductor.policy.round_token_budget,
             "launch_ahead": conductor.policy.launch_ahead, "wall_s": round(wall, 4), "output_tokens": tokens,
             "prefill_device_s": round(prefill_us / 1e6, 4), "decode_device_s": round(decode_us / 1e6, 4),
             "host_ms_per_round": round((wall - (prefill_us + decode_us) / 1e6) * 1e3 / max(1, rounds), 3),
             "tokens_per_s": round(tokens / wall, 2),
+            "decode_phase_s": round(phase_s, 4),
+            "decode_phase_tokens_per_s": round(phase_tokens / phase_s, 2) if phase_s > 0 else None,
             "per_user_tokens_per_s": round(statistics.median(r["tokens"] / r["end_s"] for r in rows), 2),
             "ttft_p50_s": round(statistics.median(ttft), 4),
             "ttft_p99_s": round(ttft[min(len(ttft) - 1, int(round(0.99 * (len(ttft) - 1))))], 4)}

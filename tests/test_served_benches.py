@@ -43,3 +43,13 @@ def test_a_tiny_run_writes_its_result(script, tmp_path, cache_dir):
         # the disk restores read ahead by the loader thread came back from that read, not the file
         prefetched = [r for r in preset["restores"] if r["tier"] == "disk_prefetched"]
         assert prefetched and all(r["moved"] and r["prefetched"] for r in prefetched)
+
+
+def test_the_decode_phase_is_the_window_where_every_user_decodes():
+    from benchmarks.served_load import decode_phase
+
+    rows = [{"stamps": [1.0, 1.1, 1.2, 1.3, 1.4]},  # first id at 1.0, last at 1.4
+            {"stamps": [1.15, 1.25, 1.35, 1.45, 1.55, 1.65]}]  # starts last, ends last
+    span, tokens = decode_phase(rows)
+    assert span == pytest.approx(0.25)  # from 1.15 (the last first id) to 1.4 (the first last id)
+    assert tokens == 5  # 1.2, 1.3, 1.4 of the first; 1.25, 1.35 of the second
