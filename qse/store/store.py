@@ -996,7 +996,7 @@ class ShadowStore:
     def _load(self, reader: GridSessions, path: Path, session_id: str) -> "_Record":
         """On the owner's thread: the file straight to the device (a session not read ahead)."""
         header = _checked_header(path, self._fingerprint_of(reader), session_id)
-        tensors = disk.read_tensors(header, device=reader.engine.device, stream_min_nbytes=0)  # verifies the checksum
+        tensors, _ = _read_state_file(header, reader.engine.device)  # verifies the checksum
         return _decode(header, tensors, reader.grid, reader.engine.cfg.vocab_size, reader.engine.manifest())
 
     def _miss(self, path: Path, session_id: str | None, miss: FileMiss, unlink: bool = True) -> None:
@@ -1139,19 +1139,32 @@ def _load_job(path: Path, fp: Fingerprint, session_id: str, grid: int, vocab_siz
     be used raises FileMiss; anything else (device memory, say) is not the file's fault and raises as it is."""
     t0 = time.perf_counter()
     header = _checked_header(path, fp, session_id)
-    copied = None
-    if stream is None:
-        tensors = disk.read_tensors(header)  # verifies the checksum
-    else:
-        with torch.cuda.stream(stream):
-            tensors = disk.read_tensors(header, device=stream.device, stream_min_nbytes=0)
-            copied = torch.cuda.Event()
-            copied.record(stream)
+    tensors, copied = _read_state_file(header, stream.device if stream is not None else torch.device("cpu"), stream)
     try:
         record = _decode(header, tensors, grid, vocab_size, manifest)
     except _BAD_FIELD as exc:
         raise _as_miss(exc) from None
     return record, (time.perf_counter() - t0) * 1e3, copied
+
+
+def _read_state_file(header: FileHeader, device: torch.device, stream=None) -> tuple[dict[str, torch.Tensor], object]:
+    """A parked file's tensors (checksum verified) and the event after their copies (None: done or none). On
+    CUDA every tensor goes to the device (on `stream` when given); where the device has no room for a whole
+    copy beside the pool, the file is read into host memory instead and the restore copies it a tensor at a
+    time (slower, never a failed turn)."""
+    if device.type == "cuda":
+        try:
+            if stream is None:
+                return disk.read_tensors(header, device=device, stream_min_nbytes=0), None
+            with torch.cuda.stream(stream):
+                tensors = disk.read_tensors(header, device=device, stream_min_nbytes=0)
+                copied = torch.cuda.Event()
+                copied.record(stream)
+            return tensors, copied
+        except torch.cuda.OutOfMemoryError:
+            log.warning("store_load_to_host", path=str(header.path), nbytes=header.size,
+                        why="no room on the device for the file's copy")
+    return disk.read_tensors(header), None
 
 
 def _write_job(copied, path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> int:

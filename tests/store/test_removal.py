@@ -83,3 +83,26 @@ def test_a_journal_written_by_the_mover_lets_a_restart_know_the_session(tiny_eng
     restarted = _served(tiny_engine, again)
     report = again.attach(restarted.book)
     assert restarted.book.get("a").ids == prompt and report["journaled"] == 1
+
+
+def test_a_load_with_no_room_on_the_device_reads_into_host_memory(tiny_engine, tmp_path, monkeypatch):
+    from qse.store import store as store_mod
+
+    store = ShadowStore(1 << 40, tmp_path / "served", background_writes=False)
+    served = _served(tiny_engine, store)
+    prompt = torch.randint(0, 248000, (3 * GRID + 5,), generator=torch.Generator().manual_seed(8)).tolist()
+    turn, _ = served.begin("a", prompt)
+    served.finish(turn)
+    assert store.park(served.book, served.book.get("a"), wait=True)
+    header = disk.read_header(store.parked["a"].path)
+    real = disk.read_tensors
+
+    def no_room(h, *args, device=None, **kwargs):
+        if device is not None:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (a test)")
+        return real(h, *args, **kwargs)
+
+    monkeypatch.setattr(disk, "read_tensors", no_room)
+    tensors, copied = store_mod._read_state_file(header, torch.device("cuda"))
+    assert copied is None and tensors.keys() == real(header).keys()
+    assert all(t.device.type == "cpu" and torch.equal(t, real(header)[k]) for k, t in tensors.items())
