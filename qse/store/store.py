@@ -215,6 +215,9 @@ class ShadowStore:
         self._spent = {"evict": 0.0, "restore": 0.0}
         self.writing: dict[str, Writing] = {}
         self._mover = ThreadPoolExecutor(1, thread_name_prefix="qse-mover") if background_writes else None
+        # the ids journals on a thread of their own: small files that must not wait behind a session's big write
+        # (a kill in that wait would forget the session), in order with their removals
+        self._journaler = ThreadPoolExecutor(1, thread_name_prefix="qse-journal") if background_writes else None
         self.loading: dict[str, Loading] = {}
         self.fetched: dict[str, Fetched] = {}
         self._loader: ThreadPoolExecutor | None = None  # made on the first prefetch
@@ -432,9 +435,9 @@ class ShadowStore:
                 "content": "ids", "session_id": session.session_id,
                 "checkpoint_lines": json.dumps(sorted(session.checkpoint_lines)), "written_s": repr(self.wall_clock())}
         path = self.disk_dir / _ids_name(session.session_id)
-        if self._mover is not None:  # a copy of the list here (fast); the tensor, its hash and the file there
+        if self._journaler is not None:  # a copy of the list here (fast); the tensor, its hash and the file there
             try:
-                self._journaling.append(self._mover.submit(_journal_job, path, session.session_id,
+                self._journaling.append(self._journaler.submit(_journal_job, path, session.session_id,
                                                            list(session.ids), meta))
                 return
             except RuntimeError:  # the mover has shut down (a stop): write it here
@@ -452,13 +455,13 @@ class ShadowStore:
                     dir=str(self.disk_dir), write=True)
 
     def _remove_journal(self, session_id: str) -> None:
-        """A session's journal goes in order with its writes: behind any still queued on the mover (a journal
-        written after its session was closed would bring the session back at the next start)."""
+        """A session's journal goes in order with its writes: behind any still queued on the journal's thread (a
+        journal written after its session was closed would bring the session back at the next start)."""
         assert self.disk_dir is not None
         path = self.disk_dir / _ids_name(session_id)
-        if self._mover is not None:
+        if self._journaler is not None:
             try:
-                self._removing.append(self._mover.submit(_remove_file, path))
+                self._removing.append(self._journaler.submit(_remove_file, path))
                 return
             except RuntimeError:
                 pass

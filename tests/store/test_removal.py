@@ -59,7 +59,7 @@ def test_a_journal_queued_before_its_session_closes_never_outlives_it(tiny_engin
     served = _served(tiny_engine, store)
     store.attach(served.book)
     gate = threading.Event()
-    store._mover.submit(gate.wait, 60)  # the mover is busy: what follows queues behind it
+    store._journaler.submit(gate.wait, 60)  # the journal's thread is busy: what follows queues behind it
     prompt = torch.randint(0, 248000, (2 * GRID + 3,), generator=torch.Generator().manual_seed(6)).tolist()
     turn, _ = served.begin("a", prompt)  # its feed queues the journal
     served.finish(turn)
@@ -106,3 +106,25 @@ def test_a_load_with_no_room_on_the_device_reads_into_host_memory(tiny_engine, t
     tensors, copied = store_mod._read_state_file(header, torch.device("cuda"))
     assert copied is None and tensors.keys() == real(header).keys()
     assert all(t.device.type == "cpu" and torch.equal(t, real(header)[k]) for k, t in tensors.items())
+
+
+def test_a_journal_does_not_wait_behind_a_sessions_big_write(tiny_engine, tmp_path, held_writes):
+    store = ShadowStore(1 << 40, tmp_path / "served", journal=True, background_writes=True)
+    served = _served(tiny_engine, store)
+    store.attach(served.book)
+    gen = torch.Generator().manual_seed(9)
+    turn, _ = served.begin("a", torch.randint(0, 248000, (3 * GRID,), generator=gen).tolist())
+    served.finish(turn)
+    assert store.park(served.book, served.book.get("a"), wait=False)
+    assert held_writes["started"].wait(timeout=60)  # a's file is being written, and held there
+    prompt_b = torch.randint(0, 248000, (2 * GRID + 1,), generator=gen).tolist()
+    turn, _ = served.begin("b", prompt_b)
+    served.finish(turn)
+    store._journaler.submit(lambda: None).result(timeout=60)  # the journal thread's queue, b's included, is done
+    # ... while a's write still waits on the mover
+    assert "a" in store.writing
+    journal = disk.read_tensors(disk.read_header(tmp_path / "served" / (disk.file_name("b")[: -len(disk.SUFFIX)]
+                                                                        + ".ids" + disk.SUFFIX)))["ids"]
+    assert journal.tolist() == prompt_b
+    held_writes["release"].set()
+    store.flush(served.book)
