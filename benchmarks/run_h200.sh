@@ -77,7 +77,9 @@ for step in $steps; do
     moves)  # a 9B user decoding while another's 60k session comes back from disk: the decoder's largest gap
       timeout 300 python3 benchmarks/served_moves.py --preset "${MOVES_PRESET:-qwen3.5-9b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-500 ;;
     pcie)  # what the host link carries, pinned and pageable, one tensor and many: the host tier's ceiling
-      timeout 120 python3 benchmarks/host_copy.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-200 ;;
+      timeout 120 python3 benchmarks/host_copy.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-200
+      # and what a launching thread sees while another pins, reads or copies (a fresh pinned allocation stalls it)
+      timeout 60 python3 benchmarks/host_copy.py --stall --stall-mib 1024 --out "$OUT" 2>&1 | grep '^{' | cut -c1-200 ;;
     cache)  # qse cache-check: the served turns across the three tiers against a cold prefill, 0.8B and 9B
       session
       for m in ${CACHE_PRESETS:-qwen3.5-0.8b qwen3.5-9b}; do
