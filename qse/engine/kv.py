@@ -120,7 +120,7 @@ class PagedKV:
         full = count // rows if offset == 0 else 0
         if full > 1:  # whole pages in one indexed copy each (a restore writes a session's rows: one launch, not
             # one a page); the bytes are the same as page by page
-            idx = torch.tensor(self.pages[first : first + full], dtype=torch.long, device=self.pool.k.device)
+            idx = self.device_table()[first : first + full].long()
             self.pool.k[idx, slot] = k[: full * rows].reshape(full, rows, *k.shape[1:])
             self.pool.v[idx, slot] = v[: full * rows].reshape(full, rows, *v.shape[1:])
             start, k, v = start + full * rows, k[full * rows :], v[full * rows :]

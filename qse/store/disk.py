@@ -469,13 +469,12 @@ def _readinto_exact(f, view: memoryview) -> None:
 
 
 def read_tensors(header: FileHeader, names: list[str] | None = None,
-                 device: torch.device | None = None, pin: bool = False,
+                 device: torch.device | None = None,
                  stream_min_nbytes: int = _STREAM_MIN_NBYTES) -> dict[str, torch.Tensor]:
     """The file's tensors. With `names` None every tensor is read and the checksum verified; with a
     list, only those tensors are read (no checksum: the caller verifies them otherwise). With a
     cuda `device`, large tensors stream through pinned buffers onto it; the rest stay on the CPU.
-    pin: the CPU tensors are read into pinned host memory (a later copy to the device runs at the bus's
-    speed). stream_min_nbytes: the smallest tensor that goes to the device (0: every one; the store's loads,
+    stream_min_nbytes: the smallest tensor that goes to the device (0: every one; the store's loads,
     whose hundreds of small checkpoint tensors would otherwise each be a waited copy on the owner's thread)."""
     to_gpu = device is not None and device.type == "cuda" and _Staging.NBYTES >= header.hash_block
     wanted = list(header.entries) if names is None else names
@@ -496,7 +495,7 @@ def read_tensors(header: FileHeader, names: list[str] | None = None,
                 if to_gpu and e.end - e.start >= stream_min_nbytes:
                     out[name] = _read_to_gpu(f, e, device, header.hash_block, futures if names is None else None)
                     continue
-                buf = torch.empty(e.end - e.start, dtype=torch.uint8, pin_memory=pin and e.end > e.start)
+                buf = torch.empty(e.end - e.start, dtype=torch.uint8)
                 view = memoryview(buf.numpy())
                 _readinto_exact(f, view)
                 if names is None:

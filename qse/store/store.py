@@ -222,8 +222,8 @@ class ShadowStore:
         self.fetched: dict[str, Fetched] = {}
         self._loader: ThreadPoolExecutor | None = None  # made on the first prefetch
         self._load_stream = None  # the loader's own CUDA stream: its copies never queue behind the rounds
-        self._removing: list[Future] = []  # files renamed away, removed by the mover
-        self._journaling: list[Future] = []  # journal writes queued on the mover: an OSError, or None
+        self._removing: list[Future] = []  # removals queued: files renamed away (mover), journals (journal thread)
+        self._journaling: list[Future] = []  # journal writes queued on the journal thread: (session, error or None)
         self._stream = None  # the device-to-host copies' own stream (CUDA), made on first use
 
     @classmethod
@@ -449,10 +449,7 @@ class ShadowStore:
     def _journal_failed(self, session_id: str, exc: OSError) -> None:
         if isinstance(exc, FileNotFoundError):
             self._dir_ready = False
-        self.misses[disk.write_reason(exc)] += 1
-        self.events.append(("miss:" + disk.write_reason(exc), session_id))
-        log.warning("store_miss", session=session_id, reason=disk.write_reason(exc), detail=exc.strerror or str(exc),
-                    dir=str(self.disk_dir), write=True)
+        self._count_write_miss(session_id, FileMiss(disk.write_reason(exc), exc.strerror or str(exc)))
 
     def _remove_journal(self, session_id: str) -> None:
         """A session's journal goes in order with its writes: behind any still queued on the journal's thread (a
@@ -508,7 +505,7 @@ class ShadowStore:
         tensors = _session_tensors(record)
         estimate = sum(t.numel() * t.element_size() for t in tensors.values()) + 64 * 1024
         if estimate > self.disk_cap_nbytes:
-            self._count_write_miss(session, FileMiss("disk_cap", f"{estimate} bytes, the disk cap is {self.disk_cap_nbytes}"))
+            self._count_write_miss(session.session_id, FileMiss("disk_cap", f"{estimate} bytes, the disk cap is {self.disk_cap_nbytes}"))
             return None
         self.sweep(reader, incoming_nbytes=estimate)
         written_s = self.wall_clock()
@@ -543,7 +540,7 @@ class ShadowStore:
             if isinstance(exc, FileNotFoundError):
                 self._dir_ready = False  # the directory went away: make it again next time
             if session is not None:
-                self._count_write_miss(session, FileMiss(disk.write_reason(exc), getattr(exc, "strerror", None) or str(exc)))
+                self._count_write_miss(session.session_id, FileMiss(disk.write_reason(exc), getattr(exc, "strerror", None) or str(exc)))
                 if drop and not writing.cancelled and not session.is_resident:
                     reader.drop_state(session)
                     self.counts.drops += 1
@@ -1009,10 +1006,10 @@ class ShadowStore:
             self._unlink(path)
         log.warning("store_miss", session=session_id, reason=miss.reason, detail=miss.detail, path=str(path))
 
-    def _count_write_miss(self, session: GridSession, miss: FileMiss) -> None:
+    def _count_write_miss(self, session_id: str, miss: FileMiss) -> None:
         self.misses[miss.reason] += 1
-        self.events.append(("miss:" + miss.reason, session.session_id))
-        log.warning("store_miss", session=session.session_id, reason=miss.reason, detail=miss.detail,
+        self.events.append(("miss:" + miss.reason, session_id))
+        log.warning("store_miss", session=session_id, reason=miss.reason, detail=miss.detail,
                     dir=str(self.disk_dir), write=True)
 
     def _unlink(self, path: Path) -> None:
@@ -1183,7 +1180,8 @@ def _ids_tensor(ids: list[int]) -> torch.Tensor:
 
 
 def _journal_job(path: Path, session_id: str, ids: list[int], meta: dict[str, str]) -> tuple[str, OSError | None]:
-    """Write a session's ids journal (on the mover, or here without one); (the session, the error or None)."""
+    """Write a session's ids journal (on the journal thread, or here without one); (the session, the error or
+    None)."""
     tensor = _ids_tensor(ids)
     try:
         disk.write_file(path, {"ids": tensor}, {**meta, "ids_sha256": disk.tensor_sha256(tensor)}, sync=False)
