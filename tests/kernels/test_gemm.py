@@ -71,3 +71,56 @@ def test_gemv_rejects_more_than_one_row(device):
 
     with pytest.raises(ValueError, match="one row"):
         gemv.gemv(torch.zeros(2, 8, device=device), torch.zeros(4, 8, device=device))
+
+
+GEMV_ROWS_CASES = {
+    # N, K, M, dtype, out dtype: narrow and wide programs (WIDE_FROM lowered), a row count under its power of
+    # two (masked rows), the most rows, an fp32 output (the batched head)
+    "narrow-3-rows": (70, 300, 3, torch.bfloat16, None),
+    "wide-8-rows-fp32-out": (300, 64, 8, torch.bfloat16, torch.float32),
+    "narrow-2-rows-fp32": (33, 129, 2, torch.float32, None),
+}
+
+
+@pytest.mark.parametrize("num_cols,depth,num_rows,dtype,out_dtype", GEMV_ROWS_CASES.values(), ids=GEMV_ROWS_CASES.keys())
+def test_gemv_rows_match_the_twin_and_each_row_alone(device, rel, num_cols, depth, num_rows, dtype, out_dtype,
+                                                     monkeypatch):
+    from qse_kernels import gemv
+
+    monkeypatch.setattr(gemv, "WIDE_FROM", 256)
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(num_rows, depth, generator=gen).to(device, dtype)
+    w = torch.randn(num_cols, depth, generator=gen).to(device, dtype)
+    out = gemv.gemv_rows(x, w, out_dtype)
+    assert out.shape == (num_rows, num_cols) and out.dtype == (out_dtype or dtype)
+    assert rel(out, naive.dense_matmul(x.float(), w.float())) < (1e-5 if out.dtype == torch.float32 else 2e-2)
+    for row in range(num_rows):  # the bits a row gets alone, whoever shares the call
+        assert torch.equal(out[row : row + 1], gemv.gemv(x[row : row + 1], w, out_dtype))
+
+
+def test_gemv_rows_refuse_bad_shapes(device):
+    from qse_kernels import gemv
+
+    w = torch.zeros(4, 8, device=device)
+    with pytest.raises(ValueError, match=f"1 to {gemv.ROWS_MAX} rows; got {gemv.ROWS_MAX + 1}"):
+        gemv.gemv_rows(torch.zeros(gemv.ROWS_MAX + 1, 8, device=device), w)
+    with pytest.raises(ValueError, match="same K"):
+        gemv.gemv_rows(torch.zeros(2, 7, device=device), w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", [2, 3, 8])
+def test_gemv_rows_at_the_9b_shapes_give_each_row_its_bits_alone(rel, num_rows):
+    """The served 9B's decode projections (hidden 4096; the MLP's 12,288; the GDN's in-projection) and its
+    head, on the GPU: the compiled kernels' reduction order, not the interpreter's."""
+    from qse_kernels import gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    for num_cols, depth, out_dtype in ((24576, 4096, None), (4096, 12288, None), (12352, 4096, None),
+                                       (4096, 4096, None), (248320, 4096, torch.float32)):
+        x = torch.randn(num_rows, depth, generator=gen, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(num_cols, depth, generator=gen, device="cuda", dtype=torch.bfloat16)
+        out = gemv.gemv_rows(x, w, out_dtype)
+        assert rel(out, naive.dense_matmul(x.float(), w.float())) < (1e-5 if out_dtype else 2e-2)
+        for row in range(num_rows):
+            assert torch.equal(out[row : row + 1], gemv.gemv(x[row : row + 1], w, out_dtype)), (num_cols, depth, row)
