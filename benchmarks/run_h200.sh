@@ -19,9 +19,9 @@ session() {  # a 57k-token agent session shaped from the weka trace (10 turns, 5
 }
 for step in $steps; do
   case $step in
-    tests)  # every kernel and model-path test on the GPU (the CPU suite runs them interpreted, small)
-      timeout 420 python3 -m pytest -c .devcarry/pytest.ini -p no:asyncio -p no:cacheprovider tests/kernels -q \
-        2>&1 | tail -8 | tee "$OUT/gpu-tests.txt" ;;
+    tests)  # every kernel and model-path test on the GPU (the CPU suite runs them interpreted, small); TESTS picks files
+      timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -c .devcarry/pytest.ini -p no:asyncio -p no:cacheprovider \
+        ${TESTS:-tests/kernels} -q 2>&1 | tail -8 | tee "$OUT/gpu-tests.txt" ;;
     gemv)  # one-row projections and head: cuBLAS against qse's GEMV, 0.8B and 9B shapes
       timeout 120 python3 benchmarks/gemv_bench.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-300 ;;
     gemvrows)  # a round's 2, 4, 8 rows: cuBLAS against qse's rows GEMV at the 9B's shapes, and each row's bits alone
