@@ -2,10 +2,9 @@
 """One-row projections (a decode step's GEMMs and the logits head) timed three ways on one GPU: cuBLAS
 through F.linear, cuBLAS with an fp32 output (the head), and qse's Triton GEMV; for the 0.8B reader's
 shapes and the 9B served model's. Each call is replayed 200 times inside one CUDA graph so that launch
-gaps stay out of the figure. With --rows 2,4,8: a batched round's few rows, cuBLAS against qse's rows GEMV
-(one weight read for every row), and whether each row has the bits the one-row GEMV gives it alone.
+gaps stay out of the figure.
 
-    python benchmarks/gemv_bench.py [--out DIR] [--rows 1,2,4,8] [--models 9b]
+    python benchmarks/gemv_bench.py [--out DIR]
 
 Writes benchmarks/results/gemv_bench-<date>-<device>.json (us a call and the bandwidth it reached).
 """
@@ -25,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.results_io import result_header, write_result  # noqa: E402
 from benchmarks.timing import cuda_us  # noqa: E402
-from qse_kernels.gemv import gemv, gemv_rows  # noqa: E402
+from qse_kernels.gemv import gemv  # noqa: E402
 
 # (name, N, K): the fused projections of one layer, and the head
 SHAPES = {
@@ -39,38 +38,32 @@ SHAPES = {
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    p.add_argument("--rows", default="1", help="row counts, comma-separated (1: the one-row GEMV)")
-    p.add_argument("--models", default=",".join(SHAPES), help=f"of {sorted(SHAPES)}")
     args = p.parse_args(argv)
-    counts = [int(r) for r in args.rows.split(",")]
     rows = []
-    for model in args.models.split(","):
-        for name, n, k in SHAPES[model]:
+    for model, shapes in SHAPES.items():
+        for name, n, k in shapes:
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-            out_dtype = torch.float32 if name == "head" else None
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            out_fp32 = name == "head"
             gbytes = n * k * 2 / 1e9
-            for m in counts:
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                ours = (lambda: gemv(x, w, out_dtype)) if m == 1 else (lambda: gemv_rows(x, w, out_dtype))
-                if out_dtype is not None:
-                    theirs = lambda: torch.mm(x, w.t(), out_dtype=torch.float32)  # noqa: E731
-                else:
-                    theirs = lambda: F.linear(x, w)  # noqa: E731
-                row = {"model": model, "name": name, "N": n, "K": k, "rows": m,
-                       "cublas_us": cuda_us(theirs, 200, graphed=True, tries=5),
-                       "triton_gemv_us": cuda_us(ours, 200, graphed=True, tries=5)}
-                ref, got = theirs().float(), ours().float()
-                row["max_rel_diff"] = float((got - ref).abs().max() / ref.abs().max())
-                if m > 1:  # each row the bits it gets alone
-                    alone = torch.cat([gemv(x[i : i + 1], w, out_dtype) for i in range(m)]).float()
-                    row["rows_equal_alone"] = bool(torch.equal(got, alone))
-                for key in ("cublas", "triton_gemv"):
-                    row[f"{key}_tb_s"] = round(gbytes / (row[f"{key}_us"] * 1e-6) / 1e3, 3)
-                    row[f"{key}_us"] = round(row[f"{key}_us"], 2)
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+            row = {"model": model, "name": name, "N": n, "K": k}
+            if out_fp32:
+                row["cublas_us"] = cuda_us(lambda: torch.mm(x, w.t(), out_dtype=torch.float32), 200, graphed=True, tries=5)
+                row["triton_gemv_us"] = cuda_us(lambda: gemv(x, w, torch.float32), 200, graphed=True, tries=5)
+                ref = torch.mm(x, w.t(), out_dtype=torch.float32)
+                got = gemv(x, w, torch.float32)
+            else:
+                row["cublas_us"] = cuda_us(lambda: F.linear(x, w), 200, graphed=True, tries=5)
+                row["triton_gemv_us"] = cuda_us(lambda: gemv(x, w), 200, graphed=True, tries=5)
+                ref, got = F.linear(x, w).float(), gemv(x, w).float()
+            row["max_rel_diff"] = float((got - ref).abs().max() / ref.abs().max())
+            for key in ("cublas", "triton_gemv"):
+                row[f"{key}_tb_s"] = round(gbytes / (row[f"{key}_us"] * 1e-6) / 1e3, 3)
+                row[f"{key}_us"] = round(row[f"{key}_us"], 2)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     result = {**result_header("triton"), "rows": rows}
-    write_result(result, args.out, "gemv_bench" if counts == [1] else "gemv_rows_bench")
+    write_result(result, args.out, "gemv_bench")
     return 0
 
 

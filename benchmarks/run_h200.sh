@@ -6,7 +6,7 @@
 # (weka_cc_sessions_dev.csv, hf_reader_baseline.py) and a pytest.ini without the asyncio plugin's
 # options. Results land in $OUT; copy them to benchmarks/results/ and commit.
 #
-#   bash benchmarks/run_h200.sh [tests|gemv|gemvrows|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abl|invariant|grammar|rounds|served|cache|load|memory|moves|pcie ...]   (default: all, ~13 minutes)
+#   bash benchmarks/run_h200.sh [tests|gemv|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abl|invariant|grammar|rounds|served|cache|load|memory|moves|pcie ...]   (default: all, ~13 minutes)
 #   PRESETS=qwen3.5-0.8b bash benchmarks/run_h200.sh measure                       (measure fewer presets)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -24,8 +24,6 @@ for step in $steps; do
         ${TESTS:-tests/kernels} -q 2>&1 | tail -8 | tee "$OUT/gpu-tests.txt" ;;
     gemv)  # one-row projections and head: cuBLAS against qse's GEMV, 0.8B and 9B shapes
       timeout 120 python3 benchmarks/gemv_bench.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-300 ;;
-    gemvrows)  # a round's 2, 4, 8 rows: cuBLAS against qse's rows GEMV at the 9B's shapes, and each row's bits alone
-      timeout 120 python3 benchmarks/gemv_bench.py --rows 1,2,4,8 --models 9b --out "$OUT" 2>&1 | grep '^{' | cut -c1-300 ;;
     fp8)  # FP8 block weights against BF16 at the 9B's projections: one row (GEMV) and a 512-row chunk (GEMM)
       timeout 180 python3 benchmarks/fp8_bench.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-600 ;;
     attention)  # the attention kernel's tile shapes and softmax forms for chunks and questions, at 32k and 64k

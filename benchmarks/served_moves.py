@@ -88,8 +88,9 @@ async def run(args, disk: Path) -> dict:
     spec = "" if args.tiny else args.preset
     config = dataclasses.replace(policy, journal_dir=None, served_grid=args.grid,
                                  served_kv_gb=engine.state_bytes_per_token() * 4 * args.prompt_tokens / (1 << 30) + 0.05)
-    # no host tier (a parked session is on disk only); the parks copy through a pinned arena as the server's do
-    store = ShadowStore(1 << 62, disk, host_cap_nbytes=0,
+    # no host tier (a parked session is on disk only); as the server's store: files written and removed by its
+    # mover thread, the parks' copies through a pinned arena
+    store = ShadowStore(1 << 62, disk, host_cap_nbytes=0, background_writes=True,
                         host_arena_nbytes=engine.state_bytes_per_token() * 3 * args.prompt_tokens + 16 * engine.cost(0))
     serving = served_sessions(engine, config, residency=store)
     store.attach(serving.book)

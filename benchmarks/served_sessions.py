@@ -22,8 +22,10 @@ serve` does on CUDA.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import json
+import pstats
 import statistics
 import sys
 import tempfile
@@ -57,7 +59,15 @@ def ttft_s(served, sid: str, prompt: list[int]) -> tuple[float, object]:
     return elapsed, turn.start
 
 
-def restore_s(served, store: ShadowStore, sid: str, tier: str) -> dict:
+def top_calls(profile: cProfile.Profile, n: int = 25) -> list[dict]:
+    """The n calls that held the thread longest (cumulative ms, own ms, calls): where a restore's time went."""
+    stats = pstats.Stats(profile)
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][3], reverse=True)[:n]  # type: ignore[attr-defined]
+    return [{"call": f"{Path(file).name}:{line}:{name}", "cum_ms": round(cum * 1e3, 3), "own_ms": round(own * 1e3, 3),
+             "calls": calls} for (file, line, name), (_, calls, own, cum, _) in rows]
+
+
+def restore_s(served, store: ShadowStore, sid: str, tier: str, profile: bool = False) -> dict:
     book = served.book
     session = book.get(sid)
     nbytes = session.nbytes
@@ -73,12 +83,20 @@ def restore_s(served, store: ShadowStore, sid: str, tier: str) -> dict:
         store.safe_point(book)
         load_ms = round((time.perf_counter() - t0) * 1e3, 3)
     served.engine.synchronize()
+    profiler = cProfile.Profile() if profile else None
     t0 = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
     book.ensure_resident(session)
     served.engine.synchronize()
-    return {"tier": tier, "moved": True, "ms": round((time.perf_counter() - t0) * 1e3, 3), "nbytes": nbytes,
-            "committed": session.committed, "load_ms": load_ms,
-            "prefetched": store.counts.last_restore_ms.get("prefetch_ms", 0.0) > 0}
+    if profiler is not None:
+        profiler.disable()
+    row = {"tier": tier, "moved": True, "ms": round((time.perf_counter() - t0) * 1e3, 3), "nbytes": nbytes,
+           "committed": session.committed, "load_ms": load_ms,
+           "prefetched": store.counts.last_restore_ms.get("prefetch_ms", 0.0) > 0}
+    if profiler is not None:
+        row["profile"] = top_calls(profiler)
+    return row
 
 
 def summary(long_rows: list[dict]) -> dict:
@@ -105,9 +123,11 @@ def run_preset(spec: str, turns: list[dict], device: torch.device, dtype: torch.
     # room for the three copies of the session, a cold one and a turn's rows
     config = dataclasses.replace(policy, served_grid=grid,
                                  served_kv_gb=engine.state_bytes_per_token() * (4 * longest + 8 * grid) / (1 << 30))
-    # the host tier's copies in a pinned arena as the server's are: room for the host copy and a parked one
+    # as the server's store: files written and removed by its mover thread (without one, a restore unlinks the
+    # session's file on the engine's thread), the host tier's copies in a pinned arena (room for the host copy
+    # and a parked one)
     store = ShadowStore(1 << 62, disk / engine.name.replace("/", "_"), host_cap_nbytes=1 << 62, journal=True,
-                        host_arena_nbytes=engine.state_bytes_per_token() * 3 * longest + 16 * engine.cost(0))
+                        background_writes=True, host_arena_nbytes=engine.state_bytes_per_token() * 3 * longest + 16 * engine.cost(0))
     served = served_sessions(engine, config, residency=store)
     store.attach(served.book)
     t_warm = time.perf_counter()
@@ -139,6 +159,8 @@ def run_preset(spec: str, turns: list[dict], device: torch.device, dtype: torch.
         print(json.dumps({"preset": spec, **row}), flush=True)
     restores = [restore_s(served, store, "host", tier)
                 for tier in ("host", "disk", "disk_prefetched", "host", "disk", "disk_prefetched")]
+    # once more each under cProfile (its ms then include the profiler's): where the engine's thread spends them
+    restores += [restore_s(served, store, "host", tier, profile=True) for tier in ("disk_prefetched", "host")]
     long_rows = [r for r in rows if r["prompt_tokens"] >= min_prompt and r["turn"] > 0]
     out = {"preset": spec, "model": engine.name, "kernels": engine.kernels, "mode": served.mode, "grid": grid,
            "warm_s": round(warm_s, 3), "turns": rows, "restores": restores,

@@ -17,9 +17,6 @@ KERNEL_MODULES = ("norms", "fused", "conv1d", "gdn_chunk", "gdn_recurrent", "att
 # pinned from benchmarks/gemv_bench.py on the H200 (see benchmarks/NOTES.md)
 GEMV_PROJECTIONS = True
 GEMV_HEAD = True
-# a batched round's 2 to gemv.ROWS_MAX rows through qse's rows GEMV (one weight read for all, each row the bits
-# it gets alone); not yet pinned by a measurement against cuBLAS (benchmarks/gemv_bench.py --rows)
-GEMV_ROWS = True
 
 
 def triton_version() -> str | None:
@@ -54,30 +51,17 @@ def triton_ops() -> SimpleNamespace:
 
     import torch
 
-    gemv, gemv_rows, rows_max = mods["gemv"].gemv, mods["gemv"].gemv_rows, mods["gemv"].ROWS_MAX
-
-    def few_rows(x) -> bool:
-        return GEMV_ROWS and x.dim() == 2 and 2 <= x.shape[0] <= rows_max
+    gemv = mods["gemv"].gemv
 
     def dense_matmul(x, w):
-        """cuBLAS (faster than our GEMM, but its rounding follows the shape); one row through our GEMV, a
-        round's few rows through the rows GEMV (the bits each row gets alone)."""
+        """cuBLAS (faster than our GEMM, but its rounding follows the shape); one row through our GEMV."""
         if GEMV_PROJECTIONS and x.numel() == x.shape[-1]:
             return gemv(x, w)
-        if GEMV_PROJECTIONS and few_rows(x):
-            return gemv_rows(x, w)
         return naive.dense_matmul(x, w)
 
     def head_row(x, w):
         """The fp32 logits of one row [1, K]."""
         return gemv(x, w, torch.float32)
-
-    def head_rows(x, w):
-        """A round's fp32 logits, one row or a few, each the bits it gets alone; None past that (the model's
-        own head then: cuBLAS)."""
-        if x.shape[0] == 1:
-            return gemv(x, w, torch.float32)
-        return gemv_rows(x, w, torch.float32) if few_rows(x) else None
 
     ops = SimpleNamespace(
         dense_matmul=dense_matmul,
@@ -101,7 +85,6 @@ def triton_ops() -> SimpleNamespace:
     )
     if GEMV_HEAD:
         ops.head_row = head_row
-        ops.head_rows = head_rows
     return ops
 
 

@@ -43,6 +43,10 @@ def test_a_tiny_run_writes_its_result(script, tmp_path, cache_dir):
         # the disk restores read ahead by the loader thread came back from that read, not the file
         prefetched = [r for r in preset["restores"] if r["tier"] == "disk_prefetched"]
         assert prefetched and all(r["moved"] and r["prefetched"] for r in prefetched)
+        # the profiled restores name where the engine's thread spent them, the bring-in among them
+        profiled = [r for r in preset["restores"] if "profile" in r]
+        assert [r["tier"] for r in profiled] == ["disk_prefetched", "host"]
+        assert all(any("_bring_in" in c["call"] for c in r["profile"]) for r in profiled)
 
 
 def test_the_decode_phase_is_the_window_where_every_user_decodes():

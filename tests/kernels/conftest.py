@@ -55,7 +55,6 @@ def few_programs(monkeypatch):
     from qse_kernels import conv1d, fused, gdn_chunk, gemm, gemv
 
     monkeypatch.setattr(gemv, "NARROW_ROWS", 64)  # BK = TILE_ELEMENTS / 64 = 64: the model's hidden size
-    monkeypatch.setattr(gemv, "ROWS_BLOCK_N", 64)  # the rows GEMV's programs as wide (a row's bits do not change)
     monkeypatch.setattr(gemm, "BLOCK_N", 256)  # the 1,000-row head in four column tiles, the last one partial
     monkeypatch.setattr(conv1d, "CONV_BLOCK_T", 64)  # a grid chunk's rows in one program row
     monkeypatch.setattr(fused, "SILU_BLOCK_T", 64)

@@ -1,8 +1,7 @@
 """Decode rounds on the whole model over qse's Triton kernels (interpreted on CPU, the graph path's static
 form): where every op is row-invariant (QSE_KERNELS=invariant, whose batched head is its own GEMM) a
 sequence's logits are the same bits decoded in a round of three (one padding row) and alone in a round of
-one, and its tokens those of Engine.forward one token at a time; so are the triton op set's, whose few rows
-take the rows GEMV (each row the bits of the one-row GEMV); on the triton op set a round of one is the
+one, and its tokens those of Engine.forward one token at a time; on the triton op set a round of one is the
 single-sequence path bit for bit (one row takes the same GEMVs either way)."""
 
 from __future__ import annotations
@@ -19,10 +18,8 @@ from rounds_rig import PROMPTS, decode_rounds, make_engine, make_pool, prefill
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("few_programs")]
 
 
-@pytest.mark.parametrize("kernels", ["invariant", "triton"])
-def test_rounds_give_every_row_the_bits_it_gets_alone(small_model_dir, cache_dir, kernels):
-    """Both op sets: the triton set's rounds of up to gemv.ROWS_MAX rows take the rows GEMV and its head."""
-    engine = make_engine(kernels, small_model_dir, cache_dir)
+def test_invariant_rounds_give_every_row_the_bits_it_gets_alone(small_model_dir, cache_dir):
+    engine = make_engine("invariant", small_model_dir, cache_dir)
     starts = prefill(engine, PROMPTS)
     together = decode_rounds(engine, starts, max_running=4)  # three rows in the bucket of four: one padding row
     for i, start in enumerate(starts):

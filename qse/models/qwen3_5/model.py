@@ -319,10 +319,10 @@ class Qwen35Model:
             m = self._mlp(p, h)
             next_norm = f"layers.{layer + 1}.input_layernorm.weight" if layer < last else "norm.weight"
             x, h = self.ops.add_rms_norm(x, m, self.w[next_norm], eps)
-        # the op set's row-invariant fp32 head, where it has one for this many rows (None: it has not)
-        head_rows = getattr(self.ops, "head_rows", None)
-        logits = head_rows(h, self.lm_head.weight) if head_rows is not None else None
-        return self._logits(h) if logits is None else logits  # [B, vocab]
+        head_rows = getattr(self.ops, "head_rows", None)  # the op set's row-invariant fp32 head, where it has one
+        if head_rows is not None:
+            return head_rows(h, self.lm_head.weight)
+        return self._logits(h)  # [B, vocab]
 
     def _attention_rows(self, layer: int, h: torch.Tensor, batch: DecodeBatch, cos: torch.Tensor,
                         sin: torch.Tensor) -> torch.Tensor:
