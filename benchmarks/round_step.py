@@ -6,6 +6,7 @@ does not depend on the values); rounds are launched back to back, each taking th
 on-device argmax as its tokens (no read-back between rounds), as a greedy conductor would.
 
     python benchmarks/round_step.py [--preset qwen3.5-9b] [--batches 1,8,32] [--context 6000] [--out DIR]
+                                    [--profile 10]   (also each batch's device time per kernel, over 10 rounds)
     python benchmarks/round_step.py --preset embedded --context 40 --rounds 3      (the tiny model, on CPU)
 
 Writes benchmarks/results/round_step-<date>-<device>.json: per batch size the device ms a round (CUDA events
@@ -57,6 +58,30 @@ def measure(rounds: DecodeRounds, slots: list[int], first: torch.Tensor, num_rou
             "tokens_per_s": round(num_rows * 1e3 / per_round, 1)}
 
 
+def kernel_times(rounds: DecodeRounds, slots: list[int], first: torch.Tensor, num_rounds: int) -> list[dict]:
+    """Device us a round per kernel (cuBLAS's GEMMs as one family) over num_rounds rounds under torch.profiler,
+    the longest first: where a round's time grows with its rows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = first
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(num_rounds):
+            ids = rounds.run(slots, ids).argmax(-1)
+        rounds.engine.synchronize()
+    totals: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name, low = ev.name, ev.name.lower()
+        if any(t in low for t in ("gemm", "nvjet", "cutlass", "xmma", "sm90", "cublas")):
+            name = "GEMMs (cuBLAS)"
+        entry = totals.setdefault(name[:90], [0.0, 0])
+        entry[0] += ev.time_range.end - ev.time_range.start
+        entry[1] += 1
+    return [{"kernel": k, "us_per_round": round(us / num_rounds, 2), "calls_per_round": round(n / num_rounds, 2)}
+            for k, (us, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen3.5-9b", help="preset, checkpoint dir, or embedded (the tiny model)")
@@ -66,6 +91,7 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", default="auto", help="naive, triton, invariant, auto (triton on cuda)")
     p.add_argument("--graphs", default="auto", choices=["auto", "static"],
                    help="auto: CUDA graphs where the device and kernels allow; static: the same flow uncaptured")
+    p.add_argument("--profile", type=int, default=0, help="rounds a batch size under torch.profiler (0: none)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -74,7 +100,7 @@ def main(argv=None) -> int:
     engine = Engine(resolve(spec, device, dtype, cache_dir), kernels=args.kernels)
     cfg = engine.cfg
     max_running = max(batches)
-    length = args.context + WARM_ROUNDS + args.rounds + 1
+    length = args.context + 2 * WARM_ROUNDS + args.rounds + args.profile + 1
     pages_each = -(-length // PAGE_ROWS)
     pool = KVPool(max_running * pages_each + 1, PAGE_ROWS, len(cfg.attention_layers), cfg.num_key_value_heads,
                   cfg.head_dim, dtype, device)
@@ -101,6 +127,8 @@ def main(argv=None) -> int:
         first = torch.randint(0, cfg.vocab_size, (num_rows,), device=device, generator=gen)
         row = measure(rounds, slots, first, args.rounds)
         print(json.dumps(row), flush=True)
+        if args.profile and device.type == "cuda":
+            row["kernels"] = kernel_times(rounds, slots, first, args.profile)
         rows.append(row)
         for slot in slots:
             rounds.release(slot)
