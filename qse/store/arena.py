@@ -5,8 +5,8 @@ A fresh pinned allocation of a session's size takes about a second (the driver l
 on an H200 host as the first moves of a size to the host tier, `benchmarks/NOTES.md`), and the store makes its
 host copies on the served model's own thread, between two decode rounds. So the host tier's memory is pinned
 once, on a thread of its own when the store first meets its device (as vLLM pins its swap space at start), and a
-move takes pieces of it. Until it is ready, or when it has no room, a move falls back to a plain pinned
-allocation (counted in `fallbacks`).
+move takes pieces of it. Until it is ready, or when it has no room, a move's tensors go to plain (pageable)
+memory, counted in `fallbacks`: their copies hold the store's thread, but nobody else's.
 
 A piece goes back when the last tensor that views it is freed: the tensor's storage is a numpy array whose base
 is the piece, so every view of it keeps the piece (and the arena) alive, whichever thread drops it last. Copies
@@ -48,7 +48,7 @@ class PinnedArena:
         self.nbytes = -(-int(nbytes) // ALIGN) * ALIGN
         self.pin = pin
         self.address = 0
-        self.fallbacks = 0  # moves that found no room (or no arena yet) and allocated their own pinned memory
+        self.fallbacks = 0  # tensors of moves that found no room (or no arena yet): copied to pageable memory
         self.error: BaseException | None = None  # the allocation's failure: the arena stays empty, moves fall back
         self._base: torch.Tensor | None = None
         self._free: list[tuple[int, int]] = []  # (start, size), sorted by start, never adjacent

@@ -1092,9 +1092,13 @@ def _host_record(reader: GridSessions, session: GridSession, stream=None,
 
     def to_host(t: torch.Tensor) -> torch.Tensor:
         out = arena.take(t.shape, t.dtype) if arena is not None else None
+        if out is None and arena is not None:
+            # no room (moves still being written hold their pieces): plain memory. Its copy holds this thread
+            # (~14 GB/s), where a fresh pinned allocation would hold every thread's CUDA calls for its whole
+            # length (benchmarks/NOTES.md, host_stall)
+            arena.fallbacks += 1
+            return t.to("cpu", copy=True)
         if out is None:
-            if arena is not None:
-                arena.fallbacks += 1
             out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
         out.copy_(t, non_blocking=pin)
         return out

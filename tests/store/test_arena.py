@@ -109,7 +109,7 @@ def test_host_copies_in_the_arena_bring_a_session_back_exactly(tiny_engine, tmp_
     if arena_share > 1:
         assert arena.fallbacks == 0 and arena.free_nbytes < empty  # the host copy lives in the arena
     else:
-        assert arena.fallbacks > 0  # what did not fit allocated its own buffers
+        assert arena.fallbacks > 0  # what did not fit went to plain memory
     first, start = _turn(served, "a", nxt)
     cold = _served(tiny_engine)
     cold_first, _ = _turn(cold, "cold", nxt)
