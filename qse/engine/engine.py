@@ -139,6 +139,13 @@ class Engine:
     def ids_tensor(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
+    def host_ids(self, ids: list[int]) -> torch.Tensor:
+        """ids as a host tensor for forward (pinned on CUDA): forward checks them on the host and sends them
+        without a wait, where a device tensor's check reads it back and a pageable copy synchronises the
+        stream, so the launches could not run ahead of work already on the device."""
+        host = torch.tensor(ids, dtype=torch.long)
+        return host.pin_memory() if self.device.type == "cuda" else host
+
     # ---- cold verbs --------------------------------------------------------------------------
     # A state's tensors are the model adapter's to name (`manifest()`); these verbs only walk its list.
     def manifest(self) -> StateManifest:

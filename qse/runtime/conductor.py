@@ -614,8 +614,8 @@ class Conductor:
             seq = entry.seq
             before = seq.start.gpu_ms
             try:
-                if chunks:
-                    self.serving.read_chunks(seq, chunks)
+                if chunks:  # a tail in this round launches behind the last chunk, not after waiting for it
+                    self.serving.read_chunks(seq, chunks, hold_last=bool(tail))
                 first = None
                 if tail and seq.chunks_left == 0:
                     first = self._read_tail(entry)

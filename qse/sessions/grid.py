@@ -446,7 +446,7 @@ class GridSessions:
             begin = self._launch_graph_chunk(session, ids, start, count)
             pending = PendingChunk(session, start, chunks=count)
         else:  # eager: the engine measures (and waits for) the forward itself
-            _, gpu_ms = self.engine.forward(session.cache, self.engine.ids_tensor(ids), logits="none")
+            _, gpu_ms = self.engine.forward(session.cache, self.engine.host_ids(ids), logits="none")
             pending = PendingChunk(session, start, gpu_ms=gpu_ms)
         session.committed = start + rows
         session.stats.chunks_read += count

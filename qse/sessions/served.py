@@ -80,6 +80,8 @@ class ServedTurn:
     prompt_ids: list[int] = field(default_factory=list)
     limit: int = 0  # L: the prompt's last grid line below its end (chunks are read up to it)
     is_reserved: bool = False  # holds a decode slot it has not taken yet (open -> first_token)
+    # the prompt's last chunk, launched and not yet waited for: the tail is launched behind it (first_token)
+    held: list = field(default_factory=list)
 
     @property
     def chunks_left(self) -> int:
@@ -164,7 +166,7 @@ class ServedSessions:
         first token's logits [1, vocab]."""
         turn = self.open(session_id, prompt_ids)
         try:
-            self.read_chunks(turn)
+            self.read_chunks(turn, hold_last=True)
         except BaseException:
             self.finish(turn)
             raise
@@ -218,14 +220,19 @@ class ServedSessions:
             c[f"hits_{tier}"] += 1
         return turn
 
-    def read_chunks(self, turn: ServedTurn, max_chunks: int | None = None) -> float:
+    def read_chunks(self, turn: ServedTurn, max_chunks: int | None = None, hold_last: bool = False) -> float:
         """Up to max_chunks (None: every) whole grid chunks of the turn's prompt below its line L, one chunk a
-        launch, the next launched before the last is read back; returns their device ms."""
+        launch, the next launched before the last is read back; returns the device ms of those waited for.
+        hold_last: where this reads the prompt's last chunk, it is left running (not waited for) and
+        first_token launches the tail behind it, so the tail's launches overlap its device time; its ms
+        count when first_token has waited for it."""
         if turn.cache is not None or not turn.is_open:
             raise SessionError("the turn's prompt is read already (its first token came)")
         book = self.book
-        reports, in_flight = [], deque()
+        in_flight: deque = deque()
+        reports: list = []
         spent0, t_read = book.residency.spent_ms(), time.perf_counter()
+        failed = True
         try:
             while max_chunks is None or len(reports) + len(in_flight) < max_chunks:
                 pending = book.launch_step(turn.start.session_id, 1, turn.limit)
@@ -234,19 +241,31 @@ class ServedSessions:
                 in_flight.append(pending)
                 while len(in_flight) > 1:
                     reports.append(book.finish_step(in_flight.popleft()))
+            failed = False
         finally:
-            while in_flight:
+            keep = 1 if hold_last and not failed and turn.chunks_left == 0 else 0
+            while len(in_flight) > keep:
                 reports.append(book.finish_step(in_flight.popleft()))
+            held = list(in_flight)
+            turn.held.extend(held)
         evicted = _grew(spent0, book.residency.spent_ms(), "evict")
         turn.start.evict_ms += evicted
         # the chunks' wall without the evictions made for their pages
         turn.start.read_ms += max(0.0, (time.perf_counter() - t_read) * 1e3 - evicted)
-        ms = sum(r.gpu_ms for r in reports)
-        turn.start.chunks_read += sum(r.chunks for r in reports)
-        turn.start.gpu_ms += ms
+        turn.start.chunks_read += sum(r.chunks for r in reports) + sum(p.chunks for p in held)
         turn.start.tail_tokens = turn.start.prompt_tokens - turn.session.committed
         turn.pos = turn.session.committed
+        return self._count_chunks(turn, reports)
+
+    def _count_chunks(self, turn: ServedTurn, reports: list) -> float:
+        ms = sum(r.gpu_ms for r in reports)
+        turn.start.gpu_ms += ms
         return ms
+
+    def _settle(self, turn: ServedTurn) -> None:
+        """Wait for the chunk first_token launched its tail behind, and count it."""
+        held, turn.held = turn.held, []
+        self._count_chunks(turn, [self.book.finish_step(pending) for pending in held])
 
     def first_token(self, turn: ServedTurn) -> torch.Tensor:
         """The tail above L on the turn's own working state, which then takes its decode slot: the first
@@ -256,6 +275,7 @@ class ServedSessions:
         spent0, t_tail = self.book.residency.spent_ms(), time.perf_counter()
         try:
             logits, ms = self._read_tail(turn, turn.prompt_ids[turn.session.committed:])
+            self._settle(turn)  # (done by now: the tail ran behind it)
         except BaseException:
             self.finish(turn)
             raise
@@ -305,7 +325,7 @@ class ServedSessions:
         cache.copy_state_from(session.cache)
         cache.length = session.committed
         turn.cache = cache
-        logits, ms = self.engine.forward(cache, self.engine.ids_tensor(tail), "last")
+        logits, ms = self.engine.forward(cache, self.engine.host_ids(tail), "last")
         self._reserved -= 1  # the slot open() reserved is taken now
         turn.is_reserved = False
         turn.slot = self.rounds.admit(cache)
@@ -372,6 +392,8 @@ class ServedSessions:
         was never written: it is the committed row's)."""
         if not turn.is_open:
             return
+        if turn.held:
+            self._settle(turn)
         turn.is_open = False
         session = turn.session
         if turn.slot is not None:

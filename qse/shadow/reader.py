@@ -125,7 +125,7 @@ class ShadowReader(GridSessions):
             else:
                 saved = cache.clone_state()
                 try:
-                    out, gpu_ms = self.engine.forward(cache, self.engine.ids_tensor(ids_padded), logits="row",
+                    out, gpu_ms = self.engine.forward(cache, self.engine.host_ids(ids_padded), logits="row",
                                                       logit_row=len(ids) - 1)
                 finally:
                     cache.set_state(*saved)
@@ -214,7 +214,7 @@ class ShadowReader(GridSessions):
             else:
                 saved = cache.clone_state()
                 with watch.measure():
-                    logits, _ = self.engine.forward(cache, self.engine.ids_tensor(ids), "last")
+                    logits, _ = self.engine.forward(cache, self.engine.host_ids(ids), "last")
                     token = int(torch.argmax(logits[-1, :vocab]))
                 prefill_ms = watch.gpu_ms
                 steps = 0
@@ -223,7 +223,7 @@ class ShadowReader(GridSessions):
                     if len(out_ids) == max_tokens:
                         break
                     with watch.measure():
-                        logits, _ = self.engine.forward(cache, self.engine.ids_tensor([token]), "last")
+                        logits, _ = self.engine.forward(cache, self.engine.host_ids([token]), "last")
                         token = int(torch.argmax(logits[-1, :vocab]))
                     decode_ms += watch.gpu_ms
                     steps += 1

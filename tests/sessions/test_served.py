@@ -288,6 +288,38 @@ def test_a_prompt_read_in_pieces_between_decode_rounds_equals_a_cold_prefill(tin
     assert served.rounds.num_free == 2 and served._reserved == 0
 
 
+@pytest.mark.parametrize("graphs", [False, "static"], ids=["eager", "static-graph"])
+def test_the_tail_launches_behind_the_last_chunk_it_holds(tiny_engine, graphs):
+    """read_chunks(hold_last) leaves the prompt's last chunk running (and only the last): first_token launches
+    the tail behind it and then counts it; the first token is a cold prefill's bits. A turn ended before its
+    first token waits for the chunk it held, and the session's next turn is again a cold prefill's."""
+    gen = torch.Generator().manual_seed(21)
+    prompt = _ids(gen, 3 * GRID + 5)
+    cold_first, _, cold = _cold(tiny_engine, prompt, steps=1, graphs=graphs)
+    served = _served(tiny_engine, graphs=graphs)
+    turn = served.open("s", prompt)
+    served.read_chunks(turn, 2, hold_last=True)  # not the last chunk yet: nothing is held
+    assert turn.held == [] and turn.chunks_left == 1 and turn.start.chunks_read == 2
+    ms_two = turn.start.gpu_ms
+    served.read_chunks(turn, hold_last=True)
+    assert len(turn.held) == 1 and turn.chunks_left == 0 and turn.start.chunks_read == 3
+    assert turn.start.gpu_ms == ms_two  # the held chunk counts once waited for
+    first = served.first_token(turn)
+    assert torch.equal(first[-1], cold_first)
+    assert turn.held == [] and turn.start.gpu_ms > ms_two and served.book.stats.chunks == 3
+    served.finish(turn)
+    longer = prompt + _ids(gen, 2 * GRID + 3)
+    turn = served.open("s", longer)
+    served.read_chunks(turn, hold_last=True)
+    assert len(turn.held) == 1
+    served.finish(turn)  # no first token: the held chunk is waited for and counted
+    assert turn.held == [] and served.book.stats.chunks == 5
+    final = longer + _ids(gen, 4)
+    again, _, start = _turn(served, "s", final, steps=1)
+    cold_final, _, _ = _cold(tiny_engine, final, steps=1, graphs=graphs)
+    assert start.cached_tokens == 5 * GRID and torch.equal(again, cold_final)
+
+
 def test_a_prompt_that_is_a_grid_line_prefix_of_the_kept_ids_rolls_back_a_chunk(tiny_engine):
     """The new prompt ends on a grid line the session holds: the first token still needs the last chunk's
     logits, so the turn starts from the line before and reads that chunk as its tail."""

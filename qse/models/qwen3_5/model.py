@@ -219,10 +219,13 @@ class Qwen35Model:
             raise MemoryError(f"KV store cannot hold {pos + num_tokens} rows")
         if logits == "row" and not (logit_row is not None and 0 <= logit_row < num_tokens):
             raise InputError(f"logit_row {logit_row!r} must name one of the {num_tokens} rows read")
-        step = Step(torch.tensor([pos], dtype=torch.int32, device=self.device), num_tokens, pos,
-                    None if logit_row is None else torch.tensor([logit_row], device=self.device), pos + num_tokens,
-                    logit_row)
-        out = self.forward_step(ids.to(self.device), cache, step, logits)
+        # filled on the device, not copied from the host: a pageable copy would wait for the stream
+        step = Step(torch.full((1,), pos, dtype=torch.int32, device=self.device), num_tokens, pos,
+                    None if logit_row is None else torch.full((1,), logit_row, dtype=torch.long, device=self.device),
+                    pos + num_tokens, logit_row)
+        # host ids (checked above on the host): pinned ones go without a wait (Engine.host_ids)
+        ids = ids.to(self.device, non_blocking=ids.device.type == "cpu" and ids.is_pinned())
+        out = self.forward_step(ids, cache, step, logits)
         cache.length = pos + num_tokens
         return out
 
