@@ -30,6 +30,7 @@ class Policy:
     ration: float = _from("QSE_SHADOW_RATION")  # the reader's share of the served model's time
     ration_after_s: float = _from("QSE_SHADOW_RATION_AFTER_S")  # ... counted from first token + this
     slice_ms: float = _from("QSE_SHADOW_SLICE_MS")  # longest slice between two decode rounds
+    min_slice_ms: float = _from("QSE_SHADOW_MIN_SLICE_MS")  # a slice opens once this much is earned
     narrator_share: float = _from("QSE_NARRATOR_SHARE")  # the narrator's share, from the first token
     idle_poll_s: float = _from("QSE_SHADOW_IDLE_POLL_S")
     idle_burst_s: float = _from("QSE_SHADOW_IDLE_BURST_S")

@@ -99,6 +99,7 @@ _DECLARED: list[Setting] = [
     Setting("QSE_SHADOW_RATION", float, 0.02, "reader share of the served model's time from QSE_SHADOW_RATION_AFTER_S past its first token"),
     Setting("QSE_SHADOW_RATION_AFTER_S", float, 5.0, "the reader's share counts from this many seconds after the first token (a short turn's decode loses nothing; the narrator's is not delayed)"),
     Setting("QSE_SHADOW_SLICE_MS", float, 150.0, "longest reader slice between two decode rounds, ms"),
+    Setting("QSE_SHADOW_MIN_SLICE_MS", float, 10.0, "a reader slice opens once this much is earned, ms (each slice costs the decode a fixed host overhead; at most QSE_SHADOW_SLICE_MS)"),
     Setting("QSE_SHADOW_IDLE_POLL_S", float, 0.2, "how often the idle window looks for work, seconds"),
     Setting("QSE_SHADOW_IDLE_BURST_S", float, 2.0, "longest idle-window read burst, seconds"),
     Setting("QSE_SHADOW_CHUNK_PRIOR_MS", float, 50.0, "reader chunk cost assumed before the first measurement, ms"),

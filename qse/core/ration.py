@@ -8,6 +8,10 @@ share once `after_s` has passed. The next chunk's cost is estimated from the las
 that context; a chunk whose estimate exceeds what is left is not started. The slice's budget is fixed when it opens;
 inside it, measured time counts, so a chunk that ran over its estimate shrinks what follows.
 
+A slice opens only once the role has earned `min_slice_ms` (or the next chunk's estimate, if larger): each
+slice costs the served decode a fixed host overhead around its chunks (the hop to the reader's thread, the
+decode rounds' pipeline drained and refilled), so a ration spent a chunk a slice paid it once a chunk.
+
 A chunk estimated above a whole slice waits for a whole slice and is read alone, as its first chunk (a
 probe). Its measurement replaces the estimate, so one slow measurement (a chunk read under load) never
 stops the ration at that context for good: nothing else would measure that context again. If the chunk
@@ -58,9 +62,12 @@ class TurnRation:
     """
 
     def __init__(self, share: float = 0.02, slice_ms: float = 150.0, window: Window = Window.RATION,
-                 after_s: float = 0.0):
+                 after_s: float = 0.0, min_slice_ms: float = 0.0):
         if not (math.isfinite(slice_ms) and slice_ms > 0):
             raise ValueError(f"slice must be a positive number of ms, got {slice_ms!r}")
+        if not (isinstance(min_slice_ms, (int, float)) and math.isfinite(min_slice_ms) and 0 <= min_slice_ms <= slice_ms):
+            raise ValueError(f"the shortest slice must be a number of ms from 0 to the longest ({slice_ms}), "
+                             f"got {min_slice_ms!r}")
         if not (isinstance(after_s, (int, float)) and math.isfinite(after_s) and after_s >= 0):
             raise ValueError(f"the ration's delay after the first token must be a finite number of seconds >= 0, "
                              f"got {after_s!r}")
@@ -68,28 +75,29 @@ class TurnRation:
         self.share = self.budget.share
         self.slice_ms = float(slice_ms)
         self.slice_us = ms_to_us(slice_ms) or 0
+        self.min_slice_us = ms_to_us(min_slice_ms) or 0
         self.window = window
         self.after_s = float(after_s)
 
     @classmethod
     def reader(cls, policy) -> "TurnRation":
         """The reader's ration as `policy` (qse.policy.Policy, or anything with its fields) sets it."""
-        return cls(policy.ration, policy.slice_ms, Window.RATION, policy.ration_after_s)
+        return cls(policy.ration, policy.slice_ms, Window.RATION, policy.ration_after_s, policy.min_slice_ms)
 
     @classmethod
     def narrator(cls, policy) -> "TurnRation":
         """The narrator's share: counted from the first token itself (no delay), in the reader's slices."""
-        return cls(policy.narrator_share, policy.slice_ms, Window.NARRATOR)
+        return cls(policy.narrator_share, policy.slice_ms, Window.NARRATOR, min_slice_ms=policy.min_slice_ms)
 
     def since_s(self, first_token_s: float) -> float:
         """The moment the share starts counting (`first_token_s` itself when there is no delay)."""
         return first_token_s + self.after_s
 
     def need_us(self, next_chunk_est_ms: float) -> int | None:
-        """What a slice must hold to start the next chunk: its estimate, or a whole slice where the estimate
-        is larger (the probe); None for an estimate that is not a number of ms."""
+        """What a slice must hold to open for the next chunk: its estimate or the shortest slice, whichever is
+        larger, and at most a whole slice (the probe); None for an estimate that is not a number of ms."""
         est_us = ms_to_us(next_chunk_est_ms)
-        return None if est_us is None else min(est_us, self.slice_us)
+        return None if est_us is None else min(max(est_us, self.min_slice_us), self.slice_us)
 
     def allowance_us(self, now: float, first_token_s: float, spent_us: int) -> int:
         """What the role may still spend this turn at `now`."""

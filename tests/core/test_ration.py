@@ -193,3 +193,35 @@ def test_the_delay_from_settings_is_the_reader_s_only():
     assert TurnRation.reader(settings).after_s == 2.5
     assert TurnRation.narrator(settings).after_s == 0.0  # the narrator's share is not delayed
     assert TurnRation.narrator(settings).allowance_us(20.0, 10.0, 0) == 300_000
+
+
+def test_a_slice_opens_once_the_shortest_slice_is_earned():
+    """Cheap chunks (1.2 ms) with a 10 ms shortest slice: no slice a chunk, one slice once 10 ms are earned,
+    and it reads chunks until its budget is spent; a chunk dearer than the shortest slice needs its own cost."""
+    ration = TurnRation(0.02, 150.0, min_slice_ms=10.0)
+    first_token_s = 10.0
+    assert ration.need_us(1.2) == 10_000 and ration.need_us(44.544) == 44_544 and ration.need_us(151.0) == 150_000
+    when = ration.earliest_s(first_token_s, 0, 1.2)
+    assert when == first_token_s + 0.5  # 2 % of 0.5 s is 10 ms
+    assert ration.open_slice(when - 1e-6, first_token_s, 0, 1.2) is None
+    sl = ration.open_slice(when, first_token_s, 0, 1.2)
+    assert sl is not None and sl.budget_us == 10_000
+    reads = 0
+    while sl.may_read_next(when, False, 1.2):
+        sl.note_chunk(1.2)
+        reads += 1
+    assert reads == 8  # 8 x 1.2 ms fit in 10 ms
+    unlimited = TurnRation(0.02, 150.0)
+    assert unlimited.earliest_s(first_token_s, 0, 1.2) == first_token_s + 0.06  # a slice as soon as a chunk is earned
+
+
+@pytest.mark.parametrize("min_ms", [-1.0, 150.5, float("nan")], ids=["negative", "above-the-longest", "nan"])
+def test_a_bad_shortest_slice_is_a_value_error_naming_it(min_ms):
+    with pytest.raises(ValueError, match=r"shortest slice .* got " + repr(min_ms).replace(".", r"\.")):
+        TurnRation(0.02, 150.0, min_slice_ms=min_ms)
+
+
+def test_the_shortest_slice_from_settings_is_the_reader_s_and_the_narrator_s():
+    policy = Policy.from_settings(EngineSettings({"QSE_SHADOW_MIN_SLICE_MS": "20"}))
+    assert TurnRation.reader(policy).min_slice_us == TurnRation.narrator(policy).min_slice_us == 20_000
+    assert TurnRation.reader(Policy.from_settings(EngineSettings({}))).min_slice_us == 10_000  # the default

@@ -20,7 +20,8 @@ def reference(recs, model: ReadModel, opt: SimOptions):
     grid = opt.grid
     est = ChunkCostEstimator(model.ms_per_chunk(0, grid), opt.estimator_bucket_tokens)
     idle = IdleWindow(opt.policy.idle_poll_s, opt.policy.idle_burst_s)
-    ration = TurnRation(opt.policy.ration, opt.policy.slice_ms, after_s=opt.policy.ration_after_s)
+    ration = TurnRation(opt.policy.ration, opt.policy.slice_ms, after_s=opt.policy.ration_after_s,
+                        min_slice_ms=opt.policy.min_slice_ms)
     ledger = GpuLedger()
     trace = []
     st_ = {"committed": 0, "known": 0}
