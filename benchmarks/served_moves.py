@@ -112,7 +112,7 @@ async def run(args, disk: Path) -> dict:
             "grid": args.grid, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
             "out_tokens": args.out_tokens, "arrive_after": args.arrive_after, "repeats": repeats,
             "store": {"restores": store.counts.restores, "misses": dict(store.misses),
-                      "arena_fallbacks": store.arena.fallbacks if store.arena is not None else None}}
+                      "arena_fallbacks": store.stats()["host_arena_fallbacks"]}}
 
 
 def main(argv: list[str] | None = None) -> int:

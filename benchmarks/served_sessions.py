@@ -164,7 +164,7 @@ def run_preset(spec: str, turns: list[dict], device: torch.device, dtype: torch.
     long_rows = [r for r in rows if r["prompt_tokens"] >= min_prompt and r["turn"] > 0]
     out = {"preset": spec, "model": engine.name, "kernels": engine.kernels, "mode": served.mode, "grid": grid,
            "warm_s": round(warm_s, 3), "turns": rows, "restores": restores,
-           "host_arena_fallbacks": store.arena.fallbacks if store.arena is not None else None, "long_turns": len(long_rows),
+           "host_arena_fallbacks": store.stats()["host_arena_fallbacks"], "long_turns": len(long_rows),
            "min_prompt_tokens": min_prompt}
     if long_rows:
         out.update(summary(long_rows))

@@ -119,7 +119,7 @@ def run_cache_check(engine: Engine, session_file: Path, grid: int, decode_tokens
     return {
         "bit_equal": bit_equal, "turns": len(report), "grid": grid, "mode": live.mode, "kernels": engine.kernels,
         "model": engine.name, "rollbacks": sum(1 for t in report if t["rolled_back_to"] is not None),
-        "hits": hits, "host_arena_fallbacks": store.arena.fallbacks if store.arena is not None else None,
+        "hits": hits, "host_arena_fallbacks": store.stats()["host_arena_fallbacks"],
         "cached_tokens": sum(t["cached_tokens"] for t in report),
         "prompt_tokens": sum(t["prompt_tokens"] for t in report), "per_turn": report,
     }
