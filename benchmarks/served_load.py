@@ -56,6 +56,22 @@ def decode_phase(rows: list[dict]) -> tuple[float, int]:
     return end - start, sum(1 for r in rows for t in r["stamps"] if start < t <= end)
 
 
+def _quantile(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(round(q * (len(sorted_values) - 1))))]
+
+
+def token_gaps(rows: list[dict]) -> dict:
+    """What a streaming user sees between ids: the gaps between each user's consecutive ids (inter-token
+    latency, p50 / p99 / max over every gap of every user) and the median user's time per output token after
+    its first (TPOT). A long gap is a round that also read a prompt's chunks."""
+    gaps = sorted(b - a for r in rows for a, b in zip(r["stamps"], r["stamps"][1:]))
+    tpot = [(r["stamps"][-1] - r["stamps"][0]) / (len(r["stamps"]) - 1) for r in rows if len(r["stamps"]) > 1]
+    if not gaps:
+        return {"itl_p50_ms": None, "itl_p99_ms": None, "itl_max_ms": None, "tpot_p50_ms": None}
+    return {"itl_p50_ms": round(_quantile(gaps, 0.5) * 1e3, 3), "itl_p99_ms": round(_quantile(gaps, 0.99) * 1e3, 3),
+            "itl_max_ms": round(gaps[-1] * 1e3, 3), "tpot_p50_ms": round(statistics.median(tpot) * 1e3, 3)}
+
+
 def _served_us(conductor: Conductor) -> tuple[int, int, int]:
     """The ledger's served prefill and decode device us so far, and the decode entries (one a turn a round)."""
     total = conductor.ledger.balance()
@@ -84,8 +100,8 @@ async def level(conductor: Conductor, users: int, prompt_tokens: int, out_tokens
             "decode_phase_s": round(phase_s, 4),
             "decode_phase_tokens_per_s": round(phase_tokens / phase_s, 2) if phase_s > 0 else None,
             "per_user_tokens_per_s": round(statistics.median(r["tokens"] / r["end_s"] for r in rows), 2),
-            "ttft_p50_s": round(statistics.median(ttft), 4),
-            "ttft_p99_s": round(ttft[min(len(ttft) - 1, int(round(0.99 * (len(ttft) - 1))))], 4)}
+            "ttft_p50_s": round(statistics.median(ttft), 4), "ttft_p99_s": round(_quantile(ttft, 0.99), 4),
+            **token_gaps(rows)}
 
 
 async def run(args) -> dict:

@@ -57,3 +57,17 @@ def test_the_decode_phase_is_the_window_where_every_user_decodes():
     span, tokens = decode_phase(rows)
     assert span == pytest.approx(0.25)  # from 1.15 (the last first id) to 1.4 (the first last id)
     assert tokens == 5  # 1.2, 1.3, 1.4 of the first; 1.25, 1.35 of the second
+
+
+def test_token_gaps_are_every_user_s_gaps_between_consecutive_ids():
+    from benchmarks.served_load import token_gaps
+
+    rows = [{"stamps": [1.0, 1.01, 1.02, 1.12]},  # gaps 10, 10, 100 ms
+            {"stamps": [2.0, 2.02, 2.04]},  # gaps 20, 20 ms
+            {"stamps": [3.0]}]  # one id: no gap, no TPOT
+    got = token_gaps(rows)
+    assert got["itl_p50_ms"] == pytest.approx(20.0) and got["itl_max_ms"] == pytest.approx(100.0)
+    assert got["itl_p99_ms"] == pytest.approx(100.0)  # the largest of five gaps
+    assert got["tpot_p50_ms"] == pytest.approx((40.0 + 20.0) / 2)  # the median of 40 ms (120/3) and 20 ms
+    assert token_gaps([{"stamps": [1.0]}]) == {"itl_p50_ms": None, "itl_p99_ms": None, "itl_max_ms": None,
+                                               "tpot_p50_ms": None}
