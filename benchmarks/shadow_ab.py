@@ -66,7 +66,7 @@ async def one_run(conductor: Conductor, prompt: list[int], out_tokens: int) -> d
     return {"output_tokens": n, "ttft_s": round(ttft_s, 4), "decode_tok_s": round((n - 1) / decode_s, 3),
             "decode_device_tok_s": round(rec.decode_tokens_per_s, 3), "reader_ration_ms": round(rec.reader_ration_ms, 3),
             # the slices' wall time: device time plus the host steps around it (thread hops, plan, logs)
-            "reader_ration_wall_ms": round(rec.reader_ration_wall_ms, 3),
+            "reader_ration_wall_ms": round(rec.reader_ration_wall_ms, 3), "reader_ration_slices": rec.reader_ration_slices,
             "wall_s": round(time.perf_counter() - t0, 3), **gap_stats(stamps),
             # Python's collections by generation during the turn: a full one stalls the decode loop
             "gc_collections": collections}

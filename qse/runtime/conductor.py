@@ -112,6 +112,7 @@ class TurnRecord:
     # wall time the decode waited on the reader's slices: their device time plus every host step around it
     # (what the served model loses to the ration is this, not reader_ration_ms)
     reader_ration_wall_ms: float = 0.0
+    reader_ration_slices: int = 0  # the slices it took (each costs the decode a fixed host overhead)
     # ids of the prompt's kept prefix (what it shares with the session's ids before it) the reader had not read
     # at the turn's start; None for a session's first turn or without a reader (the replay's freshness)
     reader_behind_tokens: int | None = None
@@ -133,6 +134,7 @@ class _Turn:
     out_ids: list[int] = field(default_factory=list)
     finish: str = "length"
     ration_wall_s: float = 0.0  # wall time of the reader's slices between rounds
+    ration_slices: int = 0
     reader_behind_tokens: int | None = None  # set by _turn_start (TurnRecord says what it is)
     cached_tokens: int = 0
     cache_tier: str | None = None
@@ -772,6 +774,7 @@ class Conductor:
         self.scheduler.on(ReadEnded(self.clock(), stop))
         if action.window is Window.RATION:
             turn.ration_wall_s += self.clock() - now
+            turn.ration_slices += 1
         role = ROLE_OF_WINDOW[action.window]
         log.info("ration_slice", window=action.window.value, session=action.session_id,
                  request_id=turn.req.request_id, chunks=num_chunks, gpu_ms=sl.spent_us / 1000,
@@ -799,7 +802,8 @@ class Conductor:
             decode_tokens_per_s=(n_decode / (decode_ms / 1e3)) if decode_ms > 0 else 0.0,
             reader_share=(ration_ms / decode_ms) if decode_ms > 0 else 0.0,
             narrator_ms=balance.gpu_ms(Role.NARRATOR) if balance else 0.0, start_s=turn.start_s,
-            reader_ration_wall_ms=turn.ration_wall_s * 1e3, reader_behind_tokens=turn.reader_behind_tokens,
+            reader_ration_wall_ms=turn.ration_wall_s * 1e3, reader_ration_slices=turn.ration_slices,
+            reader_behind_tokens=turn.reader_behind_tokens,
             cached_tokens=turn.cached_tokens,
             cache_tier=turn.cache_tier,
         )

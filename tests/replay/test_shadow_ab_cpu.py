@@ -39,6 +39,8 @@ def test_shadow_ab_tiny_on_cpu(cache_dir, tmp_path, capsys):
     assert on["ledger_ms"]["reader_ration"] > 0  # a half share earns slices between the rounds
     # the decode waited at least the slices' measured time; the off arm never waited on a slice
     assert on["reader_ration_wall_ms"] >= on["reader_ration_ms"] > 0 and off["reader_ration_wall_ms"] == 0
+    # each slice read at least one chunk; the off arm took none
+    assert 0 < on["reader_ration_slices"] <= on["reader_chunks"] and off["reader_ration_slices"] == 0
     gaps = on["token_gap_ms"]
     assert 0 < gaps["p50"] <= gaps["p90"] <= gaps["p99"] <= gaps["max"] and gaps["sum_over_p50"] >= 0
     assert len(on["gc_collections"]) == 3 and all(c >= 0 for c in on["gc_collections"])
