@@ -90,6 +90,10 @@ def replay_parser() -> argparse.ArgumentParser:
                         "QSE_ROUND_TOKEN_BUDGET): the report's served_rounds gives TTFT and tokens/s under rounds")
     p.add_argument("--decode-round-ms", type=float, default=None,
                    help="a decode round's ms for --served-rounds (default: the records' median decode ms per id)")
+    p.add_argument("--slice-overhead-ms", type=float, default=None,
+                   help="modelling: each reader slice's fixed cost to the decode beyond its chunks (benchmarks/NOTES.md)")
+    p.add_argument("--min-slice-ms", type=float, default=None,
+                   help="a slice opens once this much is earned (QSE_SHADOW_MIN_SLICE_MS)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
@@ -138,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         # the entry point: the policy from the QSE_* switches, the flags over it
         options = SimOptions.of(
             Policy.from_settings(SETTINGS), ration=args.ration, ration_after_s=args.ration_after_s,
-            slice_ms=args.slice_ms, idle_poll_s=args.idle_poll_s, idle_burst_s=args.idle_burst_s, grid=args.grid,
+            slice_ms=args.slice_ms, min_slice_ms=args.min_slice_ms, slice_overhead_ms=args.slice_overhead_ms,
+            idle_poll_s=args.idle_poll_s, idle_burst_s=args.idle_burst_s, grid=args.grid,
             checkpoints=args.checkpoints, prefill_share=args.prefill_share, wake_on_end=args.wake_on_end,
             ration_from=args.ration_from, checkpoint_at_line=args.checkpoint_at_line,
             recent_checkpoints=args.recent_checkpoints, pin_first_checkpoint=args.pin_first_checkpoint,

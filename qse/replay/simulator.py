@@ -121,6 +121,9 @@ class SimOptions:
     # None: the records' median decode time per output id (no record with a first token: no rounds)
     served_rounds: bool = False
     decode_round_ms: float | None = None
+    # modelling: what each of the reader's slices inside a decode costs the served model beyond the chunks' device
+    # time (the hop to the reader's thread, the rounds' pipeline drained and refilled); 0: nothing
+    slice_overhead_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.short_prompt_kept not in SHORT_PROMPT_KEPT:
@@ -133,6 +136,8 @@ class SimOptions:
         for name in ("checkpoints", "recent_checkpoints", "divergence_checkpoints"):
             if getattr(p, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(p, name)}")
+        if not (math.isfinite(self.slice_overhead_ms) and self.slice_overhead_ms >= 0):
+            raise ValueError(f"slice_overhead_ms must be a finite number of ms >= 0, got {self.slice_overhead_ms!r}")
         TurnRation.reader(p)  # the core's own checks
         check_group(p.idle_group, "idle_group")
 
@@ -220,6 +225,7 @@ class SimResult:
     num_overlapping_turns: int = 0
     num_checkpoints_taken: int = 0
     max_checkpoints_held: int = 0
+    num_ration_slices: int = 0  # the reader's slices inside decodes
     rounds: RoundsResult | None = None  # the served rounds over all records (None: not run)
     decode_round_ms: float | None = None  # what a decode round cost there
 
@@ -362,6 +368,10 @@ def build_report(result: SimResult) -> dict:
         "served_decode_ms": decode_ms,
         "served_prefill_ms": prefill_served_ms,
         "decode_loss": (ration_ms / decode_ms) if decode_ms > 0 else None,
+        # with each slice's fixed cost (SimOptions.slice_overhead_ms): what the decode loses on the wall
+        "num_ration_slices": result.num_ration_slices,
+        "decode_loss_wall": ((ration_ms + result.num_ration_slices * result.options.slice_overhead_ms) / decode_ms
+                             if decode_ms > 0 else None),
         "prefill_loss": (prefill_ms / prefill_served_ms) if prefill_served_ms > 0 else None,
         "estimate_error_ms": {r.value: total.estimate_error_us(r) / 1000
                               for r in (Role.READER_IDLE, Role.READER_RATION, Role.READER_PREFILL)},
@@ -577,7 +587,9 @@ class _SessionReplay:
             if isinstance(action, ReadPlan):
                 self.now = t_i
                 self._carry_out(action, None)
+                self.now += self.opt.slice_overhead_ms / 1000  # the decode waits on the slice's host steps too
                 self.sched.on(ReadEnded(self.now, None))
+                self.sim.result.num_ration_slices += 1
                 reader_s += self.now - t_i
                 i += 1
             elif action.until is None:  # no whole chunk: the round that completes the next one

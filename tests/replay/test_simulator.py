@@ -430,3 +430,30 @@ def test_served_ttft_with_and_without_the_session_cache():
     report = simulate(recs, SEED).report()["served_ttft_ms"]
     assert report["cached"]["n"] == report["cold"]["n"] == 2
     assert report["ratio_p50"] == pytest.approx((2 + 64 / 512) / (3 + 64 / 512))
+
+
+def test_the_shortest_slice_reads_cheap_chunks_in_fewer_slices_for_the_same_share():
+    """1.2 ms chunks over a 9.6 s decode (a 2 % share, undelayed): a slice a chunk without a shortest slice,
+    about one slice per 10 ms with it; the reader's device time is the same share, and with a fixed 2 ms a
+    slice the decode's wall loss falls with the number of slices."""
+    cheap = ReadModel.flat(2.34375)  # 1.2 ms a 512 chunk
+    recs = [rec("s", 0.0, 1.0, 10.6, 300 * 512, 0, 346)]  # more backlog than the share reads
+    every = simulate(recs, cheap, SimOptions.of(ration_after_s=0.0, min_slice_ms=0.0, slice_overhead_ms=2.0),
+                     record_decisions=True)
+    batched = simulate(recs, cheap, SimOptions.of(ration_after_s=0.0, min_slice_ms=10.0, slice_overhead_ms=2.0),
+                       record_decisions=True)
+    one, ten = every.report(), batched.report()
+    assert all(d.num_chunks == 1 for d in every.decisions if d.window is Window.RATION)
+    assert one["num_ration_slices"] == sum(1 for d in every.decisions if d.window is Window.RATION) > 100
+    slices = [d for d in batched.decisions if d.window is Window.RATION]
+    assert ten["num_ration_slices"] == len(slices) and all(d.num_chunks >= 8 for d in slices[:-1])
+    assert ten["num_ration_slices"] * 8 <= one["num_ration_slices"]
+    # the same share of device time, within a slice's worth
+    assert abs(ten["reader_ms"]["ration"] - one["reader_ms"]["ration"]) <= 10.0
+    assert one["decode_loss_wall"] == pytest.approx(one["decode_loss"] + one["num_ration_slices"] * 2.0 / 9600)
+    assert ten["decode_loss_wall"] < one["decode_loss_wall"] / 2
+
+
+def test_a_bad_slice_overhead_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match=r"slice_overhead_ms .* got -1\.0"):
+        SimOptions.of(slice_overhead_ms=-1.0)
