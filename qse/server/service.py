@@ -92,6 +92,12 @@ def is_engine_failure(exc: BaseException) -> bool:
             or text.startswith("CUDA error") or "illegal memory access" in text)
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """The device (or a pool) had no room for this request at this moment: the turn failed, the session's state
+    went back to what it held before the failed piece, and the same request may succeed once others finish."""
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+
+
 def head_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The messages up to and including the first user message: what conversations that merely share a system
     prompt (or a first question) have in common."""
@@ -406,6 +412,12 @@ class Service:
             except Exception as exc:
                 if is_engine_failure(exc):
                     self._engine_failed(exc)
+                elif is_out_of_memory(exc):
+                    log.warning("turn_out_of_memory", request_id=plan.request_id, session=plan.session_id,
+                                error=repr(exc))
+                    raise ApiError(503, "the device had no memory left for this request; the session keeps what it "
+                                   "held before it: send the request again", code="out_of_memory",
+                                   headers={"Retry-After": "1"}) from None
                 raise
         if ticket is not None and ticket.ended:
             plan.finish_reason = ticket.ended

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
+import structlog
 import torch
 
 from ..core.checkpoints import CheckpointBook, CheckpointRules
@@ -27,6 +28,8 @@ from ..engine.engine import DeviceClock, Engine, Stopwatch
 from ..engine.graphs import ForwardGraphs, capture_mode
 from ..engine.kv import KVPool, PagedKV
 from .session import GridSession
+
+log = structlog.get_logger("qse.sessions")
 
 
 class SessionError(ValueError):
@@ -442,12 +445,16 @@ class GridSessions:
             count = 1
         ids = session.ids[start : start + rows]
         begin = None
-        if self.graphs is not None:
-            begin = self._launch_graph_chunk(session, ids, start, count)
-            pending = PendingChunk(session, start, chunks=count)
-        else:  # eager: the engine measures (and waits for) the forward itself
-            _, gpu_ms = self.engine.forward(session.cache, self.engine.host_ids(ids), logits="none")
-            pending = PendingChunk(session, start, gpu_ms=gpu_ms)
+        try:
+            if self.graphs is not None:
+                begin = self._launch_graph_chunk(session, ids, start, count)
+                pending = PendingChunk(session, start, chunks=count)
+            else:  # eager: the engine measures (and waits for) the forward itself
+                _, gpu_ms = self.engine.forward(session.cache, self.engine.host_ids(ids), logits="none")
+                pending = PendingChunk(session, start, gpu_ms=gpu_ms)
+        except BaseException:
+            self._recover(session, start)
+            raise
         session.committed = start + rows
         session.stats.chunks_read += count
         session.stats.ids_read += rows
@@ -455,6 +462,19 @@ class GridSessions:
         if begin is not None:  # the chunk's device time includes its checkpoint copies
             pending.marks = (begin, self._device_clock.mark())
         return pending
+
+    def _recover(self, session: GridSession, start: int) -> None:
+        """A chunk's forward failed (an out-of-memory, say) after some of its layers had written the session's
+        state in place: the session goes back to its newest checkpoint at or below the chunk's start, whose
+        state is a copy of its own (exact), or, where even that fails, keeps its ids and loses its state (read
+        again from row 0). Never on from a half-read chunk."""
+        try:
+            if session.cache is not None:
+                self.rollback(session, start)
+                return
+        except BaseException as exc:  # (the rollback's own copies failed too)
+            log.warning("session_state_dropped", session=session.session_id, error=repr(exc))
+        self.drop_state(session)
 
     def _backlog(self, session: GridSession, limit: int | None) -> int:
         """Whole-chunk ids waiting below `limit` (a row; None: every whole chunk known)."""

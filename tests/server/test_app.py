@@ -439,3 +439,28 @@ async def test_the_live_narrator_streams_before_the_answer_ends_and_the_openai_c
         assert "qse_narrations_total 1.0" in service.metrics.exposition().decode()  # none again after the turn
     finally:
         await service.stop()
+
+
+async def test_a_turn_out_of_device_memory_is_a_503_and_the_next_one_is_served(tiny_engine, tmp_path, monkeypatch):
+    """The device runs out of memory inside a turn's prompt read: the client gets a 503 in OpenAI's shape with
+    Retry-After (not a 500), and the same request sent again is served."""
+    service = real_service(tiny_engine, tmp_path, Profile(shadow=ShadowBlock(mode="off")))
+    model, real = tiny_engine.model, tiny_engine.model._mlp
+    failing = [True]
+
+    def mlp(p, h):
+        if failing[0]:
+            raise MemoryError("injected: no device memory")
+        return real(p, h)
+
+    monkeypatch.setattr(model, "_mlp", mlp)
+    payload = body(tiny_engine.name, "word " * 700, max_tokens=3)  # longer than a served grid chunk
+    headers = {"X-Session-Id": "oom"}
+    async with serving(service) as client:
+        r = await client.post("/v1/chat/completions", json=payload, headers=headers)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "out_of_memory" and r.headers["retry-after"] == "1"
+        failing[0] = False
+        r = await client.post("/v1/chat/completions", json=payload, headers=headers)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3

@@ -336,3 +336,33 @@ def test_a_prompt_that_is_a_grid_line_prefix_of_the_kept_ids_rolls_back_a_chunk(
     assert start.cached_tokens + start.chunks_read * GRID + start.tail_tokens == len(short)
     assert served.book.state_equal(served.book.get("s"), cold.book.get("cold")) == {
         "committed": True, "kv": True, "recurrent": True, "conv": True}
+
+
+@pytest.mark.parametrize("fail_at", [3, 13], ids=["first-chunk", "second-chunk"])
+def test_a_chunk_that_fails_part_way_leaves_no_half_read_state(tiny_engine, monkeypatch, fail_at):
+    """An out-of-memory inside a chunk's forward, after some layers wrote the session's state in place: the
+    turn fails, and the session's next turn still equals a cold prefill bit for bit (it went back to a
+    checkpoint at or below the failed chunk, never on from its half-written state)."""
+    gen = torch.Generator().manual_seed(23)
+    first_prompt = _ids(gen, 3 * GRID + 5)
+    prompt = first_prompt + _ids(gen, 3 * GRID + 7)
+    served = _served(tiny_engine)
+    _turn(served, "s", first_prompt, steps=2)
+    model, real, calls = tiny_engine.model, tiny_engine.model._mlp, [0]
+
+    def failing_mlp(p, h):
+        calls[0] += 1
+        if calls[0] == fail_at:  # part-way through a chunk: earlier layers' state already written
+            raise torch.cuda.OutOfMemoryError("injected")
+        return real(p, h)
+
+    monkeypatch.setattr(model, "_mlp", failing_mlp)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        _turn(served, "s", prompt, steps=2)
+    monkeypatch.setattr(model, "_mlp", real)
+    session = served.book.get("s")
+    assert session.committed <= 3 * GRID + (GRID if fail_at > 8 else 0)  # not past the failed chunk
+    first, tokens, start = _turn(served, "s", prompt, steps=2)
+    cold_first, cold_tokens, _ = _cold(tiny_engine, prompt, steps=2)
+    assert start.cached_tokens > 0  # a checkpoint's state, not a read from row 0
+    assert torch.equal(first, cold_first) and tokens == cold_tokens
