@@ -393,7 +393,10 @@ class ServedSessions:
         if not turn.is_open:
             return
         if turn.held:
-            self._settle(turn)
+            try:
+                self._settle(turn)
+            except Exception:  # (the device failed under the chunk: the turn still ends and frees its slot below;
+                turn.held = []  # the failure shows again at the engine's next call)
         turn.is_open = False
         session = turn.session
         if turn.slot is not None:

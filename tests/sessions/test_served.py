@@ -366,3 +366,19 @@ def test_a_chunk_that_fails_part_way_leaves_no_half_read_state(tiny_engine, monk
     cold_first, cold_tokens, _ = _cold(tiny_engine, prompt, steps=2)
     assert start.cached_tokens > 0  # a checkpoint's state, not a read from row 0
     assert torch.equal(first, cold_first) and tokens == cold_tokens
+
+
+def test_a_turn_ends_and_frees_its_slot_when_the_chunk_it_held_cannot_be_waited_for(tiny_engine, monkeypatch):
+    gen = torch.Generator().manual_seed(29)
+    served = _served(tiny_engine)
+    turn = served.open("s", _ids(gen, 2 * GRID + 3))
+    served.read_chunks(turn, hold_last=True)
+    assert len(turn.held) == 1 and served._reserved == 1
+
+    def failed(pending):
+        raise RuntimeError("CUDA error: injected")
+
+    monkeypatch.setattr(served.book, "finish_step", failed)
+    served.finish(turn)
+    assert not turn.is_open and turn.held == [] and served._reserved == 0
+    assert served.rounds.num_free == served.rounds.max_running
