@@ -4,7 +4,7 @@
     python benchmarks/served_load.py --preset qwen3.5-9b --users 1,8,32 --prompt-tokens 6000 --out-tokens 256
     python benchmarks/served_load.py --tiny --out DIR          (the embedded model on CPU: a smoke run)
 
-Each level starts N turns at once, each on a session of its own with a random prompt (every prompt read cold),
+Each level starts N turns at once (or one every --arrival-gap-s), each on a session of its own with a random prompt (every prompt read cold),
 greedy, no stop id, and times them on the wall from the moment they are handed to the conductor: TTFT to the
 first id, the turn's end, and output tokens over the wall time of the whole level (prefill included), counted
 the same way for one user and for many; and the decode phase's rate (the ids all users got while every one of
@@ -39,12 +39,19 @@ from qse.runtime.conductor import (Conductor, GenerateRequest, ShadowOptions,  #
 from qse.settings import SETTINGS  # noqa: E402
 
 
-async def one_user(conductor: Conductor, prompt: list[int], out_tokens: int, sid: str, t0: float) -> dict:
+async def one_user(conductor: Conductor, prompt: list[int], out_tokens: int, sid: str, t0: float,
+                   delay_s: float = 0.0) -> dict:
+    """One user's turn, sent `delay_s` after the level's start; its stamps and end count from that start, its
+    TTFT and its own rate from when it was sent."""
+    if delay_s > 0:
+        await asyncio.sleep(delay_s)
+    sent = time.perf_counter() - t0
     req = GenerateRequest(prompt_ids=prompt, max_tokens=out_tokens, session_id=sid)
     stamps = []
     async for _ in conductor.generate(req):
         stamps.append(time.perf_counter() - t0)
-    return {"ttft_s": stamps[0] if stamps else None, "end_s": time.perf_counter() - t0, "tokens": len(stamps),
+    end = time.perf_counter() - t0
+    return {"ttft_s": stamps[0] - sent if stamps else None, "sent_s": sent, "end_s": end, "tokens": len(stamps),
             "stamps": stamps}
 
 
@@ -80,11 +87,11 @@ def _served_us(conductor: Conductor) -> tuple[int, int, int]:
 
 
 async def level(conductor: Conductor, users: int, prompt_tokens: int, out_tokens: int, gen: torch.Generator,
-                tag: str) -> dict:
+                tag: str, arrival_gap_s: float = 0.0) -> dict:
     prompts = [torch.randint(0, 248000, (prompt_tokens,), generator=gen).tolist() for _ in range(users)]
     before = _served_us(conductor)
     t0 = time.perf_counter()
-    rows = await asyncio.gather(*(one_user(conductor, p, out_tokens, f"{tag}-{users}-{i}", t0)
+    rows = await asyncio.gather(*(one_user(conductor, p, out_tokens, f"{tag}-{users}-{i}", t0, i * arrival_gap_s)
                                   for i, p in enumerate(prompts)))
     wall = time.perf_counter() - t0
     prefill_us, decode_us, _ = (a - b for a, b in zip(_served_us(conductor), before))
@@ -92,14 +99,14 @@ async def level(conductor: Conductor, users: int, prompt_tokens: int, out_tokens
     ttft = sorted(r["ttft_s"] for r in rows)
     tokens = sum(r["tokens"] for r in rows)
     phase_s, phase_tokens = decode_phase(rows)
-    return {"users": users, "round_token_budget": conductor.policy.round_token_budget,
+    return {"users": users, "arrival_gap_s": arrival_gap_s, "round_token_budget": conductor.policy.round_token_budget,
             "launch_ahead": conductor.policy.launch_ahead, "wall_s": round(wall, 4), "output_tokens": tokens,
             "prefill_device_s": round(prefill_us / 1e6, 4), "decode_device_s": round(decode_us / 1e6, 4),
             "host_ms_per_round": round((wall - (prefill_us + decode_us) / 1e6) * 1e3 / max(1, rounds), 3),
             "tokens_per_s": round(tokens / wall, 2),
             "decode_phase_s": round(phase_s, 4),
             "decode_phase_tokens_per_s": round(phase_tokens / phase_s, 2) if phase_s > 0 else None,
-            "per_user_tokens_per_s": round(statistics.median(r["tokens"] / r["end_s"] for r in rows), 2),
+            "per_user_tokens_per_s": round(statistics.median(r["tokens"] / (r["end_s"] - r["sent_s"]) for r in rows), 2),
             "ttft_p50_s": round(statistics.median(ttft), 4), "ttft_p99_s": round(_quantile(ttft, 0.99), 4),
             **token_gaps(rows)}
 
@@ -121,7 +128,8 @@ async def run(args) -> dict:
             if not levels:
                 await level(conductor, 1, min(args.prompt_tokens, 1024), 8, gen, "warm")  # first calls compile
             for n in users:
-                levels.append(await level(conductor, n, args.prompt_tokens, args.out_tokens, gen, "load"))
+                levels.append(await level(conductor, n, args.prompt_tokens, args.out_tokens, gen, "load",
+                                          args.arrival_gap_s))
                 print(json.dumps({"preset": spec, **levels[-1]}), flush=True)
                 for sid in [s for s in serving.book.sessions if s.startswith("load-")]:
                     serving.book.close(sid)
@@ -144,9 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budgets", default=str(SETTINGS.get("QSE_ROUND_TOKEN_BUDGET")),
                    help="round token budgets to run each level under, comma-separated")
     p.add_argument("--ahead", default="1", help="launch modes: 1 rounds launched ahead, 0 each waited for (1,0: both)")
+    p.add_argument("--arrival-gap-s", type=float, default=0.0,
+                   help="user i is sent i times this after the level starts (0: all at once)")
     p.add_argument("--tiny", action="store_true", help="the embedded model on CPU, small shapes")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
+    if not (args.arrival_gap_s >= 0 and args.arrival_gap_s < float("inf")):
+        p.error(f"--arrival-gap-s must be a finite number of seconds >= 0, got {args.arrival_gap_s}")
     if args.tiny:
         args.users, args.prompt_tokens, args.out_tokens, args.kv_gb = "1,2", 40, 4, 0.05
         args.ahead = "1,0"

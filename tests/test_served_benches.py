@@ -71,3 +71,16 @@ def test_token_gaps_are_every_user_s_gaps_between_consecutive_ids():
     assert got["tpot_p50_ms"] == pytest.approx((40.0 + 20.0) / 2)  # the median of 40 ms (120/3) and 20 ms
     assert token_gaps([{"stamps": [1.0]}]) == {"itl_p50_ms": None, "itl_p99_ms": None, "itl_max_ms": None,
                                                "tpot_p50_ms": None}
+
+
+def test_staggered_arrivals_count_each_user_s_ttft_from_its_own_send(tmp_path, cache_dir):
+    out = subprocess.run([sys.executable, "benchmarks/served_load.py", "--tiny", "--arrival-gap-s", "0.05",
+                          "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(next(tmp_path.glob("*.json")).read_text())
+    two = [lv for lv in result["levels"] if lv["users"] == 2]
+    assert two and all(lv["arrival_gap_s"] == 0.05 and 0 < lv["ttft_p50_s"] <= lv["ttft_p99_s"] for lv in two)
+    assert all(lv["output_tokens"] == 8 for lv in two)
+    bad = subprocess.run([sys.executable, "benchmarks/served_load.py", "--tiny", "--arrival-gap-s", "-1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--arrival-gap-s must be a finite number of seconds >= 0, got -1.0" in bad.stderr
