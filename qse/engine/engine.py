@@ -112,8 +112,8 @@ class Engine:
                 logit_row: int | None = None) -> tuple[torch.Tensor | None, float]:
         """Read ids on top of cache; returns (logits, device ms)."""
         watch = Stopwatch(self.device)
-        with watch.measure():
-            out = self.model.forward(ids.to(self.device), cache, logits, logit_row=logit_row)
+        with watch.measure():  # (host ids go to the device inside: checked there first, pinned ones without a wait)
+            out = self.model.forward(ids, cache, logits, logit_row=logit_row)
         return out, watch.gpu_ms
 
     def prefill(self, cache: SequenceCache, ids: torch.Tensor, chunk: int) -> tuple[torch.Tensor, float]:
