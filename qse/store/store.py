@@ -440,7 +440,7 @@ class ShadowStore:
                 self._journaling.append(self._journaler.submit(_journal_job, path, session.session_id,
                                                            list(session.ids), meta))
                 return
-            except RuntimeError:  # the mover has shut down (a stop): write it here
+            except RuntimeError:  # the journal's thread has shut down (a stop): write it here
                 pass
         _, error = _journal_job(path, session.session_id, session.ids, meta)
         if error is not None:
@@ -455,10 +455,14 @@ class ShadowStore:
         """A session's journal goes in order with its writes: behind any still queued on the journal's thread (a
         journal written after its session was closed would bring the session back at the next start)."""
         assert self.disk_dir is not None
-        path = self.disk_dir / _ids_name(session_id)
-        if self._journaler is not None:
+        self._remove(self.disk_dir / _ids_name(session_id), self._journaler)
+
+    def _remove(self, path: Path, thread: ThreadPoolExecutor | None) -> None:
+        """Remove the file on `thread`, in order behind what it has queued, or here without one (or once it has
+        shut down: a stop)."""
+        if thread is not None:
             try:
-                self._removing.append(self._journaler.submit(_remove_file, path))
+                self._removing.append(thread.submit(_remove_file, path))
                 return
             except RuntimeError:
                 pass
@@ -591,7 +595,8 @@ class ShadowStore:
         self._land_journals(wait=True)
 
     def _land_journals(self, wait: bool) -> None:
-        """Journal writes the mover has done: a failed one is counted as a write miss."""
+        """Journal writes the journal's thread has done (all of them, with `wait`): a failed one is counted as
+        a write miss."""
         still = []
         for fut in self._journaling:
             if not wait and not fut.done():
@@ -1026,12 +1031,8 @@ class ShadowStore:
             except OSError as exc:
                 log.warning("store_unlink_failed", path=str(path), error=exc.strerror or str(exc))
                 return
-            try:
-                self._removing.append(self._mover.submit(_remove_file, doomed))
-                return
-            except RuntimeError:  # the mover has shut down (a stop): remove it here
-                path = doomed
-        _remove_file(path)
+            path = doomed
+        self._remove(path, self._mover)
 
 
 # ---- the session <-> file mapping ----------------------------------------------------------------
