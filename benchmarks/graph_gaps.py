@@ -27,17 +27,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.results_io import result_header, write_result  # noqa: E402
-from benchmarks.timing import cuda_us  # noqa: E402
+from benchmarks.timing import cuda_us, is_cublas_kernel  # noqa: E402
 from qse.engine.engine import Engine  # noqa: E402
 from qse.models import resolve  # noqa: E402
 from qse.shadow.reader import ShadowReader  # noqa: E402
 
-CUBLAS_MARKERS = ("gemm", "nvjet", "cutlass", "xmma", "sm90", "sm80", "cublas")
-
-
 def kind(name: str) -> str:
     low = name.lower()
-    if any(m in low for m in CUBLAS_MARKERS):
+    if is_cublas_kernel(name):
         return "cublas"
     if low.startswith("_") and "kernel" in low:
         return "triton"

@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.engines import on_this_machine  # noqa: E402
 from benchmarks.results_io import result_header, write_result  # noqa: E402
+from benchmarks.timing import is_cublas_kernel  # noqa: E402
 from qse.engine.engine import DeviceClock, Engine  # noqa: E402
 from qse.engine.kv import KVPool, PagedKV  # noqa: E402
 from qse.engine.rounds import DecodeRounds  # noqa: E402
@@ -72,9 +73,7 @@ def kernel_times(rounds: DecodeRounds, slots: list[int], first: torch.Tensor, nu
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        name, low = ev.name, ev.name.lower()
-        if any(t in low for t in ("gemm", "nvjet", "cutlass", "xmma", "sm90", "cublas")):
-            name = "GEMMs (cuBLAS)"
+        name = "GEMMs (cuBLAS)" if is_cublas_kernel(ev.name) else ev.name
         entry = totals.setdefault(name[:90], [0.0, 0])
         entry[0] += ev.time_range.end - ev.time_range.start
         entry[1] += 1

@@ -35,6 +35,7 @@ from qse.engine.engine import Engine  # noqa: E402
 from qse.models import resolve  # noqa: E402
 from qse.shadow.reader import ShadowReader  # noqa: E402
 from benchmarks.results_io import result_header, write_result  # noqa: E402
+from benchmarks.timing import is_cublas_kernel  # noqa: E402
 
 
 # ops: naive (torch twins, eager), triton (qse_kernels, eager), graph (qse_kernels under CUDA graphs),
@@ -67,7 +68,7 @@ def kernel_table(engine: Engine, reader: ShadowReader, ids: list[int], grid: int
         count += ev.count
         name = ev.key
         low = name.lower()
-        if any(t in low for t in ("gemm", "nvjet", "cutlass", "xmma", "sm90", "sm80", "cublas")):
+        if is_cublas_kernel(name):
             name = "GEMMs (cuBLAS)"
         elif "elementwise" in low or "vectorized" in low or "reduce" in low or "index" in low or "cat" in low:
             name = "torch elementwise/index/reduce"

@@ -7,6 +7,15 @@ from typing import Callable
 import torch
 
 
+# what a profiler's kernel name says when cuBLAS (or the CUTLASS kernels it picks) ran it
+CUBLAS_MARKERS = ("gemm", "nvjet", "cutlass", "xmma", "sm90", "sm80", "cublas")
+
+
+def is_cublas_kernel(name: str) -> bool:
+    low = name.lower()
+    return any(m in low for m in CUBLAS_MARKERS)
+
+
 def cuda_us(fn: Callable[[], object], reps: int = 20, graphed: bool = False, tries: int = 3) -> float:
     """Microseconds a call of `fn`; graphed: the `reps` calls replay as one CUDA graph, so that launch gaps
     stay out of the figure (for calls of a few microseconds)."""
