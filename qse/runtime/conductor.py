@@ -52,7 +52,7 @@ from ..shadow.reader import READ_FIRST, AskResult, ShadowError, ShadowReader
 from .executor import EngineExecutor
 from .ledger import RuntimeLedger
 from .locks import LockBoard
-from .reading import ChunkRunner, ReadOutcome
+from .reading import ChunkRunner, ReadOutcome, TurnIds, learn
 from .narrator import NARRATOR_QUESTION, Narration, Narrator
 from .router import ROUTER_LETTERS, ROUTER_QUESTION, Answer, Journal, RouterQueue
 
@@ -136,6 +136,7 @@ class _Turn:
     ration_wall_s: float = 0.0  # wall time of the reader's slices between rounds
     ration_slices: int = 0
     reader_behind_tokens: int | None = None  # set by _turn_start (TurnRecord says what it is)
+    reader_epoch: int | None = None  # the reader session's epoch once _turn_start fed it the prompt
     cached_tokens: int = 0
     cache_tier: str | None = None
 
@@ -145,6 +146,10 @@ class _Turn:
 
     def known_ids(self) -> list[int]:
         return list(self.req.prompt_ids) + self.out_ids
+
+    def ids_view(self, end: int | None = None) -> TurnIds:
+        """The turn's ids up to `end` (None: all), as a reader slice learns them (only what is new)."""
+        return TurnIds(self.req.prompt_ids, tuple(self.out_ids), self.reader_epoch, end)
 
 
 _END = object()  # a turn's stream is over
@@ -687,13 +692,13 @@ class Conductor:
             return
         prompt = list(turn.req.prompt_ids)
 
-        def feed() -> int | None:
+        def feed() -> tuple[int | None, int]:
             before = self.reader.sessions.get(sid)
             kept = common_prefix(before.ids, prompt) if before is not None and before.ids else None
             report = self.reader.feed(sid, prompt, len(prompt))
-            return None if kept is None else max(0, kept - report.position)
+            return None if kept is None else max(0, kept - report.position), self.reader.sessions[sid].epoch
 
-        turn.reader_behind_tokens = await self.reader_exec.run(feed)
+        turn.reader_behind_tokens, turn.reader_epoch = await self.reader_exec.run(feed)
         self._session_prompts[sid] = prompt
         self._note_backlog(sid)
         if turn.req.narrate is not None and self.options.narrator == "on":
@@ -736,14 +741,14 @@ class Conductor:
         if whole_chunks(session.committed, end if end is not None else turn.num_known, self.reader.grid) > 0:
             action = self.scheduler.slice(Window.NARRATOR, self.clock(), self._slice_view(turn, end))
             if isinstance(action, ReadPlan):
-                await self._slice(action, turn, upto_ids=turn.known_ids()[:end] if end is not None else None)
+                await self._slice(action, turn, end)
             return
         if end is None:
             return  # the thought goes on: nothing to summarise yet
         if not self.scheduler.summary_earned(self.clock(), self._slice_view(turn, end), self.narrator.summary_est_ms):
             return  # not earned yet
         ids = self.render_question(NARRATOR_QUESTION)
-        result = await self.reader_exec.run(self._summarize_at, sid, turn.known_ids()[:end], ids,
+        result = await self.reader_exec.run(self._summarize_at, sid, turn.ids_view(end), ids,
                                             self.narrator.max_tokens)
         self.ledger.record(Role.NARRATOR, result.gpu_ms, turn_id=turn.turn_id)
         narration = Narration(sid, turn.req.request_id, result.text, len(result.token_ids), result.position,
@@ -752,25 +757,19 @@ class Conductor:
                  position=narration.position, gpu_ms=narration.gpu_ms, live=True)
         self.narrator.delivered(turn.turn_id, narration)
 
-    def _summarize_at(self, session_id: str, upto: list[int], question_ids: list[int], max_tokens: int):
+    def _summarize_at(self, session_id: str, upto: TurnIds, question_ids: list[int], max_tokens: int):
         """On the reader's thread: the session learns the turn's ids up to `upto` (if it holds fewer), then the
         summary decodes on a fork above all it holds."""
-        session = self.reader.get(session_id)
-        held = len(session.ids)
-        if len(upto) > held:
-            if upto[:held] == session.ids:
-                self.reader.append(session_id, upto[held:])
-            else:
-                self.reader.feed(session_id, list(upto))
+        learn(self.reader, self.reader.get(session_id), upto)
         return self.reader.summarize(session_id, question_ids, max_tokens, (self.reader.engine.chat.turn_end_id,))
 
-    async def _slice(self, action: ReadPlan, turn: _Turn, upto_ids: list[int] | None = None) -> None:
-        """Carry out a slice the scheduler opened between two rounds. upto_ids: the turn's ids the session may
-        learn and read up to (None: all it knows; the narrator: up to the thought's end)."""
+    async def _slice(self, action: ReadPlan, turn: _Turn, end: int | None = None) -> None:
+        """Carry out a slice the scheduler opened between two rounds. end: how far into the turn's ids the
+        session may learn and read (None: all it knows; the narrator: up to the thought's end)."""
         now = self.clock()
         sl = action.decision
         num_chunks, stop = await self._read(action.window, action.session_id, turn.turn_id, sl,
-                                            known_ids=turn.known_ids() if upto_ids is None else upto_ids)
+                                            known=turn.ids_view(end))
         self.scheduler.on(ReadEnded(self.clock(), stop))
         if action.window is Window.RATION:
             turn.ration_wall_s += self.clock() - now
@@ -813,7 +812,7 @@ class Conductor:
 
     # ---- reading -----------------------------------------------------------------------------
     async def _read(self, window: Window, session_id: str, turn_id: str | None, decision: IdleBurst | RationSlice,
-                    known_ids: list[int] | None = None) -> tuple[int, Stop | None]:
+                    known: TurnIds | None = None) -> tuple[int, Stop | None]:
         """Whole chunks of one session while `decision` allows, on the reader's thread; a router question
         is asked where the turn inserted it, then reading goes on. Returns (chunks read, why it stopped)."""
         num_chunks = 0
@@ -822,7 +821,7 @@ class Conductor:
             left_us = decision.left_us(now) if isinstance(decision, IdleBurst) else decision.left_us
             outcome: ReadOutcome | None = await self.reader_exec.run(
                 self.runner.run, window, session_id, turn_id, decision, budget_ms=left_us / 1000,
-                prompt_tokens=len(self._session_prompts.get(session_id, ())) or None, known_ids=known_ids,
+                prompt_tokens=len(self._session_prompts.get(session_id, ())) or None, known=known,
                 question_rows=self.router.stop_rows(session_id), request_waiting=self._request_waiting)
             if outcome is None:
                 self._note_backlog(session_id)

@@ -22,13 +22,55 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from ..core.chunk_cost import ChunkCostEstimator
 from ..core.drive import ChunkDecision, DriveResult, PlanDriver
 from ..core.ledger import GpuLedger
 from ..core.plan import ReaderPlan, Window, check_group, check_lookahead, plan_read
+from ..sessions.session import GridSession
 from ..shadow.reader import ChunkReport, PendingChunk, ShadowReader
+
+
+@dataclass(frozen=True)
+class TurnIds:
+    """What a running turn knows, as a reader slice may learn it: the prompt it fed the reader's session
+    (which then stood at `epoch`), then its output so far, up to `end`. A slice takes what is new from here
+    rather than the whole session's list built and compared again (an agent's 100k ids, every slice)."""
+
+    prompt: Sequence[int]
+    out: tuple[int, ...]  # a copy: the event loop goes on appending to the turn's own list
+    epoch: int | None = None  # the reader session's epoch right after the turn's feed (None: not known)
+    end: int | None = None  # None: all of them (the narrator: up to a thought's end)
+
+    def __len__(self) -> int:
+        known = len(self.prompt) + len(self.out)
+        return known if self.end is None else min(self.end, known)
+
+    def since(self, start: int) -> list[int]:
+        """The ids from `start` to the end."""
+        end, p = len(self), len(self.prompt)
+        if start >= p:
+            return list(self.out[start - p:end - p])
+        return list(self.prompt[start:min(end, p)]) + list(self.out[:max(0, end - p)])
+
+
+def learn(reader: ShadowReader, session: GridSession, known: TurnIds) -> None:
+    """The reader's session learns what the turn knows beyond what it holds. While the session stands at the
+    epoch the turn fed its prompt at, it holds that prompt and a prefix of the turn's output (one turn a session
+    at a time, and only appends since): only the new ids are handed over. Otherwise the lists are compared, and
+    a session that holds something else is fed the turn's ids (rolling back where they differ)."""
+    held = len(session.ids)
+    if len(known) <= held:
+        return
+    if known.epoch is not None and known.epoch == session.epoch and held >= len(known.prompt):
+        reader.append(session.session_id, known.since(held))
+        return
+    ids = known.since(0)
+    if ids[:held] == session.ids:
+        reader.append(session.session_id, ids[held:])
+    else:
+        reader.feed(session.session_id, ids)
 
 
 class QuestionGate:
@@ -117,22 +159,18 @@ class ChunkRunner:
             time.sleep(left)
 
     def run(self, window: Window, session_id: str, turn_id: str | None, decision: ChunkDecision, *,
-            budget_ms: float, prompt_tokens: int | None = None, known_ids: list[int] | None = None,
+            budget_ms: float, prompt_tokens: int | None = None, known: TurnIds | None = None,
             question_rows: frozenset[int] = frozenset(),
             request_waiting: Callable[[], bool] = lambda: False) -> ReadOutcome | None:
         """Whole chunks of `session_id` while `decision` allows; None when there is no whole chunk to read.
 
-        `known_ids`, when longer than what the session holds (the served output so far), is fed first.
-        `prompt_tokens` marks where the prompt ends (prompt chunks first, then output; logs only).
+        `known`: a running turn's ids; what the session does not hold yet (the served output so far) is learnt
+        first (`learn`). `prompt_tokens` marks where the prompt ends (prompt chunks first, then output; logs only).
         """
         reader = self.reader
         session = reader.get(session_id)
-        if known_ids is not None and len(known_ids) > len(session.ids):
-            held = len(session.ids)
-            if known_ids[:held] == session.ids:  # the usual case: the output grew; check only what is new
-                reader.append(session_id, known_ids[held:])
-            else:
-                reader.feed(session_id, list(known_ids))
+        if known is not None:
+            learn(reader, session, known)
         # a parked session comes back (perhaps at another row) before its rows are planned, not inside
         # read_step after the plan was made
         reader.ensure_resident(session)

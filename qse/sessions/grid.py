@@ -27,7 +27,7 @@ from ..core.prefix import common_prefix
 from ..engine.engine import DeviceClock, Engine, Stopwatch
 from ..engine.graphs import ForwardGraphs, capture_mode
 from ..engine.kv import KVPool, PagedKV
-from .session import GridSession
+from .session import GridSession, new_epoch
 
 log = structlog.get_logger("qse.sessions")
 
@@ -343,6 +343,7 @@ class GridSessions:
             if first_diff < session.committed:
                 rolled_back = self.rollback(session, first_diff)
         session.ids = list(ids)
+        session.epoch = new_epoch()
         if prompt_end is not None and not 0 <= prompt_end <= len(ids):
             raise SessionError(f"prompt_end {prompt_end} is outside [0, {len(ids)}]")
         # the prompt end's line joins the lines; where the state already stands on it, it is kept now

@@ -16,6 +16,7 @@ checkpoint at or below d (KV rows below it stay valid) and reads again from ther
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,14 @@ import torch
 from ..core.checkpoints import DIVERGENCE, KINDS, PROMPT, RECENT, CheckpointBook, CheckpointRules
 from ..engine.kv import PagedKV
 from ..models.cache import SequenceCache
+
+
+_EPOCHS = itertools.count(1)
+
+
+def new_epoch() -> int:
+    """A fresh `GridSession.epoch` (ids replaced)."""
+    return next(_EPOCHS)
 
 
 @dataclass
@@ -69,6 +78,11 @@ class GridSession:
     last_fed_s: float = 0.0
     pinned: bool = False  # a served turn runs on it: the residency manager must not move or drop its state
     behind_at_turn_start: int = 0
+    # renewed whenever `ids` is replaced (a feed, a store's reload), never by an append: whoever saw the ids at
+    # one epoch knows they still begin with what it saw while the epoch stands (the conductor then hands a
+    # slice only the ids that are new, not the whole session again). Unique across sessions and readers, so a
+    # turn's epoch cannot match a reader attached after it fed.
+    epoch: int = field(default_factory=lambda: next(_EPOCHS))
 
     def __post_init__(self) -> None:
         if self.book is None:

@@ -66,7 +66,7 @@ from ..models.state import ModelState, StateManifest, StateMismatch
 from ..settings import EngineSettings
 from ..core.prefix import common_prefix
 from ..sessions.grid import GridSessions
-from ..sessions.session import KINDS, PROMPT, Checkpoint, GridSession, SessionStats
+from ..sessions.session import KINDS, PROMPT, Checkpoint, GridSession, SessionStats, new_epoch
 from . import disk
 from .arena import PinnedArena
 from .disk import FileHeader, FileMiss, Fingerprint
@@ -858,6 +858,7 @@ class ShadowStore:
                 known += 1
             elif not session.is_resident:
                 session.ids = ids
+                session.epoch = new_epoch()
                 session.checkpoint_lines |= {p for p in lines if p <= len(ids)}
             session.checkpoint_lines = {p for p in session.checkpoint_lines if p <= len(session.ids)}
         return known

@@ -365,3 +365,42 @@ def test_recent_and_divergence_checkpoints(tiny_engine):
     _assert_fresh_equal(div, "s")
     with pytest.raises(ShadowError, match="recent_checkpoints"):
         ShadowReader(tiny_engine, grid=GRID, pool_bytes=1 << 20, recent_checkpoints=-1)
+
+
+def test_turn_ids_are_learnt_by_what_is_new_and_fall_back_to_a_feed(tiny_engine):
+    """A slice hands the reader only a running turn's new ids while the session stands at the epoch the turn fed
+    its prompt at; a session whose ids were replaced since is compared, and fed where it differs. Either way the
+    session ends holding the turn's ids and reads them to the same state as a feed of the whole list."""
+    from qse.runtime.reading import TurnIds, learn
+
+    reader, plain = _reader(tiny_engine), _reader(tiny_engine)
+    prompt = list(range(700, 700 + GRID + 5))
+    out = list(range(40, 40 + GRID + 3))
+    reader.feed("s", prompt, prompt_end=len(prompt))
+    epoch = reader.get("s").epoch
+    appended = []
+    real_append = reader.append
+    reader.append = lambda sid, new_ids, now=None: (appended.append(list(new_ids)), real_append(sid, new_ids))[1]
+
+    view = TurnIds(prompt, tuple(out[:10]), epoch)
+    assert len(view) == len(prompt) + 10 and view.since(len(prompt) - 2) == prompt[-2:] + out[:10]
+    learn(reader, reader.get("s"), view)
+    learn(reader, reader.get("s"), TurnIds(prompt, tuple(out), epoch, end=len(prompt) + 20))  # the narrator's end
+    learn(reader, reader.get("s"), TurnIds(prompt, tuple(out), epoch))
+    assert appended == [out[:10], out[10:20], out[20:]]
+    assert reader.get("s").epoch == epoch  # appends keep the epoch
+    assert reader.get("s").ids == prompt + out
+
+    # the session's ids replaced by a feed (a new epoch): a stale view is compared, not trusted
+    reader.read_all("s")
+    edited = prompt[:3] + [9] + prompt[4:]
+    reader.feed("s", edited + out[:5])
+    assert reader.get("s").epoch != epoch and reader.get("s").stats.rollbacks == 1
+    reader.read_all("s")
+    learn(reader, reader.get("s"), TurnIds(prompt, tuple(out), epoch))
+    assert reader.get("s").ids == prompt + out
+    assert reader.get("s").stats.rollbacks == 2  # the view's prompt differs at id 3: read again from there
+    reader.read_all("s")
+    plain.feed("s", prompt + out)
+    plain.read_all("s")
+    assert all(reader.state_equal(reader.get("s"), plain.get("s")).values())
