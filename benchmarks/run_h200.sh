@@ -87,9 +87,10 @@ for step in $steps; do
           --session /tmp/s12.jsonl --grid 512 > "$OUT/cache-check-$m.json"; head -c 300 "$OUT/cache-check-$m.json"; echo
       done ;;
     load)  # many users through the round loop: 1, 8, 32 users of 6k-token prompts, 256 tokens out, 9B; each under
-           # round token budgets 512 and 2048, rounds launched ahead and waited for (A/B of issue 17's items 1, 5)
+           # round token budgets 512 and 2048, rounds launched ahead and waited for (A/B of issue 17's items 1, 5);
+           # LOAD_BUDGETS, LOAD_AHEAD, LOAD_GAP (s between users), LOAD_YIELD (QSE_DECODE_YIELD_MS, comma-separated)
       timeout 500 python3 benchmarks/served_load.py --preset "${LOAD_PRESET:-qwen3.5-9b}" --budgets "${LOAD_BUDGETS:-512,2048}" \
-        --ahead "${LOAD_AHEAD:-1,0}" --arrival-gap-s "${LOAD_GAP:-0}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-500 ;;
+        --ahead "${LOAD_AHEAD:-1,0}" --arrival-gap-s "${LOAD_GAP:-0}" --decode-yield-ms "${LOAD_YIELD:-0}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-500 ;;
     rounds)  # batched decode rounds of the served 9B: device ms a round at 1 to 32 sequences of 6k tokens (ROUND_PROFILE=10: per kernel)
       timeout 300 python3 benchmarks/round_step.py --preset "${ROUND_PRESET:-qwen3.5-9b}" --batches 1,2,4,8,16,32 --profile "${ROUND_PROFILE:-0}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-400 ;;
     memory)  # peak device memory of 16k, 64k and 128k prompts read from row 0: the served 9B's turn start, the 0.8B's question

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.results_io import result_header, write_result  # noqa: E402
 from benchmarks.engines import served_engine  # noqa: E402
 from qse.core.ledger import Role  # noqa: E402
+from qse.core.rounds import RoundPlanner  # noqa: E402
 from qse.runtime.conductor import (Conductor, GenerateRequest, ShadowOptions,  # noqa: E402
                                    served_sessions)
 from qse.settings import SETTINGS  # noqa: E402
@@ -100,7 +101,7 @@ async def level(conductor: Conductor, users: int, prompt_tokens: int, out_tokens
     tokens = sum(r["tokens"] for r in rows)
     phase_s, phase_tokens = decode_phase(rows)
     return {"users": users, "arrival_gap_s": arrival_gap_s, "round_token_budget": conductor.policy.round_token_budget,
-            "launch_ahead": conductor.policy.launch_ahead, "wall_s": round(wall, 4), "output_tokens": tokens,
+            "launch_ahead": conductor.policy.launch_ahead, "decode_yield_ms": conductor.policy.decode_yield_ms, "wall_s": round(wall, 4), "output_tokens": tokens,
             "prefill_device_s": round(prefill_us / 1e6, 4), "decode_device_s": round(decode_us / 1e6, 4),
             "host_ms_per_round": round((wall - (prefill_us + decode_us) / 1e6) * 1e3 / max(1, rounds), 3),
             "tokens_per_s": round(tokens / wall, 2),
@@ -120,23 +121,24 @@ async def run(args) -> dict:
     serving.warm()
     gen = torch.Generator().manual_seed(0)
     levels = []
-    for budget in [int(b) for b in args.budgets.split(",")]:
-        for ahead in [bool(int(a)) for a in args.ahead.split(",")]:
-            variant = dataclasses.replace(config, round_token_budget=budget, launch_ahead=ahead)
-            conductor = Conductor(engine, None, ShadowOptions(mode="off"), variant, serving=serving)
-            await conductor.start()
-            if not levels:
-                await level(conductor, 1, min(args.prompt_tokens, 1024), 8, gen, "warm")  # first calls compile
-            for n in users:
-                levels.append(await level(conductor, n, args.prompt_tokens, args.out_tokens, gen, "load",
-                                          args.arrival_gap_s))
-                print(json.dumps({"preset": spec, **levels[-1]}), flush=True)
-                for sid in [s for s in serving.book.sessions if s.startswith("load-")]:
-                    serving.book.close(sid)
-            await conductor.stop()
-    for lv in levels:  # against one user alone under the same budget and launch mode
-        one = next((o for o in levels if o["users"] == 1 and o["round_token_budget"] == lv["round_token_budget"]
-                    and o["launch_ahead"] == lv["launch_ahead"]), None)
+    variants = [(int(b), bool(int(a)), float(y)) for b in args.budgets.split(",") for a in args.ahead.split(",")
+                for y in args.decode_yield_ms.split(",")]
+    for budget, ahead, yield_ms in variants:
+        variant = dataclasses.replace(config, round_token_budget=budget, launch_ahead=ahead, decode_yield_ms=yield_ms)
+        conductor = Conductor(engine, None, ShadowOptions(mode="off"), variant, serving=serving)
+        await conductor.start()
+        if not levels:
+            await level(conductor, 1, min(args.prompt_tokens, 1024), 8, gen, "warm")  # first calls compile
+        for n in users:
+            levels.append(await level(conductor, n, args.prompt_tokens, args.out_tokens, gen, "load",
+                                      args.arrival_gap_s))
+            print(json.dumps({"preset": spec, **levels[-1]}), flush=True)
+            for sid in [s for s in serving.book.sessions if s.startswith("load-")]:
+                serving.book.close(sid)
+        await conductor.stop()
+    for lv in levels:  # against one user alone under the same budget, launch mode and decode yield
+        one = next((o for o in levels if o["users"] == 1 and all(o[k] == lv[k] for k in
+                                                                  ("round_token_budget", "launch_ahead", "decode_yield_ms"))), None)
         lv["x_one_user"] = round(lv["tokens_per_s"] / one["tokens_per_s"], 3) if one else None
     return {"preset": spec or "embedded", "model": engine.name, "kernels": engine.kernels, "mode": serving.mode,
             "prompt_tokens": args.prompt_tokens, "out_tokens": args.out_tokens, "levels": levels}
@@ -151,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-gb", type=float, default=24.0, help="the served KV pool: every user's prompt fits")
     p.add_argument("--budgets", default=str(SETTINGS.get("QSE_ROUND_TOKEN_BUDGET")),
                    help="round token budgets to run each level under, comma-separated")
+    p.add_argument("--decode-yield-ms", default="0",
+                   help="decode yields (QSE_DECODE_YIELD_MS), comma-separated: running turns sit out prompt rounds this long")
     p.add_argument("--ahead", default="1", help="launch modes: 1 rounds launched ahead, 0 each waited for (1,0: both)")
     p.add_argument("--arrival-gap-s", type=float, default=0.0,
                    help="user i is sent i times this after the level starts (0: all at once)")
@@ -159,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not (args.arrival_gap_s >= 0 and args.arrival_gap_s < float("inf")):
         p.error(f"--arrival-gap-s must be a finite number of seconds >= 0, got {args.arrival_gap_s}")
+    for raw in args.decode_yield_ms.split(","):
+        try:
+            RoundPlanner(1, 0, 1, float(raw))
+        except ValueError as exc:
+            p.error(f"--decode-yield-ms {raw!r}: {exc}")
     if args.tiny:
         args.users, args.prompt_tokens, args.out_tokens, args.kv_gb = "1,2", 40, 4, 0.05
         args.ahead = "1,0"

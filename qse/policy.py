@@ -54,6 +54,7 @@ class Policy:
     max_running: int = _from("QSE_MAX_RUNNING")
     round_token_budget: int = _from("QSE_ROUND_TOKEN_BUDGET")  # prompt ids a round reads beside its decode rows
     launch_ahead: bool = _from("QSE_LAUNCH_AHEAD")  # rounds of device-sampled turns launched before reading back
+    decode_yield_ms: float = _from("QSE_DECODE_YIELD_MS")  # running turns may sit out prompt rounds this long
     max_waiting: int = _from("QSE_MAX_WAITING")
     max_question_tokens: int = _from("QSE_MAX_QUESTION_TOKENS")
     gc_freeze: bool = _from("QSE_GC_FREEZE")

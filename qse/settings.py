@@ -114,6 +114,7 @@ _DECLARED: list[Setting] = [
     Setting("QSE_METRICS_PUBLIC", bool, False, "serve /metrics without an API key"),
     Setting("QSE_MAX_RUNNING", int, 8, "turns the served model decodes together, one batched round a token (decode slots; the server admits this many)"),
     Setting("QSE_ROUND_TOKEN_BUDGET", int, 2048, "prompt ids a decode round may read beside its decode rows, in whole served grid chunks (at least one a round): a long prompt is read a few chunks a round while the running turns go on decoding"),
+    Setting("QSE_DECODE_YIELD_MS", float, 0.0, "running turns may sit out rounds that read waiting prompts while each decoded less than this long ago, ms (0: every round decodes them, the lowest inter-token latency; more: under a burst of prompts the first tokens come sooner, and a running turn's next id waits up to this plus one round)"),
     Setting("QSE_LAUNCH_AHEAD", bool, True, "launch a decode round before reading the last one's ids back where every running turn samples on the device (greedy, temperature, penalties, a grammar: its mask is built while the next forward runs; not logprobs): one executor hop a round, a stop id seen one round late"),
     Setting("QSE_MAX_WAITING", int, 64, "requests that may wait for the served model; past that, 429 with Retry-After"),
     Setting("QSE_STOP_GRACE_S", float, 30.0, "on SIGTERM, how long requests in flight may run on before they end with a 503"),

@@ -75,11 +75,13 @@ def test_token_gaps_are_every_user_s_gaps_between_consecutive_ids():
 
 def test_staggered_arrivals_count_each_user_s_ttft_from_its_own_send(tmp_path, cache_dir):
     out = subprocess.run([sys.executable, "benchmarks/served_load.py", "--tiny", "--arrival-gap-s", "0.05",
-                          "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          "--decode-yield-ms", "50", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(next(tmp_path.glob("*.json")).read_text())
     two = [lv for lv in result["levels"] if lv["users"] == 2]
     assert two and all(lv["arrival_gap_s"] == 0.05 and 0 < lv["ttft_p50_s"] <= lv["ttft_p99_s"] for lv in two)
+    assert all(lv["decode_yield_ms"] == 50.0 for lv in result["levels"])
     assert all(lv["output_tokens"] == 8 for lv in two)
     bad = subprocess.run([sys.executable, "benchmarks/served_load.py", "--tiny", "--arrival-gap-s", "-1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -20,7 +20,11 @@ Rules (one copy, here):
 - Budget: a round reads `token_budget // grid` pieces (at least one), the opened prompts in `prefill_order`,
   each read to its end before the next starts: reading them side by side would delay every first token to the
   last one's.
-- Decode: every running turn with ids left to launch decodes in the round.
+- Decode: every running turn with ids left to launch decodes in the round, except that with a decode yield
+  (`decode_yield_ms` > 0) the running turns sit out a round that reads prompts while every one of them decoded
+  less than that long ago: under a burst of prompts the first tokens come sooner, and a running turn's next
+  id waits at most the yield plus one round (0, the default: every round decodes them, the lowest
+  inter-token latency; SGLang's prefill-first schedule is the far end).
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class Running(NamedTuple):
 
     key: Hashable
     ids_to_launch: int  # ids it may still be given (max_tokens less those it has and those in flight)
+    # on the caller's clock (s): when its last round was planned, or its first token came (the decode yield)
+    last_round_s: float = float("-inf")
 
 
 class Read(NamedTuple):
@@ -91,15 +97,19 @@ class RoundPlanner:
     """The served rounds' decisions: `admit` between rounds, then `plan` a round, then `overtaken` for each
     first token. Pure: it keeps nothing between calls."""
 
-    def __init__(self, max_running: int, token_budget: int, grid: int):
+    def __init__(self, max_running: int, token_budget: int, grid: int, decode_yield_ms: float = 0.0):
         for name, value in (("max_running", max_running), ("grid", grid)):
             if not (isinstance(value, int) and value > 0):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not (isinstance(token_budget, int) and token_budget >= 0):
             raise ValueError(f"the round's token budget must be an integer >= 0 ids, got {token_budget!r}")
+        if not (isinstance(decode_yield_ms, (int, float)) and 0 <= decode_yield_ms < float("inf")):
+            raise ValueError(f"the decode yield (QSE_DECODE_YIELD_MS) must be a finite number of ms >= 0, "
+                             f"got {decode_yield_ms!r}")
         self.max_running = max_running
         self.token_budget = token_budget
         self.grid = grid
+        self.decode_yield_ms = float(decode_yield_ms)
 
     @property
     def pieces_per_round(self) -> int:
@@ -114,10 +124,12 @@ class RoundPlanner:
             return []
         return [p.key for p in sorted(waiting, key=prefill_order)[:free]]
 
-    def plan(self, running: Iterable[Running], reading: Iterable[Prompt]) -> RoundPlan:
-        """The next round: every running turn with ids left decodes; the opened prompts (`chunks_left` set) get
-        `pieces_per_round` pieces in `prefill_order`, whole chunks first, the tail last."""
-        decode = tuple(r.key for r in running if r.ids_to_launch > 0)
+    def plan(self, running: Iterable[Running], reading: Iterable[Prompt], now: float = 0.0) -> RoundPlan:
+        """The next round at `now` (the caller's clock, s): every running turn with ids left decodes (unless
+        they all yield the round to the prompts: the module's docstring); the opened prompts (`chunks_left` set)
+        get `pieces_per_round` pieces in `prefill_order`, whole chunks first, the tail last."""
+        decoding = [r for r in running if r.ids_to_launch > 0]
+        decode = tuple(r.key for r in decoding)
         pieces, reads = self.pieces_per_round, []
         for prompt in sorted(reading, key=prefill_order):
             if pieces == 0:
@@ -128,6 +140,8 @@ class RoundPlanner:
             tail = pieces > chunks
             reads.append(Read(prompt.key, chunks, tail))
             pieces -= chunks + int(tail)
+        if reads and decoding and all((now - r.last_round_s) * 1e3 < self.decode_yield_ms for r in decoding):
+            decode = ()  # every running turn decoded within the yield: this round is the prompts'
         return RoundPlan(decode, tuple(reads))
 
     @staticmethod

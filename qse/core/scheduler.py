@@ -173,7 +173,8 @@ class Scheduler:
         self.idle = IdleWindow.of(policy)
         self.rations = {Window.RATION: TurnRation.reader(policy), Window.NARRATOR: TurnRation.narrator(policy)}
         self.rounds = RoundPlanner(policy.max_running if max_running is None else max_running,
-                                   policy.round_token_budget, policy.served_grid if served_grid is None else served_grid)
+                                   policy.round_token_budget, policy.served_grid if served_grid is None else served_grid,
+                                   policy.decode_yield_ms)
         self.estimator = estimator
         self.ledger = ledger
         self.reader_grid = policy.grid if reader_grid is None else reader_grid
@@ -196,7 +197,7 @@ class Scheduler:
         admit = self.rounds.admit(ev.waiting, len(ev.reading) + len(ev.running))
         if admit:
             return OpenTurn(admit[0])
-        plan = self.rounds.plan(ev.running, ev.reading)
+        plan = self.rounds.plan(ev.running, ev.reading, ev.now)
         if ev.running or plan.reads or ev.in_flight:
             return RunRound(plan)
         return Nothing()

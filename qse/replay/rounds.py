@@ -55,6 +55,7 @@ class ServedTurn:
     end_s: float | None = None
     ids: int = 0  # ids it has
     in_flight: int = 0  # ids of a round launched ahead, not back yet
+    last_round_s: float = float("-inf")  # its last round's start, or its first token (the decode yield)
 
     @property
     def ttft_s(self) -> float | None:
@@ -162,7 +163,7 @@ def simulate_rounds(records: Iterable[UsageRecord], policy, read_model: ReadMode
             now = max(now, ready[0][0])
             continue
         action = sched.on(RoundDue(now, _Views(waiting, prompt), [prompt(i) for i in reading],
-                                   [Running(i, ids_to_launch(i)) for i in running],
+                                   [Running(i, ids_to_launch(i), turns[i].last_round_s) for i in running],
                                    any(turns[i].in_flight for i in running)))
         if isinstance(action, OpenTurn):
             i = action.key
@@ -184,11 +185,14 @@ def simulate_rounds(records: Iterable[UsageRecord], policy, read_model: ReadMode
                 done += 1
             for i in running:
                 t = turns[i]
+                t.last_round_s = now - cost_ms / 1000  # the last of the stretch's rounds started then
                 if launch_ahead:
                     t.ids, t.in_flight = t.ids + t.in_flight + done - 1, 1
                 else:
                     t.ids += done
             continue
+        for i in plan.decode:
+            turns[i].last_round_s = now
         for read in plan.reads:
             t = turns[read.key]
             for _ in range(read.chunks):
@@ -205,6 +209,7 @@ def simulate_rounds(records: Iterable[UsageRecord], policy, read_model: ReadMode
             t.chunks_left -= read.chunks
             if read.tail:
                 t.first_token_s, t.ids, t.unread_tokens = now, 1, 0
+                t.last_round_s = now
                 reading.remove(read.key)
                 running.append(read.key)
                 for j in planner.overtaken(prompt(read.key), _Views(waiting + reading, prompt)):

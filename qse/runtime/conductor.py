@@ -169,12 +169,13 @@ class _Running:
     sampler: Sampler | None = None
     token: int | None = None  # the next round's input: the last id sampled (on the host)
     in_flight: int = 0  # ids launched and not read back yet (0 or 1: a round launched ahead)
+    last_round_s: float = float("-inf")  # when its last round was planned or its first token came (the yield)
     closed: bool = False  # the consumer left: end at the next round
 
     def running(self) -> RunningView:
         """As the round planner sees a running turn: the ids it has and those in flight stay under max_tokens
         (a stop id in flight may still end it: that round's id is then dropped)."""
-        return RunningView(self, self.turn.req.max_tokens - len(self.turn.out_ids) - self.in_flight)
+        return RunningView(self, self.turn.req.max_tokens - len(self.turn.out_ids) - self.in_flight, self.last_round_s)
 
     def prompt(self) -> Prompt:
         """As the round planner sees a turn before its first token."""
@@ -531,6 +532,9 @@ class Conductor:
         the next hop: one hop a round, and the device never waits for the host between two rounds. A turn
         whose tail was read gets its first token."""
         batch = list(plan.decode)
+        now = self.clock()
+        for entry in batch:
+            entry.last_round_s = now
         in_flight, self._in_flight = self._in_flight, None
         rows = {id(e): i for i, e in enumerate(in_flight[0])} if in_flight is not None else {}
         carry = [rows.get(id(e), -1) if e.in_flight else -1 for e in batch]
@@ -576,7 +580,7 @@ class Conductor:
 
     async def _first_token(self, entry: "_Running", token: int) -> None:
         turn = entry.turn
-        turn.first_token_s = self.clock()
+        turn.first_token_s = entry.last_round_s = self.clock()
         self._reading.remove(entry)
         self._running.append(entry)
         behind = [e.prompt() for e in list(self._waiting) + self._reading]

@@ -97,13 +97,30 @@ def test_running_turns_with_ids_left_decode_and_a_departed_one_is_gone():
     assert not planner.plan([Running("b", 0)], [])  # nothing to run: no round
 
 
+def test_running_turns_sit_out_prompt_rounds_within_the_decode_yield():
+    """With a 100 ms yield the running turns leave a round to the prompts while each decoded less than 100 ms
+    ago; once one of them has waited that long they all decode; with no prompt to read, or no yield, every
+    round decodes them."""
+    planner = RoundPlanner(max_running=4, token_budget=GRID, grid=GRID, decode_yield_ms=100)
+    prompt = opened("p", 2, 3 * GRID)
+    running = [Running("a", 5, last_round_s=10.0), Running("b", 5, last_round_s=10.05), Running("c", 0, 9.0)]
+    assert planner.plan(running, [prompt], now=10.09) == RoundPlan((), (Read("p", 1, False),))
+    assert planner.plan(running, [prompt], now=10.11).decode == ("a", "b")  # a waited 110 ms (c: no ids left)
+    assert planner.plan(running, [], now=10.01).decode == ("a", "b")  # no prompt: they decode
+    assert RoundPlanner(4, GRID, GRID).plan(running, [prompt], now=10.01).decode == ("a", "b")  # no yield
+    assert planner.plan([Running("a", 5)], [prompt], now=10.0).decode == ("a",)  # never decoded: it decodes
+
+
 def test_chunks_before_tail_leaves_one_to_grid_ids():
     assert [chunks_before_tail(n, GRID) for n in (1, GRID, GRID + 1, 2 * GRID, 2 * GRID + 1)] == [0, 0, 1, 1, 2]
 
 
 @pytest.mark.parametrize("kwargs, word", [(dict(max_running=0, token_budget=1, grid=GRID), "max_running"),
                                           (dict(max_running=1, token_budget=-1, grid=GRID), "budget"),
-                                          (dict(max_running=1, token_budget=1, grid=0), "grid")])
+                                          (dict(max_running=1, token_budget=1, grid=0), "grid"),
+                                          (dict(max_running=1, token_budget=1, grid=GRID, decode_yield_ms=-1), "yield"),
+                                          (dict(max_running=1, token_budget=1, grid=GRID, decode_yield_ms=float("inf")),
+                                           "QSE_DECODE_YIELD_MS")])
 def test_bad_settings_are_named(kwargs, word):
     with pytest.raises(ValueError, match=word):
         RoundPlanner(**kwargs)

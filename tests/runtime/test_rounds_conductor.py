@@ -94,6 +94,33 @@ async def test_a_long_prompt_is_read_a_chunk_a_round_while_a_turn_decodes(make_r
     assert rig.conductor.serving.rounds.num_free == 4 and not rig.conductor.serving.book.get("b").pinned
 
 
+async def test_with_a_decode_yield_a_prompt_is_read_before_the_running_turn_decodes_again(make_rig):
+    """With a yield longer than the test (QSE_DECODE_YIELD_MS), a decodes until b arrives, then sits out every
+    round that reads b's prompt: b's six chunks and its tail run back to back, a's next round comes after b's
+    first token, and both get the tokens they get alone (a's id launched ahead before b came is carried over
+    the rounds it sat out)."""
+    short, long_ = prompt_ids(17, start=4000), prompt_ids(6 * GRID + 5, start=12000)
+    config = dict(max_running=4, served_grid=GRID, round_token_budget=GRID)
+    alone = {}
+    for sid, prompt in (("a", short), ("b", long_)):
+        rig = make_rig(**config)
+        alone[sid] = await rig.turn(prompt, 12, session=sid)
+    rig = make_rig(**config, decode_yield_ms=1e9)
+    assert rig.conductor.policy.launch_ahead
+    hold = rig.probe.hold("decode", 1)
+    a = asyncio.create_task(rig.turn(short, 12, session="a"))
+    await hold.entered
+    b = asyncio.create_task(rig.turn(long_, 12, session="b"))
+    await rig.conductor.wait_for_waiting(1)
+    mark = len(rig.probe.calls)
+    hold.release.set()
+    assert {"a": await a, "b": await b} == alone
+    kinds = rig.probe.kinds()[mark:]
+    first = kinds.index("prefill")
+    assert kinds[first:first + 7] == ["prefill"] * 7 and kinds[first + 7] == "decode"
+    assert rig.conductor.serving.rounds.num_free == 4
+
+
 async def test_short_prompts_go_first_but_an_overtaken_one_is_not_starved(make_rig):
     """Prompts waiting together are read shortest first, ties in arrival order; a long prompt overtaken by
     MAX_OVERTAKEN later arrivals goes before any prompt not yet overdue."""

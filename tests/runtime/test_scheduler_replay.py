@@ -59,11 +59,13 @@ async def test_the_replay_opens_the_slices_the_conductor_opens(make_rig, monkeyp
 PROMPTS = {"a": 17, "b": 4 * GRID + 5, "c": GRID + 3}
 
 
-async def test_the_replay_takes_the_round_decisions_the_conductor_takes(make_rig, monkeypatch):
+@pytest.mark.parametrize("decode_yield_ms", [0.0, 1e9])
+async def test_the_replay_takes_the_round_decisions_the_conductor_takes(make_rig, monkeypatch, decode_yield_ms):
     """a alone first; b (long) and c (short) arrive while a's first decode round runs: the same turns open in
-    the same order and the same rounds run, on the conductor and on the virtual clock."""
+    the same order and the same rounds run, on the conductor and on the virtual clock (with a decode yield
+    longer than the test too: a then sits out the rounds that read b and c)."""
     seen = spy(monkeypatch)
-    rig = make_rig(max_running=2, served_grid=GRID, round_token_budget=GRID)
+    rig = make_rig(max_running=2, served_grid=GRID, round_token_budget=GRID, decode_yield_ms=decode_yield_ms)
     c = rig.conductor
     hold = rig.probe.hold("decode", 1)
     a = asyncio.create_task(rig.turn(prompt_ids(PROMPTS["a"], start=100), 4, session="a"))
@@ -88,6 +90,7 @@ async def test_the_replay_takes_the_round_decisions_the_conductor_takes(make_rig
     records = [UsageRecord(session=s, arrival_s=t, first_token_s=None, end_s=t, prompt_tokens=PROMPTS[s],
                            shared_prefix_tokens=0, output_tokens=4) for s, t in (("a", 0.0), ("b", 0.5), ("c", 0.6))]
     policy = replace(c.policy, max_running=2, round_token_budget=GRID, served_grid=GRID)
+    assert policy.decode_yield_ms == decode_yield_ms
     sim = simulate_rounds(records, policy, ReadModel.flat(1.0, grid=GRID), DecodeCost(1000.0))
     replayed = next(sc for sc, _, _ in seen[seen_before:])
     names = [r.session for r in records]
@@ -97,3 +100,5 @@ async def test_the_replay_takes_the_round_decisions_the_conductor_takes(make_rig
     assert [t.record.session for t in sorted(sim.turns, key=lambda t: t.first_token_s)] == ["a", "c", "b"]
     assert [r.session_id for r in rig.records if r.session_id != "a"] == ["c", "b"]  # c is shorter: first
     assert replay_rounds.Scheduler is Scheduler  # (the replay's rounds are the scheduler's own)
+    # a decodes beside the prompts' pieces, or (the yield) sits out every round that reads one
+    assert any(p.reads and p.decode for p in real_plans) == (not decode_yield_ms)
