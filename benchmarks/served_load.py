@@ -141,7 +141,7 @@ async def run(args) -> dict:
                                                                   ("round_token_budget", "launch_ahead", "decode_yield_ms"))), None)
         lv["x_one_user"] = round(lv["tokens_per_s"] / one["tokens_per_s"], 3) if one else None
     return {"preset": spec or "embedded", "model": engine.name, "kernels": engine.kernels, "mode": serving.mode,
-            "prompt_tokens": args.prompt_tokens, "out_tokens": args.out_tokens, "levels": levels}
+            "grid": serving.grid, "served_chunk_group": serving.book.chunk_group, "prompt_tokens": args.prompt_tokens, "out_tokens": args.out_tokens, "levels": levels}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,8 +102,11 @@ def cmd_cache_check(args: argparse.Namespace) -> int:
     grid = args.grid or _policy().served_grid
     if args.edit_every < 0:
         raise SystemExit(f"qse cache-check: --edit-every must be >= 0, got {args.edit_every}")
+    group = args.chunk_group or _policy().served_chunk_group
+    if group < 1:
+        raise SystemExit(f"qse cache-check: --chunk-group must be >= 1 chunks, got {group}")
     _emit(run_cache_check(engine, Path(args.session), grid, decode_tokens=args.decode_tokens,
-                          edit_every=args.edit_every))
+                          edit_every=args.edit_every, chunk_group=group))
     return 0
 
 
@@ -235,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(c)
     c.add_argument("--session", required=True, help="JSONL, one turn a line (the format of shadow-check)")
     c.add_argument("--grid", type=int, default=0, help="default QSE_SERVED_GRID")
+    c.add_argument("--chunk-group", type=int, default=0,
+                   help="chunks a served launch may read (default QSE_SERVED_CHUNK_GROUP); the cold prefill reads one at a time")
     c.add_argument("--decode-tokens", type=int, default=4, help="greedy tokens compared after the first")
     c.add_argument("--edit-every", type=int, default=3,
                    help="an edited copy of every N-th turn goes first (ids dropped below the kept line: a rollback); 0: none")

@@ -51,6 +51,7 @@ class Policy:
     served_graphs: bool = _from("QSE_SERVED_GRAPHS")
     served_kv_gb: float = _from("QSE_SERVED_KV_GB")
     served_grid: int = _from("QSE_SERVED_GRID")
+    served_chunk_group: int = _from("QSE_SERVED_CHUNK_GROUP")  # a prompt's grid chunks one launch may read
     max_running: int = _from("QSE_MAX_RUNNING")
     round_token_budget: int = _from("QSE_ROUND_TOKEN_BUDGET")  # prompt ids a round reads beside its decode rows
     launch_ahead: bool = _from("QSE_LAUNCH_AHEAD")  # rounds of device-sampled turns launched before reading back

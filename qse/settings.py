@@ -92,6 +92,7 @@ _DECLARED: list[Setting] = [
     Setting("QSE_SERVED_GRAPHS", bool, True, "decode the served model under a CUDA graph on cuda devices with triton kernels"),
     Setting("QSE_SERVED_KV_GB", float, 8.0, "the served model's paged KV pool (its sessions' KV pages and a turn's rows), GiB"),
     Setting("QSE_SERVED_CACHE_GB", float, 6.0, "cap on resident served-session state, GiB (KV, GDN state, checkpoints); past it the least recently fed go to the host tier"),
+    Setting("QSE_SERVED_CHUNK_GROUP", int, 1, "grid chunks of one prompt a launch may read together on the graph path (a power of two; the same bits as one at a time): one chunk's later layers run beside the next one's earlier layers, so a prompt is read faster where one chunk leaves the device part idle (1: one chunk a launch)"),
     Setting("QSE_SERVED_GRID", int, 512, "rows per grid chunk of the served sessions: a turn reuses state up to the last line below the common prefix"),
     Setting("QSE_HOST_CACHE_GB", float, 8.0, "pinned host memory for sessions moved off the device (served and reader, each its own), GiB; past it the oldest go to disk; 0: no host tier"),
     Setting("QSE_GC_FREEZE", bool, True, "move what exists at start out of Python's collector (no 80 ms full collections mid-turn)"),

@@ -43,3 +43,21 @@ def test_the_replay_runs_the_conductor_s_policy_object():
     assert SimOptions().policy == Policy()
     with pytest.raises(TypeError, match="'rations'"):
         SimOptions.of(rations=0.1)
+
+
+def test_the_served_round_switches_reach_the_books_and_bad_values_are_named(tiny_engine):
+    """QSE_SERVED_CHUNK_GROUP sizes the served book's launches and QSE_DECODE_YIELD_MS the scheduler's rounds;
+    a value neither can take is an error that names the switch."""
+    from qse.core.ledger import GpuLedger
+    from qse.core.chunk_cost import ChunkCostEstimator
+    from qse.core.scheduler import Scheduler
+    from qse.runtime.conductor import served_sessions
+
+    policy = Policy.from_settings(EngineSettings({"QSE_SERVED_CHUNK_GROUP": "4", "QSE_DECODE_YIELD_MS": "150",
+                                                  "QSE_SERVED_KV_GB": "0.01", "QSE_SERVED_GRAPHS": "0"}))
+    assert served_sessions(tiny_engine, policy).book.chunk_group == 4
+    assert Scheduler(policy, ChunkCostEstimator(1.0), GpuLedger()).rounds.decode_yield_ms == 150.0
+    with pytest.raises(ValueError, match=r"QSE_SERVED_CHUNK_GROUP\).*got 0"):
+        served_sessions(tiny_engine, dataclasses.replace(policy, served_chunk_group=0))
+    with pytest.raises(ValueError, match=r"QSE_DECODE_YIELD_MS\).*got -1"):
+        Scheduler(dataclasses.replace(policy, decode_yield_ms=-1.0), ChunkCostEstimator(1.0), GpuLedger())

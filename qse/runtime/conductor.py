@@ -36,7 +36,7 @@ from ..core.drive import Stop
 from ..core.idle import IdleBurst, IdleWindow, SessionBacklog
 from ..core.ledger import Role, ms_to_us
 from ..core.locks import HeldLocks, LockRank, Priority
-from ..core.plan import ROLE_OF_WINDOW, Window, whole_chunks
+from ..core.plan import ROLE_OF_WINDOW, Window, check_group, whole_chunks
 from ..core.prefix import common_prefix
 from ..core.ration import RationSlice
 from ..core.rounds import Prompt, Read, RoundPlan
@@ -1148,7 +1148,8 @@ async def _landed(load: Future) -> None:
 def served_sessions(engine: Engine, policy: Policy, residency=None) -> ServedSessions:
     """The served model's sessions as the policy sizes them (residency: the store with its host and disk
     tiers; None drops least recently fed sessions past the pool)."""
+    check_group(policy.served_chunk_group, "the served chunk group (QSE_SERVED_CHUNK_GROUP)")
     book = GridSessions(engine, grid=policy.served_grid, pool_bytes=int(policy.served_kv_gb * (1 << 30)),
-                        **policy.served_checkpoints(), residency=residency,
+                        **policy.served_checkpoints(), residency=residency, chunk_group=policy.served_chunk_group,
                         graphs=None if policy.served_graphs else False, who="the served model")
     return ServedSessions(book, max_running=policy.max_running)

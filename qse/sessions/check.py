@@ -67,11 +67,12 @@ def with_edits(turns: list[dict[str, list[int]]], grid: int, every: int) -> list
 
 
 def run_cache_check(engine: Engine, session_file: Path, grid: int, decode_tokens: int = 4,
-                    disk_dir: Path | None = None, edit_every: int = 3) -> dict[str, Any]:
+                    disk_dir: Path | None = None, edit_every: int = 3, chunk_group: int = 1) -> dict[str, Any]:
     """Feed the session's prompts as served turns; between turns the state stays on the device, moves to the
     host, or is parked on disk (SCHEDULE, round robin). Each turn's first-token logits, its greedy tokens and
     the state it kept are compared with a cold prefill of the same prompt on the same grid. edit_every: an
-    edited copy of every such turn goes first (`with_edits`), so rollbacks are checked on every session."""
+    edited copy of every such turn goes first (`with_edits`), so rollbacks are checked on every session.
+    chunk_group: chunks a launch of the served turns may read (the cold prefill reads one at a time)."""
     from ..store import ShadowStore
 
     turns = with_edits(load_turns(session_file, engine), grid, edit_every)
@@ -84,7 +85,7 @@ def run_cache_check(engine: Engine, session_file: Path, grid: int, decode_tokens
         store = ShadowStore(1 << 62, root, host_cap_nbytes=1 << 62, journal=True,
                             host_arena_nbytes=2 * pool_bytes + 16 * engine.cost(0))
         live = ServedSessions(GridSessions(engine, grid=grid, pool_bytes=pool_bytes, residency=store,
-                                           recent_checkpoints=4, who="the served model"))
+                                           recent_checkpoints=4, chunk_group=chunk_group, who="the served model"))
         cold = ServedSessions(GridSessions(engine, grid=grid, pool_bytes=pool_bytes, recent_checkpoints=4,
                                            who="the cold prefill"))
         store.attach(live.book)
@@ -117,7 +118,8 @@ def run_cache_check(engine: Engine, session_file: Path, grid: int, decode_tokens
     bit_equal = all(t["logits_equal"] and t["state_equal"] and t["tokens_equal"] for t in report)
     hits = {tier: sum(1 for t in report if t["tier"] == tier) for tier in TIERS}
     return {
-        "bit_equal": bit_equal, "turns": len(report), "grid": grid, "mode": live.mode, "kernels": engine.kernels,
+        "bit_equal": bit_equal, "turns": len(report), "grid": grid, "chunk_group": chunk_group, "mode": live.mode,
+        "kernels": engine.kernels,
         "model": engine.name, "rollbacks": sum(1 for t in report if t["rolled_back_to"] is not None),
         "hits": hits, "host_arena_fallbacks": store.stats()["host_arena_fallbacks"],
         "cached_tokens": sum(t["cached_tokens"] for t in report),

@@ -221,8 +221,9 @@ class ServedSessions:
         return turn
 
     def read_chunks(self, turn: ServedTurn, max_chunks: int | None = None, hold_last: bool = False) -> float:
-        """Up to max_chunks (None: every) whole grid chunks of the turn's prompt below its line L, one chunk a
-        launch, the next launched before the last is read back; returns the device ms of those waited for.
+        """Up to max_chunks (None: every) whole grid chunks of the turn's prompt below its line L, up to the
+        book's chunk group a launch (the same bits as one at a time), the next launched before the last is read
+        back; returns the device ms of those waited for.
         hold_last: where this reads the prompt's last chunk, it is left running (not waited for) and
         first_token launches the tail behind it, so the tail's launches overlap its device time; its ms
         count when first_token has waited for it."""
@@ -233,11 +234,14 @@ class ServedSessions:
         reports: list = []
         spent0, t_read = book.residency.spent_ms(), time.perf_counter()
         failed = True
+        launched = 0  # chunks launched (a group counts its chunks)
         try:
-            while max_chunks is None or len(reports) + len(in_flight) < max_chunks:
-                pending = book.launch_step(turn.start.session_id, 1, turn.limit)
+            while max_chunks is None or launched < max_chunks:
+                group = book.chunk_group if max_chunks is None else min(book.chunk_group, max_chunks - launched)
+                pending = book.launch_step(turn.start.session_id, group, turn.limit)
                 if pending is None:
                     break
+                launched += pending.chunks
                 in_flight.append(pending)
                 while len(in_flight) > 1:
                     reports.append(book.finish_step(in_flight.popleft()))

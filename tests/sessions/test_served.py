@@ -17,9 +17,9 @@ GRID = 32
 VOCAB = 248000
 
 
-def _served(engine, store=None, graphs=False, pool_bytes=16 << 20, recent=2) -> ServedSessions:
+def _served(engine, store=None, graphs=False, pool_bytes=16 << 20, recent=2, group=1) -> ServedSessions:
     book = GridSessions(engine, grid=GRID, pool_bytes=pool_bytes, residency=store, graphs=graphs,
-                        recent_checkpoints=recent, who="the served model")
+                        recent_checkpoints=recent, chunk_group=group, who="the served model")
     return ServedSessions(book)
 
 
@@ -52,10 +52,12 @@ def _agent_turns(gen: torch.Generator, num_turns: int) -> list[list[int]]:
     return turns
 
 
-@pytest.mark.parametrize("graphs", [False, "static"], ids=["eager", "static-graph"])
-def test_every_turn_equals_a_cold_prefill_bit_for_bit(tiny_engine, graphs):
+@pytest.mark.parametrize("graphs, group", [(False, 1), ("static", 1), ("static", 4)],
+                         ids=["eager", "static-graph", "static-graph-groups"])
+def test_every_turn_equals_a_cold_prefill_bit_for_bit(tiny_engine, graphs, group):
+    """(groups: the turns' prompts read up to 4 chunks a launch; the cold prefill one at a time.)"""
     gen = torch.Generator().manual_seed(7)
-    served = _served(tiny_engine, graphs=graphs)
+    served = _served(tiny_engine, graphs=graphs, group=group)
     rolled = 0
     for i, prompt in enumerate(_agent_turns(gen, 5)):
         first, tokens, start = _turn(served, "agent", prompt)
@@ -382,3 +384,31 @@ def test_a_turn_ends_and_frees_its_slot_when_the_chunk_it_held_cannot_be_waited_
     served.finish(turn)
     assert not turn.is_open and turn.held == [] and served._reserved == 0
     assert served.rounds.num_free == served.rounds.max_running
+
+
+def test_a_prompt_read_in_chunk_groups_keeps_to_the_rounds_allowance(tiny_engine):
+    """With a chunk group of 4, read_chunks(turn, 3) reads 3 chunks (a group of 2, then one), never 4; the
+    rest and the first token then equal a cold prefill read one chunk at a time."""
+    gen = torch.Generator().manual_seed(31)
+    prompt = _ids(gen, 7 * GRID + 3)
+    cold_first, _, cold = _cold(tiny_engine, prompt, steps=1, graphs="static")
+    served = _served(tiny_engine, graphs="static", group=4)
+    launches, launch_step = [], served.book.launch_step
+
+    def spy(*args, **kwargs):
+        pending = launch_step(*args, **kwargs)
+        if pending is not None:
+            launches.append(pending.chunks)
+        return pending
+
+    served.book.launch_step = spy
+    turn = served.open("s", prompt)
+    served.read_chunks(turn, 3)
+    assert turn.start.chunks_read == 3 and turn.chunks_left == 4 and launches == [2, 1]
+    served.read_chunks(turn)
+    assert turn.chunks_left == 0 and launches == [2, 1, 4]  # the last four in one launch
+    first = served.first_token(turn)
+    assert torch.equal(first[-1], cold_first)
+    served.finish(turn)
+    assert served.book.state_equal(served.book.get("s"), cold.book.get("cold")) == {
+        "committed": True, "kv": True, "recurrent": True, "conv": True}
