@@ -160,11 +160,12 @@ class ForwardGraphs:
     # ---- the callers' verbs -------------------------------------------------------------------
     def warm(self, rows: int, group: int = 1) -> None:
         """Capture now, rather than on the first read, the graphs reading chunks of `rows` rows: one chunk,
-        and groups of 2, 4, ... up to `group` chunks (every group size a launch may take)."""
+        and groups of 2, 4, ... up to `group` chunks (every group size a launch may take). A group the KV pool
+        or the device has no room to capture is left out: launches then read the groups that fit (`can_group`
+        says so), never fail for it."""
         self._prepare(rows, "none")
         count = 2
-        while count <= group:
-            self._prepare_group(count, rows)
+        while count <= group and self.can_group(count, rows):
             count *= 2
 
     def can_group(self, num_chunks: int, rows: int) -> bool:

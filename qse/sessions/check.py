@@ -78,7 +78,9 @@ def run_cache_check(engine: Engine, session_file: Path, grid: int, decode_tokens
     turns = with_edits(load_turns(session_file, engine), grid, edit_every)
     longest = max(len(t["prompt_ids"]) for t in turns)
     per_token = engine.state_bytes_per_token()
-    pool_bytes = per_token * (longest + decode_tokens + 4 * grid)
+    # the longest turn, its decode, a few grid chunks of slack, and the scratch pages a chunk group's graph
+    # capture keeps (on the GPU; one page a chunk of the largest group)
+    pool_bytes = per_token * (longest + decode_tokens + (4 + chunk_group) * grid)
     with tempfile.TemporaryDirectory(prefix="qse-cache-check-") as tmp:
         root = Path(disk_dir) if disk_dir is not None else Path(tmp)
         # the host tier's copies in a pinned arena as the server's are (room for two copies of the session)

@@ -101,3 +101,21 @@ def test_bad_shapes_are_refused_by_name(tiny_engine):
     assert graphs.can_group(2, GRID)
     with graphs.decoding(cache) as fork, pytest.raises(ValueError, match="one token, not 2"):
         fork([1, 2], 0)
+
+
+def test_warming_leaves_out_a_group_there_is_no_room_to_capture(tiny_engine, monkeypatch):
+    """A served book's KV pool sized to its sessions may have no scratch pages for a 4-chunk group's capture:
+    warm() keeps the groups that fit (here one of 2) instead of failing the start, and can_group then says
+    which a launch may take."""
+    _, graphs, _ = _rig(tiny_engine)
+    prepare_group = graphs._prepare_group
+
+    def no_room_past_two(num_chunks, rows, stages=None):
+        if num_chunks > 2:
+            raise MemoryError("the KV pool has no room for 4 more scratch pages")
+        return prepare_group(num_chunks, rows, stages)
+
+    monkeypatch.setattr(graphs, "_prepare_group", no_room_past_two)
+    graphs.warm(GRID, group=8)
+    assert [key[1] for key in graphs._entries if key[0] == "group"] == [2]
+    assert graphs.can_group(2, GRID) and not graphs.can_group(4, GRID)
