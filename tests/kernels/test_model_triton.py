@@ -109,8 +109,10 @@ def test_served_turn_under_a_cuda_graph_equals_eager(triton_engine):
 
     prompt = list(range(300, 300 + 509))  # the decode crosses a page line
     out = {}
-    for name, graphs in (("eager", False), ("graph", True)):
-        served = ServedSessions(GridSessions(triton_engine, grid=128, pool_bytes=64 << 20, graphs=graphs))
+    # (groups: the prompt's 3 chunks in a group of 2 and one chunk, the layers' ranges on two streams)
+    for name, graphs, group in (("eager", False, 1), ("graph", True, 1), ("groups", True, 4)):
+        served = ServedSessions(GridSessions(triton_engine, grid=128, pool_bytes=64 << 20, graphs=graphs,
+                                             chunk_group=group))
         turn, logits = served.begin("s", prompt)
         tokens, rows = [], []
         for _ in range(8):
@@ -119,8 +121,9 @@ def test_served_turn_under_a_cuda_graph_equals_eager(triton_engine):
             logits, _ = served.decode(turn, tokens[-1])
         served.finish(turn)
         out[name] = (tokens, rows)
-    assert out["eager"][0] == out["graph"][0]
-    assert all(torch.equal(x, y) for x, y in zip(out["eager"][1], out["graph"][1]))
+    for name in ("graph", "groups"):
+        assert out["eager"][0] == out[name][0], name
+        assert all(torch.equal(x, y) for x, y in zip(out["eager"][1], out[name][1])), name
 
 
 def test_invariant_kernels_read_the_same_state_on_any_grid(small_model_dir, cache_dir):
