@@ -86,8 +86,9 @@ def replay_parser() -> argparse.ArgumentParser:
     p.add_argument("--idle-group", type=int, default=None,
                    help="chunks an idle launch may read, as a chunk group (QSE_SHADOW_IDLE_GROUP)")
     p.add_argument("--served-rounds", action="store_true",
-                   help="also serve every record on one served model in the scheduler's rounds (QSE_MAX_RUNNING, QSE_DECODE_YIELD_MS, "
-                        "QSE_ROUND_TOKEN_BUDGET): the report's served_rounds gives TTFT and tokens/s under rounds")
+                   help="also serve every record on one served model in the scheduler's rounds (QSE_MAX_RUNNING, "
+                        "QSE_ROUND_TOKEN_BUDGET, QSE_DECODE_YIELD_MS): the report's served_rounds gives TTFT and "
+                        "tokens/s under rounds")
     p.add_argument("--decode-round-ms", type=float, default=None,
                    help="a decode round's ms for --served-rounds (default: the records' median decode ms per id)")
     p.add_argument("--slice-overhead-ms", type=float, default=None,
