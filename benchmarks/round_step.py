@@ -91,10 +91,15 @@ def main(argv=None) -> int:
     p.add_argument("--graphs", default="auto", choices=["auto", "static"],
                    help="auto: CUDA graphs where the device and kernels allow; static: the same flow uncaptured")
     p.add_argument("--profile", type=int, default=0, help="rounds a batch size under torch.profiler (0: none)")
+    p.add_argument("--blas", default="default", choices=["default", "cublas", "cublaslt"],
+                   help="torch's preferred BLAS library for the rounds' 2-32-row GEMMs (an experiment: which one "
+                        "reads the weights nearer the one-row GEMV's rate)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     device, dtype, cache_dir = on_this_machine()
+    if args.blas != "default" and device.type == "cuda":
+        torch.backends.cuda.preferred_blas_library(args.blas)
     spec = "" if args.preset in ("", "embedded") else args.preset
     engine = Engine(resolve(spec, device, dtype, cache_dir), kernels=args.kernels)
     cfg = engine.cfg
@@ -132,7 +137,8 @@ def main(argv=None) -> int:
         for slot in slots:
             rounds.release(slot)
     result = {**result_header("triton", device=None if device.type == "cuda" else "cpu"),
-              "preset": args.preset, "kernels": engine.kernels, "graphs": rounds.capture, "context": args.context,
+              "preset": args.preset, "blas": str(torch.backends.cuda.preferred_blas_library()) if device.type == "cuda"
+              else None, "kernels": engine.kernels, "graphs": rounds.capture, "context": args.context,
               "page_rows": PAGE_ROWS, "buckets": list(rounds.buckets), "warm_s": round(warm_s, 3), "rows": rows}
     write_result(result, args.out, "round_step")
     return 0

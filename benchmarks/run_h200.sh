@@ -91,8 +91,9 @@ for step in $steps; do
            # LOAD_BUDGETS, LOAD_AHEAD, LOAD_GAP (s between users), LOAD_YIELD (QSE_DECODE_YIELD_MS, comma-separated)
       timeout 500 python3 benchmarks/served_load.py --preset "${LOAD_PRESET:-qwen3.5-9b}" --budgets "${LOAD_BUDGETS:-512,2048}" \
         --ahead "${LOAD_AHEAD:-1,0}" --arrival-gap-s "${LOAD_GAP:-0}" --decode-yield-ms "${LOAD_YIELD:-0}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-500 ;;
-    rounds)  # batched decode rounds of the served 9B: device ms a round at 1 to 32 sequences of 6k tokens (ROUND_PROFILE=10: per kernel)
-      timeout 300 python3 benchmarks/round_step.py --preset "${ROUND_PRESET:-qwen3.5-9b}" --batches 1,2,4,8,16,32 --profile "${ROUND_PROFILE:-0}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-400 ;;
+    rounds)  # batched decode rounds of the served 9B: device ms a round at 1 to 32 sequences of 6k tokens (ROUND_PROFILE=10: per kernel;
+             # ROUND_BLAS=cublaslt: torch's other BLAS for the 2-32-row GEMMs)
+      timeout 300 python3 benchmarks/round_step.py --preset "${ROUND_PRESET:-qwen3.5-9b}" --batches 1,2,4,8,16,32 --profile "${ROUND_PROFILE:-0}" --blas "${ROUND_BLAS:-default}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-400 ;;
     memory)  # peak device memory of 16k, 64k and 128k prompts read from row 0: the served 9B's turn start, the 0.8B's question
       timeout 400 python3 benchmarks/prompt_memory.py --preset "${MEMORY_PRESET:-qwen3.5-9b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-600 ;;
     *) echo "unknown step $step"; exit 2 ;;
