@@ -2,6 +2,8 @@
 pieces, the decoders, a departure: exact decisions from scripted views."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from qse.core.rounds import (MAX_OVERTAKEN, Prompt, Read, RoundPlan, RoundPlanner, Running, chunks_before_tail,
                              prefill_order)
@@ -109,6 +111,21 @@ def test_running_turns_sit_out_prompt_rounds_within_the_decode_yield():
     assert planner.plan(running, [], now=10.01).decode == ("a", "b")  # no prompt: they decode
     assert RoundPlanner(4, GRID, GRID).plan(running, [prompt], now=10.01).decode == ("a", "b")  # no yield
     assert planner.plan([Running("a", 5)], [prompt], now=10.0).decode == ("a",)  # never decoded: it decodes
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.floats(0, 1)), max_size=6),
+       st.lists(st.integers(1, 5 * GRID), max_size=4), st.floats(0, 500), st.floats(0, 2))
+def test_a_yield_only_ever_takes_the_whole_decode_out_of_a_prompt_round(running, unread, yield_ms, now):
+    """Against the same views without a yield: the reads are the same; the decode is the same or empty, and
+    empty only where prompts are read and every turn that would decode did so less than the yield ago."""
+    views = [Running(f"r{i}", left, last) for i, (left, last) in enumerate(running)]
+    prompts = [opened(f"p{i}", i, n) for i, n in enumerate(unread)]
+    plain = RoundPlanner(8, 2 * GRID, GRID).plan(views, prompts, now)
+    got = RoundPlanner(8, 2 * GRID, GRID, decode_yield_ms=yield_ms).plan(views, prompts, now)
+    assert got.reads == plain.reads
+    assert got.decode in (plain.decode, ())
+    if got.decode != plain.decode:
+        assert plain.reads and all((now - v.last_round_s) * 1e3 < yield_ms for v in views if v.ids_to_launch > 0)
 
 
 def test_chunks_before_tail_leaves_one_to_grid_ids():
