@@ -625,8 +625,8 @@ class Conductor:
             seq = entry.seq
             before = seq.start.gpu_ms
             try:
-                if chunks:  # a tail in this round launches behind the last chunk, not after waiting for it
-                    self.serving.read_chunks(seq, chunks, hold_last=bool(tail))
+                if chunks:  # the last chunk is left running: the tail, or the next round, launches behind it
+                    self.serving.read_chunks(seq, chunks, hold_last=True)
                 first = None
                 if tail and seq.chunks_left == 0:
                     first = self._read_tail(entry)

@@ -224,13 +224,15 @@ class ServedSessions:
         """Up to max_chunks (None: every) whole grid chunks of the turn's prompt below its line L, up to the
         book's chunk group a launch (the same bits as one at a time), the next launched before the last is read
         back; returns the device ms of those waited for.
-        hold_last: where this reads the prompt's last chunk, it is left running (not waited for) and
-        first_token launches the tail behind it, so the tail's launches overlap its device time; its ms
-        count when first_token has waited for it."""
+        hold_last: the last chunk launched is left running (not waited for), so the device is never idle
+        while the host goes on: the next call (the next round's piece of this prompt) reads it back once it
+        has launched one of its own, first_token launches the tail behind it, and finish waits for it. A held
+        chunk's ms count once it is waited for."""
         if turn.cache is not None or not turn.is_open:
             raise SessionError("the turn's prompt is read already (its first token came)")
         book = self.book
-        in_flight: deque = deque()
+        in_flight: deque = deque(turn.held)  # what an earlier call left running: read back behind this one's launch
+        turn.held = []
         reports: list = []
         spent0, t_read = book.residency.spent_ms(), time.perf_counter()
         failed = True
@@ -247,7 +249,7 @@ class ServedSessions:
                     reports.append(book.finish_step(in_flight.popleft()))
             failed = False
         finally:
-            keep = 1 if hold_last and not failed and turn.chunks_left == 0 else 0
+            keep = 1 if hold_last and not failed else 0
             while len(in_flight) > keep:
                 reports.append(book.finish_step(in_flight.popleft()))
             held = list(in_flight)
@@ -256,7 +258,7 @@ class ServedSessions:
         turn.start.evict_ms += evicted
         # the chunks' wall without the evictions made for their pages
         turn.start.read_ms += max(0.0, (time.perf_counter() - t_read) * 1e3 - evicted)
-        turn.start.chunks_read += sum(r.chunks for r in reports) + sum(p.chunks for p in held)
+        turn.start.chunks_read += launched
         turn.start.tail_tokens = turn.start.prompt_tokens - turn.session.committed
         turn.pos = turn.session.committed
         return self._count_chunks(turn, reports)

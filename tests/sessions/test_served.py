@@ -292,20 +292,23 @@ def test_a_prompt_read_in_pieces_between_decode_rounds_equals_a_cold_prefill(tin
 
 @pytest.mark.parametrize("graphs", [False, "static"], ids=["eager", "static-graph"])
 def test_the_tail_launches_behind_the_last_chunk_it_holds(tiny_engine, graphs):
-    """read_chunks(hold_last) leaves the prompt's last chunk running (and only the last): first_token launches
-    the tail behind it and then counts it; the first token is a cold prefill's bits. A turn ended before its
-    first token waits for the chunk it held, and the session's next turn is again a cold prefill's."""
+    """read_chunks(hold_last) leaves the last chunk it launched running (only that one): the next piece of the
+    prompt (the next round's) launches its chunk before reading the held one back, and first_token launches the
+    tail behind it and then counts it; the first token is a cold prefill's bits. A turn ended before its first
+    token waits for the chunk it held, and the session's next turn is again a cold prefill's."""
     gen = torch.Generator().manual_seed(21)
     prompt = _ids(gen, 3 * GRID + 5)
     cold_first, _, cold = _cold(tiny_engine, prompt, steps=1, graphs=graphs)
     served = _served(tiny_engine, graphs=graphs)
     turn = served.open("s", prompt)
-    served.read_chunks(turn, 2, hold_last=True)  # not the last chunk yet: nothing is held
-    assert turn.held == [] and turn.chunks_left == 1 and turn.start.chunks_read == 2
+    served.read_chunks(turn, 2, hold_last=True)  # chunk 1 read back, chunk 2 left running
+    assert [p.start for p in turn.held] == [GRID] and turn.chunks_left == 1 and turn.start.chunks_read == 2
+    assert served.book.stats.chunks == 1
+    ms_one = turn.start.gpu_ms
+    served.read_chunks(turn, hold_last=True)  # chunk 3 launched, then chunk 2 read back; chunk 3 held
+    assert [p.start for p in turn.held] == [2 * GRID] and turn.chunks_left == 0 and turn.start.chunks_read == 3
+    assert served.book.stats.chunks == 2 and turn.start.gpu_ms >= ms_one  # the held chunk counts once waited for
     ms_two = turn.start.gpu_ms
-    served.read_chunks(turn, hold_last=True)
-    assert len(turn.held) == 1 and turn.chunks_left == 0 and turn.start.chunks_read == 3
-    assert turn.start.gpu_ms == ms_two  # the held chunk counts once waited for
     first = served.first_token(turn)
     assert torch.equal(first[-1], cold_first)
     assert turn.held == [] and turn.start.gpu_ms > ms_two and served.book.stats.chunks == 3
