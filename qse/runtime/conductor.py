@@ -671,7 +671,9 @@ class Conductor:
                 queue.remove(entry)
         if started:
             if entry.seq is not None:
-                await self.served_exec.run(self.serving.finish, entry.seq)
+                held_ms = await self.served_exec.run(self.serving.finish, entry.seq)
+                if held_ms:  # a chunk of its prompt it left running, read back as it ended
+                    self.ledger.record(Role.SERVED_PREFILL, held_ms, turn_id=entry.turn.turn_id)
             await self._turn_end(entry.turn)
         entry.out.put_nowait(_END)
         if not entry.done.done():

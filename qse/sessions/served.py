@@ -393,16 +393,20 @@ class ServedSessions:
             if turn.pos + 1 > turn.session.kv.capacity:  # a new page, room made by the residency manager
                 self.book.reserve_rows(turn.session, turn.pos + 1, 1)
 
-    def finish(self, turn: ServedTurn) -> None:
+    def finish(self, turn: ServedTurn) -> float:
         """The turn is over: its slot is free, the rows above the committed ones go (the session's own GDN state
-        was never written: it is the committed row's)."""
+        was never written: it is the committed row's). Returns the device ms of a chunk it still held (read back
+        here: a turn that ends while its prompt is read), for the caller's ledger."""
         if not turn.is_open:
-            return
+            return 0.0
+        settled = 0.0
         if turn.held:
+            before = turn.start.gpu_ms
             try:
                 self._settle(turn)
             except Exception:  # (the device failed under the chunk: the turn still ends and frees its slot below;
                 turn.held = []  # the failure shows again at the engine's next call)
+            settled = turn.start.gpu_ms - before
         turn.is_open = False
         session = turn.session
         if turn.slot is not None:
@@ -415,6 +419,7 @@ class ServedSessions:
         if session.cache is not None:
             self.book.end_fork(session)
         self.book.safe_point()  # between rounds: moves land, the host cap is kept
+        return settled
 
 
 def _grew(before: dict[str, float], after: dict[str, float], phase: str) -> float:

@@ -165,11 +165,15 @@ async def test_a_client_that_leaves_while_its_prompt_is_read_frees_its_slot(make
     except asyncio.CancelledError:
         pass
     await gen.aclose()
+    b_chunks = rig.probe.of("prefill")
     out = await rig.turn(PROMPTS["c"], 3, session="c")
     assert len(out) == 3
-    assert {r.session_id: r.finish_reason for r in rig.records}["b"] == "abort"
+    record = {r.session_id: r for r in rig.records}["b"]
+    assert record.finish_reason == "abort"
     assert c.serving.rounds.num_free == 2 and not c.serving.book.get("b").pinned
     assert c.serving.book.get("b").committed == 2 * GRID  # the chunks read stay (they are on the grid)
+    # the chunk it left running when it went is read back and charged to it, like the one before it
+    assert len(b_chunks) == 2 and abs(record.prefill_ms - sum(x.ms for x in b_chunks)) < 0.01
 
 
 async def test_a_stop_id_read_one_round_late_ends_the_turn_with_its_state_on_the_grid(make_rig):
