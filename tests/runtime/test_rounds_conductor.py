@@ -65,16 +65,16 @@ async def test_the_ledger_holds_every_measured_round(make_rig):
     assert abs(total.gpu_us[Role.SERVED_DECODE] - decode_us) <= 3 * len(rig.probe.of("decode"))
 
 
-async def test_a_long_prompt_is_read_a_chunk_a_round_while_a_turn_decodes(make_rig):
-    """With a budget of one grid chunk a round, b's 6-chunk prompt is read between a's decode rounds (a keeps
-    decoding), and both get the tokens they get alone."""
+async def _b_arrives_while_a_decodes(make_rig, **policy):
+    """a (a short prompt) decodes until b (six grid chunks and a tail) arrives, under a budget of one chunk a
+    round; returns the rig, each turn's tokens alone and together, and the probe's mark at b's arrival."""
     short, long_ = prompt_ids(17, start=4000), prompt_ids(6 * GRID + 5, start=12000)
     config = dict(max_running=4, served_grid=GRID, round_token_budget=GRID)
     alone = {}
     for sid, prompt in (("a", short), ("b", long_)):
         rig = make_rig(**config)
         alone[sid] = await rig.turn(prompt, 12, session=sid)
-    rig = make_rig(**config)
+    rig = make_rig(**config, **policy)
     hold = rig.probe.hold("decode", 1)  # a decodes; b arrives meanwhile
     a = asyncio.create_task(rig.turn(short, 12, session="a"))
     await hold.entered
@@ -82,7 +82,14 @@ async def test_a_long_prompt_is_read_a_chunk_a_round_while_a_turn_decodes(make_r
     await rig.conductor.wait_for_waiting(1)
     mark = len(rig.probe.calls)
     hold.release.set()
-    assert {"a": await a, "b": await b} == alone
+    return rig, alone, {"a": await a, "b": await b}, mark
+
+
+async def test_a_long_prompt_is_read_a_chunk_a_round_while_a_turn_decodes(make_rig):
+    """With a budget of one grid chunk a round, b's 6-chunk prompt is read between a's decode rounds (a keeps
+    decoding), and both get the tokens they get alone."""
+    rig, alone, together, mark = await _b_arrives_while_a_decodes(make_rig)
+    assert together == alone
     kinds = rig.probe.kinds()[mark:]
     first, last = kinds.index("prefill"), len(kinds) - 1 - kinds[::-1].index("prefill")
     reads = kinds[first:last + 1]
@@ -99,22 +106,9 @@ async def test_with_a_decode_yield_a_prompt_is_read_before_the_running_turn_deco
     round that reads b's prompt: b's six chunks and its tail run back to back, a's next round comes after b's
     first token, and both get the tokens they get alone (a's id launched ahead before b came is carried over
     the rounds it sat out)."""
-    short, long_ = prompt_ids(17, start=4000), prompt_ids(6 * GRID + 5, start=12000)
-    config = dict(max_running=4, served_grid=GRID, round_token_budget=GRID)
-    alone = {}
-    for sid, prompt in (("a", short), ("b", long_)):
-        rig = make_rig(**config)
-        alone[sid] = await rig.turn(prompt, 12, session=sid)
-    rig = make_rig(**config, decode_yield_ms=1e9)
+    rig, alone, together, mark = await _b_arrives_while_a_decodes(make_rig, decode_yield_ms=1e9)
     assert rig.conductor.policy.launch_ahead
-    hold = rig.probe.hold("decode", 1)
-    a = asyncio.create_task(rig.turn(short, 12, session="a"))
-    await hold.entered
-    b = asyncio.create_task(rig.turn(long_, 12, session="b"))
-    await rig.conductor.wait_for_waiting(1)
-    mark = len(rig.probe.calls)
-    hold.release.set()
-    assert {"a": await a, "b": await b} == alone
+    assert together == alone
     kinds = rig.probe.kinds()[mark:]
     first = kinds.index("prefill")
     assert kinds[first:first + 7] == ["prefill"] * 7 and kinds[first + 7] == "decode"
