@@ -121,8 +121,7 @@ def run_cache_check(engine: Engine, session_file: Path, grid: int, decode_tokens
     hits = {tier: sum(1 for t in report if t["tier"] == tier) for tier in TIERS}
     return {
         "bit_equal": bit_equal, "turns": len(report), "grid": grid, "chunk_group": chunk_group, "mode": live.mode,
-        "kernels": engine.kernels,
-        "model": engine.name, "rollbacks": sum(1 for t in report if t["rolled_back_to"] is not None),
+        "kernels": engine.kernels, "model": engine.name, "rollbacks": sum(1 for t in report if t["rolled_back_to"] is not None),
         "hits": hits, "host_arena_fallbacks": store.stats()["host_arena_fallbacks"],
         "cached_tokens": sum(t["cached_tokens"] for t in report),
         "prompt_tokens": sum(t["prompt_tokens"] for t in report), "per_turn": report,

@@ -80,7 +80,8 @@ class ServedTurn:
     prompt_ids: list[int] = field(default_factory=list)
     limit: int = 0  # L: the prompt's last grid line below its end (chunks are read up to it)
     is_reserved: bool = False  # holds a decode slot it has not taken yet (open -> first_token)
-    # the prompt's last chunk, launched and not yet waited for: the tail is launched behind it (first_token)
+    # the last prompt chunk read_chunks launched and did not wait for: the next read_chunks, the tail
+    # (first_token) or finish waits for it
     held: list = field(default_factory=list)
 
     @property
@@ -252,8 +253,7 @@ class ServedSessions:
             keep = 1 if hold_last and not failed else 0
             while len(in_flight) > keep:
                 reports.append(book.finish_step(in_flight.popleft()))
-            held = list(in_flight)
-            turn.held.extend(held)
+            turn.held = list(in_flight)
         evicted = _grew(spent0, book.residency.spent_ms(), "evict")
         turn.start.evict_ms += evicted
         # the chunks' wall without the evictions made for their pages
@@ -268,10 +268,10 @@ class ServedSessions:
         turn.start.gpu_ms += ms
         return ms
 
-    def _settle(self, turn: ServedTurn) -> None:
-        """Wait for the chunk first_token launched its tail behind, and count it."""
+    def _settle(self, turn: ServedTurn) -> float:
+        """Wait for the chunk the turn holds, and count it; its device ms."""
         held, turn.held = turn.held, []
-        self._count_chunks(turn, [self.book.finish_step(pending) for pending in held])
+        return self._count_chunks(turn, [self.book.finish_step(pending) for pending in held])
 
     def first_token(self, turn: ServedTurn) -> torch.Tensor:
         """The tail above L on the turn's own working state, which then takes its decode slot: the first
@@ -401,12 +401,10 @@ class ServedSessions:
             return 0.0
         settled = 0.0
         if turn.held:
-            before = turn.start.gpu_ms
             try:
-                self._settle(turn)
-            except Exception:  # (the device failed under the chunk: the turn still ends and frees its slot below;
-                turn.held = []  # the failure shows again at the engine's next call)
-            settled = turn.start.gpu_ms - before
+                settled = self._settle(turn)  # (it lets go of the chunk before waiting for it)
+            except Exception:  # the device failed under the chunk: the turn still ends and frees its slot below;
+                pass  # the failure shows again at the engine's next call
         turn.is_open = False
         session = turn.session
         if turn.slot is not None:
