@@ -4,8 +4,8 @@
     python benchmarks/served_load.py --preset qwen3.5-9b --users 1,8,32 --prompt-tokens 6000 --out-tokens 256
     python benchmarks/served_load.py --tiny --out DIR          (the embedded model on CPU: a smoke run)
 
-Each level starts N turns at once (or one every --arrival-gap-s), each on a session of its own with a random prompt (every prompt read cold),
-greedy, no stop id, and times them on the wall from the moment they are handed to the conductor: TTFT to the
+Each level starts N turns at once (or one every --arrival-gap-s), each on a session of its own with a random
+prompt (every prompt read cold), greedy, no stop id, and times them on the wall from the moment they are handed to the conductor: TTFT to the
 first id, the turn's end, and output tokens over the wall time of the whole level (prefill included), counted
 the same way for one user and for many; and the decode phase's rate (the ids all users got while every one of
 them was decoding, over that window), the rounds' own scaling with the prefill left out. The reader is off: this measures the served model's rounds.
@@ -101,13 +101,15 @@ async def level(conductor: Conductor, users: int, prompt_tokens: int, out_tokens
     tokens = sum(r["tokens"] for r in rows)
     phase_s, phase_tokens = decode_phase(rows)
     return {"users": users, "arrival_gap_s": arrival_gap_s, "round_token_budget": conductor.policy.round_token_budget,
-            "launch_ahead": conductor.policy.launch_ahead, "decode_yield_ms": conductor.policy.decode_yield_ms, "wall_s": round(wall, 4), "output_tokens": tokens,
+            "launch_ahead": conductor.policy.launch_ahead, "decode_yield_ms": conductor.policy.decode_yield_ms,
+            "wall_s": round(wall, 4), "output_tokens": tokens,
             "prefill_device_s": round(prefill_us / 1e6, 4), "decode_device_s": round(decode_us / 1e6, 4),
             "host_ms_per_round": round((wall - (prefill_us + decode_us) / 1e6) * 1e3 / max(1, rounds), 3),
             "tokens_per_s": round(tokens / wall, 2),
             "decode_phase_s": round(phase_s, 4),
             "decode_phase_tokens_per_s": round(phase_tokens / phase_s, 2) if phase_s > 0 else None,
-            "per_user_tokens_per_s": round(statistics.median(r["tokens"] / (r["end_s"] - r["sent_s"]) for r in rows), 2),
+            "per_user_tokens_per_s": round(statistics.median(r["tokens"] / (r["end_s"] - r["sent_s"]) for r in rows),
+                                           2),
             "ttft_p50_s": round(statistics.median(ttft), 4), "ttft_p99_s": round(_quantile(ttft, 0.99), 4),
             **token_gaps(rows)}
 
@@ -136,12 +138,13 @@ async def run(args) -> dict:
             for sid in [s for s in serving.book.sessions if s.startswith("load-")]:
                 serving.book.close(sid)
         await conductor.stop()
+    same = ("round_token_budget", "launch_ahead", "decode_yield_ms")
     for lv in levels:  # against one user alone under the same budget, launch mode and decode yield
-        one = next((o for o in levels if o["users"] == 1 and all(o[k] == lv[k] for k in
-                                                                  ("round_token_budget", "launch_ahead", "decode_yield_ms"))), None)
+        one = next((o for o in levels if o["users"] == 1 and all(o[k] == lv[k] for k in same)), None)
         lv["x_one_user"] = round(lv["tokens_per_s"] / one["tokens_per_s"], 3) if one else None
     return {"preset": spec or "embedded", "model": engine.name, "kernels": engine.kernels, "mode": serving.mode,
-            "grid": serving.grid, "served_chunk_group": serving.book.chunk_group, "prompt_tokens": args.prompt_tokens, "out_tokens": args.out_tokens, "levels": levels}
+            "grid": serving.grid, "served_chunk_group": serving.book.chunk_group, "prompt_tokens": args.prompt_tokens,
+            "out_tokens": args.out_tokens, "levels": levels}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -144,9 +144,6 @@ class _Turn:
     def num_known(self) -> int:
         return len(self.req.prompt_ids) + len(self.out_ids)
 
-    def known_ids(self) -> list[int]:
-        return list(self.req.prompt_ids) + self.out_ids
-
     def ids_view(self, end: int | None = None) -> TurnIds:
         """The turn's ids up to `end` (None: all), as a reader slice learns them (only what is new)."""
         return TurnIds(self.req.prompt_ids, tuple(self.out_ids), self.reader_epoch, end)
@@ -789,7 +786,7 @@ class Conductor:
         sid = turn.session_id
         self.narrator.unfollow(turn.turn_id)
         if self.reader is not None and sid is not None and turn.out_ids:
-            await self.reader_exec.run(self.reader.feed, sid, turn.known_ids())
+            await self.reader_exec.run(self.reader.feed, sid, turn.ids_view().since(0))
             self._note_backlog(sid)
         balance = self.ledger.close_turn(turn.turn_id)
         end = self.clock()

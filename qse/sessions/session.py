@@ -82,7 +82,7 @@ class GridSession:
     # one epoch knows they still begin with what it saw while the epoch stands (the conductor then hands a
     # slice only the ids that are new, not the whole session again). Unique across sessions and readers, so a
     # turn's epoch cannot match a reader attached after it fed.
-    epoch: int = field(default_factory=lambda: next(_EPOCHS))
+    epoch: int = field(default_factory=new_epoch)
 
     def __post_init__(self) -> None:
         if self.book is None:
