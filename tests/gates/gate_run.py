@@ -13,15 +13,52 @@ order, every logit and every tensor of state after:
     reader.restore    the session parked to disk and brought back
 
 `digests(results)` turns them into sha256 digests (the fixture holds those, not the tensors).
+
+The bytes are only comparable between runs that take the same arithmetic path, and left to itself a CPU picks
+its own: torch's vector kernels follow the CPU's capability (AVX-512 on one host, AVX2 on another), MKL's GEMM
+and numpy's (Triton's interpreter computes with numpy: OpenBLAS for tl.dot, SIMD loops for exp) pick code paths
+by the processor, and thread counts split reductions. So the gate runs in a fresh process (the switches are
+read when the libraries start) under a PROFILE that pins each of them to code every x86-64 host runs the same:
+
+    python tests/gates/gate_run.py --profile baseline --out digests.safetensors [--perturb silu_mul ...]
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import hashlib
+import importlib
+import os
+import platform
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
+
+# Every switch a profile sets is read when its library starts: they are set in the environment a gate
+# process starts with (pinned_env), never in a process that has computed already.
+THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+# numpy's dispatched SIMD targets above a profile's level (names of numpy 2.x, then of 1.x)
+_NPY_V3 = "X86_V3 AVX AVX2 FMA3 F16C"
+_NPY_V4 = "X86_V4 AVX512F AVX512CD AVX512_KNL AVX512_KNM AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL AVX512_SPR"
+PROFILES = {
+    # what every x86-64 CPU runs: torch's DEFAULT kernels, MKL's SSE2 path, OpenBLAS's Prescott kernels,
+    # numpy's baseline loops, oneDNN up to SSE4.1
+    "baseline": {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "OPENBLAS_CORETYPE": "Prescott",
+                 "NPY_DISABLE_CPU_FEATURES": f"{_NPY_V3} {_NPY_V4}", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+    # a second capability, for any CPU with AVX2 (every x86-64 host of the last decade): torch's AVX2 kernels,
+    # OpenBLAS's Haswell kernels, numpy up to AVX2; MKL stays on its SSE2 path, the one whose bits MKL
+    # promises across vendors (its AVX2 path on an AMD host is not the one on an Intel host)
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "OPENBLAS_CORETYPE": "Haswell",
+             "NPY_DISABLE_CPU_FEATURES": _NPY_V4, "ONEDNN_MAX_CPU_ISA": "AVX2"},
+}
+# the ops a --perturb may scale by 1 + 2**-10, by op set (the model looks its ops up when an Engine is built)
+PERTURBABLE = {"naive": ("dense_matmul", "rms_norm", "chunk_gated_delta_rule_from_gates", "paged_attention",
+                         "silu_mul"),
+               "triton": ("silu_mul",)}
+ONE_PART_IN_1024 = 1 + 2 ** -10
 
 GRID = 64
 SEED = 20261201
@@ -65,6 +102,7 @@ def _state(out: dict[str, torch.Tensor], prefix: str, engine, cache) -> None:
 
 
 def run(kernels: str) -> dict[str, torch.Tensor]:
+    """Every result of the tiny model's run through the verbs, by name."""
     from qse.shadow.reader import ShadowReader
     from qse.store.store import ShadowStore
 
@@ -125,10 +163,90 @@ def digests(results: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: torch.frombuffer(bytearray(digest(t)), dtype=torch.uint8) for name, t in results.items()}
 
 
-def moved(results: dict[str, torch.Tensor], recorded: dict[str, torch.Tensor]) -> list[str]:
-    """The names whose bytes differ from the record, and those only one side has (empty: not a byte moved)."""
-    now = digests(results)
+def moved(now: dict[str, torch.Tensor], recorded: dict[str, torch.Tensor]) -> list[str]:
+    """The names whose digests differ from the record, and those only one side has (empty: not a byte moved)."""
     out = [f"{name}: not recorded" for name in now if name not in recorded]
     out += [f"{name}: recorded, not produced" for name in recorded if name not in now]
     out += [f"{name}: bytes moved" for name in now if name in recorded and not torch.equal(now[name], recorded[name])]
     return out
+
+
+def perturbed(kernels: str, op: str):
+    """A context in which `kernels`'s `op` returns its result scaled by 1 + 2**-10 (a tuple's first item)."""
+    module = importlib.import_module("qse_kernels.naive" if kernels == "naive" else "qse_kernels.fused")
+    real = getattr(module, op)
+
+    def scaled(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if isinstance(out, tuple):  # (output, state): the output moves
+            return (out[0] * ONE_PART_IN_1024, *out[1:])
+        return out * ONE_PART_IN_1024
+
+    @contextlib.contextmanager
+    def patched():
+        setattr(module, op, scaled)
+        try:
+            yield
+        finally:
+            setattr(module, op, real)
+
+    return patched()
+
+
+def pinned_env(profile: str, base: dict | None = None) -> dict[str, str]:
+    """The environment of a gate process under `profile`: the profile's switches, one thread, the interpreter."""
+    env = dict(os.environ if base is None else base)
+    env.update(PROFILES[profile])
+    env.update(THREADS)
+    env["TRITON_INTERPRET"] = "1"
+    return env
+
+
+def arithmetic_path() -> dict[str, str]:
+    """What this process computes with, as the libraries report it (the fixture's metadata, the test's checks)."""
+    import numpy
+
+    import qse_kernels
+
+    return {"torch": torch.__version__, "triton": str(qse_kernels.triton_version()), "numpy": numpy.__version__,
+            "machine": platform.machine(), "aten_capability": torch.backends.cpu.get_cpu_capability(),
+            "mkl_cbwr": os.environ.get("MKL_CBWR", ""), "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE", ""),
+            "threads": str(torch.get_num_threads())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the gate in this process (started under `pinned_env`) and write every variant's digests to --out."""
+    p = argparse.ArgumentParser(description="the refactor gate's run under a pinned arithmetic path")
+    p.add_argument("--profile", required=True, choices=sorted(PROFILES))
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--kernels", nargs="+", default=["naive", "triton"], choices=["naive", "triton"])
+    p.add_argument("--perturb", nargs="*", default=[], metavar="KERNELS:OP",
+                   help="also run with one op scaled by 1 + 2**-10, e.g. naive:silu_mul")
+    args = p.parse_args(argv)
+    wrong = {k: v for k, v in PROFILES[args.profile].items() if os.environ.get(k) != v}
+    if wrong:
+        p.error(f"the process was not started under profile {args.profile!r} (set first: {wrong}); "
+                "start it with gate_run.pinned_env")
+    for spec in args.perturb:
+        kernels, _, op = spec.partition(":")
+        if op not in PERTURBABLE.get(kernels, ()):
+            p.error(f"--perturb {spec!r}: expected KERNELS:OP, one of "
+                    + ", ".join(f"{k}:{o}" for k, ops in PERTURBABLE.items() for o in ops))
+    from safetensors.torch import save_file
+
+    torch.set_num_threads(1)
+    torch.backends.mkldnn.enabled = False  # no oneDNN path in the gate's ops, whatever the build routes to it
+    out: dict = {}
+    for kernels in args.kernels:
+        out.update({f"{kernels}.{n}": t for n, t in digests(run(kernels)).items()})
+    for spec in args.perturb:
+        kernels, _, op = spec.partition(":")
+        with perturbed(kernels, op):
+            out.update({f"{spec}.{n}": t for n, t in digests(run(kernels)).items()})
+    save_file(out, args.out, metadata=arithmetic_path())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's qse, run as a script
+    raise SystemExit(main())
