@@ -28,8 +28,9 @@ from ..core.chunk_cost import ChunkCostEstimator
 from ..core.drive import ChunkDecision, DriveResult, PlanDriver
 from ..core.ledger import GpuLedger
 from ..core.plan import ReaderPlan, Window, check_group, check_lookahead, plan_read
+from ..sessions.grid import PendingChunk
 from ..sessions.session import GridSession
-from ..shadow.reader import ChunkReport, PendingChunk, ShadowReader
+from ..shadow.reader import ChunkReport, ShadowReader
 
 
 @dataclass(frozen=True)

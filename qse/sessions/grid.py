@@ -24,7 +24,7 @@ import torch
 from ..core.checkpoints import CheckpointBook, CheckpointRules
 from ..core.plan import check_group
 from ..core.prefix import common_prefix
-from ..engine.engine import DeviceClock, Engine, Stopwatch
+from ..engine.engine import DeviceClock, Engine
 from ..engine.graphs import ForwardGraphs, capture_mode
 from ..engine.kv import KVPool, PagedKV
 from .session import GridSession, new_epoch

@@ -4,7 +4,6 @@ fresh prefill on a 4x grid (top token, KL)."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any

@@ -23,7 +23,7 @@ import torch
 
 from ..engine.engine import DeviceClock, Stopwatch
 from ..engine.graphs import ForkDecode
-from ..sessions.grid import (ChunkReport, DropLRU, FeedReport, GridSessions, PendingChunk, Residency, SessionError,
+from ..sessions.grid import (ChunkReport, DropLRU, FeedReport, GridSessions, Residency, SessionError,
                              UnknownSession)
 from ..sessions.session import GridSession
 

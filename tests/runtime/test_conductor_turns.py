@@ -144,7 +144,6 @@ async def test_the_live_narrator_summarises_the_thought_before_the_answer_ends(m
     assert len(thought) + 1 <= at < len(events) - 1
     assert narrations[0].position >= len(prompt) + len(thought) + 1  # the fork stood above the thought's end
     record = rig.records[0]
-    forks = probe.of("fork")
     first_fork = probe.kinds().index("fork")
     assert first_fork < len(probe.calls) - 1  # the summary ran inside the turn, decode rounds came after it
     # the prompt's and the thought's 3 whole chunks were read before the summary (by the narrator, and by the
@@ -198,7 +197,7 @@ async def test_concurrent_requests_queue_fifo_within_rank_and_each_completes(mak
 
 async def test_the_router_question_is_asked_where_the_turn_inserted_it(make_rig, tmp_path):
     rig = make_rig(options=ShadowOptions(router="shadow", router_min_tokens=64))
-    c, reader, probe = rig.conductor, rig.reader, rig.probe
+    c, probe = rig.conductor, rig.probe
     im_end = c.served.chat.turn_end_id
     prompt = prompt_ids(9 * GRID + 12)
     prompt[100] = im_end  # the prompt's last end-of-turn: the question goes at position 101

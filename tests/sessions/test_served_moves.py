@@ -4,8 +4,6 @@ copy to the host (the host cap is kept at the next safe point, by the mover)."""
 
 from __future__ import annotations
 
-
-import pytest
 import torch
 
 from qse.sessions.grid import GridSessions
