@@ -1108,7 +1108,7 @@ class Conductor:
                 {"session": v.session_id, "position": v.position, "known": v.known, "backlog": v.backlog,
                  "behind": v.behind, "bytes": v.nbytes, "resident": v.resident,
                  "checkpoints": list(v.checkpoints), "rollbacks": v.rollbacks,
-                 "ids_reread": v.ids_reread, "chunks_read": v.chunks_read}
+                 "ids_reread": v.ids_reread, "chunks_read": v.chunks_read, "too_long": v.too_long}
                 for v in snap.sessions
             ],
             "backlog": snap.backlog,

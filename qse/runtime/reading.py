@@ -172,6 +172,8 @@ class ChunkRunner:
         session = reader.get(session_id)
         if known is not None:
             learn(reader, session, known)
+        if session.is_too_long:  # nothing of it is readable: not brought back, not planned
+            return None
         # a parked session comes back (perhaps at another row) before its rows are planned, not inside
         # read_step after the plan was made
         reader.ensure_resident(session)

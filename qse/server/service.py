@@ -30,7 +30,7 @@ from ..runtime.conductor import Conductor, ConductorStopped, GenerateRequest, Tu
 from ..runtime.narrator import NARRATOR_QUESTION
 from ..runtime.narrator import Narration as LiveNarration
 from ..settings import SETTINGS, EngineSettings
-from ..shadow.reader import ShadowError, UnknownSession
+from ..shadow.reader import SessionTooLong, ShadowError, UnknownSession
 from . import wire
 from .errors import ApiError, bad_request
 from .metrics import ServerMetrics
@@ -725,6 +725,18 @@ class Service:
         return out
 
     @staticmethod
+    def _reader_full(session: str, exc: BaseException) -> ApiError:
+        """A question the reader's KV pool cannot hold: for good (the session is longer than the whole pool, a
+        400: asking again cannot help), or for now (the room is held by others, a 503 to send again)."""
+        if isinstance(exc, SessionTooLong):
+            return ApiError(400, f"session {session!r} is too long for the reader: answering on it needs {exc.rows} "
+                            f"rows, and the reader's KV pool holds {exc.max_rows} (QSE_SHADOW_GB sizes it)",
+                            param="session", code="session_too_long")
+        log.warning("ask_out_of_memory", session=session, error=str(exc))
+        return ApiError(503, f"the reader has no room for a question on session {session!r} now; send it again",
+                        code="reader_busy", headers={"Retry-After": "1"})
+
+    @staticmethod
     def _unknown(session: str) -> ApiError:
         return ApiError(404, f"unknown session {session!r}; GET /v1/conductor/shadow/status lists yours",
                         param="session", code="session_not_found")
@@ -750,8 +762,14 @@ class Service:
             result = await self.conductor.ask(key, req.question, list(req.choices), req.at, req.behind)
         except UnknownSession:
             raise self._unknown(req.session) from None
+        except SessionTooLong as exc:
+            raise self._reader_full(req.session, exc) from None
         except ShadowError as exc:
             raise bad_request(str(exc), None, "invalid_question") from None
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            raise self._reader_full(req.session, exc) from None
         self.metrics.asks.inc()
         return wire.AskResponse(session=tenant.shown(result.session_id), distribution=result.distribution,
                                 label=result.label, probability=result.probability, position=result.position,
@@ -770,8 +788,14 @@ class Service:
             result = await self.conductor.summarize(tenant.key(req.session), prompt, req.max_tokens, req.behind)
         except UnknownSession:
             raise self._unknown(req.session) from None
+        except SessionTooLong as exc:
+            raise self._reader_full(req.session, exc) from None
         except ShadowError as exc:
             raise bad_request(str(exc), None, "invalid_question") from None
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            raise self._reader_full(req.session, exc) from None
         return wire.SummaryResponse(session=tenant.shown(result.session_id), text=result.text,
                                     tokens=len(result.token_ids), position=result.position,
                                     gpu_ms=round(result.gpu_ms, 3),

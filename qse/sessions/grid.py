@@ -36,6 +36,16 @@ class SessionError(ValueError):
     """Bad input to a session book (unknown session, bad ids, a read over the window)."""
 
 
+class SessionTooLong(SessionError):
+    """A session (or a question on it) needs more rows than the whole KV pool holds: it is not read, and
+    nothing can be answered on it until its ids fit."""
+
+    def __init__(self, message: str, rows: int, max_rows: int):
+        super().__init__(message)
+        self.rows = rows
+        self.max_rows = max_rows
+
+
 class UnknownSession(SessionError, KeyError):
     def __str__(self) -> str:  # KeyError quotes its message otherwise
         return str(self.args[0])
@@ -186,6 +196,7 @@ class SessionView(NamedTuple):
     rollbacks: int
     ids_reread: int
     chunks_read: int
+    too_long: bool = False  # longer than the whole KV pool: not read (GridSession.max_rows)
 
 
 class BookSnapshot(NamedTuple):
@@ -208,7 +219,8 @@ class BookSnapshot(NamedTuple):
 
 def _view(s: GridSession) -> SessionView:
     return SessionView(s.session_id, s.committed, len(s.ids), s.backlog, s.behind, s.nbytes, s.is_resident,
-                       tuple(s.checkpoint_positions()), s.stats.rollbacks, s.stats.ids_reread, s.stats.chunks_read)
+                       tuple(s.checkpoint_positions()), s.stats.rollbacks, s.stats.ids_reread, s.stats.chunks_read,
+                       s.is_too_long)
 
 
 @dataclass
@@ -298,7 +310,17 @@ class GridSessions:
 
     def new_session(self, session_id: str, cache=None, **fields) -> GridSession:
         """A session with this book's checkpoint rules (not registered: the caller adds it to `sessions`)."""
-        return GridSession(session_id, self.grid, cache, book=CheckpointBook(self.checkpoint_rules), **fields)
+        return GridSession(session_id, self.grid, cache, book=CheckpointBook(self.checkpoint_rules),
+                           max_rows=self.max_rows, **fields)
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows one session may hold: the whole KV pool."""
+        return self.pool.num_pages * self.pool.page_rows
+
+    def too_long(self, session: GridSession, rows: int, what: str) -> SessionTooLong:
+        return SessionTooLong(f"{what} needs {rows} rows of {self.who}'s KV pool, which holds {self.max_rows}: "
+                              f"session {session.session_id!r} is too long for it", rows, self.max_rows)
 
     def _new_cache(self):
         return self.engine.new_cache(kv=PagedKV(self.pool))
@@ -546,6 +568,8 @@ class GridSessions:
     def reserve_rows(self, session: GridSession, rows: int, forwarded: int) -> None:
         """KV pages for `rows` rows of a session (a fork above its committed rows), room made through the
         residency manager; MemoryError if the pool cannot hold them."""
+        if rows > self.max_rows:
+            raise self.too_long(session, rows, f"a fork of {forwarded} ids above row {session.committed}")
         pages = session.kv.pages_for(rows) - len(session.kv.pages)
         if pages > 0 and not self.residency.make_room(self, pages, session):
             raise MemoryError(f"{self.who}'s KV pool cannot hold a fork of {forwarded} ids on session {session.session_id!r}")

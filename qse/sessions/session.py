@@ -83,6 +83,10 @@ class GridSession:
     # slice only the ids that are new, not the whole session again). Unique across sessions and readers, so a
     # turn's epoch cannot match a reader attached after it fed.
     epoch: int = field(default_factory=new_epoch)
+    # the most rows its book's KV pool can hold for one session (None: no bound). A session whose ids need more
+    # is too long: no whole chunk of it is readable (no room could ever be made: reading it would only evict
+    # the others, then fail), until its ids fit again
+    max_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.book is None:
@@ -141,9 +145,14 @@ class GridSession:
         return self.cache is not None
 
     @property
+    def is_too_long(self) -> bool:
+        return self.max_rows is not None and len(self.ids) > self.max_rows
+
+    @property
     def readable_end(self) -> int:
-        """The last grid line the known ids reach: the reader may commit up to here."""
-        return (len(self.ids) // self.grid) * self.grid
+        """The last grid line the known ids reach: the reader may commit up to here (nothing of a session
+        that is too long: 0)."""
+        return 0 if self.is_too_long else (len(self.ids) // self.grid) * self.grid
 
     @property
     def backlog(self) -> int:

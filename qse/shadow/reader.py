@@ -24,7 +24,7 @@ import torch
 from ..engine.engine import DeviceClock, Stopwatch
 from ..engine.graphs import ForkDecode
 from ..sessions.grid import (ChunkReport, DropLRU, FeedReport, GridSessions, Residency, SessionError,
-                             UnknownSession)
+                             SessionTooLong, UnknownSession)
 from ..sessions.session import GridSession
 
 # the reader's errors are the session book's (the server maps both to 4xx answers)
@@ -88,8 +88,10 @@ class ShadowReader(GridSessions):
         the end of the ids the fork holds."""
         if behind not in BEHIND_MODES:
             raise ShadowError(f"behind={behind!r}: expected one of {', '.join(BEHIND_MODES)}")
-        self.ensure_resident(session)  # (a dropped session's committed rows are 0 from here)
         end = len(session.ids) if upto is None else upto
+        if end > self.max_rows and behind != ANSWER_NOW:  # (answer_now forks from the committed rows)
+            raise self.too_long(session, end, f"an answer at position {end}")
+        self.ensure_resident(session)  # (a dropped session's committed rows are 0 from here)
         if end < session.committed:
             raise ShadowError(f"cannot answer at position {end}: the reader already committed {session.committed} rows")
         if end - session.committed < self.grid:  # under one chunk: the fork holds it
@@ -274,4 +276,4 @@ class ShadowReader(GridSessions):
 
 
 __all__ = ["ANSWER_NOW", "AskResult", "BEHIND_MODES", "ChunkReport", "DropLRU", "FeedReport", "READ_FIRST", "Residency",
-           "ShadowError", "ShadowReader", "SummaryResult", "UnknownSession"]
+           "SessionTooLong", "ShadowError", "ShadowReader", "SummaryResult", "UnknownSession"]

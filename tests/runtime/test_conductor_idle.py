@@ -130,3 +130,23 @@ async def test_an_idle_group_reads_several_chunks_a_launch_with_the_bits_of_one_
     assert all(alone.state_equal(alone.get("s"), session).values())
     with pytest.raises(ValueError, match=r"QSE_SHADOW_IDLE_GROUP\) must be a whole number of chunks >= 1, got 0"):
         make_rig(idle_group=0)
+
+
+async def test_a_session_too_long_for_the_reader_is_left_and_the_others_are_read(make_rig):
+    """A session longer than the reader's whole pool is never tried (it would evict the others, then fail, at
+    every poll): the window reads the other sessions, then finds no work; the status says which is too long."""
+    page_nbytes = make_rig().reader.pool.page_nbytes
+    rig = make_rig(reader_pool_bytes=4 * page_nbytes)  # 4 pages of GRID rows
+    c, reader, clock = rig.conductor, rig.reader, rig.clock
+    assert reader.max_rows == 4 * GRID
+    reader.feed("long", prompt_ids(5 * GRID + 3))
+    c._note_backlog("long")
+    clock.t += 1.0
+    reader.feed("short", prompt_ids(2 * GRID, start=9000))
+    c._note_backlog("short")
+    assert await c.idle_once() == 2
+    assert (reader.sessions["long"].committed, reader.sessions["short"].committed) == (0, 2 * GRID)
+    assert not c._idle_has_work()
+    assert await c.idle_once() == 0
+    shown = {s["session"]: s for s in c.status()["sessions"]}
+    assert shown["long"]["too_long"] and shown["long"]["backlog"] == 0 and not shown["short"]["too_long"]

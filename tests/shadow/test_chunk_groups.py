@@ -144,11 +144,15 @@ def test_layer_bounds_are_as_even_as_whole_layers_allow():
 
 
 def test_a_group_the_pool_cannot_hold_reads_one_chunk(tiny_engine):
-    """A pool of one page: a launch asked for 2 chunks reads 1 (the group's pages do not fit, one chunk's
-    do), with the bits of a one-chunk read; the next chunk, which has no room at all, is refused by name."""
+    """A pool of two pages, one held by a pinned session (a served turn's): a launch asked for 2 chunks reads 1
+    (the group's pages do not fit, one chunk's do), with the bits of a one-chunk read; the next chunk, which
+    has no room at all, is refused by name."""
     page = _reader(tiny_engine).pool.page_nbytes
-    tight = ShadowReader(tiny_engine, grid=GRID, pool_bytes=page, graphs="static", chunk_group=2)
-    assert tight.pool.num_pages == 1
+    tight = ShadowReader(tiny_engine, grid=GRID, pool_bytes=2 * page, graphs="static", chunk_group=2)
+    assert tight.pool.num_pages == 2
+    tight.feed("pinned", list(range(7000, 7000 + GRID)))
+    tight.read_all("pinned")
+    tight.get("pinned").pinned = True
     ids = list(range(8000, 8000 + 2 * GRID))
     tight.feed("s", ids)
     pending = tight.launch_step("s", 2)
