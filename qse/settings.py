@@ -113,6 +113,8 @@ _DECLARED: list[Setting] = [
     Setting("QSE_API_KEY", str, "", "if set, every route but /health and /healthz needs 'Authorization: Bearer <key>' (one tenant)", secret=True),
     Setting("QSE_API_KEYS_FILE", Path, None, "tenants' keys, one 'TENANT KEY' a line: a session belongs to its tenant; tenant admin sees all (instead of QSE_API_KEY)"),
     Setting("QSE_METRICS_PUBLIC", bool, False, "serve /metrics without an API key"),
+    Setting("QSE_ALLOWED_ORIGINS", str, "", "origins a browser may call the API from (CORS): a comma list of scheme://host[:port], * for any; empty: no CORS headers"),
+    Setting("QSE_SSE_KEEPALIVE_S", float, 15.0, "a stream idle this long (a long prompt read, a wait for a slot) gets an SSE comment line, so that proxies do not cut it, seconds; 0: none"),
     Setting("QSE_MAX_RUNNING", int, 8, "turns the served model decodes together, one batched round a token (decode slots; the server admits this many)"),
     Setting("QSE_ROUND_TOKEN_BUDGET", int, 2048, "prompt ids a decode round may read beside its decode rows, in whole served grid chunks (at least one a round): a long prompt is read a few chunks a round while the running turns go on decoding"),
     Setting("QSE_DECODE_YIELD_MS", float, 0.0, "running turns may sit out rounds that read waiting prompts while each decoded less than this long ago, ms (0: every round decodes them, the lowest inter-token latency; more: under a burst of prompts the first tokens come sooner, and a running turn's next id waits up to this plus one round)"),

@@ -54,15 +54,24 @@ class Admission:
         if self.refusal is not None:
             raise self.refusal
         if len(self.live) >= self.max_running + self.max_waiting:
-            ahead = len(self.live) - self.max_running + 1
-            retry_s = max(1, math.ceil(self.turn_s * ahead / self.max_running))
-            raise ApiError(429, f"the server is busy: {self.num_running} requests run and {self.num_waiting} wait, "
-                           f"the most it queues (QSE_MAX_RUNNING, QSE_MAX_WAITING); retry after {retry_s} s",
-                           code="server_busy", headers={"retry-after": str(retry_s)})
+            raise self._busy()
         ticket = Ticket(request_id)
         self.live[id(ticket)] = ticket
         self._idle.clear()
         return ticket
+
+    def _busy(self) -> ApiError:
+        """The 429 of a full server. Its counts are the admitted requests the limit counts: those that run, and
+        all the others (in the queue, or still having their prompt read before they join it: `num_waiting`
+        counts only the queue, and would say fewer wait than the limit holds)."""
+        running = self.num_running
+        waiting = len(self.live) - running
+        ahead = len(self.live) - self.max_running + 1  # the turns to end before this one would run
+        retry_s = max(1, math.ceil(self.turn_s * ahead / self.max_running))
+        most = self.max_running + self.max_waiting
+        return ApiError(429, f"the server is busy: {running} running and {waiting} waiting, the {most} it admits at "
+                        f"once (QSE_MAX_RUNNING={self.max_running} + QSE_MAX_WAITING={self.max_waiting}); retry "
+                        f"after {retry_s} s", code="server_busy", headers={"retry-after": str(retry_s)})
 
     async def wait_idle(self, timeout_s: float | None) -> bool:
         """Wait until no request is admitted; False if `timeout_s` passed first."""

@@ -1,6 +1,10 @@
 """The Starlette app: OpenAI routes, the shadow's routes, /metrics and /healthz.
 
-    RootPath -> RequestContext (X-Request-Id, timing, the request event) -> ApiKeys (the tenant) -> routes
+    RootPath -> RequestContext (X-Request-Id, timing, the request event) -> Cors (QSE_ALLOWED_ORIGINS)
+             -> ApiKeys (the tenant) -> routes
+
+CORS sits outside the keys: a browser's preflight (OPTIONS) never carries the key, and a 401 must still carry
+the CORS headers for the page to read it.
 
 Routes are thin: read the body (size limit), decode it into a wire Struct, hand it to the Service,
 encode what comes back. Every error a client meets is JSON in OpenAI's shape (errors.py).
@@ -18,13 +22,15 @@ from typing import Any, Awaitable, Callable
 import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from ..settings import EngineSettings, SettingError
 from . import wire
 from .admission import ABORT, Admission, Ticket
-from .errors import ApiError
+from .errors import ApiError, internal_error
 from .metrics import CONTENT_TYPE
 from .service import Service
 from .sse import EventStream
@@ -35,6 +41,12 @@ log = structlog.get_logger("qse.server")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 OPEN_PATHS = frozenset({"/health", "/healthz"})
 TENANT = "qse.tenant"  # the scope key ApiKeys sets: the caller's Tenant
+# what a browser page may send and read (the session and request ids it needs to follow a conversation)
+CORS_METHODS = ("GET", "POST", "OPTIONS")
+CORS_HEADERS = ("Authorization", "Content-Type", "X-Session-Id", "X-Request-Id", "X-Router-Class")
+CORS_EXPOSED = ("X-Session-Id", "X-Request-Id")
+# scheme://host[:port], no path: what a browser sends in Origin (a trailing slash would never match)
+_ORIGIN = re.compile(r"^[a-z][a-z0-9+.\-]*://[^/\s]+$", re.I)
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -90,10 +102,35 @@ def endpoint(fn: Callable[[Request], Awaitable[Any]]) -> Callable[[Request], Awa
     return wrapped
 
 
+def allowed_origins(settings: EngineSettings) -> list[str]:
+    """QSE_ALLOWED_ORIGINS as a list (empty: no CORS); checked, so that a typo fails at start, not in a browser."""
+    raw = settings.get("QSE_ALLOWED_ORIGINS")
+    origins = [o.strip() for o in raw.split(",") if o.strip()]
+    for origin in origins:
+        if origin != "*" and not _ORIGIN.match(origin):
+            raise SettingError(f"QSE_ALLOWED_ORIGINS={raw!r}: {origin!r} is not an origin; expected "
+                               "scheme://host[:port] with no path (e.g. https://app.example.com), or * for any")
+    return origins
+
+
+def keepalive_s(settings: EngineSettings) -> float:
+    seconds = settings.get("QSE_SSE_KEEPALIVE_S")
+    if seconds < 0:
+        raise SettingError(f"QSE_SSE_KEEPALIVE_S={seconds}: expected seconds >= 0 (0: no keep-alive comments)")
+    return seconds
+
+
+def check_settings(settings: EngineSettings) -> None:
+    """The app's own switches, read as create_app will: qse serve calls this before it loads the model."""
+    allowed_origins(settings)
+    keepalive_s(settings)
+
+
 def create_app(service: Service, root_path: str | None = None) -> Starlette:
     """The ASGI app over `service`; root_path defaults to QSE_ROOT_PATH."""
     settings = service.settings
     body_limit = settings.get("QSE_MAX_BODY_BYTES")
+    stream_keepalive_s = keepalive_s(settings)
 
     def openai_route(kind, prepare, chunks, answer):
         """A chat or completions route: decode, admit, prepare the plan, then stream it or answer whole."""
@@ -110,7 +147,8 @@ def create_app(service: Service, root_path: str | None = None) -> Starlette:
                 headers = {"x-session-id": tenant.shown(plan.session_id)}
                 if req.stream:
                     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-                    return turn.stream(_note_output(chunks(plan, include_usage), plan, info), headers)
+                    return turn.stream(_note_output(chunks(plan, include_usage), plan, info), headers,
+                                       stream_keepalive_s)
                 whole = await turn.answer(request, answer(plan))
                 info.update(output_tokens=plan.output_tokens, finish_reason=whole.choices[0].finish_reason)
                 return json_response(whole, headers=headers)
@@ -122,11 +160,17 @@ def create_app(service: Service, root_path: str | None = None) -> Starlette:
     completions = openai_route(wire.CompletionRequest, service.prepare_completion, service.completion_chunks,
                                service.completion_answer)
 
+    def model_card(name: str) -> wire.ModelCard:
+        return wire.ModelCard(id=name, object="model", created=service.created_s, owned_by="qse",
+                              root=service.root_name, max_model_len=service.max_context_tokens)
+
     async def models(request: Request):
-        cards = [wire.ModelCard(id=name, object="model", created=service.created_s, owned_by="qse",
-                                root=service.root_name, max_model_len=service.max_context_tokens)
-                 for name in service.model_names]
-        return json_response(wire.ModelList(object="list", data=cards))
+        return json_response(wire.ModelList(object="list", data=[model_card(name) for name in service.model_names]))
+
+    async def model(request: Request):
+        name = request.path_params["model_id"]  # a :path parameter: served names may hold "/"
+        service.check_model(name)  # 404 model_not_found, naming the id and the served names
+        return json_response(model_card(name))
 
     async def tokenize(request: Request):
         return json_response(await service.tokenize(wire.decode(await read_body(request, body_limit),
@@ -164,6 +208,7 @@ def create_app(service: Service, root_path: str | None = None) -> Starlette:
         Route("/health", endpoint(health), methods=["GET"]),
         Route("/healthz", endpoint(health), methods=["GET"]),
         Route("/v1/models", endpoint(models), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", endpoint(model), methods=["GET"]),
         Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
         Route("/v1/completions", endpoint(completions), methods=["POST"]),
         Route("/tokenize", endpoint(tokenize), methods=["POST"]),
@@ -190,12 +235,29 @@ def create_app(service: Service, root_path: str | None = None) -> Starlette:
 
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.service = service
-    known = frozenset(r.path for r in routes)
     keyring = Keyring.from_settings(settings)
     open_paths = OPEN_PATHS | ({"/metrics"} if settings.get("QSE_METRICS_PUBLIC") else set())
     inner: Any = app if keyring.is_open else ApiKeys(app, keyring, open_paths)
+    origins = allowed_origins(settings)
+    if origins:
+        inner = Cors(inner, allow_origins=origins, allow_methods=CORS_METHODS, allow_headers=CORS_HEADERS,
+                     expose_headers=CORS_EXPOSED)
     root = settings.get("QSE_ROOT_PATH") if root_path is None else root_path
-    return RootPath(RequestContext(inner, service, known), root)  # type: ignore[return-value]
+    return RootPath(RequestContext(inner, service, route_labels(routes)), root)  # type: ignore[return-value]
+
+
+def route_labels(routes: list[Route]) -> Callable[[str], str]:
+    """A request's path -> its route's path (the template of a route with parameters), or "other": the request
+    metric's route label takes a few values whatever paths clients send."""
+    exact = frozenset(r.path for r in routes if not r.param_convertors)
+    templated = [r for r in routes if r.param_convertors]
+
+    def label(path: str) -> str:
+        if path in exact:
+            return path
+        return next((r.path for r in templated if r.path_regex.match(path)), "other")
+
+    return label
 
 
 def _decode_openai(body: bytes, kind: type, info: dict[str, Any]):
@@ -221,11 +283,11 @@ class AdmittedTurn:
         self.ticket = ticket
         self.is_handed_over = False  # a stream releases the ticket when it is over, not the route
 
-    def stream(self, events, headers: dict[str, str]) -> EventStream:
+    def stream(self, events, headers: dict[str, str], keepalive_s: float = 0.0) -> EventStream:
         self.is_handed_over = True
         ticket, admission = self.ticket, self.admission
         return EventStream(events, headers, on_gone=lambda: admission.end(ticket, ABORT),
-                           on_close=lambda: admission.release(ticket))
+                           on_close=lambda: admission.release(ticket), keepalive_s=keepalive_s)
 
     async def answer(self, request: Request, work: Awaitable[Any]) -> Any:
         """A non-streaming turn: a client that disconnects ends it at its next decode step (or in the queue)."""
@@ -233,6 +295,7 @@ class AdmittedTurn:
         async def watch() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
+            _info(request)["client_gone"] = True  # before the answer was done: the request event says abort
             self.admission.end(self.ticket, ABORT)
 
         watcher = asyncio.get_running_loop().create_task(watch())
@@ -255,13 +318,20 @@ async def admitted(admission: Admission, request_id: str):
 
 
 async def _note_output(chunks, plan, info: dict[str, Any]):
-    """Pass the chunks through; note the turn's outcome for the request event when they end."""
+    """Pass the chunks through; note the turn's outcome for the request event when they end. Closed before their
+    end (the client left), the finish reason is "abort", and no output count: the plan's are those it started
+    with until a choice ends (the turn's own event and the ledger count what was generated)."""
+    ended = False
     try:
         async for chunk in chunks:
             yield chunk
+        ended = True
     finally:
         await chunks.aclose()
-        info.update(output_tokens=plan.output_tokens, finish_reason=plan.finish_reason)
+        if ended:
+            info.update(output_tokens=plan.output_tokens, finish_reason=plan.finish_reason)
+        else:
+            info["finish_reason"] = ABORT
 
 
 def route_path(scope) -> str:
@@ -294,10 +364,10 @@ class RootPath:
 class RequestContext:
     """X-Request-Id in and out, the request's latency metric, and one 'request' event per request."""
 
-    def __init__(self, app, service: Service, known_routes: frozenset[str]):
+    def __init__(self, app, service: Service, route_label: Callable[[str], str]):
         self.app = app
         self.service = service
-        self.known = known_routes
+        self.route_label = route_label
 
     def __getattr__(self, name: str):
         return getattr(self.app, name)
@@ -325,12 +395,31 @@ class RequestContext:
         finally:
             seconds = time.perf_counter() - t0
             path = route_path(scope)
-            route = path if path in self.known else "other"
-            self.service.metrics.observe_request(route, status["code"], seconds)
+            self.service.metrics.observe_request(self.route_label(path), status["code"], seconds)
             client = scope.get("client")
             log.info("request", method=scope["method"], path=path, status=status["code"], ms=round(seconds * 1e3, 3),
                      client=client[0] if client else None, scheme=scope.get("scheme"),
-                     **{k: v for k, v in info.items()})
+                     outcome=outcome(info, status["code"]), **{k: v for k, v in info.items()})
+
+
+def outcome(info: dict[str, Any], status: int) -> str:
+    """The request event's outcome: "abort" where the client left before the end (streamed or not), "error"
+    for a 4xx or 5xx or a stream that ended on an error event, else "ok"."""
+    if info.get("client_gone"):
+        return ABORT
+    if status >= 400 or info.get("stream_error"):
+        return "error"
+    return "ok"
+
+
+class Cors(CORSMiddleware):
+    """Starlette's CORS middleware, with attribute reads passed on to the app below (as the other layers do)."""
+
+    def __getattr__(self, name: str):
+        app = self.__dict__.get("app")
+        if app is None:
+            raise AttributeError(name)
+        return getattr(app, name)
 
 
 class ApiKeys:

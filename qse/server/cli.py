@@ -14,7 +14,9 @@ import asyncio
 import os
 import socket
 import sys
+from collections import ChainMap
 from pathlib import Path
+from typing import Mapping
 
 import uvicorn
 
@@ -35,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", help="profile name in config/profiles, or a path to a .yaml (QSE_PROFILE)")
     p.add_argument("--grid", type=int, help="reader grid rows (QSE_SHADOW_GRID)")
     p.add_argument("--root-path", help="prefix the app is served under behind a proxy (QSE_ROOT_PATH)")
+    p.add_argument("--api-key", help="the one key every route but /health and /healthz needs (QSE_API_KEY); other "
+                   "users of the machine can read a flag in the process list: prefer the switch or --env-file")
+    p.add_argument("--allowed-origins", help="origins a browser may call the API from, comma list of "
+                   "scheme://host[:port], * for any (QSE_ALLOWED_ORIGINS; default: none, no CORS headers)")
     p.add_argument("--device", help="torch device (QSE_DEVICE)")
     p.add_argument("--dtype", help="compute dtype (QSE_DTYPE)")
     p.add_argument("--log-level", help="log level (QSE_LOG_LEVEL)")
@@ -45,6 +51,24 @@ def build_parser() -> argparse.ArgumentParser:
                    "family's built-in template)")
     p.add_argument("--env-file", type=Path, help="a serve.env file (KEY=VALUE) of QSE_* switches, checked first")
     return p
+
+
+# flags that set a switch as such: they reach every reader of the settings (the app reads these two)
+SWITCH_FLAGS = {"api_key": "QSE_API_KEY", "allowed_origins": "QSE_ALLOWED_ORIGINS"}
+
+
+def serve_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> EngineSettings:
+    """The switches qse serve runs with: `env` (the process environment by default) under the flags of
+    SWITCH_FLAGS that were given, so that a flag wins over its switch."""
+    given = {SWITCH_FLAGS[name]: value for name, value in vars(args).items()
+             if name in SWITCH_FLAGS and value is not None}
+    if given.get("QSE_API_KEY") == "":
+        raise SettingError("--api-key is empty: give the key, or leave the flag out (QSE_API_KEY)")
+    settings = EngineSettings(ChainMap(given, os.environ if env is None else env))
+    if "QSE_API_KEY" in given and settings.get("QSE_API_KEYS_FILE") is not None:
+        raise SettingError("--api-key and QSE_API_KEYS_FILE are both set: set one (the keys file holds every "
+                           "tenant's key)")
+    return settings
 
 
 def apply_env_file(path: Path) -> dict[str, str]:
@@ -201,7 +225,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     try:
         if args.env_file is not None:
             apply_env_file(args.env_file)
-        settings = SETTINGS
+        settings = serve_settings(args)
         level = args.log_level or settings.get("QSE_LOG_LEVEL")
         from .logs import configure_logging, uvicorn_log_config
 
@@ -209,6 +233,9 @@ def serve_main(argv: list[str] | None = None) -> int:
         profile = args.profile or settings.get("QSE_PROFILE")
         load_profile(profile)  # a bad profile or keys file stops qse serve before it binds or loads
         Keyring.from_settings(settings)
+        from .app import check_settings
+
+        check_settings(settings)  # the app's switches too: a bad one stops qse serve before the model loads
         grace_s = settings.get("QSE_STOP_GRACE_S")
         host = args.host or settings.get("QSE_HOST")
         port = settings.get("QSE_PORT") if args.port is None else args.port

@@ -12,10 +12,13 @@ import asyncio
 import json
 
 import httpx
+import structlog
 
 from qse.policy import Policy
 from qse.runtime.conductor import Conductor, ShadowOptions
+from qse.server.admission import Admission
 from qse.server.app import create_app
+from qse.server.errors import ApiError
 from qse.server.profiles import Profile, ShadowBlock
 from qse.server.service import Service
 from qse.settings import EngineSettings
@@ -45,8 +48,9 @@ class Call:
 
     live: list["Call"] = []  # every call of the running test (leave_all ends them)
 
-    def __init__(self, app, path: str, body: dict):
+    def __init__(self, app, path: str, body: dict, request_id: str | None = None):
         self.app, self.path, self.body = app, path, body
+        self.request_id = request_id
         self.leave = asyncio.Event()
         Call.live.append(self)
         self.status: int | None = None
@@ -76,6 +80,8 @@ class Call:
                  "scheme": "http", "path": self.path, "raw_path": self.path.encode(), "root_path": "",
                  "query_string": b"", "headers": [(b"content-type", b"application/json")],
                  "client": ("127.0.0.1", 1), "server": ("test", 80)}
+        if self.request_id is not None:
+            scope["headers"].append((b"x-request-id", self.request_id.encode()))
         await self.app(scope, receive, send)
 
     @property
@@ -120,7 +126,10 @@ async def test_past_the_queue_is_a_429_with_retry_after(tiny_engine, tmp_path):
             assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
             error = r.json()["error"]
             assert error["type"] == "rate_limit_error" and error["code"] == "server_busy"
-            assert "QSE_MAX_WAITING" in error["message"]
+            # the prior turn time (5 s) times the two turns that end before this one would run
+            assert r.headers["retry-after"] == "10"
+            assert error["message"] == ("the server is busy: 1 running and 1 waiting, the 2 it admits at once "
+                                        "(QSE_MAX_RUNNING=1 + QSE_MAX_WAITING=1); retry after 10 s")
             running.leave.set()  # the running client leaves: the waiting one runs
             await waiting.task
             assert waiting.status == 200 and json.loads(waiting.text)["usage"]["completion_tokens"] == 2
@@ -234,3 +243,65 @@ async def test_status_reads_the_sessions_while_the_engine_thread_opens_one(tiny_
     finally:
         sessions.clear()
         await conductor.stop()
+
+
+async def test_the_429_counts_every_admitted_request_as_running_or_waiting():
+    """The limit counts every admitted request: one whose prompt is still being read (not yet in the queue)
+    waits too. The message once counted only the queue ("2 run and 1 wait" of a limit of 4)."""
+    admission = Admission(max_running=2, max_waiting=2, turn_s_prior=5.0)
+    first, second = admission.admit("a"), admission.admit("b")
+    await admission.start(first)
+    await admission.start(second)
+    queued = admission.admit("c")
+    waiter = asyncio.get_running_loop().create_task(admission.start(queued))
+    await until(lambda: admission.num_waiting == 1)
+    admission.admit("d")  # admitted, its prompt not yet read: neither running nor queued
+    try:
+        admission.admit("e")
+        raise AssertionError("a fifth request was admitted past QSE_MAX_RUNNING + QSE_MAX_WAITING = 4")
+    except ApiError as exc:
+        busy = exc
+    # 5 s a turn, three turns to end before it would run (c's and d's), over two slots: ceil(7.5)
+    assert busy.status == 429 and busy.headers == {"retry-after": "8"}
+    assert busy.message == ("the server is busy: 2 running and 2 waiting, the 4 it admits at once "
+                            "(QSE_MAX_RUNNING=2 + QSE_MAX_WAITING=2); retry after 8 s")
+    admission.release(first)  # the queued one runs; one place is free
+    await waiter
+    assert (admission.num_running, admission.num_waiting, len(admission.live)) == (2, 0, 3)
+    assert admission.admit("e").request_id == "e"
+
+
+def request_events(logs: list[dict]) -> dict[str, dict]:
+    return {e["request_id"]: e for e in logs if e["event"] == "request"}
+
+
+async def test_the_request_event_says_abort_for_a_client_that_left(tiny_engine, tmp_path):
+    """A client that leaves mid-stream, or before its answer is done: the request event's outcome and finish
+    reason are "abort"; a stream read to its end is "ok" with the turn's own finish reason."""
+    service = make_service(tiny_engine, tmp_path, QSE_MAX_RUNNING="1")
+    await service.start()
+    app = create_app(service)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            streamed = Call(app, "/v1/chat/completions", chat(service.model_name, 50_000, stream=True), "left-stream")
+            await until(lambda: streamed.text.count("data: ") >= 2)  # mid-stream: the role's chunk, then text
+            streamed.leave.set()
+            await streamed.task
+            answer = Call(app, "/v1/chat/completions", chat(service.model_name, 50_000), "left-answer")
+            await until(lambda: service.conductor.status()["running"])
+            answer.leave.set()
+            await answer.task
+            whole = Call(app, "/v1/chat/completions", chat(service.model_name, 2, stream=True), "read-all")
+            await whole.task
+        events = request_events(logs)
+        left = events["left-stream"]
+        assert (left["outcome"], left["finish_reason"], left["client_gone"]) == ("abort", "abort", True)
+        assert left["status"] == 200 and "output_tokens" not in left  # the turn's own event counts them
+        assert "data: [DONE]" not in streamed.text
+        assert (events["left-answer"]["outcome"], events["left-answer"]["finish_reason"]) == ("abort", "abort")
+        read = events["read-all"]
+        assert (read["outcome"], read["finish_reason"], read["output_tokens"]) == ("ok", "length", 2)
+        assert "client_gone" not in read and whole.text.endswith("data: [DONE]\n\n")
+    finally:
+        Call.leave_all()
+        await service.stop()

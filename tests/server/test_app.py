@@ -110,7 +110,7 @@ def sse_events(raw: bytes) -> list:
     """A strict SSE parse: every frame one `data: ` line and a blank line; [DONE] last."""
     text = raw.decode()
     assert text.endswith("\n\n")
-    frames = text[:-2].split("\n\n")
+    frames = [f for f in text[:-2].split("\n\n") if f != ": keep-alive"]  # (a client skips comments)
     assert all(f.startswith("data: ") and "\n" not in f for f in frames), frames
     assert frames[-1] == "data: [DONE]"
     return [json.loads(f[len("data: "):]) for f in frames[:-1]]
@@ -464,3 +464,94 @@ async def test_a_turn_out_of_device_memory_is_a_503_and_the_next_one_is_served(t
         r = await client.post("/v1/chat/completions", json=payload, headers=headers)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 3
+
+
+ORIGIN = "https://app.example.com"
+
+
+def preflight(origin: str = ORIGIN, headers: str = "authorization, content-type, x-session-id") -> dict[str, str]:
+    return {"Origin": origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": headers}
+
+
+async def test_cors_answers_the_allowed_origins_and_a_preflight_needs_no_key(tiny_engine, tmp_path):
+    service = scripted_service(tiny_engine, tmp_path, QSE_API_KEY="k-123",
+                               QSE_ALLOWED_ORIGINS=f"{ORIGIN}, http://localhost:5173")
+    key = {"Authorization": "Bearer k-123"}
+    async with serving(service) as client:  # no key but where a request names it
+        r = await client.options("/v1/chat/completions", headers=preflight())
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+        assert set(r.headers["access-control-allow-methods"].split(", ")) == {"GET", "POST", "OPTIONS"}
+        allowed = {h.lower() for h in r.headers["access-control-allow-headers"].split(", ")}
+        assert {"authorization", "content-type", "x-session-id", "x-request-id", "x-router-class"} <= allowed
+        r = await client.post("/v1/chat/completions", headers={**key, "Origin": "http://localhost:5173",
+                                                               "X-Session-Id": "page-1"},
+                              json=body("scripted", max_tokens=3))
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:5173"
+        exposed = {h.lower() for h in r.headers["access-control-expose-headers"].split(", ")}
+        assert exposed == {"x-session-id", "x-request-id"} and r.headers["x-session-id"] == "page-1"
+        # a 401 carries the headers too: the page can read why it was refused
+        r = await client.get("/v1/models", headers={"Origin": ORIGIN})
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == ORIGIN
+        # an origin not in the list gets none, and its preflight is refused
+        r = await client.get("/v1/models", headers={**key, "Origin": "https://elsewhere.example"})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+        r = await client.options("/v1/chat/completions", headers=preflight("https://elsewhere.example"))
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+
+
+async def test_without_allowed_origins_there_are_no_cors_headers_and_any_origin_with_a_star(tiny_engine, tmp_path):
+    async with serving(scripted_service(tiny_engine, tmp_path)) as client:
+        r = await client.get("/v1/models", headers={"Origin": ORIGIN})
+        assert r.status_code == 200 and not [h for h in r.headers if h.startswith("access-control-")]
+        r = await client.options("/v1/chat/completions", headers=preflight())
+        assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+    async with serving(scripted_service(tiny_engine, tmp_path, QSE_ALLOWED_ORIGINS="*")) as client:
+        r = await client.get("/v1/models", headers={"Origin": "http://any.example:8080"})
+        assert r.headers["access-control-allow-origin"] == "*"
+
+
+@pytest.mark.parametrize("origins, bad", [("https://app.example.com/", "https://app.example.com/"),
+                                          ("https://a.example, app.example.com", "app.example.com")],
+                         ids=["trailing-slash", "no-scheme"])
+def test_a_bad_origin_is_refused_when_the_app_is_built_naming_it(tiny_engine, tmp_path, origins, bad):
+    from qse.settings import SettingError
+
+    service = scripted_service(tiny_engine, tmp_path, QSE_ALLOWED_ORIGINS=origins)
+    with pytest.raises(SettingError, match=re.escape(f"{bad!r} is not an origin; expected scheme://host[:port]")):
+        create_app(service)
+
+
+async def test_a_model_card_by_id_and_a_404_naming_the_served_names(tiny_engine, tmp_path):
+    ids = tiny_engine.chat.tokenizer.encode("hello")
+    service = Service(ScriptedConductor(ids), tiny_engine.chat, "scripted", Profile(shadow=ShadowBlock(mode="off")),
+                      settings_for(tmp_path), served_names=["org/model-a", "alias"])
+    async with serving(service) as client:
+        listed = {card["id"]: card for card in (await client.get("/v1/models")).json()["data"]}
+        for name in ("org/model-a", "alias"):  # an id with a "/" is one id
+            r = await client.get(f"/v1/models/{name}")
+            assert r.status_code == 200 and r.json() == listed[name]
+        assert (await client.get("/v1/models/org%2Fmodel-a")).json() == listed["org/model-a"]
+        r = await client.get("/v1/models/org/nope")
+        assert r.status_code == 404
+        error = r.json()["error"]
+        assert error["code"] == "model_not_found" and set(error) == {"message", "type", "param", "code"}
+        assert "'org/nope'" in error["message"] and "['org/model-a', 'alias']" in error["message"]
+        # the request metric's route is the template, not each id a client sends
+        text = (await client.get("/metrics")).text
+        assert 'route="/v1/models/{model_id:path}"' in text and "org/nope" not in text
+
+
+async def test_an_unexpected_error_in_a_route_is_a_json_500_naming_the_request(tiny_engine, tmp_path, monkeypatch):
+    service = scripted_service(tiny_engine, tmp_path)
+
+    async def tokenize(req):
+        raise RuntimeError("a bug, with /private/paths in its text")
+
+    monkeypatch.setattr(service, "tokenize", tokenize)
+    async with serving(service) as client:
+        r = await client.post("/tokenize", headers={"X-Request-Id": "req-500"}, json={"prompt": "hi"})
+        assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+        error = r.json()["error"]
+        assert error["code"] == "internal_error" and error["type"] == "server_error"
+        assert "req-500" in error["message"] and "private" not in error["message"]
+        assert (await client.get("/v1/models")).status_code == 200  # and the server goes on serving

@@ -1,15 +1,21 @@
 """`qse serve`'s wiring: one Engine when the reader reads the served weights, no reader when the profile says
-off, and a serve.env that fills only what the environment leaves unset."""
+off, a serve.env that fills only what the environment leaves unset, and the flags that win over their switches
+(--api-key, --allowed-origins)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 
+import httpx
 import pytest
 
-from qse.server.cli import apply_env_file, build_service
-from qse.settings import EngineSettings
+from qse.server.cli import apply_env_file, build_parser, build_service, serve_main, serve_settings
+from qse.server.profiles import Profile, ShadowBlock
+from qse.server.service import Service
+from qse.settings import EngineSettings, SettingError
+from test_app import ScriptedConductor, serving
 
 
 def test_the_reader_reuses_the_served_engine(cache_dir, tmp_path):
@@ -97,3 +103,64 @@ async def test_a_fine_tune_serves_with_its_own_tokenizer_template_and_defaults(f
             assert choice["finish_reason"] == "stop" and isinstance(json.loads(choice["message"]["content"]), dict)
     finally:
         await service.stop()
+
+
+def test_the_api_key_and_origins_flags_win_over_their_switches():
+    env = {"QSE_API_KEY": "k-env", "QSE_ALLOWED_ORIGINS": "https://env.example"}
+    flagged = serve_settings(build_parser().parse_args(["--api-key", "k-flag", "--allowed-origins",
+                                                        "https://flag.example"]), env)
+    assert flagged.get("QSE_API_KEY") == "k-flag" and flagged.get("QSE_ALLOWED_ORIGINS") == "https://flag.example"
+    plain = serve_settings(build_parser().parse_args([]), env)
+    assert plain.get("QSE_API_KEY") == "k-env" and plain.get("QSE_ALLOWED_ORIGINS") == "https://env.example"
+    assert env == {"QSE_API_KEY": "k-env", "QSE_ALLOWED_ORIGINS": "https://env.example"}  # the flags overlay it
+
+
+async def test_a_server_built_with_the_api_key_flag_needs_that_key(tiny_engine, tmp_path):
+    args = build_parser().parse_args(["--api-key", "k-flag"])
+    settings = serve_settings(args, {"QSE_API_KEY": "k-env", "QSE_CACHE_DIR": str(tmp_path),
+                                     "QSE_LEDGER": str(tmp_path / "usage.jsonl")})
+    service = Service(ScriptedConductor(tiny_engine.chat.tokenizer.encode("hi")), tiny_engine.chat, "scripted",
+                      Profile(shadow=ShadowBlock(mode="off")), settings)
+    async with serving(service) as client:
+        for headers in ({}, {"Authorization": "Bearer k-env"}):
+            r = await client.get("/v1/models", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = await client.get("/v1/models", headers={"Authorization": "Bearer k-flag"})
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == "scripted"
+
+
+def test_an_empty_api_key_flag_or_one_beside_a_keys_file_is_refused(tmp_path, capsys):
+    assert serve_main(["--api-key", ""]) == 2  # an unset variable in `--api-key "$KEY"` must not open the server
+    assert capsys.readouterr().err == ("qse serve: error: --api-key is empty: give the key, or leave the flag out "
+                                       "(QSE_API_KEY)\n")
+    keys = tmp_path / "keys"
+    keys.write_text("team k-team\n")
+    with pytest.raises(SettingError, match="--api-key and QSE_API_KEYS_FILE are both set"):
+        serve_settings(build_parser().parse_args(["--api-key", "k"]), {"QSE_API_KEYS_FILE": str(keys)})
+
+
+def test_a_bad_allowed_origin_stops_qse_serve_before_it_binds(monkeypatch, capsys):
+    monkeypatch.setattr("qse.server.logs.configure_logging", lambda level: None)  # this process's logging stays
+    monkeypatch.setattr("qse.server.cli.bind_socket", lambda host, port: pytest.fail("bound a port"))
+    for name in ("QSE_API_KEY", "QSE_API_KEYS_FILE", "QSE_ALLOWED_ORIGINS"):
+        monkeypatch.delenv(name, raising=False)
+    assert serve_main(["--allowed-origins", "https://app.example.com, app.example.com"]) == 2
+    assert "'app.example.com' is not an origin; expected scheme://host[:port]" in capsys.readouterr().err
+
+
+def test_qse_serve_takes_the_api_key_and_origins_flags(launcher, tmp_path):
+    """The flags through the real `qse serve`: the key the flag gives guards the routes, and a browser's
+    preflight is answered without one."""
+    srv = launcher.start(tmp_path, ["--api-key", "k-flag", "--allowed-origins", "https://app.example.com"],
+                         QSE_API_KEY="k-env")
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as http:
+            assert http.get("/v1/models", headers={"Authorization": "Bearer k-env"}).status_code == 401
+            r = http.get("/v1/models", headers={"Authorization": "Bearer k-flag", "Origin": "https://app.example.com"})
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example.com"
+            r = http.options("/v1/chat/completions", headers={
+                "Origin": "https://app.example.com", "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type"})
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example.com"
+    finally:
+        assert launcher.stop(srv) in (0, -signal.SIGTERM)  # a drained stop raises the signal again

@@ -19,8 +19,9 @@ TOOLS = [{"type": "function", "function": {
 
 
 def sse(raw: bytes) -> list:
-    """A raw SSE parser: frames split on blank lines, `data: ` lines, [DONE] last."""
-    frames = [f for f in raw.decode().split("\n\n") if f]
+    """A raw SSE parser: frames split on blank lines, `data: ` lines, [DONE] last (keep-alive comments, which
+    an idle stream gets on a loaded machine, skipped as a client skips them)."""
+    frames = [f for f in raw.decode().split("\n\n") if f and f != ": keep-alive"]
     assert frames[-1] == "data: [DONE]", frames[-1]
     events = []
     for f in frames[:-1]:
