@@ -109,15 +109,19 @@ def invariant_ops() -> SimpleNamespace:
     return ops
 
 
-def kernel_fingerprint() -> str:
-    """sha256 over the kernel sources and the Triton version: state written by one build is read only by
-    the same build (the disk tier keeps it in each file)."""
+def kernel_fingerprint(ops: str = "triton") -> str:
+    """sha256 over the sources of the kernels op set `ops` runs, and the Triton version where it runs
+    Triton: state written by one build is read only by the same build (the disk tier keeps it in each file).
+    The naive twins' state depends on their source and torch alone: installing or upgrading Triton (the
+    test extras do) must not refuse the sessions a CPU server saved."""
     digest = hashlib.sha256()
     here = Path(__file__).parent
-    for name in KERNEL_MODULES:
+    # the Triton op sets call the naive twins too (cuBLAS's GEMM through torch)
+    for name in ("naive",) if ops == "naive" else ("naive", *KERNEL_MODULES):
         digest.update(name.encode() + b"\0")
         digest.update((here / f"{name}.py").read_bytes())
-    digest.update(b"triton\0" + str(triton_version()).encode())
+    if ops != "naive":
+        digest.update(b"triton\0" + str(triton_version()).encode())
     return digest.hexdigest()
 
 

@@ -97,15 +97,17 @@ class Fingerprint:
 
 
 def kernel_fingerprint(device: torch.device, ops: str | None = None, model: object | None = None) -> str:
-    """qse_kernels' fingerprint when it offers one, the op set the engine runs (naive or triton), the
-    source of the model's forward (which ops it calls on what: a fused projection rounds unlike its parts),
-    the torch build and the device model: a state continues exactly only on the same arithmetic."""
+    """What decides a state's bits, and nothing else: the sources of the kernels the op set runs (and Triton's
+    version where it runs Triton), the op set (naive, triton, invariant), the source of the model's forward
+    (which ops it calls on what: a fused projection rounds unlike its parts), the torch build and the device
+    model, or on a CPU the vector capability torch's kernels use (AVX-512 rounds unlike AVX2): a state
+    continues exactly only on the same arithmetic."""
     import inspect
 
     import qse_kernels
 
     fn = getattr(qse_kernels, "kernel_fingerprint", None)
-    base = str(fn()) if callable(fn) else "qse_kernels:unversioned"
+    base = str(fn(ops or "naive")) if callable(fn) else "qse_kernels:unversioned"
     if model is not None:
         source = inspect.getsourcefile(type(model))
         digest = hashlib.sha256(Path(source).read_bytes()).hexdigest()[:16] if source else "unknown"
@@ -113,6 +115,8 @@ def kernel_fingerprint(device: torch.device, ops: str | None = None, model: obje
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         where = f"cuda:{torch.cuda.get_device_name(device)}:sm{major}{minor}"
+    elif device.type == "cpu":
+        where = f"cpu:{torch.backends.cpu.get_cpu_capability()}"
     else:
         where = device.type
     return f"{base}|ops-{ops or 'naive'}|torch-{torch.__version__}|{where}"
