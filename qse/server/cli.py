@@ -216,6 +216,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def serve_url(host: str, port: int, root_path: str = "") -> str:
+    """The URL a client on this machine reaches the server at (an any-address bind: through loopback)."""
+    shown = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(host, f"[{host}]" if ":" in host else host)
+    return f"http://{shown}:{port}{root_path.rstrip('/')}"
+
+
 class ServeError(Exception):
     """qse serve cannot start: one line for the user."""
 
@@ -243,6 +249,12 @@ def serve_main(argv: list[str] | None = None) -> int:
     except (ProfileError, SettingError, ServeError, ValueError, FileNotFoundError) as exc:
         sys.stderr.write(f"qse serve: error: {exc}\n")
         return 2
+    url = serve_url(host, sock.getsockname()[1], args.root_path if args.root_path is not None
+                    else settings.get("QSE_ROOT_PATH"))
+    # one plain line a person reads first (the JSON log events follow); port 0 names the port it got
+    sys.stderr.write(f"qse serve: listening on {url} (OpenAI base URL {url}/v1); the model loads now, "
+                     f"{url}/health answers 200 once it is ready\n")
+    sys.stderr.flush()
 
     from .app import LoadingApp
 

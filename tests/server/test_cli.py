@@ -11,7 +11,7 @@ import signal
 import httpx
 import pytest
 
-from qse.server.cli import apply_env_file, build_parser, build_service, serve_main, serve_settings
+from qse.server.cli import apply_env_file, build_parser, build_service, serve_main, serve_settings, serve_url
 from qse.server.profiles import Profile, ShadowBlock
 from qse.server.service import Service
 from qse.settings import EngineSettings, SettingError
@@ -164,3 +164,23 @@ def test_qse_serve_takes_the_api_key_and_origins_flags(launcher, tmp_path):
             assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example.com"
     finally:
         assert launcher.stop(srv) in (0, -signal.SIGTERM)  # a drained stop raises the signal again
+
+
+@pytest.mark.parametrize("host,port,root,url", [
+    ("127.0.0.1", 8000, "", "http://127.0.0.1:8000"),
+    ("0.0.0.0", 8001, "/qse/", "http://127.0.0.1:8001/qse"),
+    ("::", 9000, "", "http://[::1]:9000"),
+    ("fe80::1", 9000, "/p", "http://[fe80::1]:9000/p"),
+], ids=["loopback", "any-address-root-path", "any-v6", "v6"])
+def test_the_url_qse_serve_prints(host, port, root, url):
+    assert serve_url(host, port, root) == url
+
+
+def test_qse_serve_prints_the_url_it_listens_on(launcher, tmp_path):
+    srv = launcher.start(tmp_path)
+    try:
+        port = srv.url.rsplit(":", 1)[1]
+        line = next(line for line in srv.log_path.read_text().splitlines() if line.startswith("qse serve: listening"))
+        assert f"http://127.0.0.1:{port}/qse (OpenAI base URL http://127.0.0.1:{port}/qse/v1)" in line
+    finally:
+        launcher.stop(srv)
