@@ -837,6 +837,10 @@ def tenant_view(status: dict[str, Any], tenant: Tenant) -> dict[str, Any]:
     if "sessions" in out and "backlog" in out:
         out["backlog"] = sum(s["backlog"] for s in out["sessions"])
     out["narrations"] = {tenant.shown(sid): n for sid, n in out.get("narrations", {}).items() if tenant.owns(sid)}
+    narrator = out.get("narrator")
+    if isinstance(narrator, dict) and isinstance(narrator.get("recent"), list):  # (session, request id, text)
+        out["narrator"] = {**narrator, "recent": [{**n, "session_id": tenant.shown(n["session_id"])}
+                                                  for n in narrator["recent"] if tenant.owns(n["session_id"])]}
     if not tenant.sees_all:
         out["running"] = bool(out.get("running"))  # whether a request runs, not whose
     return out

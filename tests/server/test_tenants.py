@@ -251,3 +251,22 @@ def test_tenants_through_a_real_server(launcher, tmp_path):
             client.close()
         launcher.stop(srv)
     assert not any(k in srv.log_path.read_text() for k in KEYS.values())
+
+
+def test_the_status_shows_a_tenant_only_its_own_narrations():
+    """The live narrator's recent summaries carry a session, a request id and the thought's summary: a tenant
+    sees only its own, under its own ids; admin sees every one."""
+    from qse.server.service import tenant_view
+
+    def entry(session, request, text):
+        return {"session_id": session, "request_id": request, "text": text, "tokens": 3, "position": 64,
+                "gpu_ms": 1.0, "live": True}
+
+    status = {"sessions": [], "narrations": {}, "running": True,
+              "narrator": {"following": 0, "live": 2, "missed": 0, "summary_est_ms": 1.0,
+                           "recent": [entry("alice/s1", "req-a", "alice's plan"), entry("bob/s2", "req-b", "bob's")]}}
+    alice = tenant_view(status, Tenant("alice"))["narrator"]
+    assert alice["recent"] == [entry("s1", "req-a", "alice's plan")]
+    assert alice["live"] == 2 and status["narrator"]["recent"][1]["session_id"] == "bob/s2"  # the status is kept
+    assert [n["session_id"] for n in tenant_view(status, Tenant("admin"))["narrator"]["recent"]] == ["alice/s1",
+                                                                                                  "bob/s2"]
