@@ -88,6 +88,10 @@ class GenerateRequest:
     # the live narrator (the profile's narrator on): called on the event loop with the summary of this turn's
     # thought, while the turn runs (qse/runtime/narrator.py); None: the turn is not narrated
     narrate: Callable[[Narration], None] | None = None
+    # asked on the event loop before every round: why the turn must end now (the server's ticket: "abort" for a
+    # client that left, "shutdown" past a stop's grace), or None. A turn whose consumer waits for its first
+    # token cannot close the generator, and a long prompt read on for a client long gone (79k ids: 53 s)
+    ended: Callable[[], str | None] | None = None
 
 
 @dataclass
@@ -168,6 +172,13 @@ class _Running:
     in_flight: int = 0  # ids launched and not read back yet (0 or 1: a round launched ahead)
     last_round_s: float = float("-inf")  # when its last round was planned or its first token came (the yield)
     closed: bool = False  # the consumer left: end at the next round
+
+    def departed(self) -> str | None:
+        """Why the turn ends at the next round, if it does: its consumer closed it, or its request ended."""
+        if self.closed:
+            return "abort"
+        ended = self.turn.req.ended
+        return ended() if ended is not None else None
 
     def running(self) -> RunningView:
         """As the round planner sees a running turn: the ids it has and those in flight stay under max_tokens
@@ -470,12 +481,12 @@ class Conductor:
 
     async def _drop_departed(self) -> None:
         """Turns whose clients left end now: queued ones unstarted, the others with their slots freed."""
-        for entry in [e for e in self._waiting if e.closed]:
+        for entry in [e for e in self._waiting if e.departed()]:
             self._waiting.remove(entry)
-            entry.turn.finish = "abort"
+            entry.turn.finish = entry.departed()
             await self._end(entry, started=False)
-        for entry in [e for e in self._reading + self._running if e.closed]:
-            entry.turn.finish = "abort"
+        for entry in [e for e in self._reading + self._running if e.departed()]:
+            entry.turn.finish = entry.departed()
             await self._end(entry)
 
     async def _prefetch_waiting(self) -> list:
@@ -499,8 +510,8 @@ class Conductor:
         """The turn opens: the reader learns the prompt, the served session reuses what it holds and reserves a
         slot; its prompt is read by the next rounds."""
         turn, req = entry.turn, entry.turn.req
-        if entry.closed:  # the client left while it waited
-            turn.finish = "abort"
+        if entry.departed():  # the client left while it waited
+            turn.finish = entry.departed()
             await self._end(entry, started=False)
             return
         if self._stopped:

@@ -378,6 +378,8 @@ class Service:
                               request_id=plan.request_id, router_label=plan.router_label,
                               narrate=self._narrated(plan) if self.profile.shadow.narrator == "on" else None)
         ticket = plan.ticket
+        if ticket is not None:  # a client that leaves before its first token ends the turn at the next round
+            req.ended = lambda: ticket.ended
         plan.finish_reason = ABORT  # stays so if the consumer closes this before the end (a client that left)
         if ticket is not None:
             await self.admission.start(ticket)

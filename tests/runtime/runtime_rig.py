@@ -159,6 +159,9 @@ class Rig:
         req = GenerateRequest(prompt_ids=prompt, max_tokens=max_tokens, session_id=session)
         if request_id is not None:
             req.request_id = request_id
+        return await self.turn_request(req)
+
+    async def turn_request(self, req: GenerateRequest) -> list[int]:
         return [t async for t in self.conductor.generate(req)]
 
 

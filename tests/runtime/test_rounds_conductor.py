@@ -286,3 +286,23 @@ async def test_a_grammar_id_in_flight_is_taken_when_a_logprobs_turn_makes_the_ro
 
 async def _collect(gen) -> list[int]:
     return [t async for t in gen]
+
+
+async def test_a_request_that_ends_while_its_prompt_is_read_ends_at_the_next_round(make_rig):
+    """A client that leaves before its first token cannot close the generator it waits on: the request's own
+    `ended` says so, and the turn ends at the next round instead of reading the rest of its prompt; its slot is
+    free and the record says abort."""
+    rig = make_rig(max_running=2, served_grid=GRID, round_token_budget=GRID)  # one chunk a round: 8 rounds
+    c = rig.conductor
+    why = {"ended": None}
+    req = GenerateRequest(prompt_ids=prompt_ids(8 * GRID + 5, start=21000), max_tokens=4, session_id="gone",
+                          ended=lambda: why["ended"])
+    hold = rig.probe.hold("prefill", 2)  # the second chunk of the prompt
+    task = asyncio.create_task(rig.turn_request(req))
+    await hold.entered
+    why["ended"] = "abort"  # the client left (the server's ticket ended)
+    hold.release.set()
+    assert await task == []
+    assert len(rig.probe.of("prefill")) <= 3  # at most the chunk a launched round had begun, never all 8
+    assert [(r.session_id, r.finish_reason, r.output_tokens) for r in rig.records] == [("gone", "abort", 0)]
+    assert c.serving.rounds.num_free == 2 and not c.serving.book.get("gone").pinned
