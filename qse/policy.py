@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .core.sizing import FIXED_KV_POOL_GB
 from .settings import REGISTRY, EngineSettings
 
 
@@ -49,7 +50,7 @@ class Policy:
     # the served model
     kernels: str = _from("QSE_KERNELS")
     served_graphs: bool = _from("QSE_SERVED_GRAPHS")
-    served_kv_gb: float = _from("QSE_SERVED_KV_GB")
+    served_kv_gb: float = _from("QSE_SERVED_KV_GB")  # 0 (auto): FIXED_KV_POOL_GB unless sized (__post_init__)
     served_grid: int = _from("QSE_SERVED_GRID")
     served_chunk_group: int = _from("QSE_SERVED_CHUNK_GROUP")  # a prompt's grid chunks one launch may read
     max_running: int = _from("QSE_MAX_RUNNING")
@@ -62,6 +63,13 @@ class Policy:
     # where the router's journal goes (shadow.jsonl); None: no journal. from_settings: QSE_SHADOW_DIR, else
     # <cache>/shadow
     journal_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        # QSE_SERVED_KV_GB 0 is auto: the entry point that measures the device sizes the pool and hands down a
+        # policy with the size (qse serve's build_service, on a GPU: qse/core/sizing.py); a policy handed down
+        # unsized (a CPU, a benchmark, a test) holds the fixed size
+        if self.served_kv_gb == 0:
+            object.__setattr__(self, "served_kv_gb", FIXED_KV_POOL_GB)
 
     @classmethod
     def from_settings(cls, settings: EngineSettings, **overrides: Any) -> "Policy":

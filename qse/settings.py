@@ -74,6 +74,7 @@ _DECLARED: list[Setting] = [
             "small model); empty: no reader (nothing of it is loaded)"),
     Setting("QSE_SHADOW_LOAD", str, "idle", "when the reader loads: idle (the first idle window after the start: the server answers at once) or start (before the server answers)"),
     Setting("QSE_DEVICE_MEMORY_GB", float, 0.0, "memory the roles' claims (weights and pools) are admitted against, GiB; 0: the GPU's free memory, or the machine's memory on a CPU"),
+    Setting("QSE_GPU_MEMORY_UTILIZATION", float, 0.9, "share of the GPU's total memory qse may use, in (0, 1] (vLLM's gpu-memory-utilization): what the served model's KV pool and session cache are sized from when QSE_SERVED_KV_GB / QSE_SERVED_CACHE_GB are 0"),
     Setting("QSE_SHADOW_DIR", Path, None, "root of the shadow journal (shadow.jsonl); default: <cache>/shadow"),
     Setting("QSE_SHADOW_GB", float, 4.0, "cap on resident reader state, GiB (KV, recurrent, conv, checkpoints)"),
     Setting("QSE_SHADOW_GRID", int, 512, "rows per grid chunk: state advances only in whole chunks at k x grid"),
@@ -90,8 +91,8 @@ _DECLARED: list[Setting] = [
     Setting("QSE_SHADOW_LOOKAHEAD", int, 1, "grid chunks the reader launches ahead of the one it reads back (0: one at a time; 1 hides the host's launch)"),
     Setting("QSE_SHADOW_LAUNCH_LEAD_MS", float, 1.0, "in the idle window, launch the next chunk only this long before the one in flight should end (an arriving request waits at most one chunk and this)"),
     Setting("QSE_SERVED_GRAPHS", bool, True, "decode the served model under a CUDA graph on cuda devices with triton kernels"),
-    Setting("QSE_SERVED_KV_GB", float, 8.0, "the served model's paged KV pool (its sessions' KV pages and a turn's rows), GiB"),
-    Setting("QSE_SERVED_CACHE_GB", float, 6.0, "cap on resident served-session state, GiB (KV, GDN state, checkpoints); past it the least recently fed go to the host tier"),
+    Setting("QSE_SERVED_KV_GB", float, 0.0, "the served model's paged KV pool (its sessions' KV pages and a turn's rows), GiB; 0: auto, sized at start on a GPU from QSE_GPU_MEMORY_UTILIZATION of its memory less what is in use, the weights, the reader's claim, the decode slots and the activations (60 % of what is left; 8 on a CPU)"),
+    Setting("QSE_SERVED_CACHE_GB", float, 0.0, "cap on resident served-session state, GiB (KV, GDN state, checkpoints); past it the least recently fed go to the host tier; 0: auto, sized with QSE_SERVED_KV_GB (the other 40 %; 6 on a CPU)"),
     Setting("QSE_SERVED_CHUNK_GROUP", int, 1, "grid chunks of one prompt a launch may read together on the graph path (a power of two; the same bits as one at a time): one chunk's later layers run beside the next one's earlier layers, so a prompt is read faster where one chunk leaves the device part idle (1: one chunk a launch)"),
     Setting("QSE_SERVED_GRID", int, 512, "rows per grid chunk of the served sessions: a turn reuses state up to the last line below the common prefix"),
     Setting("QSE_HOST_CACHE_GB", float, 8.0, "pinned host memory for sessions moved off the device (served and reader, each its own), GiB; past it the oldest go to disk; 0: no host tier"),
@@ -136,9 +137,20 @@ REGISTRY: dict[str, Setting] = {s.name: s for s in _DECLARED}
 class EngineSettings:
     """Typed reads of the registry over one mapping (the process environment by default)."""
 
-    def __init__(self, env: Mapping[str, str] | None = None, prefix: str = "QSE_"):
+    def __init__(self, env: Mapping[str, str] | None = None, prefix: str = "QSE_",
+                 decided: Mapping[str, Any] | None = None):
+        """decided: values by name, already typed, that stand in for what `env` says (with_decided)."""
         self._env = env
         self._prefix = prefix
+        self._decided = dict(decided or {})
+
+    def with_decided(self, values: Mapping[str, Any]) -> "EngineSettings":
+        """These settings with `values` (by name, typed) in place of the switches': what an entry point decided at
+        start (qse serve's auto-sized served memory) reaching every reader of the settings it hands on."""
+        unknown = sorted(set(values) - set(REGISTRY))
+        if unknown:
+            raise SettingError(f"unknown setting {unknown[0]!r}; `qse settings` lists the known ones")
+        return EngineSettings(self._env, self._prefix, {**self._decided, **values})
 
     def _lookup(self, name: str) -> str | None:
         env = os.environ if self._env is None else self._env
@@ -149,6 +161,8 @@ class EngineSettings:
         setting = REGISTRY.get(name)
         if setting is None:
             raise SettingError(f"unknown setting {name!r}; `qse settings` lists the known ones")
+        if name in self._decided:
+            return self._decided[name]
         raw = self._lookup(name)
         if raw is None or raw == "":
             return setting.default if raw is None or setting.kind is not str else ""

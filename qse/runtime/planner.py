@@ -63,11 +63,25 @@ class DeviceMemory:
     def where(self) -> str:
         return str(self.device)
 
+    @property
+    def is_gpu(self) -> bool:
+        return getattr(self.device, "type", str(self.device)) == "cuda"
+
+    def total_and_free(self) -> tuple[int, int] | None:
+        """The GPU's own total and free memory, bytes (the budget not applied); None on a CPU, which has no
+        device memory to size pools from."""
+        if not self.is_gpu:
+            return None
+        import torch
+
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total, free
+
     def free_and_drawn(self) -> tuple[int, int]:
-        if getattr(self.device, "type", str(self.device)) == "cuda":
+        if self.is_gpu:
             import torch
 
-            free, total = torch.cuda.mem_get_info(self.device)
+            total, free = self.total_and_free()
             if self.budget_nbytes:  # a budget below the device's memory: what is left of it
                 free = min(free, self.budget_nbytes - (total - free))
             return free, torch.cuda.memory_reserved(self.device)
@@ -112,12 +126,15 @@ class ResidencyPlanner:
     """The roles' book (core.Residency) and the one actor that loads and releases them."""
 
     def __init__(self, conductor: Any, memory: DeviceMemory, served: Claim, reader: RoleLoader | None = None,
-                 narrator: bool = False, on_reader: Callable[[Any], None] | None = None):
+                 narrator: bool = False, on_reader: Callable[[Any], None] | None = None,
+                 served_memory: dict[str, Any] | None = None):
         """served: the served model's claim (it is loaded before the planner exists); reader: its loader, None
         for no reader; narrator: the profile's narrator is on (it decodes on the reader's weights and forks);
-        on_reader(reader or None): told when the reader comes and goes (the service's view of its store)."""
+        on_reader(reader or None): told when the reader comes and goes (the service's view of its store);
+        served_memory: how the served model's pools were sized at start (core.sizing's report), for the status."""
         self.conductor = conductor
         self.memory = memory
+        self.served_memory = served_memory
         self.book = Residency()
         self.book.plan(served, RoleState.LOADED)
         self.reader_loader = reader
@@ -266,8 +283,11 @@ class ResidencyPlanner:
     # ---- status ------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         free, drawn = self.memory.free_and_drawn()
-        return {"device": self.memory.where, "free_bytes": free, "drawn_bytes": drawn,
-                "budget_bytes": self.memory.budget_nbytes or None, "roles": self.book.view()}
+        out = {"device": self.memory.where, "free_bytes": free, "drawn_bytes": drawn,
+               "budget_bytes": self.memory.budget_nbytes or None, "roles": self.book.view()}
+        if self.served_memory is not None:
+            out["served_memory"] = self.served_memory
+        return out
 
 
 def _free_device_memory(device: Any) -> None:

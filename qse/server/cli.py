@@ -18,8 +18,10 @@ from collections import ChainMap
 from pathlib import Path
 from typing import Mapping
 
+import structlog
 import uvicorn
 
+from ..core.sizing import ServedMemory, check_size, check_utilization
 from ..settings import SETTINGS, EngineSettings, SettingError, load_env_file
 from .profiles import ProfileError, load_profile
 from .service import Service
@@ -81,6 +83,17 @@ def apply_env_file(path: Path) -> dict[str, str]:
     return applied
 
 
+log = structlog.get_logger("qse.serve")
+
+
+def check_memory_switches(settings: EngineSettings) -> None:
+    """QSE_GPU_MEMORY_UTILIZATION in (0, 1], QSE_SERVED_KV_GB and QSE_SERVED_CACHE_GB 0 (auto) or a size: a bad
+    one stops qse serve before it binds or loads, naming the switch and its value."""
+    check_utilization(settings.get("QSE_GPU_MEMORY_UTILIZATION"))
+    for name in ("QSE_SERVED_KV_GB", "QSE_SERVED_CACHE_GB"):
+        check_size(name, settings.get(name))
+
+
 def build_service(model: str = "", shadow_model: str | None = None, profile: str = "default", grid: int | None = None,
                   device: str = "auto", dtype: str = "auto", settings: EngineSettings = SETTINGS,
                   served_names: list[str] | None = None, chat_template: Path | None = None,
@@ -89,7 +102,11 @@ def build_service(model: str = "", shadow_model: str | None = None, profile: str
     shadow_model None: QSE_SHADOW_MODEL; empty: no reader (its model, store and disk tier are not loaded). The
     reader reuses the served Engine when it would load the same weights. chat_template: a template file over
     the checkpoint's (--chat-template). reader_load: "start" loads the reader before this returns; "idle"
-    leaves it to the planner, in the first idle window after the service starts (qse serve's default)."""
+    leaves it to the planner, in the first idle window after the service starts (qse serve's default).
+    The served model's KV pool and session cache are sized here, once, before its sessions are built
+    (served_memory)."""
+    import dataclasses
+
     from ..engine.engine import Engine
     from ..models import pick_device, pick_dtype, resolve, same_spec
     from ..policy import Policy
@@ -99,24 +116,20 @@ def build_service(model: str = "", shadow_model: str | None = None, profile: str
 
     if reader_load not in ("start", "idle"):
         raise SettingError(f"QSE_SHADOW_LOAD={reader_load!r}: expected idle or start")
+    check_memory_switches(settings)
     prof = load_profile(profile)
     policy = Policy.from_settings(settings)  # the one read of the switches below this point
     shadow_model = settings.get("QSE_SHADOW_MODEL") if shadow_model is None else shadow_model
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     cache = settings.cache_dir()
+    memory = DeviceMemory(dev, int(settings.get("QSE_DEVICE_MEMORY_GB") * GIB))
+    at_start = memory.total_and_free()  # before the served weights load: what is in use without them (None: a CPU)
     served = Engine(resolve(model, dev, dt, cache, chat_template=chat_template), kernels=policy.kernels)
     wants_reader = prof.shadow.mode == "on" and shadow_model != ""
     s = prof.shadow
     options = ShadowOptions(mode=s.mode if wants_reader else "off", narrator=s.narrator, router=s.router,
                             router_min_tokens=s.router_min_tokens, narrator_max_tokens=s.narrator_max_tokens)
-    # the served sessions' own store: device cap, host tier, disk tier (the reader's is separate)
-    served_store = ShadowStore.for_served(settings)
-    serving = served_sessions(served, policy, residency=served_store)
-    served_store.attach(serving.book)
-    conductor = Conductor(served, None, options, policy, serving=serving)
-    # capture the served decode step's graphs before the first request, not in it
-    conductor.serving.warm()
     loader = None
     if wants_reader:
         from ..core.plan import check_group
@@ -127,9 +140,25 @@ def build_service(model: str = "", shadow_model: str | None = None, profile: str
         shared = same_spec(shadow_model, model)
         loader = reader_loader(settings, policy, shadow_model, served if shared else None, dev, dt, grid,
                                "served:" + served.name if shared else "reader:" + (shadow_model or "embedded"))
-    memory = DeviceMemory(dev, int(settings.get("QSE_DEVICE_MEMORY_GB") * GIB))
+    # the served pools, sized once: every reader below sees the sizes chosen (the policy, the store, the claim)
+    sized = served_memory(settings, policy, served, loader, at_start, memory.budget_nbytes)
+    log.info("served_memory_sized", **sized.report())
+    if sized.left_nbytes is not None and sized.left_nbytes < 0:
+        log.warning("served_memory_over_budget", over_gib=round(-sized.left_nbytes / GIB, 3),
+                    hint="QSE_SERVED_KV_GB and QSE_SERVED_CACHE_GB as set claim more than QSE_GPU_MEMORY_UTILIZATION "
+                         "leaves them; the reader's claim may be refused")
+    policy = dataclasses.replace(policy, served_kv_gb=sized.kv_pool_gb)
+    settings = settings.with_decided({"QSE_SERVED_KV_GB": sized.kv_pool_gb,
+                                      "QSE_SERVED_CACHE_GB": sized.session_cache_gb})
+    # the served sessions' own store: device cap, host tier, disk tier (the reader's is separate)
+    served_store = ShadowStore.for_served(settings)
+    serving = served_sessions(served, policy, residency=served_store)
+    served_store.attach(serving.book)
+    conductor = Conductor(served, None, options, policy, serving=serving)
+    # capture the served decode step's graphs before the first request, not in it
+    conductor.serving.warm()
     planner = ResidencyPlanner(conductor, memory, served_claim(served, policy, settings), loader,
-                               narrator=s.narrator == "on")
+                               narrator=s.narrator == "on", served_memory=sized.report())
     if loader is not None and reader_load == "start":
         planner.load_reader_now()  # nothing runs yet: no lock to take
     service = Service(conductor, served.chat, served.name, prof, settings, served_store=served_store,
@@ -137,6 +166,37 @@ def build_service(model: str = "", shadow_model: str | None = None, profile: str
                       planner=planner)
     service.reader_load = reader_load
     return service
+
+
+def served_memory(settings: EngineSettings, policy, served, loader, at_start: tuple[int, int] | None,
+                  cap_nbytes: int = 0) -> ServedMemory:
+    """The served model's KV pool and session cache (qse/core/sizing.py's contract): QSE_SERVED_KV_GB and
+    QSE_SERVED_CACHE_GB where > 0, else sized from the device's (total, free) at start (`at_start`, measured
+    before the served weights loaded; None on a CPU: the fixed sizes), less the served weights, the reader's claim
+    (its weights unless it reads the served ones, its pools), the decode slots' state and the activations of a
+    round of QSE_ROUND_TOKEN_BUDGET prompt ids. cap_nbytes: QSE_DEVICE_MEMORY_GB (0: none)."""
+    import torch
+
+    from ..core.sizing import DeviceTerms, activation_reserve, size_served_memory
+
+    terms = None
+    if at_start is not None:
+        total, free = at_start
+        reader = 0
+        if loader is not None:
+            shares = loader.claim.model == "served:" + served.name  # the reader reads the served weights
+            reader = loader.claim.pools_nbytes + (0 if shares else loader.claim.weights_nbytes or 0)
+            if not shares and loader.claim.weights_nbytes is None:
+                log.warning("reader_weights_unknown", hint="the reader's weights are not known before it loads: the "
+                            "served pools are sized without them (set QSE_SERVED_KV_GB and QSE_SERVED_CACHE_GB to "
+                            "leave them room)")
+        cfg = served.cfg
+        activations = activation_reserve(policy.round_token_budget, policy.served_grid, policy.max_running,
+                                         cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,
+                                         torch.empty((), dtype=served.dtype).element_size())
+        terms = DeviceTerms(total, free, settings.get("QSE_GPU_MEMORY_UTILIZATION"), served.model.weights_nbytes(),
+                            reader, policy.max_running * served.cost(0), activations, cap_nbytes)
+    return size_served_memory(terms, settings.get("QSE_SERVED_KV_GB"), settings.get("QSE_SERVED_CACHE_GB"))
 
 
 def served_claim(served, policy, settings: EngineSettings):
@@ -242,6 +302,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         from .app import check_settings
 
         check_settings(settings)  # the app's switches too: a bad one stops qse serve before the model loads
+        check_memory_switches(settings)
         grace_s = settings.get("QSE_STOP_GRACE_S")
         host = args.host or settings.get("QSE_HOST")
         port = settings.get("QSE_PORT") if args.port is None else args.port
