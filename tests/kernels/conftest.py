@@ -28,23 +28,37 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# The model the interpreted whole-model tests run: the embedded default's widths and head dims with half its
-# heads (GQA two to one on both layer kinds, as there: the per-head kernels' launches cost their program
-# count), every layer kind twice in four layers and a vocabulary that is not a multiple of any block size
-# (the GEMV head's masked tail). Under the interpreter the real 248,320-row head cost ~100 s a question.
-SMALL_VOCAB = 1000
+# The model the interpreted whole-model tests run: the embedded default's hidden size and head dims with half
+# its heads (GQA two to one on both layer kinds, as there: the per-head kernels' launches cost their program
+# count), every layer kind twice in four layers, an MLP of 128 (the fused gate and up projection one column
+# tile, the down projection two K steps) and a vocabulary that is not a multiple of any block size (the heads'
+# masked tails: two GEMM column tiles, six GEMV programs). The interpreter's cost is the programs it runs (and
+# their loop steps), hardly their sizes: under it the real 248,320-row head cost ~100 s a question.
+SMALL_VOCAB = 328
 SMALL_SHAPE = dict(num_hidden_layers=4, full_attention_interval=2, vocab_size=SMALL_VOCAB, eos_token_id=SMALL_VOCAB - 2,
-                   num_attention_heads=2, num_key_value_heads=1, linear_num_key_heads=1, linear_num_value_heads=2)
+                   intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, linear_num_key_heads=1,
+                   linear_num_value_heads=2)
+
+
+def _write_small_model(tmp_path_factory, name: str, **shape):
+    from qse.models.qwen3_5 import parse_config, presets
+
+    config = {**presets.embedded_config_dict(), **SMALL_SHAPE, **shape}
+    model_dir = tmp_path_factory.mktemp(name) / "small-qwen3.5"
+    presets.write_checkpoint(model_dir, config, presets.random_tensors(parse_config(config), presets.EMBEDDED_SEED))
+    return model_dir
 
 
 @pytest.fixture(scope="session")
 def small_model_dir(tmp_path_factory):
-    from qse.models.qwen3_5 import parse_config, presets
+    return _write_small_model(tmp_path_factory, "small-model")
 
-    config = {**presets.embedded_config_dict(), **SMALL_SHAPE}
-    model_dir = tmp_path_factory.mktemp("small-model") / "small-qwen3.5"
-    presets.write_checkpoint(model_dir, config, presets.random_tensors(parse_config(config), presets.EMBEDDED_SEED))
-    return model_dir
+
+@pytest.fixture(scope="session")
+def two_layer_model_dir(tmp_path_factory):
+    """The same with one layer of each kind (GDN, then attention): for a test whose two sides run the same
+    per-layer path, where a second layer of a kind repeats the same kernels (half the interpreted launches)."""
+    return _write_small_model(tmp_path_factory, "two-layer-model", num_hidden_layers=2)
 
 
 @pytest.fixture
@@ -55,7 +69,7 @@ def few_programs(monkeypatch):
     from qse_kernels import conv1d, fused, gdn_chunk, gemm, gemv
 
     monkeypatch.setattr(gemv, "NARROW_ROWS", 64)  # BK = TILE_ELEMENTS / 64 = 64: the model's hidden size
-    monkeypatch.setattr(gemm, "BLOCK_N", 256)  # the 1,000-row head in four column tiles, the last one partial
+    monkeypatch.setattr(gemm, "BLOCK_N", 256)  # the 328-row head in two column tiles, the last one partial
     monkeypatch.setattr(conv1d, "CONV_BLOCK_T", 64)  # a grid chunk's rows in one program row
     monkeypatch.setattr(fused, "SILU_BLOCK_T", 64)
     monkeypatch.setattr(gdn_chunk, "SCAN_BLOCK_V", 32)  # a head's whole value dim

@@ -9,14 +9,18 @@ from qse.engine.engine import Engine
 from qse.engine.kv import KVPool, PagedKV
 from qse.engine.rounds import DecodeRounds
 from qse.models import resolve
+from qse.models.state import ModelState
 
 PAGE_ROWS = 64  # the attention kernels' key block divides a page
-PROMPTS = [list(range(100, 110)), list(range(200, 263)), [31, 32, 33] * 9]  # the second crosses a page line
-ROUNDS = 2
+# two lengths; the second fills its first page, so its round's row crosses the page line (a page taken in the round)
+PROMPTS = [list(range(100, 110)), list(range(200, 200 + PAGE_ROWS))]
+# One round, then every sequence's whole state compared bit for bit (its GDN state and every KV row, the round's
+# own included): what a second round would read, checked directly at no interpreted forward's cost.
+ROUNDS = 1
 
 
 def make_engine(kernels: str, model_dir, cache_dir) -> Engine:
-    """conftest's small model (four layers, each kind twice; a 1,000-token vocabulary: the interpreted head and
+    """conftest's small model (four layers, each kind twice; a 328-token vocabulary: the interpreted head and
     the one-row projections stay cheap)."""
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -32,9 +36,12 @@ def make_pool(engine) -> KVPool:
                   engine.device)
 
 
-def prefill(engine, prompts) -> list[tuple]:
-    """Each prompt read once (interpreted prefills are most of these tests' time): its state and greedy next
-    token, which every run below starts from (a copy: Engine.restore_cache into that run's pool)."""
+def prefill(model_dir, cache_dir, prompts) -> list[tuple]:
+    """Each prompt read once, on the torch twins (QSE_KERNELS=naive: the runs below, not the prompts, are what
+    these tests compare, and an interpreted prefill cost more than a round): its state and greedy next token,
+    which every run below starts from (a copy: Engine.restore_cache into that run's pool, on the engine under
+    test; the model is the same, so is its state's manifest)."""
+    engine = make_engine("naive", model_dir, cache_dir)
     starts = []
     for prompt in prompts:
         cache = engine.new_cache(kv=PagedKV(make_pool(engine)))
@@ -43,10 +50,13 @@ def prefill(engine, prompts) -> list[tuple]:
     return starts
 
 
-def decode_rounds(engine, starts, max_running: int) -> list[list[torch.Tensor]]:
-    """Each prefilled sequence's logits rows over ROUNDS rounds of all of them together (greedy tokens)."""
+def decode_rounds(engine, starts, max_running: int,
+                  buckets=None) -> tuple[list[list[torch.Tensor]], list[ModelState], int]:
+    """Each prefilled sequence's logits rows over ROUNDS rounds of all of them together (greedy tokens), its
+    state after them (Engine.cache_state of the cache its slot is released into), and the bucket the rounds ran
+    (rows past len(starts) are padding)."""
     pool = make_pool(engine)
-    rounds = DecodeRounds(engine, pool, max_running=max_running, graphs="static")
+    rounds = DecodeRounds(engine, pool, max_running=max_running, graphs="static", buckets=buckets)
     slots, tokens, rows = [], [], [[] for _ in starts]
     for state, token in starts:
         slots.append(rounds.admit(engine.restore_cache(state, PagedKV(pool))))
@@ -56,10 +66,10 @@ def decode_rounds(engine, starts, max_running: int) -> list[list[torch.Tensor]]:
         for i in range(len(starts)):
             rows[i].append(logits[i].clone())
         tokens = logits.argmax(-1).tolist()
-    return rows
+    return rows, [engine.cache_state(rounds.release(slot)) for slot in slots], rounds.bucket(len(slots))
 
 
-def decode_single(engine, start) -> list[torch.Tensor]:
+def decode_single(engine, start) -> tuple[list[torch.Tensor], ModelState]:
     """The same through Engine.forward one token at a time (a paged cache: the same attention kernel)."""
     state, token = start
     cache = engine.restore_cache(state, PagedKV(make_pool(engine)))
@@ -68,4 +78,12 @@ def decode_single(engine, start) -> list[torch.Tensor]:
         logits, _ = engine.forward(cache, engine.ids_tensor([token]), "last")
         rows.append(logits[-1].clone())
         token = int(logits[-1].argmax())
-    return rows
+    return rows, engine.cache_state(cache)
+
+
+def same_state(a: ModelState, b: ModelState) -> bool:
+    """Bit equality of two ModelStates: the length, every section (GDN conv and recurrent state) and every view
+    (the KV rows [0, length))."""
+    return (a.length == b.length and a.sections.keys() == b.sections.keys() and a.views.keys() == b.views.keys()
+            and all(torch.equal(a.sections[k], b.sections[k]) for k in a.sections)
+            and all(torch.equal(a.views[k], b.views[k]) for k in a.views))

@@ -1,7 +1,8 @@
 """The whole model on the Triton kernels (interpreted on CPU): the exactness contract and the graph
 path's bits, on the same kernels the H200 runs. The tests that run on CPU read a four-layer model with a
-1,000-token vocabulary (conftest's small_model_dir): every kernel path, each layer kind twice, in minutes
-of interpreter time rather than a quarter of an hour; the GPU tests keep the embedded default."""
+328-token vocabulary (conftest's small_model_dir): every kernel path, each layer kind twice, in minutes
+of interpreter time rather than a quarter of an hour (the grid-invariance test, whose two sides run the same
+eager path, one layer of each kind: two_layer_model_dir); the GPU tests keep the embedded default."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def test_triton_graph_path_reads_and_answers_the_same_bits(small_triton_engine):
     """The paged kernel through the page table and the device-side position, the working-state copies:
     the same bits as the eager forward. (Interpreted kernels are slow: two chunks and one question; the graph
     path's attention launch covers the whole pool, so the pool is kept to 512 rows.)"""
-    ids = list(range(400, 400 + 2 * GRID + 17))
+    ids = list(range(100, 100 + 2 * GRID + 17))
     pool_bytes = 512 * small_triton_engine.state_bytes_per_token()
     eager = ShadowReader(small_triton_engine, grid=GRID, pool_bytes=pool_bytes, page_rows=GRID, graphs=False)
     static = ShadowReader(small_triton_engine, grid=GRID, pool_bytes=pool_bytes, page_rows=GRID, graphs="static")
@@ -63,7 +64,7 @@ def test_triton_graph_path_reads_and_answers_the_same_bits(small_triton_engine):
 def test_one_row_logits_on_the_paged_kernels(small_triton_engine, rel):
     """One row's logits (the last layer run for that row alone, its query at start + row through the page
     table) agree with that row of the whole forward; the KV rows written are the same bits."""
-    ids = list(range(900, 900 + GRID + 20))
+    ids = list(range(200, 200 + GRID + 20))
     reader = ShadowReader(small_triton_engine, grid=GRID, pool_bytes=8 << 20, page_rows=GRID, graphs=False)
     for sid in ("one", "all"):
         reader.feed(sid, ids[:GRID])
@@ -126,22 +127,24 @@ def test_served_turn_under_a_cuda_graph_equals_eager(triton_engine):
         assert all(torch.equal(x, y) for x, y in zip(out["eager"][1], out[name][1])), name
 
 
-def test_invariant_kernels_read_the_same_state_on_any_grid(small_model_dir, cache_dir):
-    """QSE_KERNELS=invariant: a session read on grid 64 (two chunks) and on grid 128 (one) holds the same
-    bits, and a question asked over a different committed length (64 rows and a tail of 36 against no rows
-    and a tail of 100, so a different fork) gets the same answer."""
-    engine = _engine(str(small_model_dir), cache_dir, "invariant")
+def test_invariant_kernels_read_the_same_state_on_any_grid(two_layer_model_dir, cache_dir):
+    """QSE_KERNELS=invariant: a question asked over a different committed length (64 rows and a tail of 36
+    against no rows and a tail of 100, so a different fork) gets the same answer, and the session then read on
+    to 128 rows on grid 64 (two chunks) and on grid 128 (one) holds the same bits. (Both sides run the same
+    eager path, so one layer of each kind: conftest's two_layer_model_dir.)"""
+    engine = _engine(str(two_layer_model_dir), cache_dir, "invariant")
+    assert engine.model.cfg.layer_types == ("linear_attention", "full_attention")
     fine = ShadowReader(engine, grid=64, pool_bytes=8 << 20, graphs=False)
     coarse = ShadowReader(engine, grid=128, pool_bytes=8 << 20, graphs=False)
-    ids = list(range(600, 600 + 128))
+    ids = list(range(150, 150 + 128))
+    for reader in (fine, coarse):
+        reader.feed("a", ids[:100])
+        reader.read_all("a")
+    assert (fine.get("a").committed, coarse.get("a").committed) == (64, 0)
+    question = list(range(70, 90))
+    assert fine.ask("a", question, ["A", "B"]).distribution == coarse.ask("a", question, ["A", "B"]).distribution
     for reader in (fine, coarse):
         reader.feed("a", ids)
         reader.read_all("a")
     assert fine.get("a").stats.chunks_read == 2 and coarse.get("a").stats.chunks_read == 1
     assert all(fine.state_equal(fine.get("a"), coarse.get("a")).values())
-    for reader in (fine, coarse):
-        reader.feed("b", ids[:100])
-        reader.read_all("b")
-    assert (fine.get("b").committed, coarse.get("b").committed) == (64, 0)
-    question = list(range(70, 90))
-    assert fine.ask("b", question, ["A", "B"]).distribution == coarse.ask("b", question, ["A", "B"]).distribution

@@ -1,8 +1,10 @@
 """Decode rounds on the whole model over qse's Triton kernels (interpreted on CPU, the graph path's static
 form): where every op is row-invariant (QSE_KERNELS=invariant, whose batched head is its own GEMM) a
-sequence's logits are the same bits decoded in a round of three (one padding row) and alone in a round of
-one, and its tokens those of Engine.forward one token at a time; on the triton op set a round of one is the
-single-sequence path bit for bit (one row takes the same GEMVs either way)."""
+sequence's logits are the same bits decoded in a round of two sequences of different lengths (a bucket of
+three: one padding row) and alone in a round of one, and so is the state the round leaves (GDN state and
+every KV row: what the next round reads), and its tokens those of Engine.forward one token at a time; on the
+triton op set a round of one is the single-sequence path bit for bit (one row takes the same GEMVs either
+way)."""
 
 from __future__ import annotations
 
@@ -13,18 +15,24 @@ from qse.engine.engine import Engine
 from qse.engine.kv import PagedKV
 from qse.engine.rounds import DecodeRounds
 from qse.models import resolve
-from rounds_rig import PROMPTS, decode_rounds, make_engine, make_pool, prefill
+from rounds_rig import PAGE_ROWS, PROMPTS, decode_rounds, make_engine, make_pool, prefill, same_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("few_programs")]
 
 
 def test_invariant_rounds_give_every_row_the_bits_it_gets_alone(small_model_dir, cache_dir):
     engine = make_engine("invariant", small_model_dir, cache_dir)
-    starts = prefill(engine, PROMPTS)
-    together = decode_rounds(engine, starts, max_running=4)  # three rows in the bucket of four: one padding row
+    assert len({len(p) for p in PROMPTS}) == len(PROMPTS) > 1  # rows of different lengths
+    starts = prefill(small_model_dir, cache_dir, PROMPTS)
+    # two rows in the bucket of three: one padding row
+    together, together_states, bucket = decode_rounds(engine, starts, max_running=3, buckets=(1, 3))
+    assert bucket > len(starts)
+    assert max(state.length for state in together_states) > PAGE_ROWS  # a row written past a page line
     for i, start in enumerate(starts):
-        alone = decode_rounds(engine, [start], max_running=1)[0]
-        assert all(torch.equal(a, b) for a, b in zip(together[i], alone))
+        [alone], [alone_state], one = decode_rounds(engine, [start], max_running=1)
+        assert one == 1
+        assert len(alone) == len(together[i]) and all(torch.equal(a, b) for a, b in zip(together[i], alone))
+        assert same_state(together_states[i], alone_state)
     # (the single-sequence path against a round of one: test_a_round_of_one_is_the_single_sequence_path; its
     # head is torch's, not row-invariant, so this set is compared there only through the triton kernels)
 
