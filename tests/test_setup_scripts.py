@@ -33,7 +33,7 @@ def _plan(tmp_path: Path, gpu: bool | None, spec: str | None = None) -> list[str
 
 @pytest.mark.parametrize("gpu", [None, False], ids=["no-nvidia-smi", "nvidia-smi-lists-none"])
 def test_a_machine_without_a_gpu_gets_the_cpu_build(tmp_path, gpu):
-    assert _plan(tmp_path, gpu) == ["--no-index torch==2.13.0",
+    assert _plan(tmp_path, gpu) == ["--no-index --no-deps torch==2.13.0 ; torch==2.13.0",
                                     "--index-url https://download.pytorch.org/whl/cpu torch==2.13.0"]
 
 
