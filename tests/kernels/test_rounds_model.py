@@ -2,8 +2,8 @@
 form): where every op is row-invariant (QSE_KERNELS=invariant, whose batched head is its own GEMM) a
 sequence's logits are the same bits decoded in a round of two sequences of different lengths (a bucket of
 three: one padding row) and alone in a round of one, and so is the state the round leaves (GDN state and
-every KV row: what the next round reads); on the triton op set a round of one is the single-sequence path bit for bit (one row takes the same GEMVs either
-way)."""
+every KV row: what the next round reads); on the triton op set a round of one is the single-sequence path
+bit for bit (one row takes the same GEMVs either way)."""
 
 from __future__ import annotations
 
