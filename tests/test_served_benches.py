@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -86,3 +88,64 @@ def test_staggered_arrivals_count_each_user_s_ttft_from_its_own_send(tmp_path, c
     bad = subprocess.run([sys.executable, "benchmarks/served_load.py", "--tiny", "--arrival-gap-s", "-1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--arrival-gap-s must be a finite number of seconds >= 0, got -1.0" in bad.stderr
+
+
+def test_agents_live_drives_a_real_server_through_the_openai_client(tmp_path, cache_dir):
+    """The agents benchmark on the embedded model: every phase's turns are served over HTTP, the follow-ups reuse
+    their session's state, the cold baseline reuses none, and the server's own counters cover the phase."""
+    out = subprocess.run([sys.executable, "benchmarks/agents_live.py", "--tiny", "--out", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "QSE_CACHE_DIR": str(cache_dir)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    [written] = list(tmp_path.glob("agents_live-*.json"))
+    result = json.loads(written.read_text())
+    # uvicorn ends on SIGTERM after its graceful shutdown and re-raises the signal
+    assert result["command"] and result["versions"]["openai"] and result["server_exit"] in (0, -signal.SIGTERM)
+    from benchmarks.agents_live import agent_shapes
+
+    shapes = agent_shapes(Path(result["trace"]), 3, 3, 60000, 0.2, 4, 0.02)
+    for name, plans in (("solo", shapes[:1]), ("agents", shapes[1:])):
+        phase = result[name]
+        assert phase["failed"] == [] and phase["turns"] == sum(len(s) for _, s in plans), name
+        detail = phase["turns_detail"]
+        assert all(t["output_tokens"] >= 1 and t["ttft_s"] > 0 for t in detail), name
+        follow = [t for t in detail if t["turn"] > 0]
+        assert all(t["cached_tokens"] > 0 for t in follow), name  # the session's state came back over HTTP
+        assert all(t["cached_tokens"] == 0 for t in detail if t["turn"] == 0), name
+        # each turn's stations came from the server's log, joined by the request id the client sent
+        assert all(0 <= t["wait_open_s"] and 0 < t["open_to_first_s"] and t["server_ttft_s"] <= t["ttft_s"]
+                   and t["tier"] == "device" and t["chunks_read"] >= 0 for t in follow), name
+        assert phase["followup_stations"]["open_to_first_s"]["n"] == len(follow), name
+        server = phase["server"]
+        # the reader saw every follow-up's start (a fresh state dir: no first turn counts), the server counted
+        # every prompt token and every cached one the client was told of
+        assert server["turn_starts"] == len(follow), name
+        assert server["prefix_cache_query_tokens"] == sum(t["prompt_tokens"] for t in detail), name
+        assert server["prefix_cache_hit_tokens"] == sum(t["cached_tokens"] for t in detail), name
+        assert server["device_ms"]["served_prefill"] > 0 and server["device_ms"]["served_decode"] >= 0
+    cold = result["cold"]
+    assert cold["turns"] == 2 and cold["failed"] == [] and cold["cached_tokens"] == 0
+    assert cold["server"]["prefix_cache_hit_tokens"] == 0
+    assert set(result["goals"]) >= {"followup_p50_le_0.2s", "reader_fresh_ge_0.95", "decode_loss_le_0.01"}
+
+
+def test_agents_live_shapes_follow_the_trace(tmp_path):
+    """Each agent's turns keep the trace's order; a turn shares at most its previous prompt; think times capped."""
+    from benchmarks.agents_live import agent_shapes, prompts_of
+
+    trace = tmp_path / "t.csv"
+    head = "trace_id,agent,idx,t_s,model,in,out,api_time_s,think_time_s,lcp_prev_tokens\n"
+    rows = ["a,main,0,0,m,100,10,1.0,0,0", "a,main,1,30,m,150,10,1.0,29,100", "a,main,2,32,m,90,10,1.0,1,64",
+            "a,sub,0,0,m,50,10,1.0,0,0", "b,main,0,0,m,500,10,1.0,0,0", "b,main,1,2,m,520,10,1.0,1,500",
+            "c,main,0,0,m,80,10,1.0,0,0"]  # b's first prompt is over the limit; c has no follow-up
+    trace.write_text(head + "\n".join(rows) + "\n")
+    [(sid, turns)] = agent_shapes(trace, 1, 10, 200, 2.0, 8)
+    assert sid == "a/main"
+    assert [(t.prompt_tokens, t.shared_tokens, t.output_tokens) for t in turns] == [(100, 0, 8), (150, 100, 8),
+                                                                                   (90, 64, 8)]
+    assert [t.think_s for t in turns] == [0.0, 2.0, 1.0]  # 29 s capped at 2; 32 - 31 = 1
+    prompts = prompts_of(turns, __import__("random").Random(0))
+    assert [len(p) for p in prompts] == [100, 150, 90]
+    assert prompts[1][:100] == prompts[0] and prompts[2][:64] == prompts[1][:64] and prompts[2][64] != prompts[1][64]
+    with pytest.raises(SystemExit, match="2 asked"):
+        agent_shapes(trace, 2, 10, 200, 2.0, 8)
