@@ -6,7 +6,7 @@
 # (weka_cc_sessions_dev.csv, hf_reader_baseline.py) and a pytest.ini without the asyncio plugin's
 # options. Results land in $OUT; copy them to benchmarks/results/ and commit.
 #
-#   bash benchmarks/run_h200.sh [tests|gemv|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abl|invariant|grammar|rounds|served|cache|load|memory|moves|pcie|agents ...]   (default: all, ~13 minutes)
+#   bash benchmarks/run_h200.sh [tests|gemv|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abl|invariant|grammar|rounds|served|cache|load|memory|moves|pcie|sides|agents ...]   (default: all, ~13 minutes)
 #   PRESETS=qwen3.5-0.8b bash benchmarks/run_h200.sh measure                       (measure fewer presets)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -76,6 +76,8 @@ for step in $steps; do
       done ;;
     moves)  # a 9B user decoding while another's 60k session comes back from disk: the decoder's largest gap
       timeout 300 python3 benchmarks/served_moves.py --preset "${MOVES_PRESET:-qwen3.5-9b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-500 ;;
+    sides)  # the reader's chunks beside batch-8 decode rounds on streams of their own, by stream priority: decode loss, reader rate
+      timeout 240 python3 benchmarks/side_stream.py --out "$OUT" ${SIDE_ARGS:-} 2>&1 | grep '^{' | cut -c1-900 ;;
     agents)  # N coding agents (weka trace) through `qse serve` and the openai client, 9B + 0.8B, no memory switch; solo and cold baselines
       timeout "${AGENTS_TIMEOUT:-540}" python3 benchmarks/agents_live.py --serve --model qwen3.5-9b --shadow-model qwen3.5-0.8b \
         --agents "${AGENTS:-8}" --trace .devcarry/weka_cc_sessions_dev.csv --out "$OUT" ${AGENTS_ARGS:-} 2>&1 | grep '^{' | cut -c1-1800
