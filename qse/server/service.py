@@ -325,7 +325,7 @@ class Service:
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             vocab = self.chat.tokenizer.vocab_size
-            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            bad = wire.first_outside(prompt, vocab)
             if bad is not None:
                 raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
             ids, text = list(prompt), ""
@@ -363,7 +363,7 @@ class Service:
     async def detokenize(self, req: wire.DetokenizeRequest) -> wire.DetokenizeResponse:
         self.check_model(req.model)
         vocab = self.chat.tokenizer.vocab_size
-        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        bad = wire.first_outside(req.tokens, vocab)
         if bad is not None:
             raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
         return wire.DetokenizeResponse(await asyncio.to_thread(self.chat.tokenizer.decode, req.tokens))

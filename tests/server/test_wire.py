@@ -149,3 +149,24 @@ def test_responses_encode_as_openai_does():
     out = json.loads(wire.encode(chunk))
     assert "usage" not in out and out["choices"][0] == {"index": 0, "delta": {"reasoning_content": "r"},
                                                         "finish_reason": None, "logprobs": None}
+
+
+def test_a_token_id_list_is_bounded_in_one_pass_and_a_bad_id_is_still_named():
+    """A prompt of token ids takes the C path (min and max); one out-of-range id anywhere, a bool or a float
+    among them, takes the id-by-id path, which names its index."""
+    ids = list(range(50_000))
+    wire.check_bounds(wire.CompletionRequest(prompt=ids))  # in bounds: no error
+    for at in (0, 31_337, len(ids) - 1):
+        bad = ids.copy()
+        bad[at] = 2**64
+        with pytest.raises(ApiError) as err:
+            wire.check_bounds(wire.CompletionRequest(prompt=bad))
+        assert err.value.param == f"prompt[{at}]" and str(2**64) in err.value.message
+    assert not wire.is_int_list([1, True]) and not wire.is_int_list([1, 2.0]) and not wire.is_int_list([])
+    assert wire.is_int_list([0, 7])
+
+
+def test_first_outside_names_the_first_id_out_of_the_vocabulary():
+    assert wire.first_outside(list(range(1000)), 1000) is None
+    assert wire.first_outside([], 10) is None
+    assert wire.first_outside([3, 10, -1], 10) == 10 and wire.first_outside([3, -1, 10], 10) == -1
