@@ -30,6 +30,7 @@ class Policy:
     # the reader's time (qse/core: TurnRation, IdleWindow, ChunkCostEstimator; the conductor and the replay)
     ration: float = _from("QSE_SHADOW_RATION")  # the reader's share of the served model's time
     ration_after_s: float = _from("QSE_SHADOW_RATION_AFTER_S")  # ... counted from first token + this
+    busy_share: float = _from("QSE_SHADOW_BUSY_SHARE")  # ... and of all the served time, whatever turns run
     slice_ms: float = _from("QSE_SHADOW_SLICE_MS")  # longest slice between two decode rounds
     min_slice_ms: float = _from("QSE_SHADOW_MIN_SLICE_MS")  # a slice opens once this much is earned
     narrator_share: float = _from("QSE_NARRATOR_SHARE")  # the narrator's share, from the first token

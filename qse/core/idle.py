@@ -80,6 +80,7 @@ class SessionBacklog:
 
     unread_since_s: float  # when its oldest unread whole chunk became known
     num_chunks: int  # whole chunks unread
+    committed_rows: int = 0  # rows the reader holds (where its next chunk's cost is estimated)
 
 
 def pick_idle_session(backlogs: Mapping[str, SessionBacklog]) -> str | None:

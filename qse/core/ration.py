@@ -122,3 +122,46 @@ class TurnRation:
         if need_us is None:
             return None
         return self.budget.earliest_s(self.since_s(first_token_s), spent_us, need_us)
+
+
+class BusyShare:
+    """The reader's share of all of the served model's device time, whatever turns run.
+
+    A turn's ration (TurnRation) opens only past its delay, and under many agents every turn is shorter than
+    that, while the idle window opens only when nothing runs or waits: a reader beside eight agents then reads
+    almost nothing between their turns and is behind at their next ones. This share earns `share` of every
+    microsecond of served device time (each turn's prefill and decode, from the ledger, with no delay) and is
+    spent between two rounds, in the ration's slices, on the session whose unread chunk has waited longest
+    (`pick_idle_session`: usually one whose agent is thinking, and whose next turn wants it read). What the
+    turns' rations spend between rounds counts against it too, so the two never add up: between rounds the
+    reader spends at most the larger of the two.
+
+    The clock of the share is the served device time, not the wall: an idle server earns nothing, so a burst
+    of work after a quiet hour does not find a large allowance waiting."""
+
+    def __init__(self, share: float, slice_ms: float, min_slice_ms: float):
+        self.rule = TurnRation(share, slice_ms, Window.RATION, 0.0, min_slice_ms)  # its checks and slice sizes
+        self.share = self.rule.share
+
+    @classmethod
+    def reader(cls, policy) -> "BusyShare":
+        return cls(policy.busy_share, policy.slice_ms, policy.min_slice_ms)
+
+    def allowance_us(self, served_us: int, spent_us: int) -> int:
+        """What may be spent now: the share of `served_us` less `spent_us` (every slice between rounds)."""
+        return self.rule.budget.allowance_us(served_us / 1e6, 0.0, spent_us)
+
+    def may_open(self, served_us: int, spent_us: int) -> bool:
+        """Whether a slice of the shortest size is earned (the caller then gathers the backlogs)."""
+        return self.share > 0 and self.allowance_us(served_us, spent_us) >= max(1, self.rule.min_slice_us)
+
+    def open_slice(self, now: float, served_us: int, spent_us: int, next_chunk_est_ms: float) -> RationSlice | None:
+        """A slice for a chunk of this estimate, or None when the share has not earned it (a chunk estimated
+        above a whole slice waits for a whole slice and is read alone: the turn ration's probe)."""
+        need_us = self.rule.need_us(next_chunk_est_ms)
+        if need_us is None or self.share == 0:
+            return None
+        budget_us = min(self.rule.slice_us, self.allowance_us(served_us, spent_us))
+        if need_us > budget_us:
+            return None
+        return RationSlice(now, budget_us, self.rule.slice_us)

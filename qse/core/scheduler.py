@@ -3,7 +3,7 @@
     event (with now)                         action
     ----------------                         ------
     RoundDue(waiting, reading, running)  ->  OpenTurn(key) | RunRound(plan) | Nothing      (the round loop)
-    RoundEnded(turns)                    ->  ReadPlan(RATION, ...) | Nothing(until)        (between two rounds)
+    RoundEnded(turns, backlogs)          ->  ReadPlan(RATION, ...) | Nothing(until)        (between two rounds)
     IdlePoll(busy, has_work)             ->  OpenIdle | Nothing(until: the next look)
     IdleOpened(backlogs)                 ->  ReadPlan(IDLE, ...) | Nothing(until)          (the burst opens now)
     ReadEnded(stop, backlogs)            ->  ReadPlan(IDLE, next session) | Nothing(until) (a plan was carried out)
@@ -31,9 +31,9 @@ from typing import Hashable, Mapping, NamedTuple, Sequence
 from qse.core.chunk_cost import ChunkCostEstimator
 from qse.core.drive import Stop
 from qse.core.idle import IdleBurst, IdleWindow, SessionBacklog, pick_idle_session
-from qse.core.ledger import GpuLedger
+from qse.core.ledger import GpuLedger, Role
 from qse.core.plan import ROLE_OF_WINDOW, Window, whole_chunks
-from qse.core.ration import RationSlice, TurnRation
+from qse.core.ration import BusyShare, RationSlice, TurnRation
 from qse.core.rounds import Prompt, RoundPlan, RoundPlanner, Running
 
 # a slice's skip is kept this much short of the moment the core computed: below it, the whole microseconds
@@ -81,10 +81,13 @@ class RoundDue:
 
 @dataclass(frozen=True)
 class RoundEnded:
-    """A round ended: the reader's slice of the turn that got its first token first may open."""
+    """A round ended: the reader's slice of the turn that got its first token first may open, else the busy
+    share's slice of the session in `backlogs` whose unread chunk is oldest: the sessions with no turn open (the
+    caller gathers them only when `Scheduler.busy_may_open` says a slice is earned: a walk over the sessions)."""
 
     now: float
     turns: Sequence[SliceView]
+    backlogs: Mapping[str, SessionBacklog] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,7 @@ class Scheduler:
         the runtime looks on its lattice)."""
         self.idle = IdleWindow.of(policy)
         self.rations = {Window.RATION: TurnRation.reader(policy), Window.NARRATOR: TurnRation.narrator(policy)}
+        self.busy = BusyShare.reader(policy)
         self.rounds = RoundPlanner(policy.max_running if max_running is None else max_running,
                                    policy.round_token_budget, policy.served_grid if served_grid is None else served_grid,
                                    policy.decode_yield_ms)
@@ -203,12 +207,34 @@ class Scheduler:
         return Nothing()
 
     def _round_ended(self, ev: RoundEnded) -> Action:
-        """The reader's slice between two rounds goes to the running turn that got its first token first."""
+        """The reader's slice between two rounds goes to the running turn that got its first token first, when
+        its ration opens one; else to the busy share (BusyShare), on the session whose unread chunk is oldest."""
         started = [t for t in ev.turns if t.first_token_s is not None]
-        if not started:
+        action: Action = Nothing()
+        if started:
+            action = self.slice(Window.RATION, ev.now, min(started, key=lambda t: t.first_token_s))
+            if isinstance(action, ReadPlan):
+                return action
+        busy = self._busy_slice(ev.now, ev.backlogs)
+        return busy if isinstance(busy, ReadPlan) else action  # (the turn's ration says when it may open)
+
+    def _served_and_spent_us(self) -> tuple[int, int]:
+        """The served model's device time so far (prefill and decode) and the reader's between rounds."""
+        spent = self.ledger.spent_us
+        return ((spent(Role.SERVED_PREFILL) or 0) + (spent(Role.SERVED_DECODE) or 0),
+                spent(ROLE_OF_WINDOW[Window.RATION]) or 0)
+
+    def busy_may_open(self) -> bool:
+        """Whether the busy share has earned a slice of the shortest size now (cheap: two ledger totals)."""
+        return self.busy.may_open(*self._served_and_spent_us())
+
+    def _busy_slice(self, now: float, backlogs: Mapping[str, SessionBacklog]) -> ReadPlan | Nothing:
+        sid = pick_idle_session(backlogs)
+        if sid is None:
             return Nothing()
-        oldest = min(started, key=lambda t: t.first_token_s)
-        return self.slice(Window.RATION, ev.now, oldest)
+        served_us, spent_us = self._served_and_spent_us()
+        sl = self.busy.open_slice(now, served_us, spent_us, self.estimator.estimate_ms(backlogs[sid].committed_rows))
+        return Nothing() if sl is None else ReadPlan(Window.RATION, sid, sl)
 
     def slice(self, window: Window, now: float, turn: SliceView) -> ReadPlan | Nothing:
         """A slice of `window`'s ration (the reader's, the narrator's) for `turn` between two rounds, if the next

@@ -726,11 +726,14 @@ class Conductor:
                               session.committed, session.behind_at_turn_start)
 
     async def _between_rounds(self) -> None:
-        """The reader's slice where the scheduler opens one (prompt first, then the output so far), then the
-        narrator's for the turns it follows."""
-        if self.reader is None or not self._running:
+        """The reader's slice where the scheduler opens one: the oldest running turn's ration (its prompt first,
+        then the output so far), else the busy share's (the session whose unread chunk is oldest, gathered only
+        when a slice is earned); then the narrator's for the turns it follows."""
+        if self.reader is None or not (self._running or self._reading):
             return
-        action = self.scheduler.on(RoundEnded(self.clock(), [self._slice_view(e.turn) for e in self._running]))
+        now = self.clock()
+        backlogs = self._between_turns_backlogs(now) if self.scheduler.busy_may_open() else {}
+        action = self.scheduler.on(RoundEnded(now, [self._slice_view(e.turn) for e in self._running], backlogs))
         if isinstance(action, ReadPlan):
             await self._slice(action, action.key)
         for entry in list(self._running):
@@ -780,21 +783,27 @@ class Conductor:
         learn(self.reader, self.reader.get(session_id), upto)
         return self.reader.summarize(session_id, question_ids, max_tokens, (self.reader.engine.chat.turn_end_id,))
 
-    async def _slice(self, action: ReadPlan, turn: _Turn, end: int | None = None) -> None:
-        """Carry out a slice the scheduler opened between two rounds. end: how far into the turn's ids the
-        session may learn and read (None: all it knows; the narrator: up to the thought's end)."""
+    async def _slice(self, action: ReadPlan, turn: _Turn | None, end: int | None = None) -> None:
+        """Carry out a slice the scheduler opened between two rounds: a turn's (its session, up to `end` of its
+        ids: None, all it knows; the narrator: up to the thought's end), or the busy share's (turn None: the
+        session's ids as the reader holds them). Every running turn waited for it: each is charged its wall
+        (the decode loss each of them saw)."""
         now = self.clock()
         sl = action.decision
-        num_chunks, stop = await self._read(action.window, action.session_id, turn.turn_id, sl,
-                                            known=turn.ids_view(end))
+        num_chunks, stop = await self._read(action.window, action.session_id,
+                                            turn.turn_id if turn is not None else None, sl,
+                                            known=turn.ids_view(end) if turn is not None else None)
         self.scheduler.on(ReadEnded(self.clock(), stop))
         if action.window is Window.RATION:
-            turn.ration_wall_s += self.clock() - now
-            turn.ration_slices += 1
+            wall = self.clock() - now
+            for entry in self._running:
+                entry.turn.ration_wall_s += wall
+                entry.turn.ration_slices += 1
         role = ROLE_OF_WINDOW[action.window]
         log.info("ration_slice", window=action.window.value, session=action.session_id,
-                 request_id=turn.req.request_id, chunks=num_chunks, gpu_ms=sl.spent_us / 1000,
-                 budget_ms=sl.budget_us / 1000, spent_turn_ms=(self.ledger.spent_us(role, turn.turn_id) or 0) / 1000)
+                 request_id=turn.req.request_id if turn is not None else None, chunks=num_chunks,
+                 gpu_ms=sl.spent_us / 1000, budget_ms=sl.budget_us / 1000,
+                 spent_turn_ms=(self.ledger.spent_us(role, turn.turn_id if turn is not None else None) or 0) / 1000)
 
     async def _turn_end(self, turn: _Turn) -> None:
         sid = turn.session_id
@@ -887,8 +896,17 @@ class Conductor:
         """The sessions with a whole chunk unread, as the scheduler picks the idle window's next one (a parked
         session only once its state has loaded)."""
         grid, ready = self.reader.grid, self.runner.is_ready
-        return {s.session_id: SessionBacklog(self._unread_since.setdefault(s.session_id, now), s.backlog // grid)
+        return {s.session_id: SessionBacklog(self._unread_since.setdefault(s.session_id, now), s.backlog // grid,
+                                             s.committed)
                 for s in self.reader.sessions.values() if s.backlog >= grid and ready(s.session_id)}
+
+    def _between_turns_backlogs(self, now: float) -> dict[str, SessionBacklog]:
+        """The busy share's sessions: those with a whole chunk unread and no turn open (waiting, read or running).
+        Their agents are thinking, their next turns want them read, and while other agents run the idle window
+        does not open for them; a session with a turn open is its own ration's (alone on the server, the idle
+        window after the turn reads it, and a short turn's decode loses nothing)."""
+        open_turns = {e.turn.session_id for e in (*self._waiting, *self._reading, *self._running)}
+        return {sid: b for sid, b in self._idle_backlogs(now).items() if sid not in open_turns}
 
     async def idle_once(self) -> int:
         """One look at the idle window: read up to idle_burst_s if nothing runs or waits. Returns chunks read."""

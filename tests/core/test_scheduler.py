@@ -152,3 +152,45 @@ def test_a_summary_is_earned_by_the_narrators_share_and_spent_from_it():
     assert s.ledger.record(Role.NARRATOR, 50.0, turn_id="t1") == 50_000
     assert not s.summary_earned(13.0, turn, est_ms=60.0)  # 90 - 50 left
     assert not s.summary_earned(99.0, turn._replace(first_token_s=None), est_ms=1.0)  # no first token, no summary
+
+
+def test_the_busy_share_reads_the_oldest_backlog_between_rounds_whatever_turns_run():
+    """Under many short turns no turn's ration opens: the busy share earns 1 % of all served device time and
+    spends it between rounds on the session whose unread chunk has waited longest (no turn is charged)."""
+    s = scheduler(Policy(**{**POLICY.__dict__, "busy_share": 0.01, "ration_after_s": 60.0}))
+    turn = SliceView("k", "t1", "running", first_token_s=10.0, committed_rows=0, known_tokens=4 * GRID)
+    waiting = {"a": SessionBacklog(5.0, 3, 0), "b": SessionBacklog(2.0, 1, GRID), "c": SessionBacklog(1.0, 0, 0)}
+    s.ledger.record(Role.SERVED_PREFILL, 1500.0)
+    s.ledger.record(Role.SERVED_DECODE, 1500.0)  # 3 s served: 30 ms earned, a 40 ms chunk is not
+    assert s.busy_may_open()  # a shortest slice (10 ms) is earned, so the caller gathers the backlogs
+    # the turn's ration says when it may open (60 s past its first token, then 2 s for a 40 ms chunk)
+    assert s.on(RoundEnded(11.0, (turn,), waiting)) == Nothing(72.0)
+    s.ledger.record(Role.SERVED_DECODE, 1000.0)  # 4 s: 40 ms earned
+    assert s.busy_may_open()
+    got = s.on(RoundEnded(11.1, (turn,), waiting))
+    # "b" waited longest among those with a whole chunk ("c" has none); the turn's ration (60 s off) is not open
+    assert isinstance(got, ReadPlan) and (got.window, got.session_id, got.turn_id, got.key) == (
+        Window.RATION, "b", None, None)
+    assert isinstance(got.decision, RationSlice) and got.decision.budget_us == 40_000
+    s.ledger.record(Role.READER_RATION, CHUNK_MS)  # spent: nothing left until the served model earns more
+    assert not s.busy_may_open() and s.on(RoundEnded(11.2, (turn,), waiting)) == Nothing(72.0)
+    s.ledger.record(Role.SERVED_DECODE, 10_000.0)
+    assert s.on(RoundEnded(11.3, (), {})) == Nothing()  # earned, but nothing unread: nothing to read
+
+
+def test_a_turn_ration_goes_first_and_counts_against_the_busy_share():
+    s = scheduler(Policy(**{**POLICY.__dict__, "busy_share": 0.01, "ration_after_s": 0.0}))
+    turn = SliceView("k", "t1", "running", first_token_s=10.0, committed_rows=0, known_tokens=4 * GRID)
+    s.ledger.record(Role.SERVED_DECODE, 8000.0)  # the busy share has earned 80 ms
+    got = s.on(RoundEnded(12.0, (turn,), {"a": SessionBacklog(1.0, 2, 0)}))  # the turn's 2 % of 2 s: 40 ms
+    assert isinstance(got, ReadPlan) and (got.session_id, got.turn_id) == ("running", "t1")
+    s.ledger.open_turn("t1")
+    s.ledger.record(Role.READER_RATION, 80.0, turn_id="t1")  # the turn's slices spent what the share earned
+    assert not s.busy_may_open()
+
+
+def test_a_busy_share_of_zero_never_reads():
+    s = scheduler(Policy(**{**POLICY.__dict__, "busy_share": 0.0, "ration_after_s": 60.0}))
+    s.ledger.record(Role.SERVED_DECODE, 1e6)
+    assert not s.busy_may_open()
+    assert s.on(RoundEnded(1.0, (), {"a": SessionBacklog(0.0, 4, 0)})) == Nothing()

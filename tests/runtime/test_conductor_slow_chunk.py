@@ -9,7 +9,7 @@ from qse.core.plan import Window
 
 async def test_a_slow_chunk_is_followed_by_reading_in_the_ration_and_the_idle_window(make_rig):
     rig = make_rig(script_ms={"prefill": 1000.0, "decode": 100.0, "chunk": 2500.0, "fork": 5.0},
-                   chunk_prior_ms=20.0, ration_after_s=0.0)
+                   chunk_prior_ms=20.0, ration_after_s=0.0, busy_share=0.0)  # the turn's own ration alone
     c, reader, probe = rig.conductor, rig.reader, rig.probe
     reader.feed("old", prompt_ids(6 * GRID))
     c._note_backlog("old")

@@ -210,3 +210,35 @@ async def test_the_router_question_is_asked_where_the_turn_inserted_it(make_rig,
     entry = json.loads(lines[-1])
     assert (entry["request_id"], entry["position"], entry["session"]) == ("routed", 101, "r")
     assert entry["behind_at_turn_start"] == len(prompt)
+
+
+async def test_between_rounds_the_busy_share_reads_a_session_whose_agent_is_thinking(make_rig):
+    """Another agent's session waits unread (its agent thinks) while a short turn runs: no turn's ration opens
+    (5 s delay), yet the reader reads that session between rounds, within 1 % of the served device time, and the
+    running turn is charged the slices it waited for. The running turn's own session is left to the idle
+    window."""
+    rig = make_rig(script_ms=SCRIPT, chunk_prior_ms=20.0, ration_after_s=5.0, busy_share=0.01)
+    c, reader, probe = rig.conductor, rig.reader, rig.probe
+    reader.feed("thinking", prompt_ids(6 * GRID + 5, start=9000))
+    out = await rig.turn(prompt_ids(4 * GRID + 12), 40, session="s")  # 1 s prefill, 3.9 s decode
+    assert len(out) == 40
+    chunks = probe.of("chunk")
+    assert chunks, "the busy share read nothing"
+    assert reader.sessions["thinking"].committed == len(chunks) * GRID  # only the thinking agent's session
+    assert reader.sessions["s"].committed == 0
+    spent_us = 0
+    for chunk in chunks:  # never more than 1 % of what the served model had run when the chunk started
+        spent_us += ms_to_us(chunk.ms)
+        served_us = _us(k for k in probe.calls if k.kind in ("prefill", "decode") and k.t0 < chunk.t0)
+        assert spent_us <= math.floor(0.01 * served_us), (chunk, spent_us, served_us)
+    assert c.ledger.total_ms["reader_ration"] == len(chunks) * 10.0
+    record = rig.records[0]
+    assert record.reader_ration_ms == 0.0  # no turn was charged the device time ...
+    assert record.reader_ration_wall_ms > 0 and record.reader_ration_slices > 0  # ... but it waited for them
+
+
+async def test_a_busy_share_of_zero_keeps_the_rounds_to_the_turns(make_rig):
+    rig = make_rig(script_ms=SCRIPT, chunk_prior_ms=20.0, ration_after_s=5.0, busy_share=0.0)
+    rig.reader.feed("thinking", prompt_ids(6 * GRID + 5, start=9000))
+    assert len(await rig.turn(prompt_ids(4 * GRID + 12), 40, session="s")) == 40
+    assert rig.probe.of("chunk") == [] and rig.records[0].reader_ration_wall_ms == 0.0
