@@ -131,7 +131,7 @@ class BusyShare:
     that, while the idle window opens only when nothing runs or waits: a reader beside eight agents then reads
     almost nothing between their turns and is behind at their next ones. This share earns `share` of every
     microsecond of served device time (each turn's prefill and decode, from the ledger, with no delay) and is
-    spent between two rounds, in the ration's slices, on the session whose unread chunk has waited longest
+    spent between two rounds, a shortest slice at a time, on the session whose unread chunk has waited longest
     (`pick_idle_session`: usually one whose agent is thinking, and whose next turn wants it read). What the
     turns' rations spend between rounds counts against it too, so the two never add up: between rounds the
     reader spends at most the larger of the two.
@@ -161,7 +161,8 @@ class BusyShare:
         need_us = self.rule.need_us(next_chunk_est_ms)
         if need_us is None or self.share == 0:
             return None
-        budget_us = min(self.rule.slice_us, self.allowance_us(served_us, spent_us))
-        if need_us > budget_us:
+        if need_us > self.allowance_us(served_us, spent_us):
             return None
-        return RationSlice(now, budget_us, self.rule.slice_us)
+        # one shortest slice (or one chunk, if dearer), never a whole one: every running turn waits for it, and
+        # the share earned in a long prefill spent at once is a stall of every decoder (113 ms, seen on the H200)
+        return RationSlice(now, need_us, self.rule.slice_us)

@@ -176,6 +176,9 @@ def test_the_busy_share_reads_the_oldest_backlog_between_rounds_whatever_turns_r
     assert not s.busy_may_open() and s.on(RoundEnded(11.2, (turn,), waiting)) == Nothing(72.0)
     s.ledger.record(Role.SERVED_DECODE, 10_000.0)
     assert s.on(RoundEnded(11.3, (), {})) == Nothing()  # earned, but nothing unread: nothing to read
+    # 100 ms earned (10 s more served): still one chunk's slice, never a whole one (every decoder waits for it)
+    got = s.on(RoundEnded(11.4, (), waiting))
+    assert isinstance(got, ReadPlan) and got.decision.budget_us == 40_000
 
 
 def test_a_turn_ration_goes_first_and_counts_against_the_busy_share():
