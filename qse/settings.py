@@ -99,7 +99,7 @@ _DECLARED: list[Setting] = [
     Setting("QSE_GC_FREEZE", bool, True, "move what exists at start out of Python's collector (no 80 ms full collections mid-turn)"),
     # the conductor
     Setting("QSE_SHADOW_RATION", float, 0.02, "reader share of the served model's time from QSE_SHADOW_RATION_AFTER_S past its first token"),
-    Setting("QSE_SHADOW_BUSY_SHARE", float, 0.005, "the reader's share of all of the served model's device time (every turn's prefill and decode), spent between two rounds on the session whose unread chunk is oldest whatever turns run: under many agents each turn is too short for its own ration and the idle window seldom opens (0: off; the turns' rations count against it)"),
+    Setting("QSE_SHADOW_BUSY_SHARE", float, 0.0, "the reader's share of all of the served model's device time (every turn's prefill and decode), spent between two rounds, a shortest slice at a time, on the session with no open turn whose unread chunk is oldest (under many agents each turn is too short for its own ration and the idle window seldom opens); the turns' rations count against it. 0 (off): on the H200 with 8 agents it cost every decoder about 2 % for no steady gain in freshness (benchmarks/NOTES.md)"),
     Setting("QSE_SHADOW_RATION_AFTER_S", float, 5.0, "the reader's share counts from this many seconds after the first token (a short turn's decode loses nothing; the narrator's is not delayed)"),
     Setting("QSE_SHADOW_SLICE_MS", float, 150.0, "longest reader slice between two decode rounds, ms"),
     Setting("QSE_SHADOW_MIN_SLICE_MS", float, 10.0, "a reader slice opens once this much is earned, ms (each slice costs the decode a fixed host overhead; at most QSE_SHADOW_SLICE_MS)"),
