@@ -487,7 +487,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--arrival-gap-s", type=float, default=0.5)
     p.add_argument("--out-cap", type=int, default=256, help="largest max_tokens a turn asks")
     p.add_argument("--scale", type=float, default=1.0, help="every length times this (a CPU run)")
-    p.add_argument("--cold-turns", type=int, default=4)
+    p.add_argument("--cold-turns", type=int, default=9, help="follow-up lengths read cold, spread evenly over their sorted list (odd: the median among them)")
     p.add_argument("--no-solo", dest="solo", action="store_false")
     p.add_argument("--settle-s", type=float, default=120.0, help="longest wait for the reader between phases")
     p.add_argument("--seed", type=int, default=0)
