@@ -102,7 +102,7 @@ def scripted_sampler(monkeypatch):
             self.i += 1
             return self.script[self.i - 1]
 
-    monkeypatch.setattr("qse.runtime.conductor.Sampler", ScriptedSampler)
+    monkeypatch.setattr("qse.runtime.rounds.Sampler", ScriptedSampler)
     return ScriptedSampler
 
 

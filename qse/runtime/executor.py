@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
@@ -34,3 +34,19 @@ class EngineExecutor:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+async def landed(load: Future) -> None:
+    """Until a load of the store's loader thread is done, whatever its outcome (the store lands it, a bad file as
+    a miss). Cancelling the waiter never cancels the load (the store waits for every load it started)."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def wake(_) -> None:  # on the loader's thread, or here when the load is done already
+        try:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+        except RuntimeError:  # the loop has closed: nobody waits
+            pass
+
+    load.add_done_callback(wake)
+    await done

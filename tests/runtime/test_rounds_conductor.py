@@ -119,13 +119,13 @@ async def test_short_prompts_go_first_but_an_overtaken_one_is_not_starved(make_r
     """Prompts waiting together are read shortest first, ties in arrival order; a long prompt overtaken by
     MAX_OVERTAKEN later arrivals goes before any prompt not yet overdue."""
     from qse.core.rounds import MAX_OVERTAKEN, prefill_order as core_order
-    from qse.runtime.conductor import _Running
+    from qse.runtime.turn import RoundEntry
 
-    def prefill_order(entry: _Running) -> tuple[int, int, int]:  # the planner's order, on the conductor's turns
+    def prefill_order(entry: RoundEntry) -> tuple[int, int, int]:  # the planner's order, on the conductor's turns
         return core_order(entry.prompt())
 
-    def entry(no: int, unread: int, overtaken: int = 0) -> _Running:
-        return _Running(None, None, None, arrival_no=no, unread_tokens=unread, overtaken=overtaken)
+    def entry(no: int, unread: int, overtaken: int = 0) -> RoundEntry:
+        return RoundEntry(None, None, None, arrival_no=no, unread_tokens=unread, overtaken=overtaken)
 
     long_, short1, short2, tie = entry(0, 5000), entry(1, 40), entry(2, 40), entry(3, 5000)
     assert sorted([long_, short1, short2, tie], key=prefill_order) == [short1, short2, long_, tie]

@@ -1,0 +1,345 @@
+"""The served model's round loop: turns wait, open, are read a few chunks a round, decode together, end.
+
+The loop asks the scheduler (qse/core/scheduler.py: RoundDue) what to do next and carries it out on the served
+model's thread: open a turn (its slot, the served session's state back), or run a round (one batched decode of
+every running turn, then the planned prompt pieces), then the reader's slice between rounds
+(qse/runtime/windows.py). A round whose turns all sample on the device is launched ahead (`LaunchedAhead`): its
+ids come back in the next round's hop. A mixin of `Conductor`: the queues it moves turns between are the
+conductor's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import asdict
+from typing import AsyncIterator, NamedTuple
+
+import structlog
+
+from ..core.ledger import Role
+from ..core.locks import HeldLocks, Priority
+from ..core.rounds import Read, RoundPlan
+from ..core.scheduler import Arrived, OpenTurn, RoundDue, RunRound
+from ..engine.sampling import Sampler
+from ..sessions.served import LaunchedRound
+from .executor import landed
+from .turn import END, ConductorStopped, GenerateRequest, RoundEntry, Turn
+
+log = structlog.get_logger("qse.conductor")  # one logger for the conductor's modules: its events keep their name
+
+
+class LaunchedAhead(NamedTuple):
+    """The round launched ahead, whose ids are read back in the next round's hop."""
+
+    batch: list[RoundEntry]  # its turns, in its rows' order
+    launch: LaunchedRound
+
+
+class RoundLoop:
+    """The served turns, in rounds."""
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[int]:
+        """Stream the served model's token ids for one request; the reader follows the turn. The turn waits for
+        the round loop, which reads its prompt a few grid chunks a round beside the running turns' decode, then
+        decodes it with every other running turn, one batched round a token. Closing the generator ends the
+        turn at the next round."""
+        arrival = self.clock()
+        self.scheduler.on(Arrived(arrival))
+        self._check_prompt(req.prompt_ids)
+        self._refuse_if_stopped()
+        session_id = self.map_session(req.prompt_ids, req.session_id) or f"s-{uuid.uuid4().hex[:16]}"
+        turn = Turn(req, f"{req.request_id}#{next(self._turn_seq)}", session_id, arrival,
+                     self._shared_prefix(session_id, req.prompt_ids))
+        lock = self._session_locks.setdefault(session_id, asyncio.Lock())
+        async with lock:  # one turn a session at a time: the next one starts from what this one kept
+            entry = RoundEntry(turn, asyncio.Queue(), asyncio.get_running_loop().create_future(),
+                             arrival_no=next(self._arrivals),
+                             unread_tokens=self.serving.unread_estimate(session_id, req.prompt_ids))
+            self._waiting.append(entry)
+            self._waiting_changed.set()
+            self._kick_rounds()
+            try:
+                while True:
+                    item = await entry.out.get()
+                    if item is END:
+                        return
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+            finally:
+                entry.closed = True  # the loop ends the turn at its next round (or drops it from the queue)
+                await asyncio.shield(entry.done)
+
+    @property
+    def num_waiting(self) -> int:
+        """Turns queued for the round loop (not yet started)."""
+        return len(self._waiting)
+
+    async def wait_for_waiting(self, count: int) -> None:
+        """Until at least `count` turns are queued for the round loop (tests order tasks with this)."""
+        while len(self._waiting) < count:
+            self._waiting_changed.clear()
+            await self._waiting_changed.wait()
+
+    async def rounds_ended(self) -> None:
+        """Until the round loop has nothing left (a round launched past a turn's end included)."""
+        while self._round_task is not None:
+            await asyncio.shield(self._round_task)
+
+    def _kick_rounds(self) -> None:
+        if self._round_task is None:
+            self._round_task = asyncio.create_task(self._round_loop(), name="qse-rounds")
+
+    async def _round_loop(self) -> None:
+        """Ask, do, report: the scheduler opens waiting turns while slots are free, then runs one round (a batched
+        decode of every running turn and the next pieces of the prompts being read), then each turn's token (a
+        first token when its prompt's tail was read), then the reader's slice between rounds. The engine is held
+        while any turn runs, reads or waits (the idle window and the questions wait for the loop to end)."""
+        try:
+            async with self.board.engine_lock(Priority.SERVED, HeldLocks()):
+                while True:
+                    await self._drop_departed()
+                    # a turn whose served state is only in a file is weighed once its load (beside the rounds)
+                    # has landed: it then opens with a host copy, and no round waits for a file read
+                    loads = await self._prefetch_waiting()
+                    ready = [e.prompt() for e in self._waiting if self.serving.is_ready(e.turn.session_id)]
+                    action = self.scheduler.on(RoundDue(
+                        self.clock(), ready, [e.prompt() for e in self._reading],
+                        [e.running() for e in self._running], self._in_flight is not None))
+                    if isinstance(action, OpenTurn):
+                        self._waiting.remove(action.key)
+                        await self._start_turn(action.key)
+                    elif isinstance(action, RunRound):
+                        await self._round(action.plan)
+                        await self._between_rounds()
+                    elif loads:  # nothing runs and the waiting turns' states are loading
+                        await self._until_loaded(loads)
+                    elif not self._waiting:
+                        break
+                # no await between the last look at the queues and this: a turn that arrives now starts a loop
+                self._round_task = None
+        finally:
+            self._round_task = None
+            for entry in list(self._waiting) + self._reading + self._running:  # the loop died: nobody waits forever
+                if not entry.done.done():
+                    entry.out.put_nowait(ConductorStopped("the served model's round loop stopped"))
+                    entry.done.set_result(None)
+            self._waiting.clear()
+            self._reading.clear()
+            self._running.clear()
+            self._in_flight = None
+
+    async def _drop_departed(self) -> None:
+        """Turns whose clients left end now: queued ones unstarted, the others with their slots freed."""
+        for entry in [e for e in self._waiting if e.departed()]:
+            self._waiting.remove(entry)
+            entry.turn.finish = entry.departed()
+            await self._end(entry, started=False)
+        for entry in [e for e in self._reading + self._running if e.departed()]:
+            entry.turn.finish = entry.departed()
+            await self._end(entry)
+
+    async def _prefetch_waiting(self) -> list:
+        """Waiting turns' sessions whose state is only in a file start loading, and finished loads land (one hop
+        to the served thread, between rounds); the loads still in flight."""
+        sids = [e.turn.session_id for e in self._waiting if not self.serving.is_ready(e.turn.session_id)]
+        return await self.served_exec.run(self.serving.prefetch, sids) if sids else []
+
+    async def _until_loaded(self, loads: list) -> None:
+        """Nothing runs and the waiting turns' states are loading: until one load is done or a turn arrives."""
+        self._waiting_changed.clear()  # (no await since the waiting turns were weighed: no arrival is missed)
+        waits = [asyncio.ensure_future(landed(load)) for load in loads]
+        waits.append(asyncio.ensure_future(self._waiting_changed.wait()))
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    async def _start_turn(self, entry: "RoundEntry") -> None:
+        """The turn opens: the reader learns the prompt, the served session reuses what it holds and reserves a
+        slot; its prompt is read by the next rounds."""
+        turn, req = entry.turn, entry.turn.req
+        if entry.departed():  # the client left while it waited
+            turn.finish = entry.departed()
+            await self._end(entry, started=False)
+            return
+        if self._stopped:
+            entry.out.put_nowait(ConductorStopped("the conductor is stopped (a planned stop); send the request "
+                                                  "again after the restart"))
+            await self._end(entry, started=False)
+            return
+        turn.start_s = self.clock()
+        self.ledger.open_turn(turn.turn_id)
+        try:
+            await self._turn_start(turn)
+            entry.seq = await self.served_exec.run(self.serving.open, turn.session_id, req.prompt_ids)
+        except Exception as exc:
+            entry.out.put_nowait(exc)
+            await self._end(entry)
+            return
+        entry.sampler = Sampler(req.sampling, vocab_limit=self.served.chat.tokenizer.vocab_size)
+        turn.cached_tokens, turn.cache_tier = entry.seq.start.cached_tokens, entry.seq.start.tier
+        req.cached_tokens = entry.seq.start.cached_tokens
+        self._reading.append(entry)
+
+    async def _round(self, plan: RoundPlan) -> None:
+        """One round in one hop to the served thread: a batched decode of the running turns, then the planned
+        prompt reads, then the ids of the round launched ahead last time. Where every running turn samples on
+        the device (launch_ahead), this round's ids stay on the device, feed the next round, and come back in
+        the next hop: one hop a round, and the device never waits for the host between two rounds. A turn
+        whose tail was read gets its first token."""
+        batch = list(plan.decode)
+        now = self.clock()
+        for entry in batch:
+            entry.last_round_s = now
+        in_flight, self._in_flight = self._in_flight, None
+        rows = {id(e): i for i, e in enumerate(in_flight.batch)} if in_flight is not None else {}
+        carry = [rows.get(id(e), -1) if e.in_flight else -1 for e in batch]
+        ahead = self.policy.launch_ahead and bool(batch) and all(e.sampler.is_on_device for e in batch)
+        # the earlier round's samplers that take its ids (a grammar's matcher): those of turns still running
+        takers = [e.sampler if e in self._running else None for e in in_flight.batch] if in_flight else []
+        try:
+            launched, tokens, ms, reads, earlier = await self.served_exec.run(
+                self._round_on_thread, batch, carry, ahead, plan.reads, in_flight.launch if in_flight else None, takers)
+        except Exception as exc:  # the round failed: every turn in it ends with the error
+            for entry in batch + [r.key for r in plan.reads] + (in_flight.batch if in_flight else []):
+                if not entry.done.done():
+                    entry.out.put_nowait(exc)
+                    await self._end(entry)
+            return
+        for entry, (read_ms, first, exc) in zip([r.key for r in plan.reads], reads):
+            self.ledger.record(Role.SERVED_PREFILL, read_ms, turn_id=entry.turn.turn_id)
+            if exc is not None:
+                entry.out.put_nowait(exc)
+                await self._end(entry)
+            elif first is not None:
+                await self._first_token(entry, first)
+        if earlier is not None:
+            await self._decoded(in_flight.batch, *earlier)
+        if launched is not None:
+            for entry in batch:
+                entry.in_flight = 1
+            self._in_flight = LaunchedAhead(batch, launched)
+        elif batch:
+            await self._decoded(batch, tokens, ms)
+
+    async def _decoded(self, batch: list["RoundEntry"], tokens: list[int], ms: float) -> None:
+        """A round's ids to its turns; a turn that ended since the round was launched drops its id (a stop read
+        one round late: its kept state is the prompt's grid line, never the rows above)."""
+        share = ms / len(batch)  # a round's device time, attributed evenly to its turns
+        for entry, token in zip(batch, tokens):
+            entry.in_flight = 0
+            if entry not in self._running:
+                self.ledger.record(Role.SERVED_DECODE, share)
+                continue
+            self.ledger.record(Role.SERVED_DECODE, share, turn_id=entry.turn.turn_id)
+            await self._emit(entry, token)
+
+    async def _first_token(self, entry: "RoundEntry", token: int) -> None:
+        turn = entry.turn
+        turn.first_token_s = entry.last_round_s = self.clock()
+        self._reading.remove(entry)
+        self._running.append(entry)
+        behind = [e.prompt() for e in list(self._waiting) + self._reading]
+        for other in self.scheduler.rounds.overtaken(entry.prompt(), behind):
+            other.overtaken += 1  # (prefill_order's starvation bound)
+        await self._emit(entry, token)
+
+    def _round_on_thread(self, batch: list["RoundEntry"], carry: list[int], ahead: bool,
+                         plan: tuple[Read, ...], earlier: LaunchedRound | None, takers: list[Sampler | None]):
+        """The decode of `batch` (launched ahead, or sampled on the host and waited for), each planned read, then
+        the earlier round's ids. Returns (the round launched ahead or None, the batch's ids when not ahead, their
+        device ms, for each read (device ms, the first token if the tail was read, the error if it failed), the
+        earlier round's (ids, device ms) or None).
+
+        A grammar turn's next mask needs its last id on the host: where the earlier round holds one, its ids are
+        read back between this round's forward and its sampling (the forward never waits for them; the matcher
+        and the mask run on the host while the device runs the forward), each taker taking its row's id."""
+        launched, tokens, ms = None, [], 0.0
+        back: tuple[list[int], float] | None = None
+
+        def take_earlier() -> None:
+            nonlocal back
+            if earlier is not None and back is None:
+                back = earlier.finish()
+                for sampler, token in zip(takers, back[0]):
+                    if sampler is not None:
+                        sampler.taken(token)
+
+        take_first = any(s is not None and s.grammar is not None for s in takers)
+        if batch:
+            seqs, host_ids = [e.seq for e in batch], [0 if c >= 0 else e.token for e, c in zip(batch, carry)]
+            if ahead:
+                launched = self.serving.launch_round(seqs, host_ids, carry, [e.sampler for e in batch],
+                                                     between=take_earlier if take_first else None)
+            else:
+                logits, ms = self.serving.decode_round(seqs, host_ids, carry)
+                if take_first:
+                    take_earlier()
+                tokens = [e.sampler(logits[i]) for i, e in enumerate(batch)]
+        reads = []
+        for entry, chunks, tail in plan:
+            seq = entry.seq
+            before = seq.start.gpu_ms
+            try:
+                if chunks:  # the last chunk is left running: the tail, or the next round, launches behind it
+                    self.serving.read_chunks(seq, chunks, hold_last=True)
+                first = None
+                if tail and seq.chunks_left == 0:
+                    first = self._read_tail(entry)
+                reads.append((seq.start.gpu_ms - before, first, None))
+            except Exception as exc:
+                self.serving.finish(seq)
+                reads.append((seq.start.gpu_ms - before, None, exc))
+        take_earlier()
+        return launched, tokens, ms, reads, back
+
+    def _read_tail(self, entry: "RoundEntry") -> int:
+        """The prompt's tail and the first token, on the served thread."""
+        seq, req = entry.seq, entry.turn.req
+        logits = self.serving.first_token(seq)
+        try:
+            token = entry.sampler(logits[-1])
+        except BaseException:
+            self.serving.finish(seq)
+            raise
+        log.info("served_turn_start", session=seq.start.session_id, request_id=req.request_id, **{
+            k: v for k, v in asdict(seq.start).items() if k != "session_id"})
+        return token
+
+    async def _emit(self, entry: "RoundEntry", token: int) -> None:
+        """A sampled token: the turn's end (a stop id, or max_tokens reached after it), or the next round's input."""
+        turn, req = entry.turn, entry.turn.req
+        if token in req.stop_ids:
+            turn.finish = "stop"
+            await self._end(entry)
+            return
+        turn.out_ids.append(token)
+        entry.out.put_nowait(token)
+        if len(turn.out_ids) >= req.max_tokens:
+            turn.finish = "length"
+            await self._end(entry)
+            return
+        entry.token = token
+
+    async def _end(self, entry: "RoundEntry", started: bool = True) -> None:
+        for queue in (self._reading, self._running):
+            if entry in queue:
+                queue.remove(entry)
+        if started:
+            if entry.seq is not None:
+                held_ms = await self.served_exec.run(self.serving.finish, entry.seq)
+                if held_ms:  # a chunk of its prompt it left running, read back as it ended
+                    self.ledger.record(Role.SERVED_PREFILL, held_ms, turn_id=entry.turn.turn_id)
+            await self._turn_end(entry.turn)
+        entry.out.put_nowait(END)
+        if not entry.done.done():
+            entry.done.set_result(None)
+
+    def served_session_rows(self) -> int | None:
+        """The rows one served session can hold: the whole served KV pool (other sessions' pages are made room
+        for), less one page a turn may hold above its rows while it decodes."""
+        pool = self.serving.book.pool
+        return max(0, (pool.num_pages - 1) * pool.page_rows)
