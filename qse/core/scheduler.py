@@ -284,8 +284,13 @@ class Scheduler:
             return Nothing(now)
         return Nothing(self.idle.first_poll_at_or_after(self.next_look_s, now))
 
+    def idle_may_look(self, busy: Busy) -> bool:
+        """Whether the idle window could open now, work aside: the caller looks for work (a safe point, the
+        sessions' backlogs) only then, and reports the look as IdlePoll either way."""
+        return self.burst is None and self.idle.may_open(**busy._asdict())
+
     def _idle_poll(self, ev: IdlePoll) -> Action:
-        if self.burst is None and ev.has_work and self.idle.may_open(**ev.busy._asdict()):
+        if ev.has_work and self.idle_may_look(ev.busy):
             return OpenIdle(ev.now)
         self.next_look_s = self.idle.next_poll_s(ev.now)
         return Nothing(self.next_look_s)

@@ -13,7 +13,7 @@ import asyncio
 import structlog
 
 from ..core.drive import Stop
-from ..core.idle import IdleBurst, IdleWindow, SessionBacklog
+from ..core.idle import IdleBurst, SessionBacklog
 from ..core.ledger import Role
 from ..core.locks import HeldLocks, LockRank, Priority
 from ..core.plan import ROLE_OF_WINDOW, Window, whole_chunks
@@ -194,7 +194,7 @@ class ReaderWindows:
         board = self.board
         busy = Busy(request_running=board.engine.locked, request_waiting=board.engine.num_waiting > 0,
                     hold_on=board.holds > 0, box_locked=board.box.locked)
-        if not IdleWindow.may_open(**busy._asdict()):
+        if not self.scheduler.idle_may_look(busy):
             self.scheduler.on(IdlePoll(self.clock(), busy, has_work=False))
             return 0
         # a safe point on every quiet look (never inside a ration slice): the reader's spills go to the mover, the

@@ -197,3 +197,11 @@ def test_a_busy_share_of_zero_never_reads():
     s.ledger.record(Role.SERVED_DECODE, 1e6)
     assert not s.busy_may_open()
     assert s.on(RoundEnded(1.0, (), {"a": SessionBacklog(0.0, 4, 0)})) == Nothing()
+
+
+def test_the_idle_window_may_be_looked_at_only_when_quiet_and_no_burst_is_open():
+    s = scheduler()
+    assert s.idle_may_look(Busy()) and not s.idle_may_look(Busy(request_running=True))
+    assert s.on(IdlePoll(1.0, Busy(), has_work=True)) == OpenIdle(1.0)
+    s.on(IdleOpened(1.0, backlog(a=(0.0, 2))))
+    assert not s.idle_may_look(Busy())  # a burst is open: nobody looks again until it closes
