@@ -106,12 +106,36 @@ async def level(conductor: Conductor, users: int, prompt_tokens: int, out_tokens
             "prefill_device_s": round(prefill_us / 1e6, 4), "decode_device_s": round(decode_us / 1e6, 4),
             "host_ms_per_round": round((wall - (prefill_us + decode_us) / 1e6) * 1e3 / max(1, rounds), 3),
             "tokens_per_s": round(tokens / wall, 2),
+            # the schedule's bound: the level's measured chunk and round costs back to back on the device, no host
+            # time between them; the level's prefill-counted rate against it is what the host's rounds cost
+            "schedule_bound_tokens_per_s": (round(tokens / ((prefill_us + decode_us) / 1e6), 2)
+                                            if prefill_us + decode_us > 0 else None),
+            "share_of_schedule_bound": round((prefill_us + decode_us) / 1e6 / wall, 4) if wall > 0 else None,
             "decode_phase_s": round(phase_s, 4),
             "decode_phase_tokens_per_s": round(phase_tokens / phase_s, 2) if phase_s > 0 else None,
             "per_user_tokens_per_s": round(statistics.median(r["tokens"] / (r["end_s"] - r["sent_s"]) for r in rows),
                                            2),
             "ttft_p50_s": round(statistics.median(ttft), 4), "ttft_p99_s": round(_quantile(ttft, 0.99), 4),
             **token_gaps(rows)}
+
+
+# the rounds' targets (issue 29, restated): (users, prefill-counted share of the schedule bound, decode phase x one user)
+ROUNDS_TARGETS = ((8, 0.9, 6.0), (32, 0.9, 15.0))
+
+
+def rounds_targets(levels: list[dict]) -> list[dict]:
+    """Each level of 8 or 32 users against its targets: the prefill-counted rate >= 90 % of the schedule bound
+    (the measured costs back to back), the decode phase >= 6x (8 users) or 15x (32) one user's; None: not run."""
+    out = []
+    for users, share, times in ROUNDS_TARGETS:
+        for lv in (lv for lv in levels if lv["users"] == users):
+            got_share, got_x = lv["share_of_schedule_bound"], lv.get("decode_phase_x_one_user")
+            out.append({"users": users, "round_token_budget": lv["round_token_budget"],
+                        "launch_ahead": lv["launch_ahead"], "share_of_schedule_bound": got_share,
+                        "share_min": share, "met_share": None if got_share is None else got_share >= share,
+                        "decode_phase_x_one_user": got_x, "x_min": times,
+                        "met_decode_phase": None if got_x is None else got_x >= times})
+    return out
 
 
 async def run(args) -> dict:
@@ -142,7 +166,10 @@ async def run(args) -> dict:
     for lv in levels:  # against one user alone under the same budget, launch mode and decode yield
         one = next((o for o in levels if o["users"] == 1 and all(o[k] == lv[k] for k in same)), None)
         lv["x_one_user"] = round(lv["tokens_per_s"] / one["tokens_per_s"], 3) if one else None
-    return {"preset": spec or "embedded", "model": engine.name, "kernels": engine.kernels, "mode": serving.mode,
+        lv["decode_phase_x_one_user"] = (round(lv["decode_phase_tokens_per_s"] / one["decode_phase_tokens_per_s"], 3)
+                                         if one and one["decode_phase_tokens_per_s"] and lv["decode_phase_tokens_per_s"]
+                                         else None)
+    return {"targets": rounds_targets(levels), "preset": spec or "embedded", "model": engine.name, "kernels": engine.kernels, "mode": serving.mode,
             "grid": serving.grid, "served_chunk_group": serving.book.chunk_group, "prompt_tokens": args.prompt_tokens,
             "out_tokens": args.out_tokens, "levels": levels}
 

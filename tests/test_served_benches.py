@@ -27,6 +27,10 @@ def test_a_tiny_run_writes_its_result(script, tmp_path, cache_dir):
         assert [(lv["users"], lv["launch_ahead"]) for lv in result["levels"]] == [(1, True), (2, True), (1, False),
                                                                                    (2, False)]
         assert all(lv["output_tokens"] == 4 * lv["users"] for lv in result["levels"])
+        for lv in result["levels"]:  # the measured device time never exceeds the wall it ran in
+            assert 0 < lv["share_of_schedule_bound"] <= 1.0
+            assert lv["schedule_bound_tokens_per_s"] >= lv["tokens_per_s"]
+        assert result["targets"] == []  # the tiny run has no 8- or 32-user level
     elif script == "served_moves.py":
         for rep in result["repeats"]:
             # B's parked session came back from its file, reused, while A decoded every id it asked for
@@ -49,6 +53,18 @@ def test_a_tiny_run_writes_its_result(script, tmp_path, cache_dir):
         profiled = [r for r in preset["restores"] if "profile" in r]
         assert [r["tier"] for r in profiled] == ["disk_prefetched", "host"]
         assert all(any("_bring_in" in c["call"] for c in r["profile"]) for r in profiled)
+
+
+def test_the_rounds_targets_judge_each_level_of_8_and_32_users():
+    from benchmarks.served_load import rounds_targets
+
+    def lv(users, share, x):
+        return {"users": users, "round_token_budget": 2048, "launch_ahead": True, "share_of_schedule_bound": share,
+                "decode_phase_x_one_user": x}
+
+    got = rounds_targets([lv(1, 0.99, 1.0), lv(8, 0.95, 5.9), lv(32, 0.89, 18.0)])
+    assert [(t["users"], t["met_share"], t["met_decode_phase"]) for t in got] == [(8, True, False), (32, False, True)]
+    assert rounds_targets([lv(8, None, None)])[0]["met_share"] is None
 
 
 def test_the_decode_phase_is_the_window_where_every_user_decodes():
