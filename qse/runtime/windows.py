@@ -149,11 +149,17 @@ class ReaderWindows:
         """Asked on the reader's thread before every idle chunk: someone waits for the engine, or we stop."""
         return self._stopping or self.board.engine.has_waiter_above(Priority.IDLE_READER)
 
+    def _idle_wait_s(self) -> float:
+        """Until the scheduler's next look (its lattice: a look every poll_s from the first request, the replay's
+        too), at most poll_s, at least a millisecond (a stale look after the clock jumped comes at once, once)."""
+        poll, next_s = self.scheduler.idle.poll_s, self.scheduler.next_look_s
+        return poll if next_s is None else min(poll, max(1e-3, next_s - self.clock()))
+
     async def _idle_loop(self) -> None:
         assert self._wake is not None
         while not self._stopping:
             try:
-                await asyncio.wait_for(self._wake.wait(), self.scheduler.idle.poll_s)
+                await asyncio.wait_for(self._wake.wait(), self._idle_wait_s())
             except TimeoutError:
                 pass
             if self._stopping:

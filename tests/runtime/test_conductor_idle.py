@@ -150,3 +150,18 @@ async def test_a_session_too_long_for_the_reader_is_left_and_the_others_are_read
     assert await c.idle_once() == 0
     shown = {s["session"]: s for s in c.status()["sessions"]}
     assert shown["long"]["too_long"] and shown["long"]["backlog"] == 0 and not shown["short"]["too_long"]
+
+
+def test_the_idle_loop_waits_for_the_schedulers_next_look(make_rig):
+    """The loop looks on the scheduler's lattice (the replay's): until its next look, never longer than a poll,
+    and at once (a millisecond) where the clock has passed it."""
+    rig = make_rig()
+    c, clock = rig.conductor, rig.clock
+    poll = c.scheduler.idle.poll_s
+    assert c._idle_wait_s() == poll  # no look yet: a poll
+    c.scheduler.next_look_s = clock() + poll / 4
+    assert c._idle_wait_s() == pytest.approx(poll / 4)
+    c.scheduler.next_look_s = clock() + 10 * poll
+    assert c._idle_wait_s() == poll
+    c.scheduler.next_look_s = clock() - 1.0
+    assert c._idle_wait_s() == 1e-3
