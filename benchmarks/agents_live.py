@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Many coding agents at once through `qse serve`, over HTTP, with the official openai client.
 
-    python benchmarks/agents_live.py --serve --model qwen3.5-9b --shadow-model qwen3.5-0.8b --agents 8 --out DIR
+    python benchmarks/agents_live.py --serve --model qwen3.5-9b --shadow-model qwen3.5-0.8b --agents 8 --out DIR [--ab]
     python benchmarks/agents_live.py --url http://127.0.0.1:8000 --agents 8 --out DIR     (a server already up)
     python benchmarks/agents_live.py --tiny --out DIR          (the embedded model on CPU, shapes scaled down)
 
@@ -23,6 +23,8 @@ streamed text), the first-turn TTFT of the agent whose first token came last, th
 usage's cached_tokens), output and prompt tokens/s, and, from the server's /metrics over the phase: the reader's
 freshness at follow-up turn starts, the decode loss (the reader's ration wall over the served decode wall) and the
 reader's device share. The server's sizing of its pools (no memory switch set) is recorded from its status.
+With --ab the agents run again on a fresh server without the reader, and the decode loss is also the A/B of the
+two: the time a decoded id took (every turn's decode wall over its ids after the first), on against off.
 """
 
 from __future__ import annotations
@@ -280,6 +282,14 @@ def dist(values: list[float]) -> dict:
             "max": max(values) if values else None}
 
 
+def decode_tpot_ms(turns: list[TurnResult]) -> float | None:
+    """Every turn's decode wall (its first streamed text to its end) over the ids it decoded after the first:
+    the time a decoded id took, as the decode-loss A/B compares it with the reader on and off."""
+    ids = sum(max(0, r.output_tokens - 1) for r in turns)
+    wall = sum(r.end_s - r.chunk_stamps[0] for r in turns if r.chunk_stamps and r.output_tokens > 1)
+    return round(wall * 1e3 / ids, 4) if ids else None
+
+
 def summarize(results: list[TurnResult], wall_s: float) -> dict:
     ok = [r for r in results if r.error is None and r.ttft_s is not None]
     first = [r for r in ok if r.turn == 0]
@@ -303,6 +313,7 @@ def summarize(results: list[TurnResult], wall_s: float) -> dict:
         "uncached_prompt_tokens_per_s": (round(sum(r.prompt_tokens - r.cached_tokens for r in ok) / wall_s, 1)
                                          if wall_s else None),
         "chunk_gap_ms": {k: (round(v * 1e3, 3) if v is not None else None) for k, v in dist(gaps).items() if k != "n"},
+        "decode_tpot_ms": decode_tpot_ms(ok),
         "wall_s": round(wall_s, 3),
     }
 
@@ -315,7 +326,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace, out_dir: Path) -> tuple[subprocess.Popen, str, Path]:
+def start_server(args: argparse.Namespace, out_dir: Path,
+                 log_name: str = "agents_live-server.log") -> tuple[subprocess.Popen, str, Path]:
     """`qse serve` as a user starts it (no memory switch unless the environment sets one), its log under out_dir."""
     import httpx
 
@@ -336,7 +348,7 @@ def start_server(args: argparse.Namespace, out_dir: Path) -> tuple[subprocess.Po
     env.update({"QSE_SHADOW_DIR": str(state / "shadow"), "QSE_SHADOW_DISK": str(state / "disk"),
                 "QSE_LEDGER": str(state / "usage.jsonl")})
     env.update(dict(kv.split("=", 1) for kv in args.server_env))
-    log_path = out_dir / "agents_live-server.log"
+    log_path = out_dir / log_name
     out_dir.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -489,6 +501,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scale", type=float, default=1.0, help="every length times this (a CPU run)")
     p.add_argument("--cold-turns", type=int, default=9, help="follow-up lengths read cold, spread evenly over their sorted list (odd: the median among them)")
     p.add_argument("--no-solo", dest="solo", action="store_false")
+    p.add_argument("--ab", action="store_true", help="--serve: then the agents again on a server without the "
+                   "reader, and the decode loss as the A/B of the two (the time a decoded id took)")
     p.add_argument("--settle-s", type=float, default=120.0, help="longest wait for the reader between phases")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout-s", type=float, default=600.0)
@@ -511,6 +525,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args.server_env = ["QSE_DEVICE=cpu", "QSE_DTYPE=float32", "QSE_SHADOW_GB=0.25", "QSE_SERVED_GRID=64", *args.server_env]
     if bool(args.url) == bool(args.serve):
         p.error("give exactly one of --url (a server already up) and --serve (start one)")
+    if args.ab and not args.serve:
+        p.error("--ab starts a second server without the reader: it needs --serve")
     if args.agents < 1:
         p.error(f"--agents must be >= 1, got {args.agents}")
     if not args.trace.is_file():
@@ -518,18 +534,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    out_dir = Path(args.out)
+def run_once(args: argparse.Namespace, out_dir: Path, log_name: str = "agents_live-server.log") -> tuple[dict, int | None, Path | None]:
+    """The phases against the server (started here with --serve, then stopped), each turn's stations joined
+    from its log; (result, the server's exit code, its log)."""
     proc = log_path = None
     url = args.url
     if args.serve:
-        proc, url, log_path = start_server(args, out_dir)
+        proc, url, log_path = start_server(args, out_dir, log_name)
     try:
         result = asyncio.run(run(args, url))
     finally:
         rc = stop_server(proc) if proc is not None else None
-    log_file = args.server_log or log_path
+    log_file = args.server_log if args.url else log_path
     if log_file is not None and Path(log_file).is_file():  # each turn's stations on the server
         stations = server_timeline(Path(log_file))
         for name in ("solo", "agents"):
@@ -537,6 +553,28 @@ def main(argv: list[str] | None = None) -> int:
                 for t in result[name]["turns_detail"]:
                     t.update(stations.get(t["request_id"], {}))
                 result[name]["followup_stations"] = timeline_summary(result[name]["turns_detail"])
+    return result, rc, log_path
+
+
+def decode_ab(on: dict, off: dict) -> dict:
+    """The decode loss as an A/B: the agents' time a decoded id took with the reader on against off."""
+    a, b = on["decode_tpot_ms"], off["decode_tpot_ms"]
+    return {"tpot_ms_reader_on": a, "tpot_ms_reader_off": b,
+            "decode_loss": round(a / b - 1, 5) if a is not None and b else None,
+            "output_tokens_per_s_on": on["output_tokens_per_s"], "output_tokens_per_s_off": off["output_tokens_per_s"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    out_dir = Path(args.out)
+    result, rc, log_path = run_once(args, out_dir)
+    if args.ab:  # the same agents on a server without the reader (a fresh one: nothing is cached from the first)
+        off_args = argparse.Namespace(**{**vars(args), "shadow_model": "", "solo": False, "cold_turns": 0})
+        off, _, _ = run_once(off_args, out_dir, "agents_live-server-reader-off.log")
+        result["reader_off"] = {k: v for k, v in off["agents"].items() if k != "turns_detail"}
+        result["decode_ab"] = decode_ab(result["agents"], off["agents"])
+        loss = result["decode_ab"]["decode_loss"]
+        result["goals"]["decode_loss_ab_le_0.01"] = None if loss is None else loss <= 0.01
     header = result_header("openai", device="cpu" if args.tiny or not _has_cuda() else None)
     result = {**header, **result, "server_exit": rc, "server_log": str(log_path) if log_path else None}
     for name in ("solo", "agents"):
@@ -544,6 +582,8 @@ def main(argv: list[str] | None = None) -> int:
             compact = {k: v for k, v in result[name].items() if k not in ("turns_detail",)}
             print(json.dumps({"phase": name, **compact}))
     print(json.dumps({"phase": "cold", **{k: v for k, v in result["cold"].items() if k != "failed"}}))
+    if "decode_ab" in result:
+        print(json.dumps({"decode_ab": result["decode_ab"]}))
     print(json.dumps({"goals": result["goals"]}))
     write_result(result, out_dir, "agents_live" + (f"-{args.tag}" if args.tag else ""))
     return 0

@@ -109,7 +109,7 @@ def test_staggered_arrivals_count_each_user_s_ttft_from_its_own_send(tmp_path, c
 def test_agents_live_drives_a_real_server_through_the_openai_client(tmp_path, cache_dir):
     """The agents benchmark on the embedded model: every phase's turns are served over HTTP, the follow-ups reuse
     their session's state, the cold baseline reuses none, and the server's own counters cover the phase."""
-    out = subprocess.run([sys.executable, "benchmarks/agents_live.py", "--tiny", "--out", str(tmp_path)], cwd=ROOT,
+    out = subprocess.run([sys.executable, "benchmarks/agents_live.py", "--tiny", "--ab", "--out", str(tmp_path)], cwd=ROOT,
                          capture_output=True, text=True, timeout=600,
                          env={**os.environ, "QSE_CACHE_DIR": str(cache_dir)})
     assert out.returncode == 0, out.stderr[-2000:]
@@ -142,7 +142,15 @@ def test_agents_live_drives_a_real_server_through_the_openai_client(tmp_path, ca
     cold = result["cold"]
     assert cold["turns"] == 2 and cold["failed"] == [] and cold["cached_tokens"] == 0
     assert cold["server"]["prefix_cache_hit_tokens"] == 0
-    assert set(result["goals"]) >= {"followup_p50_le_0.2s", "reader_fresh_ge_0.95", "decode_loss_le_0.01"}
+    assert set(result["goals"]) >= {"followup_p50_le_0.2s", "reader_fresh_ge_0.95", "decode_loss_le_0.01",
+                                    "decode_loss_ab_le_0.01"}
+    # the A/B's second arm: the same agents on a server without the reader, every turn served, nothing read
+    off = result["reader_off"]
+    assert off["failed"] == [] and off["turns"] == result["agents"]["turns"]
+    assert off["server"]["turn_starts"] == 0 and off["server"]["device_ms"]["reader_idle"] == 0
+    ab = result["decode_ab"]
+    assert ab["tpot_ms_reader_on"] > 0 and ab["tpot_ms_reader_off"] > 0
+    assert ab["decode_loss"] == round(ab["tpot_ms_reader_on"] / ab["tpot_ms_reader_off"] - 1, 5)
 
 
 def test_agents_live_shapes_follow_the_trace(tmp_path):
