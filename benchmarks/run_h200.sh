@@ -81,7 +81,7 @@ for step in $steps; do
     agents)  # N coding agents (weka trace) through `qse serve` and the openai client, 9B + 0.8B, no memory switch; solo, cold, reader-off A/B
       timeout "${AGENTS_TIMEOUT:-540}" python3 benchmarks/agents_live.py --serve --model qwen3.5-9b --shadow-model qwen3.5-0.8b --ab \
         --agents "${AGENTS:-8}" --trace .devcarry/weka_cc_sessions_dev.csv --out "$OUT" ${AGENTS_ARGS:-} 2>&1 | grep '^{' | cut -c1-1800
-      cp "$OUT"/agents_live-server.log /tmp/ 2>/dev/null; gzip -f "$OUT"/agents_live-server.log ;;
+      gzip -f "$OUT"/agents_live-server*.log ;;
     pcie)  # what the host link carries, pinned and pageable, one tensor and many: the host tier's ceiling
       timeout 120 python3 benchmarks/host_copy.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-200
       # and what a launching thread sees while another pins, reads or copies (a fresh pinned allocation stalls it)
