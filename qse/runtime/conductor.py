@@ -7,12 +7,12 @@
     IdleBurst: chunks while <= burst_s,    decode round | reader's slice (2 %) | narrator's slice (3 %) | ...
       none once a request waits            end: feed the output, close the turn's ledger, emit the record
 
-Who decides: qse/core's `Scheduler` (qse/core/scheduler.py), the one copy the replay runs too: this module
+Who decides: qse/core's `Scheduler` (qse/core/scheduler.py), the one copy the replay runs too: the conductor
 reports events (a turn arrived, the round loop asks, a round ended, the idle window looks, a read ended, a turn
 ended) with `now` and carries out the action it answers (open a turn, run a round, read a slice or a burst,
-nothing). Who carries it out: this module on the event loop, `ChunkRunner` on the reader's executor thread
-(plan_read + PlanDriver, asking the window's decision before every chunk), and the engines' executors for every
-piece of device work. Every measured piece goes into the GPU-time ledger (core's GpuLedger), per turn and in
+nothing). Who carries it out: the conductor (its modules below) on the event loop, `ChunkRunner` on the reader's
+executor thread (plan_read + PlanDriver, asking the window's decision before every chunk), and the engines'
+executors for every piece of device work. Every measured piece goes into the GPU-time ledger (core's GpuLedger), per turn and in
 total.
 
 Modules, along the scheduler's events: `turn.py` (a turn's request, records and its two ends), `rounds.py`
@@ -94,7 +94,7 @@ class Conductor(TurnLifecycle, RoundLoop, ReaderWindows):
         cfg = self.policy
         self.estimator = ChunkCostEstimator(cfg.chunk_prior_ms)
         self.serving = serving or served_sessions(served, cfg)
-        # every decision on what the engine runs next (rounds, slices, the idle window): this module carries
+        # every decision on what the engine runs next (rounds, slices, the idle window): the conductor carries
         # them out and reports what happened
         self.scheduler = Scheduler(cfg, self.estimator, self.ledger, max_running=self.serving.rounds.max_running,
                                    served_grid=self.serving.grid,
