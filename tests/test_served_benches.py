@@ -173,3 +173,19 @@ def test_agents_live_shapes_follow_the_trace(tmp_path):
     assert prompts[1][:100] == prompts[0] and prompts[2][:64] == prompts[1][:64] and prompts[2][64] != prompts[1][64]
     with pytest.raises(SystemExit, match="2 asked"):
         agent_shapes(trace, 2, 10, 200, 2.0, 8)
+
+
+def test_spec_measure_times_a_verify_against_a_decode_step(tmp_path, cache_dir):
+    """The verify-cost benchmark on the embedded model (the graphs' CPU rehearsal): a row a draft length, each
+    with its ratio to the one-row step and, at the published lengths, the projection it implies."""
+    out = subprocess.run([sys.executable, "benchmarks/spec_measure.py", "--tiny", "--out", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "QSE_CACHE_DIR": str(cache_dir)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    [written] = list(tmp_path.glob("spec_measure-*.json"))
+    result = json.loads(written.read_text())
+    assert [r["k"] for r in result["rows"]] == [1, 2, 3] and result["decode_step_ms"] > 0
+    for r in result["rows"]:
+        assert r["rows"] == r["k"] + 1 and r["verify_ms"] > 0
+        assert r["x_decode_step"] == round(r["verify_ms"] / result["decode_step_ms"], 4)
+        assert r["projected_x_plain"] == round(r["published_tokens_per_step"] / r["x_decode_step"], 3)
+    assert set(result["goals"]) == {"verify_4_rows_le_1.15x_step", "projected_ge_1.8x_at_2.5"}
