@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Callable
 import msgspec
 import structlog
 
+from ..core.ids import first_outside
 from ..engine.grammar import ANY_JSON_OBJECT, Grammar, GrammarError, json_rule
 from ..engine.sampling import SampleRecord, SamplingParams
 from ..replay.usage import UsageRecord, append_usage
@@ -325,7 +326,7 @@ class Service:
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             vocab = self.chat.tokenizer.vocab_size
-            bad = wire.first_outside(prompt, vocab)
+            bad = first_outside(prompt, vocab)
             if bad is not None:
                 raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
             ids, text = list(prompt), ""
@@ -363,7 +364,7 @@ class Service:
     async def detokenize(self, req: wire.DetokenizeRequest) -> wire.DetokenizeResponse:
         self.check_model(req.model)
         vocab = self.chat.tokenizer.vocab_size
-        bad = wire.first_outside(req.tokens, vocab)
+        bad = first_outside(req.tokens, vocab)
         if bad is not None:
             raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
         return wire.DetokenizeResponse(await asyncio.to_thread(self.chat.tokenizer.decode, req.tokens))

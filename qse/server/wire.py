@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import Meta, Struct
 
+from ..core.ids import is_int_list
 from .errors import ApiError, bad_request, from_msgspec
 
 T = TypeVar("T")
@@ -449,19 +450,6 @@ def check_bounds(value: Any) -> None:
             if is_int_list(obj) and INT_MIN <= min(obj) and max(obj) <= INT_MAX:
                 continue  # a list of token ids in bounds, checked in C (id by id costs ~1 us an id on the loop)
             stack.extend((v, depth + 1, f"{path}[{i}]") for i, v in enumerate(obj))
-
-
-def is_int_list(values: list | tuple) -> bool:
-    """Whether every item is a plain int (not a bool), decided in C: a token-id prompt is 10^4-10^5 ids."""
-    return bool(values) and set(map(type, values)) == {int}
-
-
-def first_outside(ids: list[int], end: int) -> int | None:
-    """The first id outside [0, end), or None; min and max in C first (a prompt of 10^5 ids), the search only
-    when one is out."""
-    if not ids or (min(ids) >= 0 and max(ids) < end):
-        return None
-    return next(t for t in ids if not 0 <= t < end)
 
 
 def session_header(value: str | None) -> str | None:

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from qse.core.ids import first_outside, is_int_list
 from qse.server import wire
 from qse.server.errors import ApiError
 
@@ -162,11 +163,11 @@ def test_a_token_id_list_is_bounded_in_one_pass_and_a_bad_id_is_still_named():
         with pytest.raises(ApiError) as err:
             wire.check_bounds(wire.CompletionRequest(prompt=bad))
         assert err.value.param == f"prompt[{at}]" and str(2**64) in err.value.message
-    assert not wire.is_int_list([1, True]) and not wire.is_int_list([1, 2.0]) and not wire.is_int_list([])
-    assert wire.is_int_list([0, 7])
+    assert not is_int_list([1, True]) and not is_int_list([1, 2.0]) and not is_int_list([])
+    assert is_int_list([0, 7])
 
 
 def test_first_outside_names_the_first_id_out_of_the_vocabulary():
-    assert wire.first_outside(list(range(1000)), 1000) is None
-    assert wire.first_outside([], 10) is None
-    assert wire.first_outside([3, 10, -1], 10) == 10 and wire.first_outside([3, -1, 10], 10) == -1
+    assert first_outside(list(range(1000)), 1000) is None
+    assert first_outside([], 10) is None
+    assert first_outside([3, 10, -1], 10) == 10 and first_outside([3, -1, 10], 10) == -1
