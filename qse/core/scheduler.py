@@ -225,8 +225,9 @@ class Scheduler:
                 spent(ROLE_OF_WINDOW[Window.RATION]) or 0)
 
     def busy_may_open(self) -> bool:
-        """Whether the busy share has earned a slice of the shortest size now (cheap: two ledger totals)."""
-        return self.busy.may_open(*self._served_and_spent_us())
+        """Whether the busy share has earned a slice of the shortest size now (cheap: two ledger totals, none
+        while the share is off)."""
+        return self.busy.share > 0 and self.busy.may_open(*self._served_and_spent_us())
 
     def _busy_slice(self, now: float, backlogs: Mapping[str, SessionBacklog]) -> ReadPlan | Nothing:
         sid = pick_idle_session(backlogs)
