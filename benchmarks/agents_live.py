@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.results_io import result_header, write_result  # noqa: E402
+from benchmarks.stats import nearest_rank  # noqa: E402
 from qse.replay.traces import from_weka  # noqa: E402
 
 DEFAULT_TRACE = ROOT.parent / "shared" / "data" / "traces" / "weka_cc_sessions_dev.csv"
@@ -271,10 +272,7 @@ def timeline_summary(turns: list[dict]) -> dict:
 # ---- summaries --------------------------------------------------------------------------------------------------
 
 def quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+    return nearest_rank(sorted(values), q) if values else None
 
 
 def dist(values: list[float]) -> dict:

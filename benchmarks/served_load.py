@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.results_io import result_header, write_result  # noqa: E402
+from benchmarks.stats import nearest_rank  # noqa: E402
 from benchmarks.engines import served_engine  # noqa: E402
 from qse.core.ledger import Role  # noqa: E402
 from qse.core.rounds import RoundPlanner  # noqa: E402
@@ -64,10 +65,6 @@ def decode_phase(rows: list[dict]) -> tuple[float, int]:
     return end - start, sum(1 for r in rows for t in r["stamps"] if start < t <= end)
 
 
-def _quantile(sorted_values: list[float], q: float) -> float:
-    return sorted_values[min(len(sorted_values) - 1, int(round(q * (len(sorted_values) - 1))))]
-
-
 def token_gaps(rows: list[dict]) -> dict:
     """What a streaming user sees between ids: the gaps between each user's consecutive ids (inter-token
     latency, p50 / p99 / max over every gap of every user) and the median user's time per output token after
@@ -76,7 +73,7 @@ def token_gaps(rows: list[dict]) -> dict:
     tpot = [(r["stamps"][-1] - r["stamps"][0]) / (len(r["stamps"]) - 1) for r in rows if len(r["stamps"]) > 1]
     if not gaps:
         return {"itl_p50_ms": None, "itl_p99_ms": None, "itl_max_ms": None, "tpot_p50_ms": None}
-    return {"itl_p50_ms": round(_quantile(gaps, 0.5) * 1e3, 3), "itl_p99_ms": round(_quantile(gaps, 0.99) * 1e3, 3),
+    return {"itl_p50_ms": round(nearest_rank(gaps, 0.5) * 1e3, 3), "itl_p99_ms": round(nearest_rank(gaps, 0.99) * 1e3, 3),
             "itl_max_ms": round(gaps[-1] * 1e3, 3), "tpot_p50_ms": round(statistics.median(tpot) * 1e3, 3)}
 
 
@@ -115,7 +112,7 @@ async def level(conductor: Conductor, users: int, prompt_tokens: int, out_tokens
             "decode_phase_tokens_per_s": round(phase_tokens / phase_s, 2) if phase_s > 0 else None,
             "per_user_tokens_per_s": round(statistics.median(r["tokens"] / (r["end_s"] - r["sent_s"]) for r in rows),
                                            2),
-            "ttft_p50_s": round(statistics.median(ttft), 4), "ttft_p99_s": round(_quantile(ttft, 0.99), 4),
+            "ttft_p50_s": round(statistics.median(ttft), 4), "ttft_p99_s": round(nearest_rank(ttft, 0.99), 4),
             **token_gaps(rows)}
 
 

@@ -153,7 +153,7 @@ class BusyShare:
 
     def may_open(self, served_us: int, spent_us: int) -> bool:
         """Whether a slice of the shortest size is earned (the caller then gathers the backlogs)."""
-        return self.share > 0 and self.allowance_us(served_us, spent_us) >= max(1, self.rule.min_slice_us)
+        return self.allowance_us(served_us, spent_us) >= max(1, self.rule.min_slice_us)  # (a share of 0 earns 0)
 
     def open_slice(self, now: float, served_us: int, spent_us: int, next_chunk_est_ms: float) -> RationSlice | None:
         """A slice for a chunk of this estimate, or None when the share has not earned it (a chunk estimated
