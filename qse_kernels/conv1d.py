@@ -115,6 +115,7 @@ def causal_conv1d_slots(x: torch.Tensor, weight: torch.Tensor, states: torch.Ten
                          f"stride; got {tuple(states.shape)}")
     if slots.shape != (num_rows,) or slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slots must be an integer tensor [{num_rows}]; got {slots.dtype} {tuple(slots.shape)}")
+    slots = slots.contiguous()  # the kernel reads slots[b] at slots_ptr + b (a verify passes a column of a table)
     x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty(num_rows, num_channels, dtype=x.dtype, device=x.device)
     if num_rows:

@@ -126,6 +126,7 @@ def recurrent_gated_delta_rule_slots(
     a_log, dt_bias = _check_gates(a, b, a_log, dt_bias, num_v_heads)
     if slots.shape != (num_rows,) or slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slots must be an integer tensor [{num_rows}]; got {slots.dtype} {tuple(slots.shape)}")
+    slots = slots.contiguous()  # the kernel reads slots[b] at slots_ptr + b (a verify passes a column of a table)
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     out = torch.empty(num_rows, num_v_heads, dv, dtype=v.dtype, device=v.device)
     if num_rows:

@@ -118,6 +118,12 @@ class SlotStates:
         else:
             torch._foreach_copy_([*self.recurrent[:, slot].unbind(0), *self.conv[:, slot].unbind(0)], cache.state_tensors())
 
+    def keep(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Slots dst[i] := slots src[i] (long tensors [B] on the device, so a graph may hold them): a verify
+        window's accepted row's state becomes the sequence's (VerifyWindow). dst and src rows may be equal."""
+        self.recurrent.index_copy_(1, dst, self.recurrent.index_select(1, src))
+        self.conv.index_copy_(1, dst, self.conv.index_select(1, src))
+
     def store(self, slot: int, cache: SequenceCache) -> None:
         """The cache's GDN state := the slot's."""
         if cache.stacked is not None:
@@ -125,3 +131,20 @@ class SlotStates:
             cache.stacked[1].copy_(self.conv[:, slot])
         else:
             cache.set_state(list(self.recurrent[:, slot].unbind(0)), list(self.conv[:, slot].unbind(0)))
+
+
+@dataclass
+class VerifyWindow:
+    """A verify: each of B sequences reads T rows at once (its last token and T - 1 drafted ids), row-major
+    (sequence b's rows are b * T .. b * T + T - 1). The attention rows need nothing more (a row attends below
+    its own position over its sequence's pages, the rows before it in the window written first), but a GDN
+    state steps row after row, and a draft may be refused: row j's state goes to its own slot scratch[b, j]
+    (stepped from scratch[b, j - 1], row 0 from slots[b]), so the sequence's own slot is untouched until the
+    caller keeps the state after its last accepted row (SlotStates.keep(slots, scratch[b, accepted[b]]))."""
+
+    slots: torch.Tensor  # long [B]: each sequence's own slot (read by row 0, not written)
+    scratch: torch.Tensor  # long [B, T]: distinct slots, one a row, none of them a sequence's own
+
+    @property
+    def width(self) -> int:
+        return int(self.scratch.shape[1])

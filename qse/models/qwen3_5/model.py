@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 import qse_kernels.naive as naive_ops
 
-from ..cache import ContiguousKV, SequenceCache, SlotStates
+from ..cache import ContiguousKV, SequenceCache, SlotStates, VerifyWindow
 from ..linear import DenseLinear
 from ..state import SECTION, VIEW, StateManifest, StateTensor
 from .config import TextConfig
@@ -301,11 +301,18 @@ class Qwen35Model:
         return self._logits(h)  # [T or 1, vocab]
 
     @torch.inference_mode()
-    def decode_step(self, ids: torch.Tensor, states: SlotStates, batch: DecodeBatch) -> torch.Tensor:
+    def decode_step(self, ids: torch.Tensor, states: SlotStates, batch: DecodeBatch,
+                    window: VerifyWindow | None = None) -> torch.Tensor:
         """One new token for each of B sequences: ids [B] at batch.positions, on the GDN states in slots
         batch.slots of `states` and the KV pages batch.tables, both written in place. Returns the logits
         fp32 [B, vocab]. Device work only, no host reads, no checks (what a CUDA graph captures per batch
-        size); the layers run as in forward_layers for T = 1, the attention and GDN ops per sequence."""
+        size); the layers run as in forward_layers for T = 1, the attention and GDN ops per sequence.
+
+        window: a verify (speculative decoding): the B rows are T rows of each of B / T sequences, row-major,
+        each at its own position (batch.positions, batch.tables one entry a row); a GDN layer steps each
+        sequence's rows one after another into the window's scratch slots (VerifyWindow), so that every row
+        runs the ops a one-row step of it would run, and the sequences' own slots are not written. Returns the
+        logits of every row."""
         eps, last = self.cfg.rms_norm_eps, len(self.cfg.layer_types) - 1
         x = F.embedding(ids, self.embed)  # [B, h]
         emb = batch.positions.long().to(torch.float32)[:, None] * self.inv_freq[None, :]
@@ -317,7 +324,7 @@ class Qwen35Model:
             if kind == "full_attention":
                 h = self._attention_rows(layer, h, batch, cos, sin)
             else:
-                h = self._gdn_rows(layer, h, states, batch.slots)
+                h = self._gdn_rows(layer, h, states, batch.slots, window)
             x, h = self.ops.add_rms_norm(x, h, self.w[p + "post_attention_layernorm.weight"], eps)
             m = self._mlp(p, h)
             next_norm = f"layers.{layer + 1}.input_layernorm.weight" if layer < last else "norm.weight"
@@ -346,23 +353,44 @@ class Qwen35Model:
                                               max_rows=batch.max_rows, gate=gate)
         return self._mm(a + "o_proj.weight", out.reshape(num_rows, num_heads * head_dim))
 
-    def _gdn_rows(self, layer: int, h: torch.Tensor, states: SlotStates, slots: torch.Tensor) -> torch.Tensor:
-        """_gdn of one token per sequence, sequence b's conv and recurrent state in slot slots[b]."""
+    def _gdn_rows(self, layer: int, h: torch.Tensor, states: SlotStates, slots: torch.Tensor,
+                  window: VerifyWindow | None = None) -> torch.Tensor:
+        """_gdn of one token per sequence, sequence b's conv and recurrent state in slot slots[b]; with a window,
+        of its T rows a sequence, stepped in turn (decode_step)."""
         cfg, g_ = self.cfg, f"layers.{layer}.linear_attn."
         num_rows = h.shape[0]
         i = self.gdn_slot[layer]
-        hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
         qkv, z, b, a = self._projections(layer, "linear_attn.in_proj", h)
         z = z.view(num_rows, hv, dv)
+        if window is None:
+            o = self._gdn_step_rows(layer, qkv, a, b, states, slots)
+        else:
+            conv, recurrent, width = states.conv[i], states.recurrent[i], window.width
+            steps = []
+            for j in range(width):  # row j of every sequence: from row j - 1's state (row 0: its own slot's)
+                source = window.slots if j == 0 else window.scratch[:, j - 1]
+                target = window.scratch[:, j]
+                conv.index_copy_(0, target, conv.index_select(0, source))
+                recurrent.index_copy_(0, target, recurrent.index_select(0, source))
+                steps.append(self._gdn_step_rows(layer, qkv[j::width], a[j::width], b[j::width], states, target))
+            o = torch.stack(steps, 1).reshape(num_rows, hv, dv)
+        o = self.ops.gated_rms_norm(o, z, self.w[g_ + "norm.weight"], cfg.rms_norm_eps)
+        return self._mm(g_ + "out_proj.weight", o.reshape(num_rows, hv * dv))
+
+    def _gdn_step_rows(self, layer: int, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, states: SlotStates,
+                       slots: torch.Tensor) -> torch.Tensor:
+        """The conv and the recurrent rule of one new row per slot (slots[r] stepped in place): o [R, Hv, Dv]."""
+        cfg, g_ = self.cfg, f"layers.{layer}.linear_attn."
+        num_rows, i = qkv.shape[0], self.gdn_slot[layer]
+        hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         qkv = self.ops.causal_conv1d_slots(qkv, self.w[g_ + "conv1d.weight"][:, 0, :], states.conv[i], slots)
         kd = cfg.gdn_key_dim
         q = qkv[:, :kd].reshape(num_rows, hk, dk)
         k = qkv[:, kd : 2 * kd].reshape(num_rows, hk, dk)
         v = qkv[:, 2 * kd :].reshape(num_rows, hv, dv)
-        o = self.ops.recurrent_gated_delta_rule_slots(q, k, v, a, b, self.w[g_ + "A_log"], self.w[g_ + "dt_bias"],
-                                                      states.recurrent[i], slots)
-        o = self.ops.gated_rms_norm(o, z, self.w[g_ + "norm.weight"], cfg.rms_norm_eps)
-        return self._mm(g_ + "out_proj.weight", o.reshape(num_rows, hv * dv))
+        return self.ops.recurrent_gated_delta_rule_slots(q, k, v, a, b, self.w[g_ + "A_log"], self.w[g_ + "dt_bias"],
+                                                         states.recurrent[i], slots)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """The head in fp32 output: bf16 logits would round to ~0.03 at the usual magnitudes, and
