@@ -6,6 +6,8 @@ captured per batch-size bucket.
     slot = rounds.admit(cache)                     the sequence's GDN state into a free slot (None: all taken)
     logits = rounds.run([s0, s1, ...], tokens)     one round; row i is slot s_i's next token, fp32 [B, vocab]
     cache = rounds.release(slot)                   the slot's state back into the cache; the slot is free
+    logits = rounds.verify(slots, rows)            a verify (speculative decoding): T rows a slot, fp32 [B, T, vocab]
+    rounds.keep(slots, accepted)                   each slot keeps the state after row accepted[i]; length += it + 1
 
 Who owns what
 - The caller (the conductor) owns the sequences: each one's SequenceCache and the pages of its PagedKV in
@@ -34,6 +36,11 @@ Invariants
   two more are sent back). The logits returned are a view of a buffer the next `run` overwrites: read
   them, or queue device work on them (stream order keeps that safe), before then.
 - Time a round with the engine's DeviceClock marks around `run` (same stream; no synchronisation added).
+- A verify (`verify_width` >= 2) reads T rows of each slot at once: row j of slot s is the token at position
+  cache.length + j, its GDN state stepped from row j - 1's into scratch slot `scratch_base + s * W + j`
+  (W = verify_width), so the slot's own state is the one before the verify until `keep` copies the accepted
+  row's over it. K/V rows above what is kept are written and never read: a row attends below its position,
+  and the next round writes them again. Between a verify and its keep the slot runs nothing else.
 - graphs=None captures where the device is CUDA and the kernels are qse's; otherwise (and with "static") the
   same buffers, copies and calls run without capturing: the CPU rehearsal of the graph path.
 """
@@ -44,7 +51,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..models.cache import SequenceCache
+from ..models.cache import SequenceCache, VerifyWindow
 from ..models.qwen3_5.model import DecodeBatch, InputError
 from .engine import Engine
 from .graphs import _Entry, capture_mode
@@ -80,12 +87,15 @@ class TokensBack:
 
 class DecodeRounds:
     def __init__(self, engine: Engine, pool: KVPool, max_running: int, graphs: bool | str | None = None,
-                 buckets: Sequence[int] | None = None):
+                 buckets: Sequence[int] | None = None, verify_width: int = 0):
         """graphs: None = CUDA graphs where the device is CUDA and the kernels are Triton's; True; False or
         "static" (the same flow without capturing). buckets: the batch sizes with a graph of their own (default
-        buckets_for(max_running)); the largest must hold max_running rows."""
+        buckets_for(max_running)); the largest must hold max_running rows. verify_width: the most rows a slot
+        may verify at once (0: no verify; each slot then has no scratch slots)."""
         if max_running < 1:
             raise ValueError(f"max_running must be at least 1; got {max_running}")
+        if verify_width == 1 or verify_width < 0:
+            raise ValueError(f"verify_width is 0 (no verify) or the most rows a verify reads (>= 2); got {verify_width}")
         self.buckets = tuple(sorted(set(buckets))) if buckets else buckets_for(max_running)
         if self.buckets[0] < 1 or self.buckets[-1] < max_running:
             raise ValueError(f"buckets {self.buckets} must be positive and reach max_running={max_running}")
@@ -94,7 +104,11 @@ class DecodeRounds:
         self.capture = capture_mode(engine, graphs, "decode rounds") is True
         self.max_running = max_running
         self.pad_slot = max_running  # the last slot: padding rows only
-        self.states = self.model.new_slot_states(max_running + 1)
+        self.verify_width = verify_width
+        # each slot's verify rows (the padding slot's too: padding rows verify like the others)
+        self.scratch_base = max_running + 1
+        self.states = self.model.new_slot_states((max_running + 1) * (1 + verify_width))
+        self._verifying: set[int] = set()
         scratch = pool.allocate(1)
         if scratch is None:
             raise MemoryError(f"the KV pool ({pool.num_pages} pages) has no free page for the rounds' padding rows")
@@ -106,7 +120,7 @@ class DecodeRounds:
         self._free = list(range(max_running - 1, -1, -1))  # pop() hands out low slots first
         self._caches: dict[int, SequenceCache] = {}
         self._pages_up: dict[int, int] = {}  # how many of each slot's pages its table row holds
-        width = self.buckets[-1]
+        width = self.buckets[-1] * max(1, verify_width)
         self._inputs = torch.zeros(4, width, dtype=torch.long, device=self.device)
         cuda = self.device.type == "cuda"
         self._host = [torch.zeros(4, width, dtype=torch.long, pin_memory=cuda) for _ in range(STAGING_RING)]
@@ -118,7 +132,7 @@ class DecodeRounds:
         self._back = [torch.zeros(width, dtype=torch.long, pin_memory=cuda) for _ in range(STAGING_RING)]
         self._back_ready: list[Any] = [None] * STAGING_RING
         self._back_turn = 0
-        self._entries: dict[int, _Entry] = {}
+        self._entries: dict[tuple[int, int], _Entry] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     # ---- sequences in and out ----------------------------------------------------------------
@@ -161,6 +175,7 @@ class DecodeRounds:
         if keep:
             self.states.store(slot, cache)
         del self._caches[slot], self._pages_up[slot]
+        self._verifying.discard(slot)  # a verify never kept: the slot's own state is the one before it
         self._free.append(slot)
         return cache
 
@@ -177,16 +192,17 @@ class DecodeRounds:
             raise ValueError(f"a round holds 1..{self.max_running} rows; got {num_rows}")
         return next(size for size in self.buckets if size >= num_rows)
 
-    def pages_needed(self, slots: Sequence[int]) -> int:
-        """Pages the pool must hand out for a round of these slots (rows crossing a page line)."""
+    def pages_needed(self, slots: Sequence[int], width: int = 1) -> int:
+        """Pages the pool must hand out for a round of these slots (rows crossing a page line), each reading
+        `width` rows (a verify's)."""
         need = 0
         for slot in slots:
             kv = self._cache(slot).kv
-            need += max(0, kv.pages_for(self._caches[slot].length + 1) - len(kv.pages))
+            need += max(0, kv.pages_for(self._caches[slot].length + width) - len(kv.pages))
         return need
 
-    def can_run(self, slots: Sequence[int]) -> bool:
-        return self.pages_needed(slots) <= self.pool.num_free
+    def can_run(self, slots: Sequence[int], width: int = 1) -> bool:
+        return self.pages_needed(slots, width) <= self.pool.num_free
 
     def run(self, slots: Sequence[int], tokens: Sequence[int] | torch.Tensor,
             carry: Sequence[int] | None = None) -> torch.Tensor:
@@ -197,24 +213,13 @@ class DecodeRounds:
         buffer, valid until the next run); each row's cache.length has advanced by one."""
         num_rows = len(slots)
         size = self.bucket(num_rows)
-        if len(set(slots)) != num_rows:
-            raise ValueError(f"a slot runs at most once a round; got {list(slots)}")
-        caches = [self._cache(slot) for slot in slots]
-        window = self.model.cfg.max_position_embeddings
-        for slot, cache in zip(slots, caches):
-            if cache.length + 1 > window:
-                raise InputError(f"slot {slot}: position {cache.length + 1} exceeds the model window {window}")
+        caches = self._round_caches(slots, 1)
         if carry is not None:
             if isinstance(tokens, torch.Tensor) or len(carry) != num_rows:
                 raise ValueError(f"carry needs host tokens and one entry a row; got {len(carry)} for {num_rows} rows")
             tokens = [0 if c >= 0 else t for t, c in zip(tokens, carry)]
         self._check_tokens(tokens, num_rows)
-        need = self.pages_needed(slots)
-        if need > self.pool.num_free:
-            raise MemoryError(f"the KV pool has {self.pool.num_free} free pages; this round needs {need}")
-        for slot, cache in zip(slots, caches):
-            cache.kv.ensure(cache.length + 1)
-            self._upload_pages(slot, cache.kv)
+        self._ensure_pages(slots, caches, 1)
         entry = self._prepare(size)
         self._stage(slots, [c.length for c in caches], tokens, size, carry)
         out = entry.replay()
@@ -222,6 +227,75 @@ class DecodeRounds:
         for cache in caches:
             cache.length += 1
         return out[:num_rows]
+
+    def verify(self, slots: Sequence[int], rows: Sequence[Sequence[int]] | torch.Tensor) -> torch.Tensor:
+        """A verify: slot slots[i] reads rows[i] (T ids: its next token, then T - 1 drafted ones; a host list a
+        slot, or a long tensor [B, T] on the device) at positions cache.length .. + T - 1, in one forward.
+        Returns the logits fp32 [B, T, vocab] (row j: the distribution of the id after rows[i][j]; a view valid
+        until the next run or verify). Nothing is kept yet: `keep` says how many rows each slot keeps."""
+        num_seqs = len(slots)
+        width = int(rows.shape[1]) if isinstance(rows, torch.Tensor) and rows.dim() == 2 else (
+            len(rows[0]) if num_seqs and not isinstance(rows, torch.Tensor) else 0)
+        if not 2 <= width <= self.verify_width:
+            raise ValueError(f"a verify reads 2..{self.verify_width} rows a slot (verify_width); got {width}")
+        size = self.bucket(num_seqs)
+        caches = self._round_caches(slots, width)
+        if isinstance(rows, torch.Tensor):
+            if rows.shape != (num_seqs, width):
+                raise ValueError(f"device rows must be [{num_seqs}, {width}]; got {tuple(rows.shape)}")
+            flat: Sequence[int] | torch.Tensor = rows.reshape(-1)
+        else:
+            if len(rows) != num_seqs or any(len(r) != width for r in rows):
+                raise ValueError(f"a verify reads the same number of rows for every slot; got {[len(r) for r in rows]}")
+            flat = [t for r in rows for t in r]
+        self._check_tokens(flat, num_seqs * width)
+        self._ensure_pages(slots, caches, width)
+        entry = self._prepare(size, width)
+        self._stage([s for s in slots for _ in range(width)],
+                    [c.length + j for c in caches for j in range(width)], flat, size * width, None, width)
+        out = entry.replay()
+        out = entry.out if self.capture else out
+        self._verifying.update(slots)
+        return out[: num_seqs * width].view(num_seqs, width, -1)
+
+    def keep(self, slots: Sequence[int], accepted: Sequence[int]) -> None:
+        """After a verify of these slots: slot slots[i] keeps the state after its row accepted[i] (0: its next
+        token only, T - 1: every draft) and its cache.length grows by accepted[i] + 1. Device copies only."""
+        if len(accepted) != len(slots):
+            raise ValueError(f"{len(slots)} slots but {len(accepted)} accepted counts")
+        for slot, count in zip(slots, accepted):
+            if slot not in self._verifying:
+                raise ValueError(f"slot {slot} has no verify to keep")
+            if not 0 <= count < self.verify_width:
+                raise ValueError(f"slot {slot}: accepted {count} must lie in [0, {self.verify_width})")
+        width = self.verify_width
+        index = torch.tensor([[s, self.scratch_base + s * width + c] for s, c in zip(slots, accepted)], dtype=torch.long)
+        index = index.to(self.device, non_blocking=False)
+        self.states.keep(index[:, 0], index[:, 1])
+        for slot, count in zip(slots, accepted):
+            self._verifying.discard(slot)
+            self._caches[slot].length += count + 1
+
+    def _round_caches(self, slots: Sequence[int], width: int) -> list[SequenceCache]:
+        """The slots' caches, checked for a round that reads `width` rows a slot."""
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"a slot runs at most once a round; got {list(slots)}")
+        caches = [self._cache(slot) for slot in slots]
+        window = self.model.cfg.max_position_embeddings
+        for slot, cache in zip(slots, caches):
+            if slot in self._verifying:
+                raise ValueError(f"slot {slot} was verified and not kept: keep() its accepted rows first")
+            if cache.length + width > window:
+                raise InputError(f"slot {slot}: position {cache.length + width} exceeds the model window {window}")
+        return caches
+
+    def _ensure_pages(self, slots: Sequence[int], caches: list[SequenceCache], width: int) -> None:
+        need = self.pages_needed(slots, width)
+        if need > self.pool.num_free:
+            raise MemoryError(f"the KV pool has {self.pool.num_free} free pages; this round needs {need}")
+        for slot, cache in zip(slots, caches):
+            cache.kv.ensure(cache.length + width)
+            self._upload_pages(slot, cache.kv)
 
     @property
     def num_graphs(self) -> int:
@@ -232,6 +306,8 @@ class DecodeRounds:
         """Capture every bucket's graph now rather than in the rounds that first need them."""
         for size in self.buckets:
             self._prepare(size)
+            if self.verify_width:
+                self._prepare(size, self.verify_width)
 
     def release_all(self) -> None:
         """Drop the graphs and give the scratch page back (admitted caches are the caller's to release)."""
@@ -266,12 +342,14 @@ class DecodeRounds:
             self._pages_up[slot] = now
 
     def _stage(self, slots: Sequence[int], positions: list[int], tokens: Sequence[int] | torch.Tensor,
-               size: int, carry: Sequence[int] | None = None) -> None:
-        """The round's ids, positions and slots (padding rows past B) into the buffers the graph reads."""
+               size: int, carry: Sequence[int] | None = None, width: int = 1) -> None:
+        """The round's ids, positions and slots (padding rows past B) into the buffers the graph reads (a
+        verify's rows: `width` rows a slot, padding slots' rows at positions 0 .. width - 1)."""
         num_rows, pad = len(slots), size - len(slots)
         host_ids = [0] * num_rows if isinstance(tokens, torch.Tensor) else list(tokens)
         carried = list(carry) if carry is not None else [-1] * num_rows
-        rows = torch.tensor([host_ids + [0] * pad, positions + [0] * pad, list(slots) + [self.pad_slot] * pad,
+        pad_positions = [j for _ in range(pad // width) for j in range(width)]
+        rows = torch.tensor([host_ids + [0] * pad, positions + pad_positions, list(slots) + [self.pad_slot] * pad,
                              carried + [-1] * pad], dtype=torch.long)
         if self.device.type == "cuda":
             turn = self._turn
@@ -308,26 +386,34 @@ class DecodeRounds:
         host.copy_(self.sampled[:num_rows])
         return TokensBack(host, None)
 
-    def _prepare(self, size: int) -> _Entry:
-        entry = self._entries.get(size)
+    def _prepare(self, size: int, width: int = 1) -> _Entry:
+        """The entry of a round of `size` slots, `width` rows each (1: a decode round; >= 2: a verify)."""
+        entry = self._entries.get((size, width))
         if entry is None:
-            inputs = self._inputs[:, :size]
+            inputs = self._inputs[:, : size * width]
+            offsets = torch.arange(width, dtype=torch.long, device=self.device)
 
             def forward() -> torch.Tensor:
                 slots = inputs[SLOTS]
                 batch = DecodeBatch(inputs[POSITIONS].to(torch.int32), slots, self.tables.index_select(0, slots),
                                     self.pool, self.max_rows)
-                return self.model.decode_step(inputs[IDS], self.states, batch)
+                window = None
+                if width > 1:
+                    own = slots[::width]
+                    scratch = self.scratch_base + own[:, None] * self.verify_width + offsets[None, :]
+                    window = VerifyWindow(own, scratch)
+                return self.model.decode_step(inputs[IDS], self.states, batch, window)
 
-            entry = self._capture(forward, size) if self.capture else _Entry(forward)
+            entry = self._capture(forward, size * width, width) if self.capture else _Entry(forward)
             entry.holds = inputs
-            self._entries[size] = entry
+            self._entries[(size, width)] = entry
         return entry
 
-    def _capture(self, forward: Callable[[], torch.Tensor], size: int) -> _Entry:
+    def _capture(self, forward: Callable[[], torch.Tensor], rows: int, width: int = 1) -> _Entry:
         """forward captured as a graph; its warm-up and capture run padding rows only (the scratch page and
         the padding slot), so sequences running meanwhile are not touched."""
-        self._inputs[:, :size].copy_(torch.tensor([[0], [0], [self.pad_slot], [-1]]).expand(4, size))
+        self._inputs[:, :rows].copy_(torch.tensor([[0], [0], [self.pad_slot], [-1]]).expand(4, rows))
+        self._inputs[POSITIONS, :rows].copy_(torch.arange(rows) % width)
         stream = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(stream)
