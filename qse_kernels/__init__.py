@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 # The Triton modules, one a kernel family; imported only by triton_ops(), so that importing this package
 # needs no Triton and no GPU.
-KERNEL_MODULES = ("norms", "fused", "conv1d", "gdn_chunk", "gdn_recurrent", "attention", "gemm", "gemv", "fp8")
+KERNEL_MODULES = ("norms", "fused", "conv1d", "gdn_chunk", "gdn_recurrent", "attention", "gemm", "gemv", "fp8", "moe")
 
 # one-row projections (decode steps) through qse's GEMV instead of cuBLAS, and the logits head of one row;
 # pinned from benchmarks/gemv_bench.py on the H200 (see benchmarks/NOTES.md)
