@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..models.cache import SequenceCache
-from ..models.qwen3_5.model import Step
+from ..models.inputs import Step
 from .engine import DeviceClock, Stopwatch
 from .kv import KVPool, PagedKV
 

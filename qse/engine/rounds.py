@@ -52,7 +52,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..models.cache import SequenceCache, VerifyWindow
-from ..models.qwen3_5.model import DecodeBatch, InputError
+from ..models.inputs import DecodeBatch, InputError
 from .engine import Engine
 from .graphs import _Entry, capture_mode
 from .kv import KVPool, PagedKV

@@ -12,7 +12,7 @@ import torch
 
 from qse.engine.kv import KVPool, PagedKV
 from qse.engine.rounds import DecodeRounds, buckets_for
-from qse.models.qwen3_5.model import InputError
+from qse.models.inputs import InputError
 
 PAGE_ROWS = 16
 STEPS = 5

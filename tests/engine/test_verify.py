@@ -15,7 +15,7 @@ from qse.engine.drafters import PromptLookup
 from qse.engine.kv import KVPool, PagedKV
 from qse.engine.rounds import DecodeRounds
 from qse.engine.speculative import accept_greedy
-from qse.models.qwen3_5.model import InputError
+from qse.models.inputs import InputError
 
 PAGE_ROWS = 16
 WIDTH = 4  # the verify window: the next token and 3 drafts

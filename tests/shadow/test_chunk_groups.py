@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qse.models.qwen3_5.model import Step
+from qse.models.inputs import Step
 from qse.sessions.session import PROMPT
 from qse.shadow.reader import ShadowError, ShadowReader
 
