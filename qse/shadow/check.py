@@ -48,17 +48,12 @@ def _margin(logits: torch.Tensor) -> float:
 def cast_twin(engine: Engine, dtype: torch.dtype) -> Engine:
     """The same weights cast to `dtype` (an upcast is exact), on the torch ops."""
     from ..models.linear import DenseLinear
-    from ..models.qwen3_5.layout import LoadedWeights
-    from ..models.qwen3_5.model import Qwen35Model
 
     model = engine.model
-    linears = {}
     for name, lin in model.lin.items():
         if not isinstance(lin, DenseLinear):
             raise ShadowError(f"--noise-floor handles dense weights only; {name} is {type(lin).__name__}")
-        linears[name] = DenseLinear(lin.weight.to(dtype))
-    weights = LoadedWeights({k: t.to(dtype) for k, t in model.w.items()}, linears)
-    twin = Qwen35Model(model.cfg, weights, model.device, dtype)
+    twin = model.cast(dtype)  # the family builds its own twin: nothing here names it
     r = engine.resolved
     tag = str(dtype).replace("torch.", "")
     return Engine(ResolvedModel(twin, r.chat, r.name, r.source, r.family, f"{r.weights_id}:{tag}"), kernels="naive")
