@@ -99,6 +99,25 @@ def same_spec(a: str | None, b: str | None) -> bool:
     return a == b
 
 
+def checkpoint_dir(spec: str, cache_dir: Path) -> Path | None:
+    """The checkpoint dir a spec names (the embedded default's, written first where it is missing), before
+    anything loads; None where it names no dir (a preset, or nothing qse can load)."""
+    if spec in ("", EMBEDDED):
+        return family_module(DEFAULT_FAMILY).ensure_embedded(cache_dir)
+    path = Path(spec).expanduser()
+    return path if path.is_dir() else None
+
+
+def preset_weights_nbytes(spec: str, dtype: torch.dtype) -> int | None:
+    """What a preset's weights will hold at `dtype`, from its family's shapes alone; None where no family has
+    the preset or its family cannot say (measured once loaded)."""
+    for name in FAMILIES:
+        module = family_module(name)
+        if module.is_preset(spec) and hasattr(module, "preset_weights_nbytes"):
+            return module.preset_weights_nbytes(spec, dtype)
+    return None
+
+
 def resolve(spec: str | Path | None, device: torch.device, dtype: torch.dtype, cache_dir: Path,
             seed: int = 0, chat_template: Path | None = None) -> ResolvedModel:
     """chat_template: a template file that replaces the checkpoint's (--chat-template)."""

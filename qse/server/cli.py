@@ -247,20 +247,14 @@ def _weights_estimate(spec: str, dtype, cache_dir: Path) -> int | None:
     where the family cannot say: measured once loaded)."""
     import torch
 
-    from ..models import DEFAULT_FAMILY, EMBEDDED, FAMILIES, family_module
+    from ..models import checkpoint_dir, preset_weights_nbytes
     from ..runtime.planner import checkpoint_weights_nbytes
 
     size = torch.empty((), dtype=dtype).element_size()
-    if spec in ("", EMBEDDED):
-        return checkpoint_weights_nbytes(family_module(DEFAULT_FAMILY).ensure_embedded(cache_dir), size)
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        return checkpoint_weights_nbytes(path, size)
-    for name in FAMILIES:
-        module = family_module(name)
-        if module.is_preset(spec) and hasattr(module, "preset_weights_nbytes"):
-            return module.preset_weights_nbytes(spec, dtype)
-    return None
+    model_dir = checkpoint_dir(spec, cache_dir)
+    if model_dir is not None:
+        return checkpoint_weights_nbytes(model_dir, size)
+    return preset_weights_nbytes(spec, dtype)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
