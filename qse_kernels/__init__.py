@@ -11,12 +11,16 @@ from types import SimpleNamespace
 
 # The Triton modules, one a kernel family; imported only by triton_ops(), so that importing this package
 # needs no Triton and no GPU.
-KERNEL_MODULES = ("norms", "fused", "conv1d", "gdn_chunk", "gdn_recurrent", "attention", "gemm", "gemv", "fp8", "moe")
+KERNEL_MODULES = ("norms", "fused", "conv1d", "gdn_chunk", "gdn_recurrent", "attention", "gemm", "gemv", "fp8", "moe",
+                  "skinny")
 
 # one-row projections (decode steps) through qse's GEMV instead of cuBLAS, and the logits head of one row;
 # pinned from benchmarks/gemv_bench.py on the H200 (see benchmarks/NOTES.md)
 GEMV_PROJECTIONS = True
 GEMV_HEAD = True
+# 2 to 16 rows of 16-bit x (a speculative verify, a small decode round) through qse's skinny GEMM instead of
+# cuBLAS; pinned from benchmarks/skinny_bench.py on the H200 (benchmarks/results/skinny_bench-*.json)
+SKINNY_PROJECTIONS = True
 
 
 def triton_version() -> str | None:
@@ -52,11 +56,16 @@ def triton_ops() -> SimpleNamespace:
     import torch
 
     gemv = mods["gemv"].gemv
+    skinny = mods["skinny"]
 
     def dense_matmul(x, w):
-        """cuBLAS (faster than our GEMM, but its rounding follows the shape); one row through our GEMV."""
+        """cuBLAS (faster than our GEMM, but its rounding follows the shape); one row through our GEMV, 2 to
+        16 rows of bf16 / fp16 through our skinny GEMM (each row's bits independent of the row count)."""
         if GEMV_PROJECTIONS and x.numel() == x.shape[-1]:
             return gemv(x, w)
+        rows = x.numel() // max(x.shape[-1], 1)
+        if SKINNY_PROJECTIONS and 2 <= rows <= skinny.MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+            return skinny.skinny_matmul(x, w)
         return naive.dense_matmul(x, w)
 
     def head_row(x, w):

@@ -80,6 +80,17 @@ def test_the_tiling_never_depends_on_rows():
         assert not cfg.swap_ab or cfg.block_n >= 64
 
 
+def test_the_triton_ops_take_it_for_2_to_16_rows_of_16_bits(device):
+    import qse_kernels
+
+    dense_matmul = qse_kernels.triton_ops().dense_matmul
+    x, w = _xw(17, 40, 96, torch.bfloat16, device, seed=5)
+    for m in (2, 16):
+        assert torch.equal(dense_matmul(x[:m], w), skinny.skinny_matmul(x[:m], w)), m
+    assert torch.equal(dense_matmul(x, w), naive.dense_matmul(x, w))  # 17 rows: cuBLAS
+    assert torch.equal(dense_matmul(x[:3].float(), w.float()), naive.dense_matmul(x[:3].float(), w.float()))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the tiny flow check runs the interpreter on the CPU")
 def test_the_benchmark_flow_on_the_cpu(tmp_path):
     import json
