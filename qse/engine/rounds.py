@@ -270,7 +270,9 @@ class DecodeRounds:
                 raise ValueError(f"slot {slot}: accepted {count} must lie in [0, {self.verify_width})")
         width = self.verify_width
         index = torch.tensor([[s, self.scratch_base + s * width + c] for s, c in zip(slots, accepted)], dtype=torch.long)
-        index = index.to(self.device, non_blocking=False)
+        if self.device.type == "cuda":  # pinned, asynchronous: a pageable copy would wait for the stream
+            index = index.pin_memory()
+        index = index.to(self.device, non_blocking=True)
         self.states.keep(index[:, 0], index[:, 1])
         for slot, count in zip(slots, accepted):
             self._verifying.discard(slot)
