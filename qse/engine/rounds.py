@@ -133,6 +133,10 @@ class DecodeRounds:
         self._back_ready: list[Any] = [None] * STAGING_RING
         self._back_turn = 0
         self._entries: dict[tuple[int, int], _Entry] = {}
+        # a verify row's place in its slot's window (0 .. W - 1): this object owns it, since a captured graph keeps
+        # only its address (a tensor made for one capture is freed once the capture's closure is, and the graph
+        # would then read whatever the allocator put there)
+        self._row_offsets = torch.arange(max(1, verify_width), dtype=torch.long, device=self.device)
         self._graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     # ---- sequences in and out ----------------------------------------------------------------
@@ -393,7 +397,7 @@ class DecodeRounds:
         entry = self._entries.get((size, width))
         if entry is None:
             inputs = self._inputs[:, : size * width]
-            offsets = torch.arange(width, dtype=torch.long, device=self.device)
+            offsets = self._row_offsets[:width]
 
             def forward() -> torch.Tensor:
                 slots = inputs[SLOTS]
