@@ -11,7 +11,8 @@ from .chat import (ChatTemplate, HFTokenizer, TokenizerError, answer_grammar, lo
                    question_prompt, read_generation_config, tool_calls_rules)
 from .config import ConfigError, TextConfig, load_config, parse_config
 from .layout import CheckpointError, expected_shapes, load_weights
-from .model import InputError, Qwen35Model
+from .model import TAPS, InputError, Qwen35Model
+from .mtp import MTPCache, MTPHead
 from .presets import PRESET_ALIASES, PRESETS, ensure_embedded, preset_config_dict, random_weights
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
@@ -84,5 +85,6 @@ class ChatFormat:
         return tool_calls_rules(tools, json_value, parallel)
 
 
-__all__ = ["ChatFormat", "ConfigError", "CheckpointError", "InputError", "MODEL_TYPES", "Qwen35Model",
-           "TextConfig", "build_preset", "ensure_embedded", "is_preset", "load", "load_config", "parse_config"]
+__all__ = ["ChatFormat", "ConfigError", "CheckpointError", "InputError", "MODEL_TYPES", "MTPCache", "MTPHead",
+           "Qwen35Model", "TAPS", "TextConfig", "build_preset", "ensure_embedded", "is_preset", "load", "load_config",
+           "parse_config"]

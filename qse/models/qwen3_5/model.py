@@ -5,6 +5,10 @@ Layers come in a 3 : 1 pattern: Gated DeltaNet (GDN) layers carry a recurrent st
 tokens at absolute positions [pos, pos + T) on top of a SequenceCache and updates it in place.
 T == 1 takes the recurrent step (decode); any other T takes the chunked rule (chunk 64).
 
+Taps: forward, forward_layers and decode_step take `taps`, output buffers by name (TAPS) that the forward
+fills in place besides its logits: "final_hidden" is each row's hidden state after the final norm (what the head
+reads, and what the MTP head pairs with the next id; see mtp.py). Without taps nothing extra runs.
+
 `decode_step` is the batched decode: B sequences, one new token each at its own position, in one forward.
 The GEMMs run over [B, hidden]; each GDN layer steps B states (slots of a SlotStates) and each attention
 layer attends each row over its own sequence's pages. Every op in it is row-wise or per sequence, so a
@@ -33,6 +37,7 @@ from ..linear import DenseLinear
 from ..state import SECTION, VIEW, StateManifest, StateTensor
 from .config import TextConfig
 from .layout import LoadedWeights
+from .mtp import MTPHead
 
 GDN_CHUNK = 64
 
@@ -46,6 +51,8 @@ FUSED_PROJECTIONS = {
 }
 
 Logits = Literal["last", "all", "none", "row"]
+# what a forward can hand out besides its logits (the `taps` buffers), by name: a drafter's requires() names these
+TAPS = ("final_hidden",)
 
 
 def default_ops() -> SimpleNamespace:
@@ -72,6 +79,7 @@ def default_ops() -> SimpleNamespace:
 
 class Qwen35Model:
     family = "qwen3_5"
+    TAPS = TAPS
 
     def __init__(self, cfg: TextConfig, weights: LoadedWeights, device: torch.device | str, dtype: torch.dtype,
                  ops: SimpleNamespace | None = None):
@@ -96,13 +104,17 @@ class Qwen35Model:
         self.mtp_tensors = len(weights.mtp)
         self.fused: dict[str, tuple[DenseLinear, tuple[int, ...]]] = {}
         self._fuse_projections()
+        self._mtp_head: MTPHead | None = None
 
     def _fuse_projections(self) -> None:
-        """Concatenate each FUSED_PROJECTIONS group whose members are all dense, of one dtype and device."""
-        for layer in range(self.cfg.num_hidden_layers):
+        """Concatenate each FUSED_PROJECTIONS group whose members are all dense, of one dtype and device (the
+        model's layers, and the MTP head's: `mtp.layers.{i}.{group}`)."""
+        prefixes = [f"layers.{layer}." for layer in range(self.cfg.num_hidden_layers)]
+        prefixes += [f"mtp.layers.{layer}." for layer in range(self.cfg.mtp_num_hidden_layers)]
+        for prefix in prefixes:
             for group, members in FUSED_PROJECTIONS.items():
                 parent = group.rsplit(".", 1)[0]
-                names = [f"layers.{layer}.{parent}.{m}.weight" for m in members]
+                names = [f"{prefix}{parent}.{m}.weight" for m in members]
                 lins = [self.lin.get(n) for n in names]
                 if not all(isinstance(l, DenseLinear) for l in lins):
                     continue
@@ -113,7 +125,7 @@ class Qwen35Model:
                 widths = tuple(int(w.shape[0]) for w in weights)
                 for name, part in zip(names, fused.split(widths, dim=0)):
                     self.lin[name] = DenseLinear(part)
-                self.fused[f"layers.{layer}.{group}"] = (DenseLinear(fused), widths)
+                self.fused[f"{prefix}{group}"] = (DenseLinear(fused), widths)
 
     def _projections(self, layer: int, group: str, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The outputs of a FUSED_PROJECTIONS group's members (views of one GEMM's output where it is fused)."""
@@ -174,12 +186,25 @@ class Qwen35Model:
             bad = lo if lo < 0 else hi
             raise InputError(f"token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size})")
 
+    def new_taps(self, num_rows: int, names: tuple[str, ...] = TAPS) -> dict[str, torch.Tensor]:
+        """Buffers for the taps `names` of a forward of num_rows rows ("final_hidden": [rows, hidden], model dtype)."""
+        _check_taps(names)
+        return {name: torch.empty(num_rows, self.cfg.hidden_size, dtype=self.dtype, device=self.device) for name in names}
+
+    def mtp_head(self) -> MTPHead:
+        """The checkpoint's MTP head (mtp.py) on this model's weights, embedding and head; a ValueError when the
+        config has none."""
+        if self._mtp_head is None:
+            self._mtp_head = MTPHead(self)
+        return self._mtp_head
+
     # ---- forward -----------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: SequenceCache, logits: Logits = "last",
-                check: bool = True, logit_row: int | None = None) -> torch.Tensor | None:
+                check: bool = True, logit_row: int | None = None,
+                taps: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Read ids [T] at positions [cache.length, cache.length + T); returns logits (fp32) per `logits`
-        ("row": the logits of row `logit_row` only)."""
+        ("row": the logits of row `logit_row` only). taps: buffers [T, ...] filled for every row (TAPS)."""
         if check:
             self.check_ids(ids)
         pos = cache.length
@@ -190,37 +215,46 @@ class Qwen35Model:
             raise MemoryError(f"KV store cannot hold {pos + num_tokens} rows")
         if logits == "row" and not (logit_row is not None and 0 <= logit_row < num_tokens):
             raise InputError(f"logit_row {logit_row!r} must name one of the {num_tokens} rows read")
+        if taps is not None:
+            _check_taps(taps, num_tokens)
         # filled on the device, not copied from the host: a pageable copy would wait for the stream
         step = Step(torch.full((1,), pos, dtype=torch.int32, device=self.device), num_tokens, pos,
                     None if logit_row is None else torch.full((1,), logit_row, dtype=torch.long, device=self.device),
                     pos + num_tokens, logit_row)
         # host ids (checked above on the host): pinned ones go without a wait (Engine.host_ids)
         ids = ids.to(self.device, non_blocking=ids.device.type == "cpu" and ids.is_pinned())
-        out = self.forward_step(ids, cache, step, logits)
+        out = self.forward_step(ids, cache, step, logits, taps=taps)
         cache.length = pos + num_tokens
         return out
 
     @torch.inference_mode()
-    def forward_step(self, ids: torch.Tensor, cache: SequenceCache, step: Step, logits: Logits) -> torch.Tensor | None:
+    def forward_step(self, ids: torch.Tensor, cache: SequenceCache, step: Step, logits: Logits,
+                     taps: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
         """The forward itself: device work only, no host reads, no checks, cache.length untouched (what a
         CUDA graph captures). A paged KV store is written and read through its page table on the device."""
-        return self.forward_layers(ids, cache, step, logits)
+        return self.forward_layers(ids, cache, step, logits, taps=taps)
 
     @torch.inference_mode()
     def forward_layers(self, inputs: torch.Tensor | tuple[torch.Tensor, ...], cache: SequenceCache, step: Step,
-                       logits: Logits = "none", first: int = 0, stop: int | None = None):
+                       logits: Logits = "none", first: int = 0, stop: int | None = None,
+                       taps: dict[str, torch.Tensor] | None = None):
         """Layers [first, stop) of forward_step (stop None: to the end, and then as forward_step returns).
         inputs: the ids when first == 0, else what the range before handed over: (residual, normed, cos,
         sin), the rotary tables computed once a forward. A range that stops early returns that tuple for
         the next. Running the layers in ranges, each on the hand-over of the one before, runs the same
         kernels on the same values as one forward: the same bits (the reader's chunk groups overlap one
-        chunk's later ranges with the next chunk's earlier ones)."""
+        chunk's later ranges with the next chunk's earlier ones).
+
+        taps: buffers by name (TAPS) filled in place for every row; only a range that reaches the last layer has
+        them. With taps the last layer runs for every row whatever `logits` asks (the kept-row shortcut is off)."""
         num_layers = len(self.cfg.layer_types)
         stop = num_layers if stop is None else stop
         if not 0 <= first < stop <= num_layers:
             raise ValueError(f"layers [{first}, {stop}) must lie in [0, {num_layers}) and hold one layer at least")
         if stop < num_layers and logits != "none":
             raise ValueError(f"a range that stops before the last layer returns no logits; got logits={logits!r}")
+        if taps is not None and stop < num_layers:
+            raise ValueError(f"a range that stops before the last layer has no taps; got stop={stop}")
         num_tokens = step.num_tokens
         eps, last = self.cfg.rms_norm_eps, num_layers - 1
         if first == 0:
@@ -238,10 +272,11 @@ class Qwen35Model:
         # that row matters, so the last layer's queries, attention, MLP and norms run for it alone (the
         # keys and values, and a GDN layer's state, are still written for every row). At 32k of context
         # that is one query of attention instead of a question's 320.
+        # (Taps want every row's final hidden: the last layer then runs for all of them.)
         keep, keep_host = None, None
-        if num_tokens > 1 and logits == "row":
+        if num_tokens > 1 and taps is None and logits == "row":
             keep, keep_host = step.logit_row, step.logit_row_host
-        elif num_tokens > 1 and logits == "last":
+        elif num_tokens > 1 and taps is None and logits == "last":
             keep, keep_host = torch.full((1,), num_tokens - 1, dtype=torch.long, device=self.device), num_tokens - 1
         for layer in range(first, stop):
             kind = self.cfg.layer_types[layer]
@@ -254,7 +289,7 @@ class Qwen35Model:
                 if only is not None:
                     h = h.index_select(0, only)
             if layer == last:
-                if logits == "none":
+                if logits == "none" and taps is None:
                     return None  # the last layer's KV rows and state are written; nothing reads its output
                 if only is not None:
                     x = x.index_select(0, only)
@@ -264,6 +299,10 @@ class Qwen35Model:
             x, h = self.ops.add_rms_norm(x, m, self.w[next_norm], eps)
         if stop < num_layers:
             return x, h, cos, sin
+        if taps is not None:
+            _fill_taps(taps, h)
+            if logits == "none":
+                return None
         # h: the final norm of every row kept (a row's norm does not depend on the others)
         if keep is None and logits == "last":
             h = h[-1:]
@@ -273,7 +312,7 @@ class Qwen35Model:
 
     @torch.inference_mode()
     def decode_step(self, ids: torch.Tensor, states: SlotStates, batch: DecodeBatch,
-                    window: VerifyWindow | None = None) -> torch.Tensor:
+                    window: VerifyWindow | None = None, taps: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """One new token for each of B sequences: ids [B] at batch.positions, on the GDN states in slots
         batch.slots of `states` and the KV pages batch.tables, both written in place. Returns the logits
         fp32 [B, vocab]. Device work only, no host reads, no checks (what a CUDA graph captures per batch
@@ -283,7 +322,9 @@ class Qwen35Model:
         each at its own position (batch.positions, batch.tables one entry a row); a GDN layer steps each
         sequence's rows one after another into the window's scratch slots (VerifyWindow), so that every row
         runs the ops a one-row step of it would run, and the sequences' own slots are not written. Returns the
-        logits of every row."""
+        logits of every row.
+
+        taps: buffers [B, ...] by name (TAPS), filled in place (a graph may hold them: no checks here)."""
         eps, last = self.cfg.rms_norm_eps, len(self.cfg.layer_types) - 1
         x = F.embedding(ids, self.embed)  # [B, h]
         emb = batch.positions.long().to(torch.float32)[:, None] * self.inv_freq[None, :]
@@ -300,6 +341,8 @@ class Qwen35Model:
             m = self._mlp(p, h)
             next_norm = f"layers.{layer + 1}.input_layernorm.weight" if layer < last else "norm.weight"
             x, h = self.ops.add_rms_norm(x, m, self.w[next_norm], eps)
+        if taps is not None:
+            _fill_taps(taps, h)
         head_rows = getattr(self.ops, "head_rows", None)  # the op set's row-invariant fp32 head, where it has one
         if head_rows is not None:
             return head_rows(h, self.lm_head.weight)
@@ -477,6 +520,23 @@ class Qwen35Model:
             linears[name] = DenseLinear(lin.weight.to(dtype))
         weights = LoadedWeights({k: t.to(dtype) for k, t in self.w.items()}, linears)
         return Qwen35Model(self.cfg, weights, self.device, dtype)
+
+
+def _check_taps(taps, num_rows: int | None = None) -> None:
+    """Tap names must be known (TAPS); buffers, where given, must hold num_rows rows."""
+    unknown = [name for name in taps if name not in TAPS]
+    if unknown:
+        raise ValueError(f"unknown tap {unknown[0]!r}: a forward hands out {TAPS}")
+    if num_rows is not None:
+        for name, buf in taps.items():
+            if buf.shape[0] != num_rows:
+                raise ValueError(f"tap {name!r} holds {buf.shape[0]} rows; the forward reads {num_rows}")
+
+
+def _fill_taps(taps: dict[str, torch.Tensor], final_hidden: torch.Tensor) -> None:
+    out = taps.get("final_hidden")
+    if out is not None:
+        out.copy_(final_hidden)
 
 
 @dataclass

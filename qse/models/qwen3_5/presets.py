@@ -72,6 +72,16 @@ def embedded_config_dict() -> dict[str, Any]:
     return {**_COMMON, **EMBEDDED_SHAPE, "model_type": "qwen3_5_text", "dtype": "float32"}
 
 
+def tiny_mtp_config_dict(**overrides: Any) -> dict[str, Any]:
+    """A tiny Qwen3.5 with an MTP head and a small vocabulary (tests, benchmarks' CPU rehearsals): every layer
+    kind (3 GDN : 1 attention), GQA on both kinds, an untied head; its random weights build in milliseconds."""
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                 linear_key_head_dim=16, linear_value_head_dim=16, vocab_size=512, tie_word_embeddings=False,
+                 mtp_num_hidden_layers=1)
+    return {**_COMMON, **shape, "model_type": "qwen3_5_text", "dtype": "float32", **overrides}
+
+
 def random_tensors(cfg: TextConfig, seed: int, device: torch.device | str = "cpu",
                    dtype: torch.dtype = torch.float32, progress: str | None = None) -> dict[str, torch.Tensor]:
     """Deterministic random weights of cfg's shapes (same seed, device kind and dtype -> same bytes).
