@@ -18,6 +18,7 @@ import torch
 # family name -> module on the adapter path
 FAMILIES: dict[str, str] = {
     "qwen3_5": "qse.models.qwen3_5",
+    "qwen3_5_moe": "qse.models.qwen3_5_moe",
 }
 DEFAULT_FAMILY = "qwen3_5"
 EMBEDDED = "embedded"  # the embedded default's name as a spec (the empty spec names it too)

@@ -1,0 +1,164 @@
+"""How Qwen3.5-MoE checkpoints name their tensors: the dense family's layout (qse/models/qwen3_5/layout.py:
+prefixes, the vision tower, the head) with a sparse MLP in every layer instead of the dense one.
+
+A layer's MLP by canonical name (`layers.{i}.mlp.` + ...), shapes as transformers' Qwen3_5MoeSparseMoeBlock holds
+them (E experts of I, a shared expert of Is, hidden H):
+
+    gate.weight                      [E, H]      the router
+    experts.gate_up_proj             [E, 2I, H]  each expert's gate rows, then its up rows
+    experts.down_proj                [E, H, I]
+    shared_expert.gate_proj.weight   [Is, H]
+    shared_expert.up_proj.weight     [Is, H]
+    shared_expert.down_proj.weight   [H, Is]
+    shared_expert_gate.weight        [1, H]
+
+Experts come fused, as Qwen publishes them (`experts.gate_up_proj`, `experts.down_proj`, no `.weight`), or one
+expert a tensor, as transformers' save_pretrained writes them (`experts.{e}.{gate,up,down}_proj.weight`, [I, H],
+[I, H], [H, I]); the loader stacks the second form into the first. The MTP head (an MoE decoder layer of its own)
+is recognised and left on disk. FP8 block-scaled checkpoints are refused (not supported for this family yet).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from ..linear import DenseLinear
+from ..qwen3_5.layout import FP8_SCALE_SUFFIX, CheckpointError, LoadedWeights, canonical_name, is_linear, shard_files
+from ..qwen3_5.layout import expected_shapes as dense_expected_shapes
+from .config import MoeTextConfig
+
+DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+# one expert a tensor: layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight
+PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def moe_shapes(cfg: MoeTextConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """One layer's sparse MLP under the prefix `p` (the module docstring's table)."""
+    h, e, i, i_s = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    m = p + "mlp."
+    return {m + "gate.weight": (e, h), m + "experts.gate_up_proj": (e, 2 * i, h), m + "experts.down_proj": (e, h, i),
+            m + "shared_expert.gate_proj.weight": (i_s, h), m + "shared_expert.up_proj.weight": (i_s, h),
+            m + "shared_expert.down_proj.weight": (h, i_s), m + "shared_expert_gate.weight": (1, h)}
+
+
+def expected_shapes(cfg: MoeTextConfig) -> dict[str, tuple[int, ...]]:
+    """Every canonical tensor the forward reads, with its shape."""
+    shapes = {name: shape for name, shape in dense_expected_shapes(cfg).items() if not name.endswith(DENSE_MLP)}
+    for layer in range(cfg.num_hidden_layers):
+        shapes.update(moe_shapes(cfg, f"layers.{layer}."))
+    return shapes
+
+
+class _ExpertStack:
+    """A layer's experts read one a tensor, copied into the fused [E, 2I, H] and [E, H, I] as they come (no second
+    copy of the layer); `missing()` names the first expert tensor that never came."""
+
+    def __init__(self, prefix: str, cfg: MoeTextConfig):
+        self.prefix, self.cfg = prefix, cfg  # prefix: layers.{i}.mlp.experts.
+        self.gate_up: torch.Tensor | None = None
+        self.down: torch.Tensor | None = None
+        self.seen: set[tuple[int, str]] = set()
+
+    def add(self, where: str, name: str, expert: int, part: str, t: torch.Tensor) -> None:
+        cfg = self.cfg
+        h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        want = (h, i) if part == "down" else (i, h)
+        if expert >= e:
+            raise CheckpointError(f"{where}: tensor {name!r} names expert {expert}; the config has {e} "
+                                  "(num_experts)")
+        if tuple(t.shape) != want:
+            raise CheckpointError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, expected {want}")
+        if self.gate_up is None:
+            self.gate_up = torch.empty(e, 2 * i, h, dtype=t.dtype)
+            self.down = torch.empty(e, h, i, dtype=t.dtype)
+        if part == "gate":
+            self.gate_up[expert, :i].copy_(t)
+        elif part == "up":
+            self.gate_up[expert, i:].copy_(t)
+        else:
+            self.down[expert].copy_(t)
+        self.seen.add((expert, part))
+
+    def missing(self) -> str | None:
+        for expert in range(self.cfg.num_experts):
+            for part in ("gate", "up", "down"):
+                if (expert, part) not in self.seen:
+                    return f"{self.prefix}{expert}.{part}_proj.weight"
+        return None
+
+
+def load_weights(model_dir: Path, cfg: MoeTextConfig, device: torch.device | str,
+                 dtype: torch.dtype) -> LoadedWeights:
+    """Read every shard, map names to canonical ones, stack per-expert tensors, check names and shapes, build
+    Linear objects for the projections (is_linear) and keep the rest (router, experts, gates, norms) as tensors."""
+    want = expected_shapes(cfg)
+    raw: dict[str, torch.Tensor] = {}
+    stacks: dict[str, _ExpertStack] = {}
+    skipped, mtp = [], []
+    model_dir = Path(model_dir)
+    shards = shard_files(model_dir)
+    num_tensors = 0
+    for path in shards:  # the headers only: the bar's total
+        with safe_open(str(path), framework="pt") as f:
+            num_tensors += len(f.keys())
+    with tqdm(total=num_tensors, desc=f"qse: loading {model_dir.name}", unit="tensor", disable=None) as bar:
+        for path in shards:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    bar.update()
+                    kind, canon = canonical_name(name)
+                    if kind == "skip":
+                        skipped.append(name)
+                        continue
+                    if kind == "mtp":
+                        mtp.append(name)  # recognised, left on disk (the module docstring)
+                        continue
+                    if kind == "unknown":
+                        raise CheckpointError(f"{path.name}: tensor {name!r} is not a Qwen3.5-MoE text-model name")
+                    if canon.endswith(FP8_SCALE_SUFFIX):
+                        raise CheckpointError(f"{path.name}: {name!r} is an FP8 block scale; qse does not read FP8 "
+                                              "Qwen3.5-MoE checkpoints yet: use the BF16 one")
+                    per_expert = PER_EXPERT.match(canon)
+                    if per_expert is not None:
+                        prefix, expert, part = per_expert.group(1), int(per_expert.group(2)), per_expert.group(3)
+                        stack = stacks.setdefault(prefix, _ExpertStack(prefix, cfg))
+                        stack.add(path.name, name, expert, part, f.get_tensor(name))
+                        continue
+                    if canon not in want:
+                        raise CheckpointError(f"{path.name}: unexpected tensor {name!r} (canonical {canon!r})")
+                    raw[canon] = f.get_tensor(name)
+    for prefix, stack in stacks.items():
+        fused = (prefix + "gate_up_proj", prefix + "down_proj")
+        if any(name in raw for name in fused):
+            raise CheckpointError(f"{model_dir}: {prefix[:-1]!r} holds both fused experts and one-expert tensors; "
+                                  "a checkpoint stores a layer's experts one way")
+        absent = stack.missing()
+        if absent is not None:
+            raise CheckpointError(f"{model_dir}: missing tensor {absent!r} (the layer's other experts are there)")
+        raw[fused[0]], raw[fused[1]] = stack.gate_up, stack.down
+    for name, shape in want.items():
+        if name not in raw:
+            raise CheckpointError(f"{model_dir}: missing tensor {name!r} (shape {shape})")
+        got = tuple(raw[name].shape)
+        if got != shape:
+            raise CheckpointError(f"{model_dir}: tensor {name!r} has shape {got}, expected {shape}")
+    tensors: dict[str, torch.Tensor] = {}
+    linears: dict[str, DenseLinear] = {}
+    for name, t in raw.items():
+        if t.dtype == torch.float8_e4m3fn:
+            raise CheckpointError(f"{model_dir}: tensor {name!r} is FP8; qse reads BF16 Qwen3.5-MoE checkpoints only")
+        if is_linear(name):
+            linears[name] = DenseLinear(t.to(device=device, dtype=dtype))
+        elif name.endswith("A_log"):
+            tensors[name] = t.to(device=device)  # kept as stored; read in fp32 at use
+        else:  # the experts' kernels read them contiguous (qse_kernels/moe.py)
+            tensors[name] = t.to(device=device, dtype=dtype).contiguous()
+    return LoadedWeights(tensors=tensors, linears=linears, skipped=skipped, mtp=mtp)
+
+
+__all__ = ["CheckpointError", "expected_shapes", "load_weights", "moe_shapes"]

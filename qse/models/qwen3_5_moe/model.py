@@ -1,0 +1,110 @@
+"""The Qwen3.5-MoE text model: the dense family's forward (qse/models/qwen3_5/model.py: embedding, GDN and gated
+attention layers, norms, head; prefill, batched decode, verify windows, state) with a sparse MLP in every layer.
+
+A layer's MLP on its normed rows h [T, H] (transformers' Qwen3_5MoeSparseMoeBlock; the block's math, tie rule and
+rounding are written in qse_kernels/moe_naive.py):
+
+    logits = h @ router^T                  [T, E]   softmax in fp32, the top k by logit, renormalised
+    routed = sum_r w[t, r] * expert_{ids[t, r]}(h_t)           each expert a SwiGLU MLP of I
+    out    = routed + sigmoid(h_t @ gate_s^T) * shared(h_t)     the shared expert a SwiGLU MLP of Is
+
+Every row is routed on its own, so the block keeps the dense forward's contract: a row's result does not depend
+on the other rows of a call where the block's kernels are batch-invariant (qse_kernels/moe.py's are; the torch
+twin's per-expert GEMMs choose their algorithm by row count, like torch's CPU matmul elsewhere).
+
+The block comes with the op set: an op set's own `moe_block` where it has one, else the torch twin beside the
+torch twins (default_ops) and the Triton block beside Triton kernels (the engine's triton and invariant sets).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+import qse_kernels.moe_naive as moe_naive
+import qse_kernels.naive as naive_ops
+
+from ..linear import DenseLinear
+from ..qwen3_5.layout import LoadedWeights
+from ..qwen3_5.model import Qwen35Model
+from .config import MoeTextConfig
+
+SHARED_GATE_UP = "mlp.shared_expert.gate_up_proj"  # the shared expert's gate and up rows, fused (a view each)
+
+
+def moe_block_of(ops: SimpleNamespace):
+    """The sparse block that goes with op set `ops` (the module docstring)."""
+    own = getattr(ops, "moe_block", None)
+    if own is not None:
+        return own
+    if ops.rms_norm is naive_ops.rms_norm:
+        return moe_naive.moe_block
+    from qse_kernels import moe  # Triton: imported only where its kernels run
+
+    return moe.moe_block
+
+
+class Qwen35MoeModel(Qwen35Model):
+    family = "qwen3_5_moe"
+
+    def __init__(self, cfg: MoeTextConfig, weights: LoadedWeights, device: torch.device | str, dtype: torch.dtype,
+                 ops: SimpleNamespace | None = None):
+        super().__init__(cfg, weights, device, dtype, ops)
+        # each layer's block arguments, looked up once (a decode step runs cfg.num_hidden_layers blocks)
+        self.moe_args: dict[str, tuple] = {}
+        for layer in range(cfg.num_hidden_layers):
+            m = f"layers.{layer}.mlp."
+            self.moe_args[f"layers.{layer}."] = (
+                self.w[m + "gate.weight"],  # [E, H]
+                self.w[m + "experts.gate_up_proj"],  # [E, 2I, H]
+                self.w[m + "experts.down_proj"],  # [E, H, I]
+                self.fused[f"layers.{layer}.{SHARED_GATE_UP}"][0].weight,  # [2Is, H]
+                self.lin[m + "shared_expert.down_proj.weight"].weight,  # [H, Is]
+                self.w[m + "shared_expert_gate.weight"],  # [1, H]
+            )
+
+    # the engine swaps the op set (Engine._pick_kernels): the block follows it
+    @property
+    def ops(self) -> SimpleNamespace:
+        return self._ops
+
+    @ops.setter
+    def ops(self, ops: SimpleNamespace) -> None:
+        self._ops = ops
+        self.moe_block = moe_block_of(ops)
+
+    def _fuse_projections(self) -> None:
+        """The dense groups (attention, GDN), then each layer's shared expert's gate and up projections into one
+        [2Is, H] matrix, gate rows first: the block's shared_gate_up."""
+        super()._fuse_projections()
+        for layer in range(self.cfg.num_hidden_layers):
+            s = f"layers.{layer}.mlp.shared_expert."
+            names = (s + "gate_proj.weight", s + "up_proj.weight")
+            lins = [self.lin[n] for n in names]
+            if not all(isinstance(lin, DenseLinear) for lin in lins):
+                raise ValueError(f"{s[:-1]}: the shared expert's projections must be dense weights, got "
+                                 f"{[type(lin).__name__ for lin in lins]}")
+            fused = torch.cat([lin.weight for lin in lins], dim=0)
+            widths = tuple(lin.shape[0] for lin in lins)
+            for name, part in zip(names, fused.split(widths, dim=0)):
+                self.lin[name] = DenseLinear(part)
+            self.fused[f"layers.{layer}.{SHARED_GATE_UP}"] = (DenseLinear(fused), widths)
+
+    def _mlp(self, p: str, h: torch.Tensor) -> torch.Tensor:
+        """The sparse block of layer prefix `p` on h [T, H] -> [T, H]."""
+        return self.moe_block(h, *self.moe_args[p], self.cfg.num_experts_per_tok)
+
+    def cast(self, dtype: torch.dtype) -> "Qwen35MoeModel":
+        """The same weights cast to `dtype` (an upcast is exact), on the torch ops, on this device (as the dense
+        family's cast: a twin code above the adapter path builds without naming the family)."""
+        linears = {}
+        for name, lin in self.lin.items():
+            if not isinstance(lin, DenseLinear):
+                raise ValueError(f"{name} is {type(lin).__name__}: only dense weights cast to another dtype")
+            linears[name] = DenseLinear(lin.weight.to(dtype))
+        weights = LoadedWeights({k: t.to(dtype) for k, t in self.w.items()}, linears)
+        return Qwen35MoeModel(self.cfg, weights, self.device, dtype)
+
+
+__all__ = ["Qwen35MoeModel", "moe_block_of"]
