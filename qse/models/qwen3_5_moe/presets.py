@@ -51,7 +51,9 @@ def random_tensors(cfg: MoeTextConfig, seed: int, device: torch.device | str = "
     gen = None if device.type == "meta" else torch.Generator(device=device).manual_seed(seed)
 
     def randn(shape, scale):
-        return torch.empty(shape, device=device) if gen is None else torch.randn(shape, device=device, generator=gen) * scale
+        if gen is None:
+            return torch.empty(shape, device=device)
+        return torch.randn(shape, device=device, generator=gen) * scale
 
     out: dict[str, torch.Tensor] = {}
     for name, shape in tqdm(expected_shapes(cfg).items(), desc=progress, unit="tensor",
