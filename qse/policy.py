@@ -20,6 +20,10 @@ from .core.sizing import FIXED_KV_POOL_GB
 from .settings import REGISTRY, EngineSettings
 
 
+SPECULATE_MODES = ("off", "ngram")
+MAX_SPEC_DRAFT = 15  # a verify reads at most 16 rows a turn
+
+
 def _from(name: str) -> Any:
     """A field read from the setting `name`, its default the registry's (the one declaration of it)."""
     return dataclasses.field(default=REGISTRY[name].default, metadata={"setting": name})
@@ -58,6 +62,8 @@ class Policy:
     round_token_budget: int = _from("QSE_ROUND_TOKEN_BUDGET")  # prompt ids a round reads beside its decode rows
     launch_ahead: bool = _from("QSE_LAUNCH_AHEAD")  # rounds of device-sampled turns launched before reading back
     decode_yield_ms: float = _from("QSE_DECODE_YIELD_MS")  # running turns may sit out prompt rounds this long
+    speculate: str = _from("QSE_SPECULATE")  # off | ngram
+    spec_draft: int = _from("QSE_SPEC_DRAFT")  # drafted ids a turn a round, at most
     max_waiting: int = _from("QSE_MAX_WAITING")
     max_question_tokens: int = _from("QSE_MAX_QUESTION_TOKENS")
     gc_freeze: bool = _from("QSE_GC_FREEZE")
@@ -71,6 +77,15 @@ class Policy:
         # unsized (a CPU, a benchmark, a test) holds the fixed size
         if self.served_kv_gb == 0:
             object.__setattr__(self, "served_kv_gb", FIXED_KV_POOL_GB)
+        if self.speculate not in SPECULATE_MODES:
+            raise ValueError(f"QSE_SPECULATE={self.speculate!r} is not one of {SPECULATE_MODES}")
+        if not (isinstance(self.spec_draft, int) and 1 <= self.spec_draft <= MAX_SPEC_DRAFT):
+            raise ValueError(f"QSE_SPEC_DRAFT={self.spec_draft!r} must be an integer in [1, {MAX_SPEC_DRAFT}]")
+
+    @property
+    def verify_width(self) -> int:
+        """The most rows a running turn reads in one round: its token and its drafts (0: no speculation)."""
+        return self.spec_draft + 1 if self.speculate != "off" else 0
 
     @classmethod
     def from_settings(cls, settings: EngineSettings, **overrides: Any) -> "Policy":

@@ -64,6 +64,12 @@ IDS, POSITIONS, SLOTS, CARRY = 0, 1, 2, 3
 STAGING_RING = 2
 
 
+def slot_states_for(max_running: int, verify_width: int = 0) -> int:
+    """The GDN state slots a DecodeRounds holds: one a running sequence and one for padding rows, each with
+    verify_width scratch slots beside it (a verify's rows); what the memory sizing counts."""
+    return (max_running + 1) * (1 + verify_width)
+
+
 def buckets_for(max_running: int) -> tuple[int, ...]:
     """Powers of two below max_running, then max_running itself: a round pads to at most twice its rows."""
     out, n = [], 1
@@ -107,7 +113,7 @@ class DecodeRounds:
         self.verify_width = verify_width
         # each slot's verify rows (the padding slot's too: padding rows verify like the others)
         self.scratch_base = max_running + 1
-        self.states = self.model.new_slot_states((max_running + 1) * (1 + verify_width))
+        self.states = self.model.new_slot_states(slot_states_for(max_running, verify_width))
         self._verifying: set[int] = set()
         scratch = pool.allocate(1)
         if scratch is None:
@@ -433,4 +439,4 @@ class DecodeRounds:
         return _Entry(graph.replay, out)
 
 
-__all__ = ["DecodeRounds", "TokensBack", "buckets_for"]
+__all__ = ["DecodeRounds", "TokensBack", "buckets_for", "slot_states_for"]

@@ -171,7 +171,7 @@ class Sampler:
         """The row in fp32 after penalties and bias (a copy: the model's row stays as it was), and the row."""
         p = self.params
         if self._device is None:
-            self._setup(logits.device, logits.shape[0])
+            self._setup(logits.device, logits.shape[-1])
         x = logits.float()
         if x.data_ptr() == logits.data_ptr():
             x = x.clone()
@@ -187,8 +187,8 @@ class Sampler:
                 x = x - p.frequency_penalty * counts.float()
             if p.presence_penalty != 0.0:
                 x = x - p.presence_penalty * (counts > 0).float()
-        if self._bias is not None:
-            x.index_add_(0, self._bias[0], self._bias[1])
+        if self._bias is not None:  # (along the vocabulary: a verify shapes its rows at once)
+            x.index_add_(x.dim() - 1, self._bias[0], self._bias[1].expand(*x.shape[:-1], -1))
         return x, logits
 
     def __call__(self, logits: torch.Tensor) -> int:
@@ -220,19 +220,63 @@ class Sampler:
                 return forced
         if p.temperature == 0.0:
             return torch.argmax(x)
+        probs = self._law(x)
+        race = torch.empty_like(probs).exponential_(generator=self._generator)
+        return torch.argmax(probs / race)
+
+    def _law(self, x: torch.Tensor) -> torch.Tensor:
+        """The draw's law over the last dim of x (shaped logits, one row or [T, vocab]): temperature, top_k,
+        softmax, min_p, top_p; unnormalised where top_p or min_p cut it (the race and rejection sampling take
+        weights)."""
+        p = self.params
         x = x / p.temperature
-        if 0 < p.top_k < x.shape[0]:
-            kth = torch.topk(x, p.top_k).values[-1]
+        if 0 < p.top_k < x.shape[-1]:
+            kth = torch.topk(x, p.top_k, dim=-1).values[..., -1:]
             x = x.masked_fill(x < kth, float("-inf"))
         probs = torch.softmax(x, dim=-1)
         if p.min_p > 0.0:
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+            probs = probs.masked_fill(probs < p.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
         if p.top_p < 1.0:
-            sorted_p, order = probs.sort(descending=True)
-            keep = sorted_p.cumsum(0) - sorted_p < p.top_p * sorted_p.sum()
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p * keep)
-        race = torch.empty_like(probs).exponential_(generator=self._generator)
-        return torch.argmax(probs / race)
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            keep = sorted_p.cumsum(-1) - sorted_p < p.top_p * sorted_p.sum(-1, keepdim=True)
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p * keep)
+        return probs
+
+    @property
+    def verifies(self) -> str | None:
+        """How a drafted id is verified for this turn: "greedy" (kept while it is the argmax: plain greedy),
+        "sampled" (rejection sampling against the law: temperature, top-k/p, min-p, a logit bias), or None
+        where the law at a row depends on the ids before it in the same verify (penalties count them, a
+        grammar's mask follows them) or where each id's log-probabilities are asked: such a turn decodes one
+        id a round."""
+        p = self.params
+        if p.is_plain_greedy:
+            return "greedy"
+        if p.temperature > 0.0 and not p.has_penalties and p.grammar is None and p.top_logprobs is None:
+            return "sampled"
+        return None
+
+    def verify(self, logits: torch.Tensor, drafts: list[int]) -> list[int]:
+        """The ids a verify yields for this turn: logits [len(drafts) + 1, vocab], row j the law after the
+        turn's token and drafts[:j]. Greedy: the drafts while each is the row's argmax, then the argmax after
+        them; sampled: rejection sampling (qse/engine/speculative.py), every id distributed as the turn's own
+        law. At least one id, at most len(drafts) + 1."""
+        from .speculative import accept_greedy, accept_sampled
+
+        kind = self.verifies
+        if kind is None:
+            raise ValueError("this turn's sampling cannot verify drafts (penalties, a grammar or logprobs)")
+        rows = logits[: len(drafts) + 1]
+        if self.vocab_limit is not None:
+            rows = rows[:, : self.vocab_limit]
+        draft = torch.tensor([drafts], dtype=torch.long, device=rows.device)
+        if kind == "greedy":
+            accepted, nxt = accept_greedy(draft, torch.argmax(rows, dim=-1)[None])
+        else:
+            x, _ = self._shaped(rows)
+            accepted, nxt = accept_sampled(draft, self._law(x)[None], None, generator=self._generator)
+        a, n = torch.stack([accepted[0], nxt[0]]).tolist()
+        return [*drafts[:a], n]
 
     def _read_back(self, token: torch.Tensor | int, raw: torch.Tensor) -> int:
         """The id (and the asked log-probabilities of the model's own row) in one copy to the host."""

@@ -43,6 +43,7 @@ from ..core.plan import ROLE_OF_WINDOW, Window, check_group
 from ..core.prefix import common_prefix
 from ..core.ration import RationSlice
 from ..core.scheduler import Scheduler
+from ..core.spec import SpecPlanner
 from ..engine.engine import Engine
 from ..policy import Policy
 from ..sessions.grid import GridSessions
@@ -120,6 +121,9 @@ class Conductor(TurnLifecycle, RoundLoop, ReaderWindows):
         self._round_task: asyncio.Task | None = None
         self._arrivals = itertools.count()
         self._in_flight: LaunchedAhead | None = None  # the round launched ahead (rounds.py)
+        # speculative decoding (QSE_SPECULATE): whether a round verifies drafts, and how wide
+        width = self.serving.rounds.verify_width
+        self.spec_planner = SpecPlanner((width,)) if width else None
         self._waiting_changed = asyncio.Event()
         self._session_locks: dict[str, asyncio.Lock] = {}
         self._turn_seq = itertools.count()
@@ -455,4 +459,4 @@ def served_sessions(engine: Engine, policy: Policy, residency=None) -> ServedSes
     book = GridSessions(engine, grid=policy.served_grid, pool_bytes=int(policy.served_kv_gb * (1 << 30)),
                         **policy.served_checkpoints(), residency=residency, chunk_group=policy.served_chunk_group,
                         graphs=None if policy.served_graphs else False, who="the served model")
-    return ServedSessions(book, max_running=policy.max_running)
+    return ServedSessions(book, max_running=policy.max_running, verify_width=policy.verify_width)

@@ -16,12 +16,14 @@ from dataclasses import asdict
 from typing import AsyncIterator, NamedTuple
 
 import structlog
+import torch
 
 from ..core.ledger import Role
 from ..core.locks import HeldLocks, Priority
 from ..core.rounds import Read, RoundPlan
 from ..core.scheduler import Arrived, OpenTurn, RoundDue, RunRound
 from ..engine.sampling import Sampler
+from ..engine.turn_drafts import TurnDrafts
 from ..sessions.served import LaunchedRound
 from .executor import landed
 from .turn import END, ConductorStopped, GenerateRequest, RoundEntry, Turn
@@ -197,12 +199,18 @@ class RoundLoop:
         in_flight, self._in_flight = self._in_flight, None
         rows = {id(e): i for i, e in enumerate(in_flight.batch)} if in_flight is not None else {}
         carry = [rows.get(id(e), -1) if e.in_flight else -1 for e in batch]
-        ahead = self.policy.launch_ahead and bool(batch) and all(e.sampler.is_on_device for e in batch)
+        # a batch with turns that can verify drafts runs its rounds one at a time: the drafts follow the last ids,
+        # which must be on the host (a round launched ahead keeps them on the device)
+        speculating = self.spec_planner is not None and any(e.sampler.verifies for e in batch)
+        ahead = (not speculating and self.policy.launch_ahead and bool(batch)
+                 and all(e.sampler.is_on_device for e in batch))
+        spec = speculating and in_flight is None
         # the earlier round's samplers that take its ids (a grammar's matcher): those of turns still running
         takers = [e.sampler if e in self._running else None for e in in_flight.batch] if in_flight else []
         try:
-            launched, tokens, ms, reads, earlier = await self.served_exec.run(
-                self._round_on_thread, batch, carry, ahead, plan.reads, in_flight.launch if in_flight else None, takers)
+            launched, tokens, ms, reads, earlier, drafted = await self.served_exec.run(
+                self._round_on_thread, batch, carry, ahead, plan.reads, in_flight.launch if in_flight else None, takers,
+                spec)
         except Exception as exc:  # the round failed: every turn in it ends with the error
             for entry in batch + [r.key for r in plan.reads] + (in_flight.batch if in_flight else []):
                 if not entry.done.done():
@@ -217,38 +225,63 @@ class RoundLoop:
             elif first is not None:
                 await self._first_token(entry, first)
         if earlier is not None:
-            await self._decoded(in_flight.batch, *earlier)
+            ids, earlier_ms = earlier
+            await self._decoded(in_flight.batch, [[t] for t in ids], earlier_ms)
         if launched is not None:
             for entry in batch:
                 entry.in_flight = 1
             self._in_flight = LaunchedAhead(batch, launched)
         elif batch:
+            if drafted is not None:
+                self._spec_observed(batch, tokens, ms, drafted)
             await self._decoded(batch, tokens, ms)
 
-    async def _decoded(self, batch: list["RoundEntry"], tokens: list[int], ms: float) -> None:
-        """A round's ids to its turns; a turn that ended since the round was launched drops its id (a stop read
-        one round late: its kept state is the prompt's grid line, never the rows above)."""
+    async def _decoded(self, batch: list["RoundEntry"], tokens: list[list[int]], ms: float) -> None:
+        """A round's ids to its turns (one a turn, or a verify's accepted drafts and the id after them); a turn
+        that ended since the round was launched drops its ids (a stop read one round late: its kept state is the
+        prompt's grid line, never the rows above), and so does one that ends part way through its ids."""
         share = ms / len(batch)  # a round's device time, attributed evenly to its turns
-        for entry, token in zip(batch, tokens):
+        for entry, ids in zip(batch, tokens):
             entry.in_flight = 0
             if entry not in self._running:
                 self.ledger.record(Role.SERVED_DECODE, share)
                 continue
             self.ledger.record(Role.SERVED_DECODE, share, turn_id=entry.turn.turn_id)
-            await self._emit(entry, token)
+            for token in ids:
+                await self._emit(entry, token)
+                if entry not in self._running:
+                    break
+
+    def _spec_observed(self, batch: list["RoundEntry"], tokens: list[list[int]], ms: float,
+                       drafted: tuple[int, list[int]]) -> None:
+        """What a round that could have verified cost and what its drafts earned, to the planner."""
+        width, counts = drafted
+        planner = self.spec_planner
+        planner.observe_round(self.serving.rounds.bucket(len(batch)), width, ms)
+        for entry, count, ids in zip(batch, counts, tokens):
+            if entry.spec is not None:
+                accepted = len(ids) - 1 if count else 0
+                planner.observe_turn(entry.spec, count, accepted)
+                turn = entry.turn
+                turn.draft_tokens += count
+                turn.accepted_draft_tokens += accepted
+                turn.req.draft_tokens, turn.req.accepted_draft_tokens = turn.draft_tokens, turn.accepted_draft_tokens
 
     async def _first_token(self, entry: "RoundEntry", token: int) -> None:
         turn = entry.turn
         turn.first_token_s = entry.last_round_s = self.clock()
         self._reading.remove(entry)
         self._running.append(entry)
+        if self.spec_planner is not None:
+            entry.spec = self.spec_planner.new_turn()
         behind = [e.prompt() for e in list(self._waiting) + self._reading]
         for other in self.scheduler.rounds.overtaken(entry.prompt(), behind):
             other.overtaken += 1  # (prefill_order's starvation bound)
         await self._emit(entry, token)
 
     def _round_on_thread(self, batch: list["RoundEntry"], carry: list[int], ahead: bool,
-                         plan: tuple[Read, ...], earlier: LaunchedRound | None, takers: list[Sampler | None]):
+                         plan: tuple[Read, ...], earlier: LaunchedRound | None, takers: list[Sampler | None],
+                         spec: bool = False):
         """The decode of `batch` (launched ahead, or sampled on the host and waited for), each planned read, then
         the earlier round's ids. Returns (the round launched ahead or None, the batch's ids when not ahead, their
         device ms, for each read (device ms, the first token if the tail was read, the error if it failed), the
@@ -257,7 +290,7 @@ class RoundLoop:
         A grammar turn's next mask needs its last id on the host: where the earlier round holds one, its ids are
         read back between this round's forward and its sampling (the forward never waits for them; the matcher
         and the mask run on the host while the device runs the forward), each taker taking its row's id."""
-        launched, tokens, ms = None, [], 0.0
+        launched, tokens, ms, drafted = None, [], 0.0, None
         back: tuple[list[int], float] | None = None
 
         def take_earlier() -> None:
@@ -271,14 +304,16 @@ class RoundLoop:
         take_first = any(s is not None and s.grammar is not None for s in takers)
         if batch:
             seqs, host_ids = [e.seq for e in batch], [0 if c >= 0 else e.token for e, c in zip(batch, carry)]
-            if ahead:
+            if spec:  # (no round in flight: every turn's last id is on the host)
+                tokens, ms, drafted = self._speculative_round(batch)
+            elif ahead:
                 launched = self.serving.launch_round(seqs, host_ids, carry, [e.sampler for e in batch],
                                                      between=take_earlier if take_first else None)
             else:
                 logits, ms = self.serving.decode_round(seqs, host_ids, carry)
                 if take_first:
                     take_earlier()
-                tokens = [e.sampler(logits[i]) for i, e in enumerate(batch)]
+                tokens = [[e.sampler(logits[i])] for i, e in enumerate(batch)]
         reads = []
         for entry, chunks, tail in plan:
             seq = entry.seq
@@ -294,7 +329,58 @@ class RoundLoop:
                 self.serving.finish(seq)
                 reads.append((seq.start.gpu_ms - before, None, exc))
         take_earlier()
-        return launched, tokens, ms, reads, back
+        return launched, tokens, ms, reads, back, drafted
+
+    def _speculative_round(self, batch: list["RoundEntry"]) -> tuple[list[list[int]], float, tuple[int, list[int]]]:
+        """One round of turns some of which draft (on the served thread): each verifying turn's drafts looked
+        up, the planner's width for them (1: a plain round, where no verify pays), then the round, and each
+        turn's ids: its accepted drafts and the id after them (a turn that cannot verify, or drafted nothing,
+        one id as in a plain round). Returns (ids a turn, device ms, (width, ids drafted a turn))."""
+        planner, serving = self.spec_planner, self.serving
+        proposals: list[list[int]] = []
+        for entry in batch:
+            turn, req = entry.turn, entry.turn.req
+            if not entry.sampler.verifies:
+                proposals.append([])
+                continue
+            if entry.drafts is None:  # (its first round: the prompt's ids and the first token)
+                entry.drafts = TurnDrafts(req.prompt_ids, planner.max_draft, req.prediction_ids)
+                entry.drafts.append(turn.out_ids)
+            room = req.max_tokens - len(turn.out_ids) - 1  # drafts past the turn's last id would be thrown away
+            proposals.append(entry.drafts.propose()[: max(0, room)])
+        seqs = [e.seq for e in batch]
+        width = planner.choose(serving.rounds.bucket(len(batch)),
+                               [(len(p), e.spec.alpha if e.spec is not None else 0.0) for e, p in zip(batch, proposals)])
+        if width > 1 and not serving.can_verify(seqs, width):
+            width = 1
+        if width == 1:
+            logits, ms = serving.decode_round(seqs, [e.token for e in batch])
+            return [[e.sampler(logits[i])] for i, e in enumerate(batch)], ms, (1, [0] * len(batch))
+        drafts = [p[: width - 1] for p in proposals]
+        # every turn reads `width` rows; a short draft is padded with its own token (rows past it are not kept)
+        rows = [[e.token, *d, *[e.token] * (width - 1 - len(d))] for e, d in zip(batch, drafts)]
+        logits, ms = serving.verify_round(seqs, rows)
+        greedy = [i for i, e in enumerate(batch) if drafts[i] and e.sampler.verifies == "greedy"]
+        picks: dict[int, list[int]] = {}
+        if greedy:  # one argmax and one read back for every greedy turn (first maximum on ties, as alone)
+            limit = batch[greedy[0]].sampler.vocab_limit
+            index = torch.tensor(greedy, device=logits.device)
+            picks = dict(zip(greedy, torch.argmax(logits.index_select(0, index)[..., :limit], dim=-1).tolist()))
+        tokens, accepted = [], []
+        for i, (entry, draft) in enumerate(zip(batch, drafts)):
+            if not draft:
+                ids = [entry.sampler(logits[i, 0])]
+            elif i in picks:
+                target, kept = picks[i], 0
+                while kept < len(draft) and draft[kept] == target[kept]:
+                    kept += 1
+                ids = [*draft[:kept], target[kept]]
+            else:
+                ids = entry.sampler.verify(logits[i], draft)
+            tokens.append(ids)
+            accepted.append(len(ids) - 1)
+        serving.keep_round(seqs, accepted)
+        return tokens, ms, (width, [len(d) for d in drafts])
 
     def _read_tail(self, entry: "RoundEntry") -> int:
         """The prompt's tail and the first token, on the served thread."""
@@ -317,6 +403,8 @@ class RoundLoop:
             await self._end(entry)
             return
         turn.out_ids.append(token)
+        if entry.drafts is not None:
+            entry.drafts.append((token,))
         entry.out.put_nowait(token)
         if len(turn.out_ids) >= req.max_tokens:
             turn.finish = "length"

@@ -22,7 +22,9 @@ from ..core.prefix import common_prefix
 from ..core.rounds import Prompt
 from ..core.rounds import Running as RunningView
 from ..core.scheduler import TurnEnded
+from ..core.spec import SpecTurn
 from ..engine.sampling import Sampler, SamplingParams
+from ..engine.turn_drafts import TurnDrafts
 from ..sessions.served import ServedTurn
 from ..shadow.reader import ShadowError
 from .narrator import Narration
@@ -54,6 +56,12 @@ class GenerateRequest:
     # client that left, "shutdown" past a stop's grace), or None. A turn whose consumer waits for its first
     # token cannot close the generator, and a long prompt read on for a client long gone (79k ids: 53 s)
     ended: Callable[[], str | None] | None = None
+    # OpenAI's predicted output, as ids: drafts for speculative decoding (QSE_SPECULATE on), never output
+    prediction_ids: tuple[int, ...] = ()
+    # written by the conductor as the turn's ids come (the server's usage reads them): ids drafted for the turn
+    # and those of them kept
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass
@@ -84,6 +92,8 @@ class TurnRecord:
     reader_behind_tokens: int | None = None
     cached_tokens: int = 0  # prompt ids whose served state was reused (not read this turn)
     cache_tier: str | None = None  # where that state came from: device, host, disk
+    draft_tokens: int = 0  # ids drafted for it (speculative decoding)
+    accepted_draft_tokens: int = 0  # of them, kept: emitted without a round of their own
 
 
 @dataclass
@@ -105,6 +115,8 @@ class Turn:
     reader_epoch: int | None = None  # the reader session's epoch once _turn_start fed it the prompt
     cached_tokens: int = 0
     cache_tier: str | None = None
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     @property
     def num_known(self) -> int:
@@ -135,6 +147,8 @@ class RoundEntry:
     in_flight: int = 0  # ids launched and not read back yet (0 or 1: a round launched ahead)
     last_round_s: float = float("-inf")  # when its last round was planned or its first token came (the yield)
     closed: bool = False  # the consumer left: end at the next round
+    drafts: TurnDrafts | None = None  # its drafter (speculative decoding; made at its first round)
+    spec: SpecTurn | None = None  # its drafts' acceptance rate
 
     def departed(self) -> str | None:
         """Why the turn ends at the next round, if it does: its consumer closed it, or its request ended."""
@@ -224,6 +238,7 @@ class TurnLifecycle:
             reader_behind_tokens=turn.reader_behind_tokens,
             cached_tokens=turn.cached_tokens,
             cache_tier=turn.cache_tier,
+            draft_tokens=turn.draft_tokens, accepted_draft_tokens=turn.accepted_draft_tokens,
         )
         log.info("turn", **asdict(record))
         if self.on_turn is not None:

@@ -178,6 +178,7 @@ def served_memory(settings: EngineSettings, policy, served, loader, at_start: tu
     import torch
 
     from ..core.sizing import DeviceTerms, activation_reserve, size_served_memory
+    from ..engine.rounds import slot_states_for
 
     terms = None
     if at_start is not None:
@@ -191,11 +192,13 @@ def served_memory(settings: EngineSettings, policy, served, loader, at_start: tu
                             "served pools are sized without them (set QSE_SERVED_KV_GB and QSE_SERVED_CACHE_GB to "
                             "leave them room)")
         cfg = served.cfg
-        activations = activation_reserve(policy.round_token_budget, policy.served_grid, policy.max_running,
+        activations = activation_reserve(policy.round_token_budget, policy.served_grid,
+                                         policy.max_running * max(1, policy.verify_width),  # a round's decode rows
                                          cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,
                                          torch.empty((), dtype=served.dtype).element_size())
         terms = DeviceTerms(total, free, settings.get("QSE_GPU_MEMORY_UTILIZATION"), served.model.weights_nbytes(),
-                            reader, policy.max_running * served.cost(0), activations, cap_nbytes)
+                            reader, slot_states_for(policy.max_running, policy.verify_width) * served.cost(0),
+                            activations, cap_nbytes)
     return size_served_memory(terms, settings.get("QSE_SERVED_KV_GB"), settings.get("QSE_SERVED_CACHE_GB"))
 
 
@@ -203,10 +206,11 @@ def served_claim(served, policy, settings: EngineSettings):
     """The served model's claim: its weights as loaded, its KV pool, its decode slots' state, its sessions'
     device cap (an upper bound: the cap also counts KV that lives in the pool)."""
     from ..core.residency import Claim
+    from ..engine.rounds import slot_states_for
     from ..store import GIB
 
     pools = (("kv_pool", int(policy.served_kv_gb * GIB)),
-             ("state_slots", policy.max_running * served.cost(0)),
+             ("state_slots", slot_states_for(policy.max_running, policy.verify_width) * served.cost(0)),
              ("session_cache", int(settings.get("QSE_SERVED_CACHE_GB") * GIB)))
     return Claim("served", "served:" + served.name, served.model.weights_nbytes(), pools)
 

@@ -67,6 +67,9 @@ class TurnPlan:
     parent: "TurnPlan | None" = None  # the request's plan, for a choice's plan (usage is the request's)
     narrations: list[LiveNarration] = field(default_factory=list)  # the live narrator's, not yet streamed
     narrated: bool = False  # the live narrator summarised this turn's thought
+    prediction_ids: list[int] | None = None  # the request's predicted output, as ids (drafts), if it sent one
+    draft_tokens: int = 0  # ids drafted for the turn (the conductor's count at its end)
+    accepted_draft_tokens: int = 0
 
     def choice(self, index: int) -> "TurnPlan":
         """The plan of choice `index`: its own seed (seed + index) and its own record of logprobs."""
@@ -300,15 +303,16 @@ class Service:
         max_tokens = self._max_tokens(req.max_completion_tokens or req.max_tokens)
         session = session or req.prompt_cache_key  # OpenAI's cache key names the session when no header does
 
-        def render() -> tuple[str, list[int], int]:
+        def render() -> tuple[str, list[int], int, list[int] | None]:
             text = self.chat.render(messages, tools, True, thinking)
             # the head two conversations may share (system prompt, first user turn): mapping by prefix needs more
             head = 0 if session else len(self.chat.tokenizer.encode(
                 self.chat.render(head_messages(messages), tools, False, thinking)))
-            return text, self.chat.tokenizer.encode(text), head
+            predicted = self.chat.tokenizer.encode(req.prediction.text) if req.prediction is not None else None
+            return text, self.chat.tokenizer.encode(text), head, predicted
 
         try:
-            text, ids, head_tokens = await asyncio.to_thread(render)
+            text, ids, head_tokens, predicted = await asyncio.to_thread(render)
         except ValueError as exc:  # the chat format refuses the messages (roles, order, arguments)
             raise bad_request(str(exc), "messages", "invalid_messages") from None
         self._check_prompt(ids, max_tokens, "messages")
@@ -316,7 +320,7 @@ class Service:
         top = (req.top_logprobs or 0) if req.logprobs else None
         return TurnPlan(ids, max_tokens, self._sampling(req, ids, top, grammar), wire.stop_list(req.stop),
                         await self.session_for(ids, session, tenant, head_tokens), request_id, router_label, text,
-                        n=req.n or 1, tools=tools)
+                        n=req.n or 1, tools=tools, prediction_ids=predicted)
 
     async def prepare_completion(self, req: wire.CompletionRequest, request_id: str, session: str | None,
                                  router_label: str | None, tenant: Tenant = LONE) -> TurnPlan:
@@ -377,7 +381,8 @@ class Service:
         req = GenerateRequest(prompt_ids=plan.prompt_ids, max_tokens=plan.max_tokens, sampling=plan.sampling,
                               stop_ids=tuple(self.chat.stop_ids), session_id=plan.session_id,
                               request_id=plan.request_id, router_label=plan.router_label,
-                              narrate=self._narrated(plan) if self.profile.shadow.narrator == "on" else None)
+                              narrate=self._narrated(plan) if self.profile.shadow.narrator == "on" else None,
+                              prediction_ids=tuple(plan.prediction_ids or ()))
         ticket = plan.ticket
         if ticket is not None:  # a client that leaves before its first token ends the turn at the next round
             req.ended = lambda: ticket.ended
@@ -395,8 +400,13 @@ class Service:
                                 self.metrics.itl_seconds.observe(now_s - last_s)
                             last_s = now_s
                             plan.cached_tokens = req.cached_tokens or 0
+                            drafted = req.draft_tokens - plan.draft_tokens
+                            kept = req.accepted_draft_tokens - plan.accepted_draft_tokens
+                            plan.draft_tokens, plan.accepted_draft_tokens = req.draft_tokens, req.accepted_draft_tokens
                             if plan.parent is not None:
                                 plan.parent.cached_tokens = max(plan.parent.cached_tokens, plan.cached_tokens)
+                                plan.parent.draft_tokens += drafted  # (usage is the request's: its choices' sum)
+                                plan.parent.accepted_draft_tokens += kept
                             out.push(token)
                             plan.output_tokens = out.num_ids
                             yield out.num_ids
@@ -457,8 +467,13 @@ class Service:
     def _usage(self, plan: TurnPlan, output_tokens: int | None = None) -> wire.Usage:
         n = len(plan.prompt_ids)
         out = plan.output_tokens if output_tokens is None else output_tokens
+        details = None
+        if plan.prediction_ids is not None:  # (drafts from the prompt count too: what the prediction offered)
+            details = wire.CompletionTokensDetails(accepted_prediction_tokens=plan.accepted_draft_tokens,
+                                                   rejected_prediction_tokens=plan.draft_tokens - plan.accepted_draft_tokens)
         return wire.Usage(prompt_tokens=n, completion_tokens=out, total_tokens=n + out,
-                          prompt_tokens_details=wire.PromptTokensDetails(cached_tokens=plan.cached_tokens))
+                          prompt_tokens_details=wire.PromptTokensDetails(cached_tokens=plan.cached_tokens),
+                          completion_tokens_details=details)
 
     def _sections(self, plan: TurnPlan) -> Sections:
         prompt, tools = plan.prompt_text, plan.tools

@@ -105,6 +105,23 @@ class _SamplingRequest(Struct, kw_only=True):
     user: str | None = None
 
 
+class PredictionPart(Struct, forbid_unknown_fields=True):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(Struct, forbid_unknown_fields=True):
+    """OpenAI's predicted output: text the answer is expected to repeat (a file it will rewrite). qse drafts
+    from it where speculative decoding is on (QSE_SPECULATE); the answer is the model's either way."""
+
+    type: Literal["content"]
+    content: str | list[PredictionPart]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     """Every field of OpenAI's chat request, plus the vLLM-style knobs qse honours (top_k, min_p,
     repetition_penalty, chat_template_kwargs). Fields typed `Any` are refused by name unless empty
@@ -127,12 +144,12 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     prompt_cache_options: dict[str, Any] | None = None
     service_tier: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    prediction: Prediction | None = None
     # refused unless empty (REFUSED_CHAT says why)
     audio: Any = None
     modalities: Any = None
     functions: Any = None
     function_call: Any = None
-    prediction: Any = None
     verbosity: Any = None
     web_search_options: Any = None
     moderation: Any = None
@@ -151,7 +168,6 @@ REFUSED_CHAT: dict[str, str] = {
     "audio": "audio output is not supported (text only)",
     "functions": "the legacy 'functions' are not supported; send them as 'tools'",
     "function_call": "the legacy 'function_call' is not supported; use 'tool_choice'",
-    "prediction": "predicted outputs are not supported",
     "verbosity": "verbosity is not supported",
     "web_search_options": "web search is not supported",
     "moderation": "moderation is not supported",
@@ -225,11 +241,20 @@ class PromptTokensDetails(Struct):
     cached_tokens: int = 0  # prompt tokens whose state the served session reused (OpenAI's and vLLM's field)
 
 
-class Usage(Struct):
+class CompletionTokensDetails(Struct):
+    """OpenAI's counts of a predicted output's ids: those the answer took from it (verified drafts) and those
+    it did not (drafted and refused), where the request sent a prediction."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
+class Usage(Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class FunctionCallOut(Struct):

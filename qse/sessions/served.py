@@ -115,12 +115,14 @@ class ServedSessions:
     One thread (the served engine's executor) calls every method; one turn runs at a time on a session.
     """
 
-    def __init__(self, book: GridSessions, max_running: int = 1):
-        """max_running: turns decoding at once (the rounds' slots and largest batch)."""
+    def __init__(self, book: GridSessions, max_running: int = 1, verify_width: int = 0):
+        """max_running: turns decoding at once (the rounds' slots and largest batch). verify_width: the most rows
+        a turn may verify in a round (speculative decoding: its token and verify_width - 1 drafts; 0: off)."""
         self.book = book
         self.engine = book.engine
         self.rounds = DecodeRounds(book.engine, book.pool, max_running,
-                                   graphs=None if book.graphs is not None and book.graphs.capture else False)
+                                   graphs=None if book.graphs is not None and book.graphs.capture else False,
+                                   verify_width=verify_width)
         self._clock = DeviceClock(book.engine.device)
         self._reserved = 0  # turns opened that have not taken their decode slot yet
         self.counts = {"queries": 0, "query_tokens": 0, "hit_tokens": 0, **{f"hits_{t}": 0 for t in TIERS}}
@@ -385,13 +387,39 @@ class ServedSessions:
             turn.pos += 1
         return LaunchedRound(self.rounds.send_back(num_rows), begin, end, self._clock)
 
-    def _before_round(self, turns: list[ServedTurn]) -> None:
+    def verify_round(self, turns: list[ServedTurn], rows: list[list[int]]) -> tuple[torch.Tensor, float]:
+        """A verify (speculative decoding): turn i reads rows[i] (its next token, then its drafts; the same
+        count for every turn) in one batched forward. Returns the logits [len(turns), T, vocab] (row j: the law
+        after rows[i][:j + 1]; valid until the next round) and the device ms (waited for). Nothing is kept until
+        `keep_round` says how many rows each turn keeps."""
+        width = len(rows[0]) if rows else 0
+        self._before_round(turns, width)
+        watch = Stopwatch(self.engine.device)
+        with watch.measure():
+            logits = self.rounds.verify([t.slot for t in turns], rows)
+        return logits, watch.gpu_ms
+
+    def keep_round(self, turns: list[ServedTurn], accepted: list[int]) -> None:
+        """After verify_round: turn i keeps its token and its first accepted[i] drafts."""
+        self.rounds.keep([t.slot for t in turns], accepted)
+        for turn, count in zip(turns, accepted):
+            turn.pos += count + 1
+
+    def can_verify(self, turns: list[ServedTurn], width: int) -> bool:
+        """Whether every turn may read `width` rows now: the rounds verify that wide, and no turn would pass the
+        model's window or the most rows a session holds (near them a turn decodes one id a round)."""
+        if not 2 <= width <= self.rounds.verify_width:
+            return False
+        limit = min(self.engine.cfg.max_position_embeddings, self.book.max_rows)
+        return all(turn.pos + width <= limit for turn in turns)
+
+    def _before_round(self, turns: list[ServedTurn], width: int = 1) -> None:
         window = self.engine.cfg.max_position_embeddings
         for turn in turns:
-            if turn.pos + 1 > window:
-                raise SessionError(f"position {turn.pos + 1} exceeds the model window {window}")
-            if turn.pos + 1 > turn.session.kv.capacity:  # a new page, room made by the residency manager
-                self.book.reserve_rows(turn.session, turn.pos + 1, 1)
+            if turn.pos + width > window:
+                raise SessionError(f"position {turn.pos + width} exceeds the model window {window}")
+            if turn.pos + width > turn.session.kv.capacity:  # a new page, room made by the residency manager
+                self.book.reserve_rows(turn.session, turn.pos + width, width)
 
     def finish(self, turn: ServedTurn) -> float:
         """The turn is over: its slot is free, the rows above the committed ones go (the session's own GDN state

@@ -122,3 +122,37 @@ def test_host_samplers_refuse_the_device_path():
     assert not logprobs.is_on_device
     with pytest.raises(ValueError, match="host"):
         logprobs.on_device(torch.zeros(10))
+
+
+def test_a_sampled_verify_emits_ids_with_the_turns_own_law():
+    """Rejection sampling through the sampler's own law (temperature, top-k): the first id's frequencies are row
+    0's law, and the second id's, where the first draft was kept, row 1's (seeded draws: no flake)."""
+    from dataclasses import replace
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 6, generator=gen) * 2
+    params = SamplingParams(temperature=0.7, top_k=4)
+    law = Sampler(params)._law(logits.float())
+    law = law / law.sum(-1, keepdim=True)
+    drafts = [int(law[0].argmax()), int(law[1].argmin())]  # a likely first draft, an impossible second one
+    assert float(law[1, drafts[1]]) == 0.0  # (outside the top 4)
+    first, second, trials = torch.zeros(6), torch.zeros(6), 4000
+    for seed in range(trials):
+        ids = Sampler(replace(params, seed=seed)).verify(logits, drafts)
+        assert 1 <= len(ids) <= 2 and (len(ids) == 1 or ids[0] == drafts[0])  # the second draft is never kept
+        first[ids[0]] += 1
+        if len(ids) == 2:
+            second[ids[1]] += 1
+    assert (first / trials - law[0]).abs().max() < 0.03
+    assert (second / second.sum() - law[1]).abs().max() < 0.04
+
+
+def test_a_greedy_verify_keeps_drafts_while_they_are_the_argmax():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0], [1.0, 0.0, 0.0]])
+    sampler = Sampler(SamplingParams())
+    assert sampler.verifies == "greedy"
+    assert sampler.verify(logits, [1, 0, 2]) == [1, 0, 2, 0]  # every draft kept, then the bonus id
+    assert sampler.verify(logits, [1, 2, 2]) == [1, 0]  # refused at the second: the argmax there instead
+    assert Sampler(SamplingParams(repetition_penalty=1.2)).verifies is None
+    with pytest.raises(ValueError, match="cannot verify"):
+        Sampler(SamplingParams(repetition_penalty=1.2)).verify(logits, [1])

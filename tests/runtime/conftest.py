@@ -20,10 +20,11 @@ def make_rig(tiny_engine, tmp_path):
 
     def make(*, clock: Callable[[], float] | None = None, script_ms: dict[str, float] | None = None,
              shared: bool = False, options: ShadowOptions | None = None, residency=None, reader_graphs=None,
-             served_residency=None, reader_pool_bytes: int = 8 << 20, **config) -> Rig:
+             served_residency=None, reader_pool_bytes: int = 8 << 20, engine: Engine | None = None, **config) -> Rig:
         clock = clock or ScriptedClock()
-        served = Engine(tiny_engine.resolved)  # a fresh wrapper over the one tiny model
-        reader_engine = served if shared else Engine(tiny_engine.resolved)
+        model = (engine or tiny_engine).resolved
+        served = Engine(model)  # a fresh wrapper over the one tiny model (or the engine's)
+        reader_engine = served if shared else Engine(model)
         reader = ShadowReader(reader_engine, grid=GRID, pool_bytes=reader_pool_bytes, residency=residency, graphs=reader_graphs)
         probe = Probe(clock, script_ms)
         probe.attach(served)

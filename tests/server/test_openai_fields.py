@@ -33,7 +33,7 @@ CHAT_FIELDS = {
     "moderation": ({"input": {"mode": "score"}}, REFUSED),
     "n": (2, OK),
     "parallel_tool_calls": (False, OK),
-    "prediction": ({"type": "content", "content": "x"}, REFUSED),
+    "prediction": ({"type": "content", "content": "x"}, OK),
     "presence_penalty": (0.5, OK),
     "prompt_cache_key": ("cache-key-1", OK),
     "prompt_cache_options": ({"ttl": "24h"}, OK),

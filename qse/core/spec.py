@@ -1,0 +1,129 @@
+"""Speculative rounds: whether a round verifies the running turns' drafts, and how many rows a turn.
+
+A verify of W rows a turn (its next token and W - 1 drafted ids, qse/engine/rounds.py) costs more than a decode
+round of the same turns, cost(b, W) against cost(b, 1) for the round's bucket b, and yields for a turn with a
+draft of d ids 1 + E[accepted] tokens, where a draft's j-th id is kept with probability alpha^j for the turn's
+acceptance rate alpha:
+
+    tokens(W)  = sum over turns of 1 + sum_{j=1..min(d, W-1)} alpha^j
+    choose W   = the width with the most tokens per device ms; 1 (a plain round) unless one beats it by `margin`
+
+The costs are measured: every round the loop runs reports its device ms (`observe_round`), a running mean a
+(bucket, width); a width not measured yet is priced from the plain round's cost by a prior per extra row. A
+turn's alpha is a running mean of what its drafts kept (`observe_turn`); a turn that stops drafting drifts back
+to the prior (`SpecTurn.idle`), so one bad stretch does not shut its drafts off for the rest of the turn.
+
+Pure: no torch, no clock. The round loop (qse/runtime/rounds.py) owns one planner and a SpecTurn a turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def expected_tokens(draft: int, alpha: float) -> float:
+    """Tokens a verify yields for a turn with `draft` drafted ids, each kept with probability alpha after the
+    last: the next token, plus alpha + alpha^2 + ... + alpha^draft."""
+    if draft <= 0 or alpha <= 0.0:
+        return 1.0
+    if alpha >= 1.0:
+        return 1.0 + draft
+    return 1.0 + alpha * (1.0 - alpha ** draft) / (1.0 - alpha)
+
+
+@dataclass
+class SpecTurn:
+    """One running turn's acceptance: a running mean of the share of its drafted ids a verify kept."""
+
+    alpha: float
+    drafted: int = 0  # ids drafted for it, over the turn
+    accepted: int = 0  # of them kept
+
+    def observe(self, drafted: int, accepted: int, weight: float) -> None:
+        if drafted <= 0:
+            return
+        self.drafted += drafted
+        self.accepted += accepted
+        # the rate a geometric acceptance gives this outcome: a of d kept, the (a + 1)-th refused (all kept: a
+        # rate above every lower count's)
+        rate = accepted / drafted if accepted < drafted else (accepted + 1) / (drafted + 1)
+        self.alpha += weight * (rate - self.alpha)
+
+    def idle(self, prior: float, weight: float) -> None:
+        """A round the turn did not draft in: its rate drifts back toward the prior."""
+        self.alpha += weight * (prior - self.alpha)
+
+
+@dataclass
+class SpecPlanner:
+    """widths: the verify widths the rounds hold graphs for (each >= 2). prior_row_cost: a verify's extra cost a
+    row above the first, as a share of the plain round, until the width is measured. prior_alpha: a new turn's
+    acceptance rate. margin: the share of tokens per ms a verify must win by."""
+
+    widths: tuple[int, ...]
+    prior_row_cost: float = 0.15
+    prior_alpha: float = 0.5
+    alpha_weight: float = 0.5  # the newest verify's weight in a turn's rate
+    idle_weight: float = 0.05  # a round without a draft pulls the rate this far back to the prior
+    cost_weight: float = 0.2  # the newest round's weight in its (bucket, width) cost
+    margin: float = 0.05
+    _cost_ms: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.widths or any(not isinstance(w, int) or w < 2 for w in self.widths):
+            raise ValueError(f"verify widths must be integers >= 2, got {self.widths!r}")
+        if not 0.0 <= self.prior_alpha <= 1.0:
+            raise ValueError(f"prior_alpha must lie in [0, 1], got {self.prior_alpha!r}")
+        self.widths = tuple(sorted(set(self.widths)))
+
+    @property
+    def max_draft(self) -> int:
+        """The most drafted ids a verify reads a turn."""
+        return self.widths[-1] - 1
+
+    def new_turn(self) -> SpecTurn:
+        return SpecTurn(self.prior_alpha)
+
+    def observe_round(self, bucket: int, width: int, ms: float) -> None:
+        """A round of `bucket` rows a width (1: plain) took `ms` of device time."""
+        if ms <= 0.0:
+            return
+        key = (bucket, width)
+        old = self._cost_ms.get(key)
+        self._cost_ms[key] = ms if old is None else old + self.cost_weight * (ms - old)
+
+    def observe_turn(self, turn: SpecTurn, drafted: int, accepted: int) -> None:
+        if drafted > 0:
+            turn.observe(drafted, accepted, self.alpha_weight)
+        else:
+            turn.idle(self.prior_alpha, self.idle_weight)
+
+    def cost_ms(self, bucket: int, width: int) -> float | None:
+        """A round's device ms as measured, or priced from the plain round's (None: nothing measured yet)."""
+        measured = self._cost_ms.get((bucket, width))
+        if measured is not None:
+            return measured
+        plain = self._cost_ms.get((bucket, 1))
+        if plain is None:
+            return None
+        return plain * (1.0 + self.prior_row_cost * (width - 1))
+
+    def choose(self, bucket: int, drafts: list[tuple[int, float]]) -> int:
+        """The width of the next round of `bucket` rows whose turns hold drafts of (length, alpha): 1 (plain)
+        when no turn drafted, when the plain round has not been measured yet, or when no verify earns more
+        tokens per ms by the margin."""
+        if not drafts or all(d <= 0 for d, _ in drafts):
+            return 1
+        plain_ms = self.cost_ms(bucket, 1)
+        if plain_ms is None:
+            return 1
+        best, best_rate = 1, len(drafts) / plain_ms * (1.0 + self.margin)
+        for width in self.widths:
+            ms = self.cost_ms(bucket, width)
+            tokens = sum(expected_tokens(min(d, width - 1), alpha) for d, alpha in drafts)
+            if tokens / ms > best_rate:
+                best, best_rate = width, tokens / ms
+        return best
+
+
+__all__ = ["SpecPlanner", "SpecTurn", "expected_tokens"]

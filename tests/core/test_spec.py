@@ -1,0 +1,65 @@
+"""The speculative rounds' planner: tokens a verify earns, widths chosen from measured costs and acceptance."""
+
+from __future__ import annotations
+
+import pytest
+
+from qse.core.spec import SpecPlanner, expected_tokens
+
+
+def test_expected_tokens_is_the_next_token_plus_a_geometric_series():
+    assert expected_tokens(0, 0.9) == 1.0
+    assert expected_tokens(3, 0.0) == 1.0
+    assert expected_tokens(3, 1.0) == 4.0
+    assert expected_tokens(3, 0.5) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+
+
+def test_no_verify_before_the_plain_round_is_measured_or_without_drafts():
+    planner = SpecPlanner((4,))
+    assert planner.choose(8, [(3, 0.9)] * 8) == 1  # nothing measured: no price for a verify
+    planner.observe_round(8, 1, 6.0)
+    assert planner.choose(8, [(0, 0.9)] * 8) == 1  # nobody drafted
+    assert planner.choose(8, [(3, 0.9)] * 8) == 4
+
+
+def test_a_verify_that_costs_more_than_its_drafts_earn_is_not_run():
+    planner = SpecPlanner((4,))
+    planner.observe_round(1, 1, 4.0)
+    planner.observe_round(1, 4, 4.0 * 1.45)  # measured: 1.45x a plain round
+    assert planner.choose(1, [(3, 0.2)]) == 1  # 1.25 tokens for 1.45x the cost
+    assert planner.choose(1, [(3, 0.7)]) == 4  # 2.53 tokens for 1.45x
+    # the measured cost wins over the prior: the same drafts at a verify priced 3x
+    for _ in range(30):
+        planner.observe_round(1, 4, 12.0)
+    assert planner.cost_ms(1, 4) == pytest.approx(12.0, rel=0.01)
+    assert planner.choose(1, [(3, 0.7)]) == 1
+
+
+def test_the_widest_paying_width_wins_and_short_drafts_count_as_what_they_are():
+    planner = SpecPlanner((2, 4), prior_row_cost=0.1)
+    planner.observe_round(1, 1, 5.0)
+    assert planner.choose(1, [(1, 0.9)]) == 2  # one draft: a 4-row verify reads two rows it cannot use
+    assert planner.choose(1, [(3, 0.9)]) == 4
+
+
+def test_a_turns_rate_follows_its_drafts_and_drifts_back_when_it_stops_drafting():
+    planner = SpecPlanner((4,), prior_alpha=0.5)
+    turn = planner.new_turn()
+    for _ in range(10):
+        planner.observe_turn(turn, 3, 0)
+    assert turn.alpha < 0.01 and turn.drafted == 30 and turn.accepted == 0
+    for _ in range(10):
+        planner.observe_turn(turn, 3, 3)
+    assert turn.alpha > 0.75 and turn.accepted == 30
+    low = planner.new_turn()
+    planner.observe_turn(low, 3, 0)
+    before = low.alpha
+    for _ in range(20):
+        planner.observe_turn(low, 0, 0)  # rounds it did not draft in
+    assert before < low.alpha < planner.prior_alpha
+
+
+@pytest.mark.parametrize("widths", [(), (1,), (0, 4)])
+def test_bad_widths_are_refused_by_value(widths):
+    with pytest.raises(ValueError, match="widths"):
+        SpecPlanner(widths)

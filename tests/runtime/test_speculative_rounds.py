@@ -1,0 +1,109 @@
+"""Speculative decoding in the round loop (QSE_SPECULATE=ngram): turns drafting from their predicted output
+(OpenAI's `prediction`: here the plain output with a few ids edited, so drafts are kept and refused) and their
+own prompt and output, verified in batched rounds beside turns that do not draft, emit what plain decoding
+emits (greedy: the same ids, a stop or max_tokens inside a verify's ids included), and count what they drafted
+and kept.
+
+The model runs in float64 here: a verify's rows and a plain round's one row go through matmuls of other shapes,
+whose roundings differ by ~1e-16 there (~1e-7 in float32, enough to flip a near-tie of the random tiny model on
+some CPU); on the row-invariant kernels the two are equal bit for bit (tests/engine/test_verify.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from qse.engine.engine import Engine
+from qse.engine.sampling import SamplingParams
+from qse.models import resolve
+from qse.runtime.conductor import GenerateRequest
+
+PROMPTS = {"a": [3000 + (i % 7) * 11 for i in range(90)], "b": [9000 + (i % 5) * 13 for i in range(150)],
+           "c": [15000 + i for i in range(40)]}
+
+
+@pytest.fixture(scope="module")
+def fp64_engine(cache_dir):
+    return Engine(resolve("", torch.device("cpu"), torch.float64, cache_dir))
+
+
+def _edited(out: list[int]) -> tuple[int, ...]:
+    """A prediction of `out` with an edit every 9 ids: drafts from it are kept up to the edit, then refused."""
+    return tuple(t if i % 9 != 8 else (t + 1) % 40_000 for i, t in enumerate(out))
+
+
+async def _together(rig, max_tokens, stop_ids=(), sampling=None, predictions=None):
+    async def one(sid, prompt):
+        req = GenerateRequest(prompt_ids=prompt, max_tokens=max_tokens, session_id=sid, stop_ids=stop_ids,
+                              sampling=sampling or SamplingParams(),
+                              prediction_ids=(predictions or {}).get(sid, ()))
+        return [t async for t in rig.conductor.generate(req)]
+
+    outs = await asyncio.gather(*(one(sid, p) for sid, p in PROMPTS.items()))
+    return dict(zip(PROMPTS, outs))
+
+
+def _speculating(make_rig, engine):
+    rig = make_rig(engine=engine, max_running=4, speculate="ngram", spec_draft=3)
+    assert rig.conductor.serving.rounds.verify_width == 4
+    rig.conductor.spec_planner.margin = -1.0  # verify wherever a turn drafted: every path runs, whatever it costs
+    return rig
+
+
+async def test_greedy_turns_emit_plain_greedys_ids_and_count_their_drafts(make_rig, fp64_engine):
+    plain = await _together(make_rig(engine=fp64_engine, max_running=4), 40)
+    rig = _speculating(make_rig, fp64_engine)
+    # "c" has no prediction: it drafts from its prompt and output only (it may find none), beside the others
+    spec = await _together(rig, 40, predictions={"a": _edited(plain["a"]), "b": _edited(plain["b"])})
+    assert spec == plain
+    assert all(len(out) == 40 for out in spec.values())
+    drafted = sum(r.draft_tokens for r in rig.records)
+    kept = sum(r.accepted_draft_tokens for r in rig.records)
+    assert 0 < kept < drafted  # drafts were kept and refused: both of a verify's paths ran
+    assert all(r.accepted_draft_tokens <= r.draft_tokens for r in rig.records)
+    assert rig.conductor.serving.rounds.num_free == 4  # every slot back, nothing left verifying
+
+
+async def test_a_stop_or_the_last_token_inside_a_verify_ends_the_turn_there(make_rig, fp64_engine):
+    plain = await _together(make_rig(engine=fp64_engine, max_running=4), 30)
+    out = plain["a"]
+    at = next(i for i in range(5, len(out)) if out.index(out[i]) == i)  # an id first emitted at `at`
+    stop = (out[at],)
+    predictions = {sid: tuple(o) for sid, o in plain.items()}  # right all along: whole verifies are kept
+    plain_stopped = await _together(make_rig(engine=fp64_engine, max_running=4), 30, stop_ids=stop)
+    rig = _speculating(make_rig, fp64_engine)
+    spec_stopped = await _together(rig, 30, stop_ids=stop, predictions=predictions)
+    assert spec_stopped == plain_stopped and spec_stopped["a"] == out[:at]
+    assert sum(r.accepted_draft_tokens for r in rig.records) > 0
+    short = await _together(_speculating(make_rig, fp64_engine), 7, predictions=predictions)  # max_tokens inside
+    assert short == {sid: o[:7] for sid, o in plain.items()}
+
+
+async def test_sampled_and_penalised_turns_run_beside_the_drafting_ones(make_rig, fp64_engine):
+    rig = _speculating(make_rig, fp64_engine)
+    # sampled, but so cold that the greedy prediction fits it (the tiny model's logits are close together)
+    sampled = SamplingParams(temperature=1e-4, top_k=50, seed=7)
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.3)  # cannot verify: one id a round
+    assert rig.conductor.serving.rounds.verify_width == 4
+
+    plain = await _together(make_rig(engine=fp64_engine, max_running=4), 25)
+
+    async def one(sid, sampling):
+        req = GenerateRequest(prompt_ids=PROMPTS[sid], max_tokens=25, session_id=sid, sampling=sampling,
+                              prediction_ids=tuple(plain[sid]))
+        return [t async for t in rig.conductor.generate(req)]
+
+    outs = await asyncio.gather(one("a", sampled), one("b", penalised), one("c", SamplingParams()))
+    assert [len(o) for o in outs] == [25, 25, 25]
+    vocab = rig.conductor.served.chat.tokenizer.vocab_size
+    assert all(0 <= t < vocab for o in outs for t in o)
+    by_session = {r.session_id: r for r in rig.records}
+    assert by_session["b"].draft_tokens == 0  # a penalised turn never drafts
+    assert by_session["a"].accepted_draft_tokens > 0 and by_session["c"].accepted_draft_tokens > 0
+    # the penalised turn's ids are what it gets decoding alone, one id a round
+    alone = make_rig(engine=fp64_engine, max_running=4)
+    req = GenerateRequest(prompt_ids=PROMPTS["b"], max_tokens=25, session_id="b", sampling=penalised)
+    assert outs[2] == plain["c"]
+    assert outs[1] == [t async for t in alone.conductor.generate(req)]

@@ -1,0 +1,62 @@
+"""OpenAI's predicted outputs through a real server with speculative decoding on (QSE_SPECULATE=ngram): the
+prediction only drafts, so the answer is the one sent without it, and usage counts the predicted ids the answer
+took and refused; a malformed prediction is a 400 naming the field. Without speculation the field is accepted and
+changes nothing. float64, so a verify's rows and a plain round's row round alike (tests/runtime/
+test_speculative_rounds.py says why)."""
+
+from __future__ import annotations
+
+import pytest
+
+openai = pytest.importorskip("openai")
+from conftest import API_KEY  # noqa: E402
+
+MESSAGES = [{"role": "user", "content": "Rewrite the function name in: def old_name(x): return x + 1"}]
+
+
+@pytest.fixture(scope="module")
+def spec_server(launcher, tmp_path_factory):
+    srv = launcher.start(tmp_path_factory.mktemp("spec"), ["--profile", "coding"], QSE_SPECULATE="ngram",
+                         QSE_DTYPE="float64", QSE_SHADOW_MODEL="")
+    yield srv
+    launcher.stop(srv)
+
+
+def _client(srv):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def _chat(client, model, **extra):
+    return client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=32, temperature=0,
+                                          extra_body={"chat_template_kwargs": {"enable_thinking": False}}, **extra)
+
+
+def test_a_prediction_drafts_and_leaves_the_answer_as_it_was(spec_server):
+    with _client(spec_server) as client:
+        plain = _chat(client, spec_server.model)
+        text = plain.choices[0].message.content
+        assert plain.usage.completion_tokens_details is None  # no prediction sent: nothing to count
+        edited = text[: len(text) // 2] + "~" + text[len(text) // 2 + 1 :]  # one edit in the middle
+        predicted = _chat(client, spec_server.model, prediction={"type": "content", "content": edited})
+        assert predicted.choices[0].message.content == text
+        details = predicted.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens > 0
+        assert predicted.usage.completion_tokens == plain.usage.completion_tokens
+        parts = _chat(client, spec_server.model, prediction={"type": "content",
+                                                            "content": [{"type": "text", "text": text}]})
+        assert parts.choices[0].message.content == text
+
+
+def test_a_malformed_prediction_is_a_400_naming_it(spec_server):
+    with _client(spec_server) as client:
+        with pytest.raises(openai.BadRequestError) as err:
+            _chat(client, spec_server.model, prediction={"type": "file", "content": "x"})
+        assert "prediction" in str(err.value)
+
+
+def test_without_speculation_a_prediction_is_accepted_and_changes_nothing(oai, server):
+    plain = _chat(oai, server.model)
+    predicted = _chat(oai, server.model, prediction={"type": "content", "content": "anything at all"})
+    assert predicted.choices[0].message.content == plain.choices[0].message.content
+    details = predicted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens == 0 and details.rejected_prediction_tokens == 0
