@@ -12,6 +12,8 @@ from qse.models.inputs import DecodeBatch
 from qse.models.qwen3_5 import Qwen35Model, parse_config
 from qse.models.qwen3_5.presets import embedded_config_dict, random_weights, tiny_mtp_config_dict
 
+# tiny forwards on one thread: on a shared CPU, OpenMP's spinning makes them many times slower at random
+pytestmark = pytest.mark.usefixtures("one_thread")
 CONTEXT = 13
 
 
@@ -139,6 +141,22 @@ def test_a_draft_is_the_rule_and_leaves_the_rows_alone(model, pairs, k):
     clean = head.new_cache()
     head.forward(ids[:-2], hidden[:-2], clean)
     torch.testing.assert_close(after, head.forward(ids[-2:], hidden[-2:], clean), rtol=0, atol=0)
+
+
+def test_a_paged_store_holds_the_contiguous_rows(model, pairs):
+    """The head's rows in pages of a pool (read and written on the device, as a graph needs): the same outputs
+    and drafts as in one contiguous buffer, across a page line."""
+    from qse.engine.kv import KVPool, PagedKV
+
+    ids, hidden = pairs
+    cfg, head = model.cfg, model.mtp_head()
+    pool = KVPool(4, 8, 1, cfg.num_key_value_heads, cfg.head_dim, model.dtype, "cpu")
+    paged, flat = head.new_cache(kv=PagedKV(pool)), head.new_cache()
+    for lo, hi in ((0, 5), (5, CONTEXT)):
+        torch.testing.assert_close(head.forward(ids[lo:hi], hidden[lo:hi], paged),
+                                   head.forward(ids[lo:hi], hidden[lo:hi], flat), rtol=1e-6, atol=1e-6)
+    assert head.draft(paged, 3).tolist() == head.draft(flat, 3).tolist()
+    assert paged.kv.pages_for(CONTEXT + 2) == len(paged.kv.pages) == 2
 
 
 def test_rollback_drops_rows_and_asks_for_the_accepted_ones(model, pairs):

@@ -85,6 +85,8 @@ class MTPHead:
         return self.model.ops  # the model's op set, whichever the engine picked (it may swap it after load)
 
     def new_cache(self, kv: KVStore | None = None, capacity: int = 1024) -> MTPCache:
+        """kv: slot 0 of it holds the layer's rows (a ContiguousKV, or a PagedKV of a pool of one slot); None: a
+        ContiguousKV of `capacity` rows."""
         cfg, model = self.cfg, self.model
         if kv is None:
             kv = ContiguousKV(1, cfg.num_key_value_heads, cfg.head_dim, model.dtype, model.device, capacity)
@@ -165,11 +167,20 @@ class MTPHead:
         emb = positions.to(torch.float32)[:, None] * model.inv_freq[None, :]
         emb = torch.cat((emb, emb), dim=-1)
         cos, sin = emb.cos().to(model.dtype), emb.sin().to(model.dtype)  # [T, rotary_dim]
-        q, k = ops.qk_norm_rotary(q, k, model.w[a + "q_norm.weight"], model.w[a + "k_norm.weight"], cos, sin,
-                                  cfg.rms_norm_eps)
-        kv.write(0, pos, k, v)
-        keys, values = kv.read(0, pos + num_rows)  # [L, Hkv, D]
-        out = ops.sigmoid_gate(ops.attention(q, keys, values, pos), gate)
+        norm_args = (model.w[a + "q_norm.weight"], model.w[a + "k_norm.weight"], cos, sin, cfg.rms_norm_eps)
+        table_of = getattr(kv, "device_table", None)
+        if table_of is not None:  # paged: rows written and read through the page table on the device (a graph
+            # captured at a position holds no host copy)
+            table, pool = table_of(), kv.pool
+            k_pages, v_pages = pool.k[:, 0], pool.v[:, 0]  # [P, page_rows, Hkv, D]
+            start = torch.full((1,), pos, dtype=torch.int32, device=model.device)
+            q = ops.qk_norm_rotary_paged(q, k, v, *norm_args, k_pages, v_pages, table, start)
+            out = ops.paged_attention(q, k_pages, v_pages, table, start, max_rows=pos + num_rows, gate=gate)
+        else:
+            q, k = ops.qk_norm_rotary(q, k, *norm_args)
+            kv.write(0, pos, k, v)
+            keys, values = kv.read(0, pos + num_rows)  # [L, Hkv, D]
+            out = ops.sigmoid_gate(ops.attention(q, keys, values, pos), gate)
         return model._mm(a + "o_proj.weight", out.reshape(num_rows, num_heads * head_dim))
 
 
