@@ -9,6 +9,10 @@ a SlotStates slot and KV rows in pages of a pool; a verify of k + 1 rows steps i
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +28,9 @@ from qse.models.qwen3_5 import Qwen35Model, parse_config
 from qse.models.qwen3_5.layout import LoadedWeights, is_linear
 from qse.models.qwen3_5.presets import preset_config_dict, random_tensors, tiny_mtp_config_dict
 
+# tiny forwards on one thread: on a shared CPU, OpenMP's spinning makes them many times slower at random
+pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = Path(__file__).resolve().parents[2]
 PAGE_ROWS = 16
 STEPS = 44
 PROMPTS = {"short": [5, 9, 2, 400, 17, 33], "pages": list(range(100, 131))}  # the second crosses a page line
@@ -200,3 +207,20 @@ def test_the_drafter_rolls_back_and_refuses_bad_k(random_model):
     drafter.rollback_to(4)
     drafter.extend([5, 6], hidden[4:])
     assert drafter.propose() == want
+
+
+def test_mtp_measure_times_the_drafts(tmp_path):
+    """The draft-cost benchmark's CPU rehearsal: a row a draft length, each with the extends a verify hands
+    back and the ratio to a decode round it derives from what it records."""
+    out = subprocess.run([sys.executable, "benchmarks/mtp_measure.py", "--tiny", "--out", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    [written] = list(tmp_path.glob("mtp_measure-*.json"))
+    result = json.loads(written.read_text())
+    assert result["device"] == "cpu" and result["preset"] == "tiny-mtp" and "command" in result
+    assert [r["k"] for r in result["rows"]] == [1, 2, 3]
+    for r in result["rows"]:
+        assert r["draft_ms"] > 0 and r["draft_graph_ms"] is None and sorted(r["extend_ms"]) == [
+            str(n) for n in range(1, r["k"] + 2)]
+        assert r["x_decode_round"] == round((r["draft_ms"] + r["extend_ms"][str(r["k"] + 1)]) / r["decode_round_ms"], 4)
+    assert result["output_head_nbytes"] == 512 * 64 * 4
