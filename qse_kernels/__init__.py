@@ -11,6 +11,8 @@ from types import SimpleNamespace
 
 # The Triton modules, one a kernel family; imported only by triton_ops(), so that importing this package
 # needs no Triton and no GPU.
+# The torch twins: what the naive op set runs (and every op set falls back on)
+NAIVE_MODULES = ("naive", "moe_naive")
 KERNEL_MODULES = ("norms", "fused", "conv1d", "gdn_chunk", "gdn_recurrent", "attention", "gemm", "gemv", "fp8", "moe",
                   "skinny")
 
@@ -126,7 +128,7 @@ def kernel_fingerprint(ops: str = "triton") -> str:
     digest = hashlib.sha256()
     here = Path(__file__).parent
     # the Triton op sets call the naive twins too (cuBLAS's GEMM through torch)
-    for name in ("naive",) if ops == "naive" else ("naive", *KERNEL_MODULES):
+    for name in NAIVE_MODULES if ops == "naive" else (*NAIVE_MODULES, *KERNEL_MODULES):
         digest.update(name.encode() + b"\0")
         digest.update((here / f"{name}.py").read_bytes())
     if ops != "naive":
@@ -134,4 +136,4 @@ def kernel_fingerprint(ops: str = "triton") -> str:
     return digest.hexdigest()
 
 
-__all__ = ["KERNEL_MODULES", "available", "interpreting", "invariant_ops", "kernel_fingerprint", "triton_ops", "triton_version"]
+__all__ = ["KERNEL_MODULES", "NAIVE_MODULES", "available", "interpreting", "invariant_ops", "kernel_fingerprint", "triton_ops", "triton_version"]

@@ -45,3 +45,13 @@ def test_kernel_fingerprint_is_stable_sha256():
 def test_import_needs_no_triton():
     code = "import sys, qse_kernels, qse_kernels.naive; assert 'triton' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(qse_kernels.__file__).parents[1])
+
+
+def test_the_fingerprint_covers_every_twin_and_kernel_source():
+    """Every module of the package but its __init__ is in the fingerprint of the op sets that run it: a twin or
+    kernel added without being named there would let saved state outlive a change to it."""
+    from pathlib import Path
+
+    here = Path(qse_kernels.__file__).parent
+    sources = {p.stem for p in here.glob("*.py") if p.stem != "__init__"}
+    assert sources == set(qse_kernels.NAIVE_MODULES) | set(qse_kernels.KERNEL_MODULES)
