@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -39,7 +38,7 @@ from benchmarks.results_io import result_header, write_result  # noqa: E402
 from qse.engine.engine import DeviceClock, Engine  # noqa: E402
 from qse.engine.kv import KVPool, PagedKV  # noqa: E402
 from qse.engine.rounds import DecodeRounds  # noqa: E402
-from qse.engine.speculative import accept_greedy  # noqa: E402
+from qse.engine.spec_check import oracle_loop, plain_loop  # noqa: E402
 from qse.models import resolve  # noqa: E402
 
 PAGE_ROWS = 512
@@ -54,33 +53,6 @@ def device_ms(step, reps: int, clock: DeviceClock) -> float:
     for _ in range(reps):
         step()
     return clock.ms(start, clock.mark()) / reps
-
-
-def plain_loop(rounds: DecodeRounds, slots: list[int], first: list[int], steps: int) -> tuple[list[list[int]], float]:
-    """Greedy decoding by one-row rounds, each round's ids read back: every sequence's ids and the wall s."""
-    ids, out = list(first), [[t] for t in first]
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        ids = rounds.run(slots, ids).argmax(-1).tolist()
-        for row, token in zip(out, ids):
-            row.append(token)
-    return out, time.perf_counter() - t0
-
-
-def oracle_loop(rounds: DecodeRounds, slots: list[int], continuation: list[list[int]], k: int,
-                steps: int) -> tuple[list[list[int]], float]:
-    """Greedy decoding by verify and keep, the drafts each sequence's plain continuation: ids and wall s."""
-    out = [[c[0]] for c in continuation]
-    t0 = time.perf_counter()
-    while min(len(o) for o in out) <= steps:
-        drafts = torch.tensor([(c[len(o): len(o) + k] + [0] * k)[:k] for c, o in zip(continuation, out)])
-        logits = rounds.verify(slots, [[o[-1]] + d for o, d in zip(out, drafts.tolist())])
-        accepted, nxt = accept_greedy(drafts.to(logits.device), logits.argmax(-1))
-        accepted, nxt = accepted.tolist(), nxt.tolist()  # one read back a step, as a server's
-        rounds.keep(slots, accepted)
-        for o, d, a, n in zip(out, drafts.tolist(), accepted, nxt):
-            o += d[:a] + [n]
-    return [o[: steps + 1] for o in out], time.perf_counter() - t0
 
 
 def measure_batch(engine: Engine, batch: int, ks: list[int], context: int, reps: int, steps: int,
