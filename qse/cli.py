@@ -23,12 +23,13 @@ def _fail(message: str, code: int = 2) -> int:
     return code
 
 
-def _load(spec: str, device: str, dtype: str):
+def _load(spec: str, device: str, dtype: str, kernels: str = ""):
+    """The engine over model `spec`; kernels: the op set (empty: the policy's, QSE_KERNELS)."""
     from .engine.engine import Engine
     from .models import pick_device, pick_dtype, resolve
 
     dev = pick_device(device)
-    return Engine(resolve(spec, dev, pick_dtype(dtype, dev), SETTINGS.cache_dir()), kernels=_policy().kernels)
+    return Engine(resolve(spec, dev, pick_dtype(dtype, dev), SETTINGS.cache_dir()), kernels=kernels or _policy().kernels)
 
 
 def _policy() -> Policy:
@@ -108,6 +109,23 @@ def cmd_cache_check(args: argparse.Namespace) -> int:
     _emit(run_cache_check(engine, Path(args.session), grid, decode_tokens=args.decode_tokens,
                           edit_every=args.edit_every, chunk_group=group))
     return 0
+
+
+def cmd_spec_check(args: argparse.Namespace) -> int:
+    from .engine.spec_check import check_request, run_spec_check
+
+    policy = _policy()
+    drafters = ["oracle", "ngram"] if args.drafter == "both" else [args.drafter]
+    k = policy.spec_draft if args.k is None else args.k
+    check_request(args.sequences, args.context, args.steps, k, args.tolerance, drafters)  # before the model loads
+    engine = _load(args.model, args.device, args.dtype, args.kernels)
+    report = run_spec_check(engine, args.sequences, args.context, args.steps, k, drafters, args.tolerance,
+                            page_rows=policy.served_grid, graphs=None if policy.served_graphs else False,
+                            seed=args.seed)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    _emit(report)
+    return 0 if report["pass"] else 1
 
 
 def _parked_ids(sessions_dir: str) -> tuple[dict[str, list[int]], dict[str, int]]:
@@ -244,6 +262,22 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--edit-every", type=int, default=3,
                    help="an edited copy of every N-th turn goes first (ids dropped below the kept line: a rollback); 0: none")
     c.set_defaults(fn=cmd_cache_check)
+
+    v = sub.add_parser("spec-check", help="speculative greedy decoding against plain greedy decoding, token for "
+                       "token; exit 1 on a parting that is not a near-tie")
+    model_args(v)
+    v.add_argument("--kernels", default="", help="naive, triton, invariant or auto (default QSE_KERNELS: the server's)")
+    v.add_argument("--sequences", type=int, default=8, help="sequences decoded together")
+    v.add_argument("--context", type=int, default=512, help="ids of each sequence's prompt (a repeated random motif)")
+    v.add_argument("--steps", type=int, default=128, help="ids compared a sequence after the prefill's")
+    v.add_argument("--k", type=int, default=None, help="drafts a verify (default QSE_SPEC_DRAFT)")
+    v.add_argument("--drafter", default="both", choices=["oracle", "ngram", "both"],
+                   help="oracle: the plain continuation (every row verified); ngram: the server's prompt lookup")
+    v.add_argument("--tolerance", type=float, default=None,
+                   help="near-tie logit gap (default: 10 x the dtype's eps / sqrt 2, 0.055 for bf16)")
+    v.add_argument("--seed", type=int, default=0, help="the prompts' seed")
+    v.add_argument("--out", "--json", dest="out", default="", help="also write the report to this file")
+    v.set_defaults(fn=cmd_spec_check)
 
     e = sub.add_parser("router-eval", help="ask the journaled router questions again with another reader or question")
     model_args(e)
