@@ -29,7 +29,8 @@ def _load(spec: str, device: str, dtype: str, kernels: str = ""):
     from .models import pick_device, pick_dtype, resolve
 
     dev = pick_device(device)
-    return Engine(resolve(spec, dev, pick_dtype(dtype, dev), SETTINGS.cache_dir()), kernels=kernels or _policy().kernels)
+    resolved = resolve(spec, dev, pick_dtype(dtype, dev), SETTINGS.cache_dir())
+    return Engine(resolved, kernels=kernels or _policy().kernels)
 
 
 def _policy() -> Policy:

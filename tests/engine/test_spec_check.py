@@ -96,7 +96,8 @@ def test_a_near_tie_parting_passes_and_is_reported(engine64, monkeypatch):
     assert parting["tolerance"] == 0.05 and report["tolerance_source"] == "flag"
 
 
-@pytest.mark.parametrize("flag, value", [("--k", "0"), ("--steps", "0"), ("--sequences", "-1"), ("--tolerance", "-0.1")])
+@pytest.mark.parametrize("flag, value", [("--k", "0"), ("--steps", "0"), ("--sequences", "-1"),
+                                         ("--tolerance", "-0.1")])
 def test_bad_flags_exit_2_naming_the_value(flag, value, capsys):
     from qse.cli import main
 
