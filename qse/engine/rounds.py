@@ -9,6 +9,14 @@ captured per batch-size bucket.
     logits = rounds.verify(slots, rows)            a verify (speculative decoding): T rows a slot, fp32 [B, T, vocab]
     rounds.keep(slots, accepted)                   each slot keeps the state after row accepted[i]; length += it + 1
 
+With the checkpoint's MTP head (mtp=True) the rounds draft for themselves, on the device:
+
+    drafts = rounds.mtp_prefill(slot, next_ids, hidden)   the head's rows of a prompt; its k drafts [k]
+    logits = rounds.verify(slots, rows)            rows [B, k + 1] on the device: [next token, its drafts]
+    rounds.keep(slots, accepted)
+    drafts = rounds.draft(slots, next_ids, accepted)   the head extends over the rows just verified, drafts [B, k]
+    rows = torch.cat((next_ids[:, None], drafts), 1)   the next verify's rows, never read by the host
+
 Who owns what
 - The caller (the conductor) owns the sequences: each one's SequenceCache and the pages of its PagedKV in
   `pool`, sampling, and the choice of which slots run in a round. A round takes a new page for a row that
@@ -43,6 +51,25 @@ Invariants
   and the next round writes them again. Between a verify and its keep the slot runs nothing else.
 - graphs=None captures where the device is CUDA and the kernels are qse's; otherwise (and with "static") the
   same buffers, copies and calls run without capturing: the CPU rehearsal of the graph path.
+
+The MTP head (mtp=True; qse/models/qwen3_5/mtp.py)
+- Where its KV lives: in the rounds' own pool, one KV slot past the model's attention layers (`mtp_kv_slot`; the
+  pool is built with attention layers + 1 slots, `pool_slots_for`). The head's row of position t sits in the
+  same page as the target's row t, so one page table (the slot's row of `tables`), one `ensure` and one
+  release serve both, and the head's rows leave with the sequence's pages. A pool of its own would need a
+  second table, allocator and lifetime a sequence, for nothing: the rows are one a position on both sides.
+  (A page costs 1 / attention layers more: 1/8 at the 9B.) The slot is not in the model's manifest: a session
+  stored and restored carries the target's rows only (the head's are then stale: drafts worse, never wrong).
+- Every round's entry owns a final-hidden tap [rows, H] (decode_step fills it). `draft` runs the head over the
+  last round's rows at its fixed shape: row j of a slot pairs its final hidden with the id after it, which is
+  the next draft it verified where j < accepted and next_ids where j == accepted (rows above are written and
+  overwritten later: the head's row a position, above the kept length); then k drafts from the accepted row's
+  output, each an argmax on the device. One graph per (bucket, width, k); no host read, no ragged shape.
+- The head's rows of a prompt come from its prefill's final-hidden taps (`mtp_prefill`); a sequence admitted
+  without them drafts from stale rows, which makes the drafts worse, never the output wrong (the verify keeps
+  only what the target itself picks).
+- A round of these slots reaches verify_width - 2 rows further than it reads (a k-draft's rows past the kept
+  ones): `pages_needed` and the round's page ensure count them.
 """
 
 from __future__ import annotations
@@ -70,6 +97,16 @@ def slot_states_for(max_running: int, verify_width: int = 0) -> int:
     return (max_running + 1) * (1 + verify_width)
 
 
+def mtp_kv_slot(cfg: Any) -> int:
+    """The KV slot of the rounds' pool holding the MTP head's rows: the one past the model's attention layers."""
+    return len(cfg.attention_layers)
+
+
+def pool_slots_for(cfg: Any, mtp: bool = False) -> int:
+    """KV slots a page of the rounds' pool holds: one an attention layer, and one for the MTP head (mtp)."""
+    return len(cfg.attention_layers) + (1 if mtp else 0)
+
+
 def buckets_for(max_running: int) -> tuple[int, ...]:
     """Powers of two below max_running, then max_running itself: a round pads to at most twice its rows."""
     out, n = [], 1
@@ -93,11 +130,13 @@ class TokensBack:
 
 class DecodeRounds:
     def __init__(self, engine: Engine, pool: KVPool, max_running: int, graphs: bool | str | None = None,
-                 buckets: Sequence[int] | None = None, verify_width: int = 0):
+                 buckets: Sequence[int] | None = None, verify_width: int = 0, mtp: bool = False):
         """graphs: None = CUDA graphs where the device is CUDA and the kernels are Triton's; True; False or
         "static" (the same flow without capturing). buckets: the batch sizes with a graph of their own (default
         buckets_for(max_running)); the largest must hold max_running rows. verify_width: the most rows a slot
-        may verify at once (0: no verify; each slot then has no scratch slots)."""
+        may verify at once (0: no verify; each slot then has no scratch slots). mtp: draft with the model's MTP
+        head (`draft`, `mtp_prefill`; drafts of 1 .. verify_width - 1 ids; the pool needs pool_slots_for(cfg,
+        mtp=True) slots)."""
         if max_running < 1:
             raise ValueError(f"max_running must be at least 1; got {max_running}")
         if verify_width == 1 or verify_width < 0:
@@ -106,6 +145,19 @@ class DecodeRounds:
         if self.buckets[0] < 1 or self.buckets[-1] < max_running:
             raise ValueError(f"buckets {self.buckets} must be positive and reach max_running={max_running}")
         self.engine, self.model, self.pool = engine, engine.model, pool
+        self.mtp = None  # the MTP head, where the rounds draft with it
+        if mtp:
+            if verify_width < 2:
+                raise ValueError(f"MTP drafts are verified: give verify_width >= 2 (k + 1 for k drafts); got {verify_width}")
+            self.mtp = engine.model.mtp_head()
+            self.mtp_slot = mtp_kv_slot(engine.cfg)
+            if pool.num_slots <= self.mtp_slot:
+                raise ValueError(f"the MTP head's rows live in KV slot {self.mtp_slot} of the pool, which has "
+                                 f"{pool.num_slots} slots: build it with pool_slots_for(cfg, mtp=True) = "
+                                 f"{pool_slots_for(engine.cfg, True)}")
+        # a round reaches this many rows past what it reads: a draft of verify_width - 1 ids writes rows up to
+        # verify_width - 2 past the round's last (the head's, above what is kept)
+        self._draft_reach = verify_width - 2 if mtp else 0
         self.device = pool.k.device
         self.capture = capture_mode(engine, graphs, "decode rounds") is True
         self.max_running = max_running
@@ -121,7 +173,7 @@ class DecodeRounds:
         self._scratch = scratch
         # row s: slot s's page ids (entries past its pages are stale and never read: a row attends below its length)
         self.tables = torch.zeros(max_running + 1, pool.num_pages, dtype=torch.int32, device=self.device)
-        self.tables[self.pad_slot, 0] = scratch[0]
+        self.tables[self.pad_slot] = scratch[0]  # every padding row's position, whatever it is, lands there
         self.max_rows = pool.num_pages * pool.page_rows  # what an attention launch is sized for
         self._free = list(range(max_running - 1, -1, -1))  # pop() hands out low slots first
         self._caches: dict[int, SequenceCache] = {}
@@ -144,6 +196,11 @@ class DecodeRounds:
         # would then read whatever the allocator put there)
         self._row_offsets = torch.arange(max(1, verify_width), dtype=torch.long, device=self.device)
         self._graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
+        # the MTP head's side: each round entry's final-hidden tap, what `draft` stages (row NEXT: the id after
+        # each slot's accepted row, row ACCEPTED: its accepted count) and the last round's (slots, size, width)
+        self._hidden: dict[tuple[int, int], torch.Tensor] = {}
+        self._draft_in = torch.zeros(2, self.buckets[-1], dtype=torch.long, device=self.device)
+        self._last_round: tuple[tuple[int, ...], int, int] | None = None
 
     # ---- sequences in and out ----------------------------------------------------------------
     @property
@@ -186,6 +243,8 @@ class DecodeRounds:
             self.states.store(slot, cache)
         del self._caches[slot], self._pages_up[slot]
         self._verifying.discard(slot)  # a verify never kept: the slot's own state is the one before it
+        if self._last_round is not None and slot in self._last_round[0]:
+            self._last_round = None
         self._free.append(slot)
         return cache
 
@@ -208,7 +267,7 @@ class DecodeRounds:
         need = 0
         for slot in slots:
             kv = self._cache(slot).kv
-            need += max(0, kv.pages_for(self._caches[slot].length + width) - len(kv.pages))
+            need += max(0, kv.pages_for(self._caches[slot].length + width + self._draft_reach) - len(kv.pages))
         return need
 
     def can_run(self, slots: Sequence[int], width: int = 1) -> bool:
@@ -236,6 +295,7 @@ class DecodeRounds:
         out = entry.out if self.capture else out
         for cache in caches:
             cache.length += 1
+        self._last_round = (tuple(slots), size, 1)
         return out[:num_rows]
 
     def verify(self, slots: Sequence[int], rows: Sequence[Sequence[int]] | torch.Tensor) -> torch.Tensor:
@@ -266,6 +326,7 @@ class DecodeRounds:
         out = entry.replay()
         out = entry.out if self.capture else out
         self._verifying.update(slots)
+        self._last_round = (tuple(slots), size, width)
         return out[: num_seqs * width].view(num_seqs, width, -1)
 
     def keep(self, slots: Sequence[int], accepted: Sequence[int]) -> None:
@@ -288,6 +349,84 @@ class DecodeRounds:
             self._verifying.discard(slot)
             self._caches[slot].length += count + 1
 
+    # ---- the MTP head's drafts ---------------------------------------------------------------
+    def mtp_prefill(self, slot: int, next_ids: Sequence[int] | torch.Tensor, hidden: torch.Tensor,
+                    k: int | None = None) -> torch.Tensor:
+        """The head's rows of the slot's last T rows (positions cache.length - T .. cache.length - 1): row i pairs
+        hidden[i] [T, H], the target's final hidden there (its forward's "final_hidden" tap), with next_ids[i],
+        the id after it (a prompt's ids from its second on, then the first id sampled). Returns the k drafts
+        after the last row (long [k] on the device; k default verify_width - 1): the first verify's drafts.
+        Eager, once a turn; the draft's rows may take a page from the pool (a MemoryError where none is free)."""
+        head = self._require_mtp()
+        cache = self._cache(slot)
+        if slot in self._verifying:
+            raise ValueError(f"slot {slot} was verified and not kept: keep() its accepted rows first")
+        k = self._draft_k(k)
+        ids = next_ids if isinstance(next_ids, torch.Tensor) else torch.tensor(list(next_ids), dtype=torch.long)
+        num_rows = int(ids.shape[0]) if ids.dim() == 1 else 0
+        if not 1 <= num_rows <= cache.length:
+            raise ValueError(f"slot {slot} holds {cache.length} rows: the head's prefill pairs 1..{cache.length} of "
+                             f"them with their next ids; got ids of shape {tuple(ids.shape)}")
+        self._check_tokens(ids.tolist() if ids.device.type == "cpu" else ids, num_rows)
+        rows = head.new_cache(cache.kv, slot=self.mtp_slot)
+        rows.length = cache.length - num_rows
+        head.forward(ids.to(self.device), hidden, rows)
+        drafts = head.draft(rows, k)
+        self._upload_pages(slot, cache.kv)  # the drafts' rows may have taken a page
+        return drafts
+
+    def draft(self, slots: Sequence[int], next_ids: Sequence[int] | torch.Tensor,
+              accepted: Sequence[int] | torch.Tensor | None = None, k: int | None = None) -> torch.Tensor:
+        """After the round of these slots (a verify, or a run: the last round, with the slots in its order; keep
+        may come before or after): the head reads that round's rows and drafts k ids a slot (k default
+        verify_width - 1). next_ids[i]: the id after slot slots[i]'s accepted row (the verify's next pick, the
+        run's sampled id); accepted[i]: its accepted count (None: 0, as after a run). Either may be a long tensor
+        [B] on the device, never read here. Returns the drafts, long [B, k] on the device (a view of a buffer the
+        next draft overwrites): the next verify reads [next_ids, drafts]."""
+        self._require_mtp()
+        last = self._last_round
+        if last is None or last[0] != tuple(slots):
+            raise ValueError(f"a draft follows the round of its slots, in their order: the last round ran "
+                             f"{list(last[0]) if last else None}; got {list(slots)}")
+        _, size, width = last
+        k = self._draft_k(k)
+        num_seqs = len(slots)
+        host = torch.zeros(2, size, dtype=torch.long)
+        self._check_tokens(next_ids, num_seqs)
+        if not isinstance(next_ids, torch.Tensor):
+            host[0, :num_seqs] = torch.tensor(list(next_ids), dtype=torch.long)
+        if isinstance(accepted, torch.Tensor):
+            if accepted.shape != (num_seqs,) or accepted.dtype != torch.long or accepted.device != self.device:
+                raise ValueError(f"device accepted counts must be a long tensor [{num_seqs}] on {self.device}; got "
+                                 f"{accepted.dtype} {tuple(accepted.shape)} on {accepted.device}")
+        elif accepted is not None:
+            if len(accepted) != num_seqs or any(not 0 <= a < width for a in accepted):
+                raise ValueError(f"accepted counts: one a slot in [0, {width}) (the round read {width} rows a slot); "
+                                 f"got {list(accepted)}")
+            host[1, :num_seqs] = torch.tensor(list(accepted), dtype=torch.long)
+        if self.device.type == "cuda":  # pinned, asynchronous: a pageable copy would wait for the stream
+            host = host.pin_memory()
+        self._draft_in[:, :size].copy_(host.to(self.device, non_blocking=True))
+        if isinstance(next_ids, torch.Tensor):
+            self._draft_in[0, :num_seqs].copy_(next_ids)
+        if isinstance(accepted, torch.Tensor):
+            self._draft_in[1, :num_seqs].copy_(accepted)
+        entry = self._prepare_draft(size, width, k)
+        out = entry.replay()
+        out = entry.out if self.capture else out
+        return out[:num_seqs]
+
+    def _require_mtp(self):
+        if self.mtp is None:
+            raise ValueError("these rounds hold no MTP head: build them with mtp=True to draft")
+        return self.mtp
+
+    def _draft_k(self, k: int | None) -> int:
+        k = self.verify_width - 1 if k is None else k
+        if not 1 <= k < self.verify_width:
+            raise ValueError(f"a draft holds 1..{self.verify_width - 1} ids (verify_width - 1); got k={k}")
+        return k
+
     def _round_caches(self, slots: Sequence[int], width: int) -> list[SequenceCache]:
         """The slots' caches, checked for a round that reads `width` rows a slot."""
         if len(set(slots)) != len(slots):
@@ -306,24 +445,29 @@ class DecodeRounds:
         if need > self.pool.num_free:
             raise MemoryError(f"the KV pool has {self.pool.num_free} free pages; this round needs {need}")
         for slot, cache in zip(slots, caches):
-            cache.kv.ensure(cache.length + width)
+            cache.kv.ensure(cache.length + width + self._draft_reach)
             self._upload_pages(slot, cache.kv)
 
     @property
     def num_graphs(self) -> int:
-        """Buckets captured so far (0 in the static flow)."""
+        """Graphs captured so far: rounds, verifies and drafts (0 in the static flow)."""
         return len(self._entries) if self.capture else 0
 
     def warm(self) -> None:
-        """Capture every bucket's graph now rather than in the rounds that first need them."""
+        """Capture every bucket's graph now rather than in the rounds that first need them (with the MTP head,
+        the drafts of verify_width - 1 ids after a run and after a verify of verify_width rows too)."""
         for size in self.buckets:
             self._prepare(size)
-            if self.verify_width:
-                self._prepare(size, self.verify_width)
+            for width in range(2, self.verify_width + 1):  # a round may verify fewer rows (the planner's pick)
+                self._prepare(size, width)
+            if self.mtp is not None:
+                for width in (1, self.verify_width):
+                    self._prepare_draft(size, width, self.verify_width - 1)
 
     def release_all(self) -> None:
         """Drop the graphs and give the scratch page back (admitted caches are the caller's to release)."""
         self._entries.clear()
+        self._hidden.clear()
         if self._scratch:
             self.pool.release(self._scratch)
             self._scratch = []
@@ -404,6 +548,10 @@ class DecodeRounds:
         if entry is None:
             inputs = self._inputs[:, : size * width]
             offsets = self._row_offsets[:width]
+            taps = None
+            if self.mtp is not None:  # the rows' final hiddens, for the head's draft after the round
+                taps = self.model.new_taps(size * width, ("final_hidden",))
+                self._hidden[(size, width)] = taps["final_hidden"]
 
             def forward() -> torch.Tensor:
                 slots = inputs[SLOTS]
@@ -414,11 +562,57 @@ class DecodeRounds:
                     own = slots[::width]
                     scratch = self.scratch_base + own[:, None] * self.verify_width + offsets[None, :]
                     window = VerifyWindow(own, scratch)
-                return self.model.decode_step(inputs[IDS], self.states, batch, window)
+                return self.model.decode_step(inputs[IDS], self.states, batch, window, taps=taps)
 
             entry = self._capture(forward, size * width, width) if self.capture else _Entry(forward)
             entry.holds = inputs
             self._entries[(size, width)] = entry
+        return entry
+
+    def _prepare_draft(self, size: int, width: int, k: int) -> _Entry:
+        """The entry of the head's draft after a round of `size` slots, `width` rows each: the head over the
+        round's rows (its staged ids, positions and slots, its entry's final hiddens), then k drafts a slot from
+        its accepted row. What it reads lives in buffers this object owns."""
+        key = (size, width, k)
+        entry = self._entries.get(key)
+        if entry is None:
+            self._prepare(size, width)  # the round's entry, and its tap (there already after that round)
+            head, kv_slot, rows = self.mtp, self.mtp_slot, size * width
+            inputs, step, offsets = self._inputs[:, :rows], self._draft_in[:, :size], self._row_offsets[:width]
+            hidden = self._hidden[(size, width)]
+
+            def forward() -> torch.Tensor:
+                ids = inputs[IDS].view(size, width)
+                positions = inputs[POSITIONS].view(size, width)
+                slots = inputs[SLOTS]
+                nxt, acc = step[0], step[1]  # [size] each
+                # the id after row j: the draft it verified next where that was accepted (j < acc), the slot's
+                # next id at j == acc; rows above are the head's rows past the kept length (written over later)
+                shifted = torch.cat((ids[:, 1:], nxt[:, None]), dim=1)
+                next_ids = torch.where(offsets[None, :] < acc[:, None], shifted, nxt[:, None])  # [size, width]
+                batch = DecodeBatch(positions.reshape(-1).to(torch.int32), slots, self.tables.index_select(0, slots),
+                                    self.pool, self.max_rows)
+                g = head.forward_rows(next_ids.reshape(-1), hidden, batch, kv_slot)  # [rows, H]
+                start = g.view(size, width, -1).gather(1, acc[:, None, None].expand(size, 1, g.shape[1])).squeeze(1)
+                own = slots[::width]
+                first = DecodeBatch((positions[:, 0] + acc).to(torch.int32), own, self.tables.index_select(0, own),
+                                    self.pool, self.max_rows)
+                return head.draft_rows(start, first, kv_slot, k)  # [size, k]
+
+            entry = self._capture_draft(forward, size, width) if self.capture else _Entry(forward)
+            entry.holds = (inputs, step, hidden)
+            self._entries[key] = entry
+        return entry
+
+    def _capture_draft(self, forward: Callable[[], torch.Tensor], size: int, width: int) -> _Entry:
+        """A draft's graph, captured on padding rows as a round's is; the round's staged rows it is about to read
+        are put back after."""
+        rows = size * width
+        saved = self._inputs[:, :rows].clone(), self._draft_in[:, :size].clone()
+        self._draft_in[:, :size].zero_()
+        entry = self._capture(forward, rows, width)
+        self._inputs[:, :rows].copy_(saved[0])
+        self._draft_in[:, :size].copy_(saved[1])
         return entry
 
     def _capture(self, forward: Callable[[], torch.Tensor], rows: int, width: int = 1) -> _Entry:
@@ -439,4 +633,4 @@ class DecodeRounds:
         return _Entry(graph.replay, out)
 
 
-__all__ = ["DecodeRounds", "TokensBack", "buckets_for", "slot_states_for"]
+__all__ = ["DecodeRounds", "TokensBack", "buckets_for", "mtp_kv_slot", "pool_slots_for", "slot_states_for"]

@@ -121,9 +121,10 @@ class Conductor(TurnLifecycle, RoundLoop, ReaderWindows):
         self._round_task: asyncio.Task | None = None
         self._arrivals = itertools.count()
         self._in_flight: LaunchedAhead | None = None  # the round launched ahead (rounds.py)
-        # speculative decoding (QSE_SPECULATE): whether a round verifies drafts, and how wide
+        # speculative decoding (QSE_SPECULATE): whether a round verifies drafts, and how wide (any width the
+        # rounds hold graphs for: a wide verify pays alone, a narrow one in a full batch)
         width = self.serving.rounds.verify_width
-        self.spec_planner = SpecPlanner((width,)) if width else None
+        self.spec_planner = SpecPlanner(tuple(range(2, width + 1))) if width else None
         self._waiting_changed = asyncio.Event()
         self._session_locks: dict[str, asyncio.Lock] = {}
         self._turn_seq = itertools.count()
