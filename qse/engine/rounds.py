@@ -148,7 +148,8 @@ class DecodeRounds:
         self.mtp = None  # the MTP head, where the rounds draft with it
         if mtp:
             if verify_width < 2:
-                raise ValueError(f"MTP drafts are verified: give verify_width >= 2 (k + 1 for k drafts); got {verify_width}")
+                raise ValueError(f"MTP drafts are verified: give verify_width >= 2 (k + 1 for k drafts); got "
+                                 f"{verify_width}")
             self.mtp = engine.model.mtp_head()
             self.mtp_slot = mtp_kv_slot(engine.cfg)
             if pool.num_slots <= self.mtp_slot:
@@ -455,13 +456,13 @@ class DecodeRounds:
 
     def warm(self) -> None:
         """Capture every bucket's graph now rather than in the rounds that first need them (with the MTP head,
-        the drafts of verify_width - 1 ids after a run and after a verify of verify_width rows too)."""
+        the drafts of verify_width - 1 ids after a round of each width too; other draft lengths on first use)."""
         for size in self.buckets:
             self._prepare(size)
             for width in range(2, self.verify_width + 1):  # a round may verify fewer rows (the planner's pick)
                 self._prepare(size, width)
             if self.mtp is not None:
-                for width in (1, self.verify_width):
+                for width in (1, *range(2, self.verify_width + 1)):
                     self._prepare_draft(size, width, self.verify_width - 1)
 
     def release_all(self) -> None:
