@@ -353,13 +353,17 @@ class RoundLoop:
                                [(len(p), e.spec.alpha if e.spec is not None else 0.0) for e, p in zip(batch, proposals)])
         if width > 1 and not serving.can_verify(seqs, width):
             width = 1
+        if width > 1:
+            drafts = [p[: width - 1] for p in proposals]
+            # every turn reads `width` rows; a short draft is padded with its own token (rows past it are not kept)
+            rows = [[e.token, *d, *[e.token] * (width - 1 - len(d))] for e, d in zip(batch, drafts)]
+            try:
+                logits, ms = serving.verify_round(seqs, rows)
+            except MemoryError:  # no pages for the drafts' rows (before any device work): one id a turn instead
+                width = 1
         if width == 1:
             logits, ms = serving.decode_round(seqs, [e.token for e in batch])
             return [[e.sampler(logits[i])] for i, e in enumerate(batch)], ms, (1, [0] * len(batch))
-        drafts = [p[: width - 1] for p in proposals]
-        # every turn reads `width` rows; a short draft is padded with its own token (rows past it are not kept)
-        rows = [[e.token, *d, *[e.token] * (width - 1 - len(d))] for e, d in zip(batch, drafts)]
-        logits, ms = serving.verify_round(seqs, rows)
         greedy = [i for i, e in enumerate(batch) if drafts[i] and e.sampler.verifies == "greedy"]
         picks: dict[int, list[int]] = {}
         if greedy:  # one argmax and one read back for every greedy turn (first maximum on ties, as alone)

@@ -107,3 +107,22 @@ async def test_sampled_and_penalised_turns_run_beside_the_drafting_ones(make_rig
     req = GenerateRequest(prompt_ids=PROMPTS["b"], max_tokens=25, session_id="b", sampling=penalised)
     assert outs[2] == plain["c"]
     assert outs[1] == [t async for t in alone.conductor.generate(req)]
+
+
+async def test_a_verify_with_no_pages_for_its_rows_falls_back_to_a_plain_round(make_rig, fp64_engine):
+    plain = await _together(make_rig(engine=fp64_engine, max_running=4), 20)
+    rig = _speculating(make_rig, fp64_engine)
+    serving, real = rig.conductor.serving, rig.conductor.serving.verify_round
+    refused = []
+
+    def verify_round(turns, rows):
+        if len(refused) < 3:  # the pool cannot hold the drafts' rows, three times
+            refused.append(len(rows))
+            raise MemoryError("the served model's KV pool cannot hold a fork")
+        return real(turns, rows)
+
+    serving.verify_round = verify_round
+    spec = await _together(rig, 20, predictions={sid: tuple(o) for sid, o in plain.items()})
+    assert spec == plain and len(refused) == 3
+    assert sum(r.accepted_draft_tokens for r in rig.records) > 0  # later rounds verified
+    assert all(r.finish_reason == "length" for r in rig.records)
