@@ -124,6 +124,11 @@ class ServerMetrics:
                                             "sessions' cache", m, registry=r).labels(model_name)
         self.prefix_cache_hits = Counter("qse_prefix_cache_hits_tokens", "prompt tokens whose served state was reused",
                                          m, registry=r).labels(model_name)
+        # speculative decoding (QSE_SPECULATE): vLLM's spec_decode draft and accepted counts, under qse's names
+        self.spec_draft_tokens = Counter("qse_spec_decode_draft_tokens", "ids drafted for verification",
+                                         m, registry=r).labels(model_name)
+        self.spec_accepted_tokens = Counter("qse_spec_decode_accepted_tokens", "drafted ids a verify kept",
+                                            m, registry=r).labels(model_name)
         self._prefix_cache_tier_hits = Counter("qse_prefix_cache_tier_hits", "turns that reused served state, by the "
                                                "tier it came from", m + ["tier"], registry=r)
         self.asks = Counter("qse_shadow_asks", "questions asked of the reader over HTTP", registry=r)

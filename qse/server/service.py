@@ -659,6 +659,8 @@ class Service:
         if record.cache_tier is not None:
             m.note_cache_hit(record.cache_tier)
         m.output_tokens.inc(record.output_tokens)
+        m.spec_draft_tokens.inc(record.draft_tokens)
+        m.spec_accepted_tokens.inc(record.accepted_draft_tokens)
         finish = self._ended.pop(record.request_id, record.finish_reason)  # the conductor counts a cut turn as length
         m.note_finished(finish)
         self.admission.note_turn(record.end_s - (record.start_s if record.start_s is not None else record.arrival_s))

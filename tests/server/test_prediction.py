@@ -6,6 +6,7 @@ test_speculative_rounds.py says why)."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -42,6 +43,10 @@ def test_a_prediction_drafts_and_leaves_the_answer_as_it_was(spec_server):
         details = predicted.usage.completion_tokens_details
         assert details.accepted_prediction_tokens > 0
         assert predicted.usage.completion_tokens == plain.usage.completion_tokens
+        metrics = httpx.get(spec_server.url + "/metrics", headers=spec_server.headers).text
+        accepted = next(float(line.split()[-1]) for line in metrics.splitlines()
+                        if line.startswith("qse_spec_decode_accepted_tokens_total"))
+        assert accepted >= details.accepted_prediction_tokens
         parts = _chat(client, spec_server.model, prediction={"type": "content",
                                                             "content": [{"type": "text", "text": text}]})
         assert parts.choices[0].message.content == text
