@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -142,12 +144,29 @@ class LoadedWeights:
     mtp: list[str] = field(default_factory=list)
 
 
-def load_weights(model_dir: Path, cfg: TextConfig, device: torch.device | str, dtype: torch.dtype) -> LoadedWeights:
-    """Read every shard, map names to canonical ones, check names and shapes, build Linear objects. The MTP
-    head's tensors are checked and kept like the rest when the config has one (`expected_mtp_shapes`)."""
-    want = {**expected_shapes(cfg), **expected_mtp_shapes(cfg)}
+class CheckpointTensor(NamedTuple):
+    """One tensor of a shard, as read_checkpoint hands it to a family's `claim`."""
+
+    shard: str  # the shard's file name (what an error names)
+    name: str  # as the checkpoint spells it
+    canonical: str  # canonical_name's
+    read: Callable[[], torch.Tensor]  # its data, while the shard is open (inside `claim` only)
+
+
+class CheckpointRead(NamedTuple):
+    raw: dict[str, torch.Tensor]  # canonical name -> tensor as stored, for every name in `want` the shards hold
+    skipped: list[str]  # vision tower etc.
+    mtp: list[str]  # the MTP head's tensors the checkpoint holds (LoadedWeights.mtp)
+
+
+def read_checkpoint(model_dir: Path, want: dict[str, tuple[int, ...]], model_name: str, keep_mtp: bool,
+                    claim: Callable[[CheckpointTensor], bool]) -> CheckpointRead:
+    """Read every shard with a progress bar, map names to canonical ones and keep those in `want`; the vision
+    tower is skipped, the MTP head's tensors are listed (and read like the rest only when `keep_mtp`), and a
+    name that is no text-model name (of `model_name`, as errors say it) or not in `want` is refused. `claim`
+    sees each tensor first: True where the family took it itself (an FP8 scale, one expert's slice, a tied
+    checkpoint's spare head), False to have it kept or refused."""
     raw: dict[str, torch.Tensor] = {}
-    scales: dict[str, torch.Tensor] = {}
     skipped, mtp = [], []
     shards = shard_files(Path(model_dir))
     num_tensors = 0
@@ -166,37 +185,63 @@ def load_weights(model_dir: Path, cfg: TextConfig, device: torch.device | str, d
                         continue
                     if kind == "mtp":
                         mtp.append(name)
-                        if cfg.mtp_num_hidden_layers <= 0:
-                            continue  # the config has no MTP head: recognised, left on disk
+                        if not keep_mtp:
+                            continue  # recognised, left on disk
                     if kind == "unknown":
-                        raise CheckpointError(f"{path.name}: tensor {name!r} is not a Qwen3.5 text-model name")
-                    if canon.endswith(FP8_SCALE_SUFFIX):
-                        scales[canon[: -len(FP8_SCALE_SUFFIX)]] = f.get_tensor(name)
+                        raise CheckpointError(f"{path.name}: tensor {name!r} is not a {model_name} text-model name")
+                    if claim(CheckpointTensor(path.name, name, canon, partial(f.get_tensor, name))):
                         continue
                     if canon not in want:
-                        if canon == "lm_head.weight" and cfg.tie_word_embeddings:
-                            continue  # some tied checkpoints still carry a copy of the head
                         raise CheckpointError(f"{path.name}: unexpected tensor {name!r} (canonical {canon!r})")
                     raw[canon] = f.get_tensor(name)
+    return CheckpointRead(raw, skipped, mtp)
+
+
+def check_shapes(model_dir: Path, want: dict[str, tuple[int, ...]], raw: dict[str, torch.Tensor]) -> None:
+    """Every tensor of `want` is in `raw`, of its shape."""
     for name, shape in want.items():
         if name not in raw:
             raise CheckpointError(f"{model_dir}: missing tensor {name!r} (shape {shape})")
         got = tuple(raw[name].shape)
         if got != shape:
             raise CheckpointError(f"{model_dir}: tensor {name!r} has shape {got}, expected {shape}")
-    tensors: dict[str, torch.Tensor] = {}
-    linears: dict[str, DenseLinear | FP8BlockLinear] = {}
+
+
+def load_weights(model_dir: Path, cfg: TextConfig, device: torch.device | str, dtype: torch.dtype) -> LoadedWeights:
+    """Read every shard, map names to canonical ones, check names and shapes, build Linear objects. The MTP
+    head's tensors are checked and kept like the rest when the config has one (`expected_mtp_shapes`)."""
+    want = {**expected_shapes(cfg), **expected_mtp_shapes(cfg)}
+    scales: dict[str, torch.Tensor] = {}
+
+    def claim(t: CheckpointTensor) -> bool:
+        if t.canonical.endswith(FP8_SCALE_SUFFIX):
+            scales[t.canonical[: -len(FP8_SCALE_SUFFIX)]] = t.read()
+            return True
+        # some tied checkpoints still carry a copy of the head
+        return t.canonical == "lm_head.weight" and cfg.tie_word_embeddings
+
+    raw, skipped, mtp = read_checkpoint(model_dir, want, "Qwen3.5", cfg.mtp_num_hidden_layers > 0, claim)
+    check_shapes(model_dir, want, raw)
+    weights = LoadedWeights(tensors={}, linears={}, skipped=skipped, mtp=mtp)
     for name, t in raw.items():
         if name in scales:
             if not is_linear(name):
                 raise CheckpointError(f"{model_dir}: {name!r} has an FP8 scale but is not a projection")
-            linears[name] = FP8BlockLinear(t, scales[name], compute_dtype=dtype).to(device)
+            weights.linears[name] = FP8BlockLinear(t, scales[name], compute_dtype=dtype).to(device)
         elif t.dtype == torch.float8_e4m3fn:
             raise CheckpointError(f"{model_dir}: FP8 tensor {name!r} has no {name + FP8_SCALE_SUFFIX!r}")
-        elif is_linear(name):
-            linears[name] = DenseLinear(t.to(device=device, dtype=dtype))
-        elif name.endswith("A_log"):
-            tensors[name] = t.to(device=device)  # kept as stored; read in fp32 at use
         else:
-            tensors[name] = t.to(device=device, dtype=dtype)
-    return LoadedWeights(tensors=tensors, linears=linears, skipped=skipped, mtp=mtp)
+            place_tensor(weights, name, t, device, dtype)
+    return weights
+
+
+def place_tensor(weights: LoadedWeights, name: str, t: torch.Tensor, device: torch.device | str,
+                 dtype: torch.dtype) -> None:
+    """A tensor read at full width into `weights`: a projection (is_linear) as a DenseLinear at `dtype`, A_log as
+    stored (read in fp32 at use), the rest at `dtype`, contiguous (the MoE experts' kernels read them so)."""
+    if is_linear(name):
+        weights.linears[name] = DenseLinear(t.to(device=device, dtype=dtype))
+    elif name.endswith("A_log"):
+        weights.tensors[name] = t.to(device=device)
+    else:
+        weights.tensors[name] = t.to(device=device, dtype=dtype).contiguous()

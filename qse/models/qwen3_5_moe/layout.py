@@ -24,11 +24,9 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from tqdm import tqdm
 
-from ..linear import DenseLinear
-from ..qwen3_5.layout import FP8_SCALE_SUFFIX, CheckpointError, LoadedWeights, canonical_name, is_linear, shard_files
+from ..qwen3_5.layout import (FP8_SCALE_SUFFIX, CheckpointError, CheckpointTensor, LoadedWeights, check_shapes,
+                              place_tensor, read_checkpoint)
 from ..qwen3_5.layout import expected_shapes as dense_expected_shapes
 from .config import MoeTextConfig
 
@@ -97,41 +95,23 @@ def load_weights(model_dir: Path, cfg: MoeTextConfig, device: torch.device | str
     """Read every shard, map names to canonical ones, stack per-expert tensors, check names and shapes, build
     Linear objects for the projections (is_linear) and keep the rest (router, experts, gates, norms) as tensors."""
     want = expected_shapes(cfg)
-    raw: dict[str, torch.Tensor] = {}
     stacks: dict[str, _ExpertStack] = {}
-    skipped, mtp = [], []
     model_dir = Path(model_dir)
-    shards = shard_files(model_dir)
-    num_tensors = 0
-    for path in shards:  # the headers only: the bar's total
-        with safe_open(str(path), framework="pt") as f:
-            num_tensors += len(f.keys())
-    with tqdm(total=num_tensors, desc=f"qse: loading {model_dir.name}", unit="tensor", disable=None) as bar:
-        for path in shards:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    bar.update()
-                    kind, canon = canonical_name(name)
-                    if kind == "skip":
-                        skipped.append(name)
-                        continue
-                    if kind == "mtp":
-                        mtp.append(name)  # recognised, left on disk (the module docstring)
-                        continue
-                    if kind == "unknown":
-                        raise CheckpointError(f"{path.name}: tensor {name!r} is not a Qwen3.5-MoE text-model name")
-                    if canon.endswith(FP8_SCALE_SUFFIX):
-                        raise CheckpointError(f"{path.name}: {name!r} is an FP8 block scale; qse does not read FP8 "
-                                              "Qwen3.5-MoE checkpoints yet: use the BF16 one")
-                    per_expert = PER_EXPERT.match(canon)
-                    if per_expert is not None:
-                        prefix, expert, part = per_expert.group(1), int(per_expert.group(2)), per_expert.group(3)
-                        stack = stacks.setdefault(prefix, _ExpertStack(prefix, cfg))
-                        stack.add(path.name, name, expert, part, f.get_tensor(name))
-                        continue
-                    if canon not in want:
-                        raise CheckpointError(f"{path.name}: unexpected tensor {name!r} (canonical {canon!r})")
-                    raw[canon] = f.get_tensor(name)
+
+    def claim(t: CheckpointTensor) -> bool:
+        if t.canonical.endswith(FP8_SCALE_SUFFIX):
+            raise CheckpointError(f"{t.shard}: {t.name!r} is an FP8 block scale; qse does not read FP8 "
+                                  "Qwen3.5-MoE checkpoints yet: use the BF16 one")
+        per_expert = PER_EXPERT.match(t.canonical)
+        if per_expert is None:
+            return False
+        prefix, expert, part = per_expert.group(1), int(per_expert.group(2)), per_expert.group(3)
+        stack = stacks.setdefault(prefix, _ExpertStack(prefix, cfg))
+        stack.add(t.shard, t.name, expert, part, t.read())
+        return True
+
+    # the MTP head is recognised and left on disk (the module docstring)
+    raw, skipped, mtp = read_checkpoint(model_dir, want, "Qwen3.5-MoE", False, claim)
     for prefix, stack in stacks.items():
         fused = (prefix + "gate_up_proj", prefix + "down_proj")
         if any(name in raw for name in fused):
@@ -141,24 +121,12 @@ def load_weights(model_dir: Path, cfg: MoeTextConfig, device: torch.device | str
         if absent is not None:
             raise CheckpointError(f"{model_dir}: missing tensor {absent!r} (the layer's other experts are there)")
         raw[fused[0]], raw[fused[1]] = stack.gate_up, stack.down
-    for name, shape in want.items():
-        if name not in raw:
-            raise CheckpointError(f"{model_dir}: missing tensor {name!r} (shape {shape})")
-        got = tuple(raw[name].shape)
-        if got != shape:
-            raise CheckpointError(f"{model_dir}: tensor {name!r} has shape {got}, expected {shape}")
-    tensors: dict[str, torch.Tensor] = {}
-    linears: dict[str, DenseLinear] = {}
+    check_shapes(model_dir, want, raw)
+    weights = LoadedWeights(tensors={}, linears={}, skipped=skipped, mtp=mtp)
     for name, t in raw.items():
         if t.dtype == torch.float8_e4m3fn:
             raise CheckpointError(f"{model_dir}: tensor {name!r} is FP8; qse reads BF16 Qwen3.5-MoE checkpoints only")
-        if is_linear(name):
-            linears[name] = DenseLinear(t.to(device=device, dtype=dtype))
-        elif name.endswith("A_log"):
-            tensors[name] = t.to(device=device)  # kept as stored; read in fp32 at use
-        else:  # the experts' kernels read them contiguous (qse_kernels/moe.py)
-            tensors[name] = t.to(device=device, dtype=dtype).contiguous()
-    return LoadedWeights(tensors=tensors, linears=linears, skipped=skipped, mtp=mtp)
-
+        place_tensor(weights, name, t, device, dtype)
+    return weights
 
 __all__ = ["CheckpointError", "expected_shapes", "load_weights", "moe_shapes"]
