@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
-import torch
-
+from ..family import FamilyParts
 from .chat import (ChatTemplate, HFTokenizer, TokenizerError, answer_grammar, load_tokenizer, parse_output,
                    question_prompt, read_generation_config, tool_calls_rules)
 from .config import ConfigError, TextConfig, load_config, parse_config
@@ -18,25 +16,11 @@ from .presets import PRESET_ALIASES, PRESETS, ensure_embedded, preset_config_dic
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 
 
-def load(model_dir: Path, device: torch.device | str, dtype: torch.dtype) -> Qwen35Model:
-    cfg = load_config(Path(model_dir))
-    return Qwen35Model(cfg, load_weights(Path(model_dir), cfg, device, dtype), device, dtype)
-
-
-def build_preset(name: str, device: torch.device | str, dtype: torch.dtype, seed: int = 0) -> Qwen35Model:
-    cfg = parse_config(preset_config_dict(name), where=f"preset {name}")
-    return Qwen35Model(cfg, random_weights(cfg, seed, device, dtype), device, dtype)
-
-
-def preset_weights_nbytes(name: str, dtype: torch.dtype) -> int:
-    """What a preset's weights will hold at `dtype`, from its shapes alone (the residency planner's claim)."""
-    cfg = parse_config(preset_config_dict(name), where=f"preset {name}")
-    size = torch.empty((), dtype=dtype).element_size()
-    return sum(math.prod(shape) for shape in expected_shapes(cfg).values()) * size
-
-
-def is_preset(name: str) -> bool:
-    return name.lower() in PRESETS or name.lower() in PRESET_ALIASES
+_PARTS = FamilyParts(load_config=load_config, parse_config=parse_config, load_weights=load_weights,
+                     random_weights=random_weights, expected_shapes=expected_shapes, model=Qwen35Model,
+                     preset_config_dict=preset_config_dict, presets=PRESETS, preset_aliases=PRESET_ALIASES)
+load, build_preset, is_preset = _PARTS.load, _PARTS.build_preset, _PARTS.is_preset
+preset_weights_nbytes = _PARTS.preset_weights_nbytes
 
 
 class ChatFormat:

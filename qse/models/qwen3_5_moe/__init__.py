@@ -3,11 +3,9 @@ forward are the dense family's with a sparse MLP in every layer (model.py); the 
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
-import torch
-
+from ..family import FamilyParts
 from ..qwen3_5 import ChatFormat as _DenseChatFormat
 from .config import MODEL_TYPES, ConfigError, MoeTextConfig, load_config, parse_config
 from .layout import CheckpointError, expected_shapes, load_weights
@@ -15,26 +13,12 @@ from .model import Qwen35MoeModel
 from .presets import PRESET_ALIASES, PRESETS, preset_config_dict, random_weights
 
 
-def load(model_dir: Path, device: torch.device | str, dtype: torch.dtype) -> Qwen35MoeModel:
-    cfg = load_config(Path(model_dir))
-    return Qwen35MoeModel(cfg, load_weights(Path(model_dir), cfg, device, dtype), device, dtype)
-
-
-def build_preset(name: str, device: torch.device | str, dtype: torch.dtype, seed: int = 0) -> Qwen35MoeModel:
-    """A preset's shape on random weights (presets.py); on the meta device, its shapes without memory."""
-    cfg = parse_config(preset_config_dict(name), where=f"preset {name}")
-    return Qwen35MoeModel(cfg, random_weights(cfg, seed, device, dtype), device, dtype)
-
-
-def preset_weights_nbytes(name: str, dtype: torch.dtype) -> int:
-    """What a preset's weights will hold at `dtype`, from its shapes alone (the residency planner's claim)."""
-    cfg = parse_config(preset_config_dict(name), where=f"preset {name}")
-    size = torch.empty((), dtype=dtype).element_size()
-    return sum(math.prod(shape) for shape in expected_shapes(cfg).values()) * size
-
-
-def is_preset(name: str) -> bool:
-    return name.lower() in PRESETS or name.lower() in PRESET_ALIASES
+_PARTS = FamilyParts(load_config=load_config, parse_config=parse_config, load_weights=load_weights,
+                     random_weights=random_weights, expected_shapes=expected_shapes, model=Qwen35MoeModel,
+                     preset_config_dict=preset_config_dict, presets=PRESETS, preset_aliases=PRESET_ALIASES)
+# build_preset on the meta device: a preset's shapes without memory (presets.py)
+load, build_preset, is_preset = _PARTS.load, _PARTS.build_preset, _PARTS.is_preset
+preset_weights_nbytes = _PARTS.preset_weights_nbytes
 
 
 class ChatFormat(_DenseChatFormat):
