@@ -8,12 +8,13 @@ model only through what it returns.
 from __future__ import annotations
 
 import importlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .family import read_json
 
 # family name -> module on the adapter path
 FAMILIES: dict[str, str] = {
@@ -36,12 +37,8 @@ def family_module(name: str):
 
 def family_of_dir(model_dir: Path) -> str:
     path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise ModelSpecError(f"{model_dir}: no config.json; --model takes a checkpoint dir, a preset name, or nothing")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelSpecError(f"{path}: not valid JSON ({exc})") from None
+    raw = read_json(path, ModelSpecError,
+                    f"{model_dir}: no config.json; --model takes a checkpoint dir, a preset name, or nothing")
     model_type = raw.get("model_type") or (raw.get("text_config") or {}).get("model_type")
     for name, module in FAMILIES.items():
         if model_type in importlib.import_module(module).MODEL_TYPES:

@@ -4,6 +4,7 @@ names no family, each family builds one `FamilyParts` and exports its methods.""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -44,3 +45,14 @@ class FamilyParts:
 
     def is_preset(self, name: str) -> bool:
         return name.lower() in self.presets or name.lower() in self.preset_aliases
+
+
+def read_json(path: Path, error: type[Exception], missing: str) -> Any:
+    """The JSON a file holds; `error(missing)` where there is no such file, `error` naming it where its text is not
+    JSON (the registry and each family's config reader, each with its own error and its own hint)."""
+    if not path.is_file():
+        raise error(missing)
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise error(f"{path}: not valid JSON ({exc})") from None

@@ -7,10 +7,11 @@ looked at, not silently half-read.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ..family import read_json
 
 
 class ConfigError(ValueError):
@@ -115,14 +116,16 @@ def _check_known(where: str, data: dict[str, Any], known: set[str]) -> None:
         )
 
 
-def _require(where: str, data: dict[str, Any], name: str, kind: type) -> Any:
+def require_field(where: str, data: dict[str, Any], name: str, kind: type, positive: bool = False) -> Any:
+    """data[name], of type `kind` (an int is taken for a float, a bool is no int) and above 0 where `positive`."""
     if name not in data:
         raise ConfigError(f"{where}: missing required field {name!r}")
     value = data[name]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ConfigError(f"{where}: field {name!r} must be {kind.__name__}, got {value!r}")
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)) or (positive and value <= 0):
+        raise ConfigError(f"{where}: field {name!r} must be {'a positive ' if positive else ''}{kind.__name__}, "
+                          f"got {value!r}")
     return value
 
 
@@ -145,7 +148,7 @@ def parse_config(raw: dict[str, Any], where: str = "config.json") -> TextConfig:
         text = raw
     _check_known(where, text, _TEXT_FIELDS | _TEXT_IGNORED)
 
-    num_layers = _require(where, text, "num_hidden_layers", int)
+    num_layers = require_field(where, text, "num_hidden_layers", int)
     layer_types = text.get("layer_types")
     if layer_types is None:
         interval = text.get("full_attention_interval", 4)
@@ -174,15 +177,15 @@ def parse_config(raw: dict[str, Any], where: str = "config.json") -> TextConfig:
     eos = text.get("eos_token_id", raw.get("eos_token_id"))
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
     tie = text.get("tie_word_embeddings", wrapper_tie if wrapper_tie is not None else False)
-    hidden = _require(where, text, "hidden_size", int)
-    heads = _require(where, text, "num_attention_heads", int)
+    hidden = require_field(where, text, "hidden_size", int)
+    heads = require_field(where, text, "num_attention_heads", int)
     cfg = TextConfig(
-        vocab_size=_require(where, text, "vocab_size", int),
+        vocab_size=require_field(where, text, "vocab_size", int),
         hidden_size=hidden,
-        intermediate_size=_require(where, text, "intermediate_size", int),
+        intermediate_size=require_field(where, text, "intermediate_size", int),
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
-        num_key_value_heads=_require(where, text, "num_key_value_heads", int),
+        num_key_value_heads=require_field(where, text, "num_key_value_heads", int),
         head_dim=int(text.get("head_dim") or hidden // heads),
         layer_types=tuple(layer_types),
         rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
@@ -209,12 +212,12 @@ def parse_config(raw: dict[str, Any], where: str = "config.json") -> TextConfig:
     return cfg
 
 
-def load_config(model_dir: Path) -> TextConfig:
+def read_config_json(model_dir: Path) -> tuple[Any, str]:
+    """A checkpoint dir's config.json as JSON, and where it is (what a reader's errors name)."""
     path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{path}: not found; --model must name a checkpoint directory with a config.json")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
-    return parse_config(raw, where=str(path))
+    missing = f"{path}: not found; --model must name a checkpoint directory with a config.json"
+    return read_json(path, ConfigError, missing), str(path)
+
+
+def load_config(model_dir: Path) -> TextConfig:
+    return parse_config(*read_config_json(model_dir))

@@ -8,12 +8,11 @@ neither reader knows is refused by name.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from ..qwen3_5.config import ConfigError, TextConfig
+from ..qwen3_5.config import ConfigError, TextConfig, read_config_json, require_field
 from ..qwen3_5.config import parse_config as parse_dense_config
 
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
@@ -41,15 +40,6 @@ class MoeTextConfig(TextConfig):
     shared_expert_intermediate_size: int = 0
 
 
-def _positive_int(where: str, text: dict[str, Any], name: str) -> int:
-    if name not in text:
-        raise ConfigError(f"{where}: missing required field {name!r}")
-    value = text[name]
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"{where}: field {name!r} must be a positive int, got {value!r}")
-    return value
-
-
 def parse_config(raw: dict[str, Any], where: str = "config.json") -> MoeTextConfig:
     """Turn a Qwen3.5-MoE config.json dict into a MoeTextConfig, refusing what it does not know."""
     if not isinstance(raw, dict):
@@ -67,7 +57,7 @@ def parse_config(raw: dict[str, Any], where: str = "config.json") -> MoeTextConf
     if text_type is not None and text_type not in MODEL_TYPES:
         raise ConfigError(f"{text_where}: model_type {text_type!r} is not a Qwen3.5-MoE text model")
 
-    moe = {name: _positive_int(text_where, text, name) for name in _MOE_REQUIRED}
+    moe = {name: require_field(text_where, text, name, int, positive=True) for name in _MOE_REQUIRED}
     if moe["num_experts_per_tok"] > moe["num_experts"]:
         raise ConfigError(f"{text_where}: num_experts_per_tok {moe['num_experts_per_tok']} exceeds num_experts "
                           f"{moe['num_experts']}")
@@ -91,14 +81,7 @@ def parse_config(raw: dict[str, Any], where: str = "config.json") -> MoeTextConf
 
 
 def load_config(model_dir: Path) -> MoeTextConfig:
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{path}: not found; --model must name a checkpoint directory with a config.json")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
-    return parse_config(raw, where=str(path))
+    return parse_config(*read_config_json(model_dir))
 
 
 __all__ = ["ConfigError", "MODEL_TYPES", "MoeTextConfig", "load_config", "parse_config"]
