@@ -178,7 +178,8 @@ def test_agents_live_shapes_follow_the_trace(tmp_path):
 def test_spec_measure_times_a_verify_against_a_decode_step(tmp_path, cache_dir):
     """The verify-cost benchmark on the embedded model (the graphs' CPU rehearsal): a row a batch and draft
     length, each with its ratio to the decode round, the oracle drafter's loop (its ids plain decoding's: on
-    the CPU's torch twins no near-tie turns up here) and, at the published lengths, the projection."""
+    the CPU's torch twins no near-tie turns up here) and, at the published lengths, the projection; and the MTP
+    cycle's rows (verify, keep and the rounds' own draft) on a tiny model with an MTP head."""
     out = subprocess.run([sys.executable, "benchmarks/spec_measure.py", "--tiny", "--out", str(tmp_path)], cwd=ROOT,
                          capture_output=True, text=True, timeout=600, env={**os.environ, "QSE_CACHE_DIR": str(cache_dir)})
     assert out.returncode == 0, out.stderr[-2000:]
@@ -193,3 +194,9 @@ def test_spec_measure_times_a_verify_against_a_decode_step(tmp_path, cache_dir):
         assert r["oracle_x_plain"] == round(r["oracle_tokens_per_s"] / r["plain_tokens_per_s"], 3)
     assert set(result["goals"]) == {"verify_4_rows_le_1.15x_step", "oracle_k3_ge_2.5x_plain_batch_1",
                                     "projected_ge_1.8x_at_2.5", "batch_2_not_slower_at_2.5"}
+    assert result["mtp_preset"] == "tiny-mtp"
+    assert [(r["batch"], r["k"]) for r in result["mtp_rows"]] == [(b, k) for b in (1, 2) for k in (1, 2, 3)]
+    for r in result["mtp_rows"]:
+        assert r["verify_ms"] > 0 and r["draft_ms"] > 0 and r["cycle_ms"] > 0 and r["decode_round_ms"] > 0
+        assert r["x_decode_round"] == round(r["cycle_ms"] / r["decode_round_ms"], 4)
+        assert r["projected_x_plain"] == round(r["published_tokens_per_step"] / r["x_decode_round"], 3)
