@@ -1,32 +1,44 @@
 """Qwen3.5-MoE's sparse MLP block in Triton, batch-invariant; the naive twins are in moe_naive.py (the math,
 the layouts, the tie rule and the rounding points are written there, and hold here).
 
-One block is five Triton launches and a few small torch ops, none of which waits on the host (a CUDA
-graph can hold it):
+A block takes one of two paths, chosen by T alone (DIRECT_MAX_TOKENS); both give the same bits for a row.
+Nothing waits on the host and nothing but Triton kernels runs (a CUDA graph holds the block):
 
-    router   logits [T, E] = x @ router_w^T                           _dense_kernel
-    route    softmax (fp32), top-k by logit (lower index on ties),
-             renormalised weights [T, k], the pairs' int32 sort keys   _route_kernel, a program a token
-    plan     (token, expert) pairs grouped by expert: a stable sort of
-             the pairs' expert ids, each expert's segment cut into
-             BLOCK_M-row blocks, a block -> expert table               torch: sort, searchsorted, cumsum
-    gate_up  h [P, I] = silu(x_t @ gate^T) * (x_t @ up^T) per block     _gate_up_kernel
-    down     y [P, H] = h @ down^T per block, stored at the pair's
-             own row (token t, rank r -> t * k + r; no atomics)        _down_kernel
-    combine  out_t = sum_r w_tr * y_tr (+ sigmoid(gate_t) * shared_t)
-             in fp32 in rank order, rounded once                       _combine_kernel, a program a token
+    router   logits [T, E + 1] = x @ [router_w; shared_gate_w]^T: column E
+             is the shared expert's gate logit                           _dense_kernel
+  direct (decode: T <= DIRECT_MAX_TOKENS <= BLOCK_M), three launches:
+    gate_up  a program a pair (token t, rank r): it routes t from the
+             logits (_top_k), and its tile's row 0 is x_t through expert
+             ids[t, r]; one more program holds the shared expert's block
+             of all T tokens; h [P, I] at the pair's row                  _gate_up_kernel, DIRECT
+    down     a program a token and BN columns: for r = 0..k-1 the pair's
+             row through down_e, rounded, weighted and summed in fp32 in
+             rank order, then the shared expert's, rounded once           _down_combine_kernel
+  grouped (chunks), six launches:
+    route    top-k and weights [T, k] (_top_k), the pairs' experts        _route_kernel, a program a token
+    group    each expert's pairs in pair order (a counting sort, a
+             program owning BE experts: no atomics), and their counts     _group_kernel
+    gate_up  h for BLOCK_M rows of one expert a program; every program
+             finds its block from the counts (blocks run expert by
+             expert, then the shared expert's T rows)                     _gate_up_kernel
+    down     y [P, H] = h @ down_e^T, at the pair's own row               _down_kernel
+    combine  out_t = sum_r w_tr * y_tr + sigmoid(gate_t) * shared_t
+             in fp32 in rank order, rounded once                          _combine_kernel, a program a token
 
-The shared expert rides along as expert E: every token gets one more pair (row T * k + t of y), whose weights
-are shared_gate_up / shared_down (its intermediate size may differ from the routed experts').
+Pairs: routed pair t * k + r, and the shared expert (as expert E, whose weights are shared_gate_up /
+shared_down, its intermediate size may differ) pair T * k + t; h and y are indexed by pair on both paths.
 
-Batch invariance (a row's bits never depend on the other rows of the call): every tile shape below is
-pinned, not chosen by T; a tile's K loop runs from 0 upwards in one program (no split-K); the top-k outputs
-are summed in one program per token in rank order; no atomics anywhere. A row's place inside a BLOCK_M tile
-does depend on the other rows, and on a GPU that does not change its bits (a tile product's row is that
-row's dot products; the gpu test checks it bit for bit at the real shapes). Under Triton's interpreter it
-would: tile products go through numpy's BLAS, whose result for a row depends on its place in the tile;
-there (ROW_EXACT) the kernels multiply by broadcasting and sum over K instead, which is exact per row, so
-the interpreted tests can check invariance bit for bit.
+Batch invariance (a row's bits never depend on the other rows of the call, nor on T): every tile shape below
+is pinned, not chosen by T, and the same on both paths (BLOCK_M rows, the same BN and BK, the same warps); a
+tile's K loop runs from 0 upwards in one program (no split-K); the k outputs of a token are summed in one
+program in rank order with the same fused multiply-adds on both paths; the routing weights come from scalar
+arithmetic in rank order (_top_k), never a sum across lanes, so no launch's lane layout reaches them; no
+atomics. A row's place inside a BLOCK_M tile, and which other rows share the tile, differ between the paths
+and with T. On a GPU that does not change its bits (a tile product's row is that row's dot products; the gpu
+tests check it bit for bit at the real shapes, across T and across the two paths). Under Triton's
+interpreter it would: tile products go through numpy's BLAS, whose result for a row depends on its place in
+the tile; there (ROW_EXACT) the kernels multiply by broadcasting and sum over K instead, which is exact per
+row, so the interpreted tests can check invariance, and the two paths' equality, bit for bit.
 """
 
 from __future__ import annotations
@@ -37,12 +49,20 @@ import triton.language as tl
 
 from . import interpreting
 
-# pinned tiles, for every T (see the docstring): a block of BLOCK_M (token, expert) rows of one expert
+# pinned tiles, for every T and both paths (see the docstring): a block of BLOCK_M (token, expert) rows of one expert
 BLOCK_M = 16  # a chunk of 512 tokens at top-8 over 256 experts is 16 rows an expert on average
 GATE_UP_BLOCK_N, GATE_UP_BLOCK_K = 32, 128  # gate and up: 2 x 32 columns a program
-DOWN_BLOCK_N, DOWN_BLOCK_K = 64, 128
-ROUTER_BLOCK_N, ROUTER_BLOCK_K = 16, 256  # 16 programs for one token: its 1 MB of router weight in parallel
+DOWN_BLOCK_N, DOWN_BLOCK_K = 32, 128  # 64 programs for one decode token's down (H = 2048)
+ROUTER_BLOCK_N, ROUTER_BLOCK_K = 16, 256  # 17 programs for one token: its 1 MB of router weight in parallel
 NUM_WARPS, NUM_STAGES = 4, 3
+# the direct path up to this many tokens, the grouped one above: a choice of speed only (both give the same
+# bits); at most BLOCK_M, so that the shared expert's rows are one tile. Pinned from benchmarks/moe_block_bench.py.
+DIRECT_MAX_TOKENS = 16
+# the direct down's pipeline depth: its K loop runs over all k experts of a token, so with few programs (a
+# decode token has H / DOWN_BLOCK_N) the loads in flight come from depth (the stage count changes no bits)
+DIRECT_DOWN_STAGES = 4
+GROUP_BLOCK_E, GROUP_BLOCK_T = 16, 64  # the counting sort: BE experts a program, BT tokens a step
+assert DIRECT_MAX_TOKENS <= BLOCK_M
 
 
 @triton.jit
@@ -58,13 +78,16 @@ def _dot_acc(acc, b_a, b_b, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _dense_kernel(
-    x_ptr, w_ptr, y_ptr, num_rows, num_cols, depth, stride_x, stride_w, stride_y,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr,
+    x_ptr, w_ptr, w_last_ptr, y_ptr, num_rows, num_cols, depth, stride_x, stride_w, stride_y,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_LAST: tl.constexpr, ROW_EXACT: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
-    """y [M, N] = x [M, K] @ w [N, K]^T, one BM x BN tile a program (the router's logits)."""
+    """y [M, N (+1)] = x [M, K] @ w [N, K]^T, one BM x BN tile a program (the router's logits); with HAS_LAST
+    one more column N from w_last [1, K] (the shared gate's logit)."""
     o_m = tl.program_id(0) * BM + tl.arange(0, BM)
     o_n = tl.program_id(1) * BN + tl.arange(0, BN)
     m_m, m_n = o_m < num_rows, o_n < num_cols
+    is_last = (o_n == num_cols) & (o_n < num_cols + HAS_LAST)
     acc = tl.zeros((BM, BN), tl.float32)
     for k0 in range(0, depth, BK):
         o_k = k0 + tl.arange(0, BK)
@@ -73,65 +96,150 @@ def _dense_kernel(
                       other=0.0)
         b_w = tl.load(w_ptr + o_n[:, None].to(tl.int64) * stride_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :],
                       other=0.0)
+        if HAS_LAST:
+            b_g = tl.load(w_last_ptr + o_n[:, None] * 0 + o_k[None, :], mask=is_last[:, None] & m_k[None, :],
+                          other=0.0)
+            b_w = tl.where(is_last[:, None], b_g, b_w)
         acc = _dot_acc(acc, b_x, b_w, ROW_EXACT, IEEE)
     p_y = y_ptr + o_m[:, None].to(tl.int64) * stride_y + o_n[None, :]
-    tl.store(p_y, acc.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+    tl.store(p_y, acc.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & (m_n | is_last)[None, :])
 
 
 @triton.jit
-def _route_kernel(logits_ptr, ids_ptr, w_ptr, keys_ptr, num_experts, num_routed, stride_l, TOP_K: tl.constexpr,
-                  BE: tl.constexpr, KEYS: tl.constexpr, SHARED: tl.constexpr):
-    """One token: softmax over its E logits (fp32), the TOP_K largest logits (equal ones: the lowest index
-    first) into ids [T, TOP_K] by rank, their probabilities renormalised into w [T, TOP_K]. With KEYS, also
-    the pairs' experts as int32 into keys (the plan's sort keys): t * TOP_K + r, and with SHARED the shared
-    expert E at num_routed + t."""
-    i_t = tl.program_id(0).to(tl.int64)
+def _top_k(logits_ptr, i_t, stride_l, num_experts, TOP_K: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr):
+    """Token i_t's routing from its E logits: (ids [BR] int32, weights [BR] fp32), rank r at lane r < TOP_K.
+    Softmax (fp32) over the E logits, the TOP_K largest logits (equal ones: the lowest index first; NaN counts
+    as -inf), renormalised over the k: weight_r = exp(l_r - l_0) / sum_{j < k} exp(l_j - l_0) (softmax's
+    denominator cancels), the sum scalar by scalar in rank order. No value here is a sum across lanes, whose
+    order would follow the launch's lane layout: every kernel that routes gets the same bits."""
     o_e = tl.arange(0, BE)
     m_e = o_e < num_experts
     b_l = tl.load(logits_ptr + i_t * stride_l + o_e, mask=m_e, other=float("-inf")).to(tl.float32)
     b_l = tl.where(b_l == b_l, b_l, float("-inf"))  # NaN counts as -inf: every rank gets an expert in range
-    b_ex = tl.where(m_e, tl.exp(b_l - tl.max(b_l, 0)), 0.0)
-    b_p = b_ex / tl.sum(b_ex, 0)
-    b_rank = tl.full((BE,), -1, tl.int32)
+    o_r = tl.arange(0, BR)
+    b_ids = tl.zeros((BR,), tl.int32)
+    b_ex = tl.zeros((BR,), tl.float32)
+    is_free = m_e
+    top = tl.max(b_l, 0)  # rank 0's logit
+    denom = top * 0.0
     for r in tl.static_range(TOP_K):
-        is_free = m_e & (b_rank < 0)
         best = tl.max(tl.where(is_free, b_l, float("-inf")), 0)
         pick = tl.min(tl.where(is_free & (b_l == best), o_e, BE), 0)  # the tie rule, explicit
-        b_rank = tl.where(o_e == pick, r, b_rank)
-    is_top = b_rank >= 0
-    b_w = b_p / tl.sum(tl.where(is_top, b_p, 0.0), 0)
-    tl.store(ids_ptr + i_t * TOP_K + b_rank, o_e.to(tl.int64), mask=is_top)
-    tl.store(w_ptr + i_t * TOP_K + b_rank, b_w.to(w_ptr.dtype.element_ty), mask=is_top)
-    if KEYS:
-        tl.store(keys_ptr + i_t * TOP_K + b_rank, o_e, mask=is_top)
-        if SHARED:
-            tl.store(keys_ptr + num_routed + i_t, num_experts)
+        is_free = is_free & (o_e != pick)
+        ex = tl.exp(best - top)
+        denom = ex if r == 0 else denom + ex
+        b_ids = tl.where(o_r == r, pick, b_ids)
+        b_ex = tl.where(o_r == r, ex, b_ex)
+    return b_ids, b_ex / denom
 
 
 @triton.jit
-def _block_rows(e, order_ptr, block_end_ptr, bounds_ptr, num_routed, top_k, BM: tl.constexpr):
-    """The rows of this program's block, of expert e: (their places in the sorted order, their mask, their
-    pairs, their tokens). bounds[e]..bounds[e + 1] are expert e's rows in `order` (pair ids sorted by
-    expert); block_end[e] is the number of blocks of experts 0..e."""
+def _route_kernel(logits_ptr, ids_ptr, w_ptr, num_experts, stride_l, TOP_K: tl.constexpr, BE: tl.constexpr,
+                  BR: tl.constexpr):
+    """One token: ids [T, TOP_K] (int64, or int32 for the group kernel's keys) and w [T, TOP_K] by rank."""
+    i_t = tl.program_id(0).to(tl.int64)
+    b_ids, b_w = _top_k(logits_ptr, i_t, stride_l, num_experts, TOP_K, BE, BR)
+    o_r = tl.arange(0, BR)
+    tl.store(ids_ptr + i_t * TOP_K + o_r, b_ids.to(ids_ptr.dtype.element_ty), mask=o_r < TOP_K)
+    tl.store(w_ptr + i_t * TOP_K + o_r, b_w.to(w_ptr.dtype.element_ty), mask=o_r < TOP_K)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _group_kernel(keys_ptr, order_ptr, counts_ptr, num_tokens, num_experts, cap, TOP_K: tl.constexpr,
+                  BE: tl.constexpr, BT: tl.constexpr):
+    """Experts BE * program .. + BE: each one's pairs t * k + r (keys [T, k] int32 in 0..E-1, their experts)
+    in pair order, order[e * cap + j] for j < counts[e]: a stable counting sort, each program owning its
+    experts (no atomics). cap bounds an expert's pairs (T where a token's k experts differ)."""
+    o_e = tl.program_id(0) * BE + tl.arange(0, BE)
+    m_e = o_e < num_experts
+    p_row = order_ptr + o_e.to(tl.int64) * cap
+    seen = tl.zeros((BE,), tl.int32)
+    for t0 in range(0, num_tokens, BT):
+        o_t = t0 + tl.arange(0, BT)
+        m_t = o_t < num_tokens
+        hits = tl.zeros((BT, BE), tl.int32)
+        for r in tl.static_range(TOP_K):
+            b_k = tl.load(keys_ptr + o_t * TOP_K + r, mask=m_t, other=-1)
+            hits += (b_k[:, None] == o_e[None, :]).to(tl.int32)
+        # each (token, expert): the expert's pairs before the token's first one (earlier steps, earlier tokens)
+        before = seen[None, :] + tl.cumsum(hits, 0) - hits
+        for r in tl.static_range(TOP_K):  # a token may name one expert twice (moe_experts): rank order
+            b_k = tl.load(keys_ptr + o_t * TOP_K + r, mask=m_t, other=-1)
+            hit = (b_k[:, None] == o_e[None, :]) & m_e[None, :]
+            pair = (o_t * TOP_K + r)[:, None] + tl.zeros((BT, BE), tl.int32)
+            tl.store(p_row[None, :] + before, pair, mask=hit)
+            before += hit.to(tl.int32)
+        seen += tl.sum(hits, 0)
+    tl.store(counts_ptr + o_e, seen, mask=m_e)
+
+
+@triton.jit
+def _grouped_rows(order_ptr, counts_ptr, num_experts, num_routed, num_shared, cap, top_k, BM: tl.constexpr,
+                  BE: tl.constexpr):
+    """This program's block: (its expert e, its rows' mask [BM], pairs [BM], tokens [BM]). Blocks run expert
+    by expert, ceil(counts[e] / BM) an expert (rows order[e * cap + j]), then the shared expert's (e = E,
+    pairs num_routed + t in token order); past the last block e = E + 1."""
     i_b = tl.program_id(0)
-    lo, hi = tl.load(bounds_ptr + e), tl.load(bounds_ptr + e + 1)
-    first_block = tl.load(block_end_ptr + e) - (hi - lo + BM - 1) // BM
-    o_m = lo + (i_b - first_block) * BM + tl.arange(0, BM)
-    m_m = o_m < hi
-    pair = tl.load(order_ptr + o_m, mask=m_m, other=0)
-    # routed pair t * k + r, or the shared expert's pair num_routed + t
+    o_e = tl.arange(0, BE)
+    m_e = o_e < num_experts
+    b_c = tl.load(counts_ptr + o_e, mask=m_e, other=0)
+    b_nb = (b_c + BM - 1) // BM
+    b_end = tl.cumsum(b_nb, 0)  # the blocks of experts 0..e
+    routed_blocks = tl.sum(b_nb, 0)
+    is_routed = i_b < routed_blocks
+    e_r = tl.sum(((b_end <= i_b) & m_e).to(tl.int32), 0)
+    first = tl.sum(tl.where(o_e == e_r, b_end - b_nb, 0), 0)
+    count_r = tl.sum(tl.where(o_e == e_r, b_c, 0), 0)
+    j = tl.where(is_routed, i_b - first, i_b - routed_blocks)
+    count = tl.where(is_routed, count_r, num_shared)
+    o_j = j * BM + tl.arange(0, BM)
+    m_m = o_j < count
+    e = tl.where(is_routed, e_r, tl.where(j * BM < num_shared, num_experts, num_experts + 1))
+    routed = tl.load(order_ptr + e_r.to(tl.int64) * cap + o_j, mask=tl.where(is_routed, m_m, False), other=0)
+    pair = tl.where(is_routed, routed, num_routed + o_j)
     token = tl.where(pair < num_routed, pair // top_k, pair - num_routed)
-    return o_m, m_m, pair, token
+    return e, m_m, pair, token
 
 
-@triton.jit(do_not_specialize=["num_routed"])
+@triton.jit
+def _direct_rows(logits_ptr, ids_ptr, w_ptr, num_tokens, num_experts, stride_l, TOP_K: tl.constexpr,
+                 BM: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr):
+    """Direct: program p < T * k is pair p alone (token p // k, rank p % k, at row 0 of its tile), its
+    expert read off the token's routing here; program T * k is the shared expert's block, all T <= BM tokens
+    in token order. Each token's rank-0 program of column tile 0 stores its routing (ids, weights) for the
+    down. Returns as _grouped_rows."""
+    i_p = tl.program_id(0)
+    num_routed = num_tokens * TOP_K
+    is_routed = i_p < num_routed
+    i_t = tl.minimum(i_p // TOP_K, num_tokens - 1)  # (the shared block's program routes a token it does not use)
+    b_ids, b_w = _top_k(logits_ptr, i_t.to(tl.int64), stride_l, num_experts, TOP_K, BE, BR)
+    o_r = tl.arange(0, BR)
+    if (i_p < num_routed) and (i_p % TOP_K == 0) and (tl.program_id(1) == 0):
+        tl.store(ids_ptr + i_t * TOP_K + o_r, b_ids, mask=o_r < TOP_K)
+        tl.store(w_ptr + i_t * TOP_K + o_r, b_w.to(w_ptr.dtype.element_ty), mask=o_r < TOP_K)
+    o_m = tl.arange(0, BM)
+    e = tl.where(is_routed, tl.sum(tl.where(o_r == i_p % TOP_K, b_ids, 0), 0), num_experts)
+    m_m = tl.where(is_routed, o_m == 0, o_m < num_tokens)
+    pair = tl.where(is_routed, i_p + o_m * 0, num_routed + o_m)
+    token = tl.where(is_routed, i_t + o_m * 0, o_m)
+    return e, m_m, pair, token
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
 def _gate_up_kernel(
-    x_ptr, w_ptr, ws_ptr, h_ptr, order_ptr, block_expert_ptr, block_end_ptr, bounds_ptr,
-    num_routed, top_k, num_experts, inter, inter_s, hidden, stride_x, stride_we, stride_h,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr,
+    x_ptr, w_ptr, ws_ptr, h_ptr, logits_ptr, ids_ptr, wts_ptr, order_ptr, counts_ptr,
+    num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap, stride_x, stride_we, stride_h, stride_l,
+    TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr,
+    DIRECT: tl.constexpr, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """h[row] = silu(x_t @ gate_e^T) * (x_t @ up_e^T) for a block's rows, BN columns of each."""
-    e = tl.load(block_expert_ptr + tl.program_id(0))
+    """h[pair] = silu(x_t @ gate_e^T) * (x_t @ up_e^T) for a tile's rows, BN columns of each; the rows from
+    _direct_rows (DIRECT) or _grouped_rows."""
+    if DIRECT:
+        e, m_m, pair, token = _direct_rows(logits_ptr, ids_ptr, wts_ptr, num_tokens, num_experts, stride_l, TOP_K,
+                                           BM, BE, BR)
+    else:
+        e, m_m, pair, token = _grouped_rows(order_ptr, counts_ptr, num_experts, num_tokens * TOP_K, num_shared, cap,
+                                            TOP_K, BM, BE)
     if e > num_experts:  # past the last block
         return
     if e == num_experts:  # the shared expert: [2 Is, H]
@@ -143,7 +251,6 @@ def _gate_up_kernel(
     n0 = tl.program_id(1) * BN
     if n0 >= width:
         return
-    o_m, m_m, _, token = _block_rows(e, order_ptr, block_end_ptr, bounds_ptr, num_routed, top_k, BM)
     o_n = n0 + tl.arange(0, BN)
     m_n = o_n < width
     acc_g = tl.zeros((BM, BN), tl.float32)
@@ -164,17 +271,20 @@ def _gate_up_kernel(
     b_g = acc_g.to(dt).to(tl.float32)
     b_act = (b_g * tl.sigmoid(b_g)).to(dt)
     b_h = b_act.to(tl.float32) * acc_u.to(dt).to(tl.float32)
-    tl.store(h_ptr + o_m[:, None].to(tl.int64) * stride_h + o_n[None, :], b_h.to(dt), mask=m_m[:, None] & m_n[None, :])
+    tl.store(h_ptr + pair[:, None].to(tl.int64) * stride_h + o_n[None, :], b_h.to(dt),
+             mask=m_m[:, None] & m_n[None, :])
 
 
-@triton.jit(do_not_specialize=["num_routed"])
+@triton.jit(do_not_specialize=["num_tokens"])
 def _down_kernel(
-    h_ptr, w_ptr, ws_ptr, y_ptr, order_ptr, block_expert_ptr, block_end_ptr, bounds_ptr,
-    num_routed, top_k, num_experts, inter, inter_s, hidden, stride_h, stride_we, stride_y,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr,
+    h_ptr, w_ptr, ws_ptr, y_ptr, order_ptr, counts_ptr,
+    num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap, stride_h, stride_we, stride_y,
+    TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr,
+    ROW_EXACT: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """y[pair] = h[row] @ down_e^T for a block's rows, BN of the H columns; each row lands at its pair's row."""
-    e = tl.load(block_expert_ptr + tl.program_id(0))
+    """Grouped: y[pair] = h[pair] @ down_e^T for a block's rows, BN of the H columns."""
+    e, m_m, pair, _ = _grouped_rows(order_ptr, counts_ptr, num_experts, num_tokens * TOP_K, num_shared, cap, TOP_K,
+                                    BM, BE)
     if e > num_experts:
         return
     if e == num_experts:  # the shared expert: [H, Is]
@@ -183,14 +293,13 @@ def _down_kernel(
     else:  # [E, H, I]
         p_w = w_ptr + e.to(tl.int64) * stride_we
         depth = inter
-    o_m, m_m, pair, _ = _block_rows(e, order_ptr, block_end_ptr, bounds_ptr, num_routed, top_k, BM)
     o_n = tl.program_id(1) * BN + tl.arange(0, BN)
     m_n = o_n < hidden
     acc = tl.zeros((BM, BN), tl.float32)
     for k0 in range(0, depth, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < depth
-        b_h = tl.load(h_ptr + o_m[:, None].to(tl.int64) * stride_h + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
+        b_h = tl.load(h_ptr + pair[:, None].to(tl.int64) * stride_h + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
                       other=0.0)
         b_w = tl.load(p_w + o_n[:, None].to(tl.int64) * depth + o_k[None, :], mask=m_n[:, None] & m_k[None, :],
                       other=0.0)
@@ -199,83 +308,124 @@ def _down_kernel(
     tl.store(p_y, acc.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
-@triton.jit(do_not_specialize=["num_routed"])
+@triton.jit(do_not_specialize=["num_tokens"])
 def _combine_kernel(
-    y_ptr, w_ptr, x_ptr, gw_ptr, out_ptr, num_routed, hidden, stride_y, stride_x, stride_out,
+    y_ptr, w_ptr, logits_ptr, out_ptr, num_tokens, num_experts, hidden, stride_y, stride_l, stride_out,
     TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BH: tl.constexpr,
 ):
-    """One token: out = sum_r w[t, r] * y[t * k + r] (+ sigmoid(x_t . gw) * y[num_routed + t]) in fp32,
-    in rank order, rounded once."""
+    """Grouped, one token: out = sum_r w[t, r] * y[t * k + r] (+ sigmoid(logits[t, E]) * y[T * k + t]) in
+    fp32, in rank order (fused multiply-adds, as _down_combine_kernel's), rounded once."""
     i_t = tl.program_id(0).to(tl.int64)
     o_h = tl.arange(0, BH)
     m_h = o_h < hidden
     acc = tl.zeros((BH,), tl.float32)
     for r in tl.static_range(TOP_K):
         b_w = tl.load(w_ptr + i_t * TOP_K + r).to(tl.float32)
-        acc += b_w * tl.load(y_ptr + (i_t * TOP_K + r) * stride_y + o_h, mask=m_h, other=0.0).to(tl.float32)
+        b_y = tl.load(y_ptr + (i_t * TOP_K + r) * stride_y + o_h, mask=m_h, other=0.0).to(tl.float32)
+        acc = tl.fma(b_w, b_y, acc)
     if HAS_SHARED:
-        b_x = tl.load(x_ptr + i_t * stride_x + o_h, mask=m_h, other=0.0).to(tl.float32)
-        b_gw = tl.load(gw_ptr + o_h, mask=m_h, other=0.0).to(tl.float32)
-        gate = tl.sum(b_x * b_gw, 0).to(out_ptr.dtype.element_ty).to(tl.float32)  # the logit rounded, as F.linear
-        b_s = tl.load(y_ptr + (num_routed + i_t) * stride_y + o_h, mask=m_h, other=0.0).to(tl.float32)
-        acc += tl.sigmoid(gate) * b_s
+        gate = tl.sigmoid(tl.load(logits_ptr + i_t * stride_l + num_experts).to(tl.float32))
+        b_s = tl.load(y_ptr + (num_tokens * TOP_K + i_t) * stride_y + o_h, mask=m_h, other=0.0).to(tl.float32)
+        acc = tl.fma(gate, b_s, acc)
     tl.store(out_ptr + i_t * stride_out + o_h, acc.to(out_ptr.dtype.element_ty), mask=m_h)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _down_combine_kernel(
+    h_ptr, w_ptr, ws_ptr, ids_ptr, wts_ptr, logits_ptr, out_ptr,
+    num_tokens, num_experts, inter, inter_s, hidden, stride_h, stride_we, stride_l, stride_out,
+    TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROW_EXACT: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Direct, one token and BN columns: its k pairs' rows through their experts' down (row 0 of a BM tile,
+    the grouped down's tile), each rounded to the dtype as y is, then weighted and summed in fp32 in rank
+    order, then the shared expert's the same way: _down_kernel and _combine_kernel in one pass, their bits.
+    One K loop runs over all k experts (k * ceil(I / BK) steps), so the pipeline stays full across them."""
+    i_t = tl.program_id(0).to(tl.int64)
+    dt = out_ptr.dtype.element_ty
+    o_m = tl.arange(0, BM)
+    m_row = o_m == 0
+    o_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    m_n = o_n < hidden
+    num_k = tl.cdiv(inter, BK)
+    acc = tl.zeros((BM, BN), tl.float32)
+    out = tl.zeros((BM, BN), tl.float32)
+    for i in range(0, TOP_K * num_k):
+        r = i // num_k
+        k0 = (i - r * num_k) * BK
+        e = tl.load(ids_ptr + i_t * TOP_K + r)
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < inter
+        b_h = tl.load(h_ptr + (i_t * TOP_K + r) * stride_h + o_m[:, None] * 0 + o_k[None, :],
+                      mask=m_row[:, None] & m_k[None, :], other=0.0)
+        b_w = tl.load(w_ptr + e.to(tl.int64) * stride_we + o_n[:, None].to(tl.int64) * inter + o_k[None, :],
+                      mask=m_n[:, None] & m_k[None, :], other=0.0)
+        acc = _dot_acc(acc, b_h, b_w, ROW_EXACT, IEEE)
+        is_end = k0 + BK >= inter  # the pair's last step: fold it in rank order, start the next one from zero
+        b_wt = tl.load(wts_ptr + i_t * TOP_K + r).to(tl.float32)
+        out = tl.where(is_end, tl.fma(b_wt, acc.to(dt).to(tl.float32), out), out)
+        acc = tl.where(is_end, 0.0, acc)
+    for k0 in range(0, inter_s, BK):  # the shared expert: [H, Is]
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < inter_s
+        b_h = tl.load(h_ptr + (num_tokens * TOP_K + i_t) * stride_h + o_m[:, None] * 0 + o_k[None, :],
+                      mask=m_row[:, None] & m_k[None, :], other=0.0)
+        b_w = tl.load(ws_ptr + o_n[:, None].to(tl.int64) * inter_s + o_k[None, :], mask=m_n[:, None] & m_k[None, :],
+                      other=0.0)
+        acc = _dot_acc(acc, b_h, b_w, ROW_EXACT, IEEE)
+    gate = tl.sigmoid(tl.load(logits_ptr + i_t * stride_l + num_experts).to(tl.float32))
+    out = tl.fma(gate, acc.to(dt).to(tl.float32), out)
+    p_out = out_ptr + i_t * stride_out + o_m[:, None] * 0 + o_n[None, :]
+    tl.store(p_out, out.to(dt), mask=m_row[:, None] & m_n[None, :])
 
 
 def _dot_flags(dtype: torch.dtype) -> dict:
     return dict(ROW_EXACT=interpreting(), IEEE=dtype == torch.float32)
 
 
-def router_logits(x: torch.Tensor, router_w: torch.Tensor) -> torch.Tensor:
-    """x [T, H] @ router_w [E, H]^T -> [T, E] in x's dtype, one pinned tiling for every T."""
+def _router(x: torch.Tensor, router_w: torch.Tensor, gate_w: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H] @ router_w [E, H]^T -> [T, E] in x's dtype, one pinned tiling for every T; with gate_w [1, H],
+    [T, E + 1] whose column E is the shared gate's logit (columns 0..E-1 the same bits either way)."""
     num_tokens, hidden = x.shape
     num_experts = router_w.shape[0]
-    logits = torch.empty(num_tokens, num_experts, dtype=x.dtype, device=x.device)
+    has_last = gate_w is not None
+    logits = torch.empty(num_tokens, num_experts + has_last, dtype=x.dtype, device=x.device)
     if num_tokens:
-        grid = (triton.cdiv(num_tokens, BLOCK_M), triton.cdiv(num_experts, ROUTER_BLOCK_N))
-        _dense_kernel[grid](x, router_w, logits, num_tokens, num_experts, hidden, x.stride(0), router_w.stride(0),
-                            logits.stride(0), BM=BLOCK_M, BN=ROUTER_BLOCK_N, BK=ROUTER_BLOCK_K, **_dot_flags(x.dtype),
-                            num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        grid = (triton.cdiv(num_tokens, BLOCK_M), triton.cdiv(num_experts + has_last, ROUTER_BLOCK_N))
+        _dense_kernel[grid](x, router_w, gate_w if has_last else router_w, logits, num_tokens, num_experts, hidden,
+                            x.stride(0), router_w.stride(0), logits.stride(0), BM=BLOCK_M, BN=ROUTER_BLOCK_N,
+                            BK=ROUTER_BLOCK_K, HAS_LAST=has_last, **_dot_flags(x.dtype), num_warps=NUM_WARPS,
+                            num_stages=NUM_STAGES)
     return logits
+
+
+def router_logits(x: torch.Tensor, router_w: torch.Tensor) -> torch.Tensor:
+    """x [T, H] @ router_w [E, H]^T -> [T, E] in x's dtype, one pinned tiling for every T (moe_block's
+    routing logits, bit for bit)."""
+    return _router(x, router_w)
+
+
+def _route_sizes(num_experts: int, top_k: int) -> dict:
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"top_k must be in 1..{num_experts} (the number of experts); got {top_k}")
+    return dict(TOP_K=top_k, BE=triton.next_power_of_2(num_experts), BR=triton.next_power_of_2(top_k))
+
+
+def _route(logits: torch.Tensor, num_experts: int, top_k: int, ids_dtype: torch.dtype):
+    """logits [T, >= E] (columns 0..E-1 the experts') -> (ids [T, k] ids_dtype, weights [T, k] logits' dtype)."""
+    num_tokens = logits.shape[0]
+    sizes = _route_sizes(num_experts, top_k)
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    ids = torch.empty(num_tokens, top_k, dtype=ids_dtype, device=logits.device)
+    weights = torch.empty(num_tokens, top_k, dtype=logits.dtype, device=logits.device)
+    if num_tokens:
+        _route_kernel[(num_tokens,)](logits, ids, weights, num_experts, logits.stride(0), **sizes)
+    return ids, weights
 
 
 def moe_route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """As moe_naive.moe_route: logits [T, E] -> (ids [T, k] int64, weights [T, k] in logits' dtype)."""
-    return _route(logits, top_k)[:2]
-
-
-def _route(logits: torch.Tensor, top_k: int, with_keys: bool = False, with_shared: bool = False):
-    """moe_route, and with_keys the plan's sort keys [T * k (+ T with_shared)] int32 from the same launch."""
-    num_tokens, num_experts = logits.shape
-    if not 0 < top_k <= num_experts:
-        raise ValueError(f"top_k must be in 1..{num_experts} (the number of experts); got {top_k}")
-    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
-    weights = torch.empty(num_tokens, top_k, dtype=logits.dtype, device=logits.device)
-    num_routed = num_tokens * top_k
-    keys = torch.empty(num_routed + num_tokens * with_shared if with_keys else 0, dtype=torch.int32,
-                       device=logits.device)
-    if num_tokens:
-        _route_kernel[(num_tokens,)](logits, ids, weights, keys, num_experts, num_routed, logits.stride(0),
-                                     TOP_K=top_k, BE=triton.next_power_of_2(num_experts), KEYS=with_keys,
-                                     SHARED=with_shared)
-    return ids, weights, keys
-
-
-def _plan(keys: torch.Tensor, num_experts: int):
-    """The pairs (keys [P] int32, each pair's expert, E for the shared one) grouped by expert: (order [P] pair
-    ids sorted by expert, stable; bounds [E + 2], expert e's rows in order are bounds[e]..bounds[e + 1];
-    block_end [E + 1], the blocks of experts 0..e; block_expert [max_blocks], each block's expert, E + 1 past
-    the last block). Device ops only: nothing waits on the host."""
-    sorted_keys, order = torch.sort(keys, stable=True)
-    arange = torch.arange(num_experts + 2, dtype=torch.int32, device=keys.device)
-    bounds = torch.searchsorted(sorted_keys, arange)
-    block_end = torch.cumsum((bounds[1:] - bounds[:-1] + BLOCK_M - 1) // BLOCK_M, 0)
-    num_pairs = keys.numel()
-    # sum over experts of ceil(rows / BM) <= ceil(P / BM) + (experts with rows)
-    max_blocks = triton.cdiv(num_pairs, BLOCK_M) + min(num_experts + 1, num_pairs)
-    block_expert = torch.searchsorted(block_end, torch.arange(max_blocks, device=keys.device), right=True)
-    return order, bounds, block_end, block_expert, max_blocks
+    return _route(logits, logits.shape[1], top_k, torch.int64)
 
 
 def _check_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
@@ -290,66 +440,116 @@ def _check_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -
         raise ValueError(f"x and the expert weights must share a dtype; got {x.dtype}, {gate_up.dtype}, {down.dtype}")
 
 
-def _grouped_experts(x, keys, weights, gate_up, down, shared=None):
-    """The routed experts (and the shared one as expert E when `shared` = (shared_gate_up, shared_down,
-    shared_gate_w)) on x [T, H] -> [T, H]; keys [T * k (+ T)] int32 are the pairs' experts."""
+def _grouped(x, keys, cap, weights, gate_up, down, shared=None, logits=None):
+    """The grouped path's experts on x [T, H] -> [T, H]: keys [T * k] int32 the routed pairs' experts (an
+    expert at most cap times), weights [T, k]; with shared = (shared_gate_up, shared_down) the shared expert
+    too, its gate logit read from logits[:, E]."""
     num_tokens, hidden = x.shape
     num_experts, top_k, inter = gate_up.shape[0], weights.shape[1], gate_up.shape[1] // 2
     out = torch.empty_like(x)
     if num_tokens == 0:
         return out
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    ws_gate_up, ws_down, ws_gate = shared if shared is not None else (gate_up, down, x)
+    ws_gate_up, ws_down = shared if shared is not None else (gate_up, down)
     inter_s = ws_gate_up.shape[-2] // 2 if shared is not None else inter
-    order, bounds, block_end, block_expert, max_blocks = _plan(keys, num_experts)
+    num_shared = num_tokens if shared is not None else 0
     num_routed = num_tokens * top_k
-    num_pairs = order.numel()
-    h = torch.empty(num_pairs, max(inter, inter_s), dtype=x.dtype, device=x.device)
-    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    table = (order, block_expert, block_end, bounds, num_routed, top_k, num_experts, inter, inter_s, hidden)
-    flags = dict(BM=BLOCK_M, **_dot_flags(x.dtype), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    order = torch.empty(num_experts * cap, dtype=torch.int32, device=x.device)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=x.device)
+    _group_kernel[(triton.cdiv(num_experts, GROUP_BLOCK_E),)](keys, order, counts, num_tokens, num_experts, cap,
+                                                             TOP_K=top_k, BE=GROUP_BLOCK_E, BT=GROUP_BLOCK_T)
+    # sum over experts of ceil(rows / BM) <= ceil(P / BM) + (experts with rows), then the shared expert's blocks
+    max_blocks = triton.cdiv(num_routed, BLOCK_M) + min(num_experts, num_routed) + triton.cdiv(num_shared, BLOCK_M)
+    h = torch.empty(num_routed + num_shared, max(inter, inter_s), dtype=x.dtype, device=x.device)
+    y = torch.empty(num_routed + num_shared, hidden, dtype=x.dtype, device=x.device)
+    sizes = dict(TOP_K=top_k, BM=BLOCK_M, BE=triton.next_power_of_2(num_experts), **_dot_flags(x.dtype),
+                 num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     _gate_up_kernel[(max_blocks, triton.cdiv(max(inter, inter_s), GATE_UP_BLOCK_N))](
-        x, gate_up, ws_gate_up, h, *table, x.stride(0), gate_up.stride(0), h.stride(0),
-        BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, **flags)
+        x, gate_up, ws_gate_up, h, x, order, weights, order, counts, num_tokens, num_shared, num_experts, inter,
+        inter_s, hidden, cap, x.stride(0), gate_up.stride(0), h.stride(0), 0,
+        BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, BR=triton.next_power_of_2(top_k), DIRECT=False, **sizes)
     _down_kernel[(max_blocks, triton.cdiv(hidden, DOWN_BLOCK_N))](
-        h, down, ws_down, y, *table, h.stride(0), down.stride(0), y.stride(0),
-        BN=DOWN_BLOCK_N, BK=DOWN_BLOCK_K, **flags)
+        h, down, ws_down, y, order, counts, num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap,
+        h.stride(0), down.stride(0), y.stride(0), BN=DOWN_BLOCK_N, BK=DOWN_BLOCK_K, **sizes)
     weights = weights if weights.is_contiguous() else weights.contiguous()
-    _combine_kernel[(num_tokens,)](y, weights, x, ws_gate, out, num_routed, hidden, y.stride(0), x.stride(0),
-                                   out.stride(0), TOP_K=top_k, HAS_SHARED=shared is not None,
-                                   BH=triton.next_power_of_2(hidden), num_warps=NUM_WARPS)
+    _combine_kernel[(num_tokens,)](y, weights, logits if logits is not None else y, out, num_tokens, num_experts,
+                                   hidden, y.stride(0), logits.stride(0) if logits is not None else 0, out.stride(0),
+                                   TOP_K=top_k, HAS_SHARED=shared is not None, BH=triton.next_power_of_2(hidden),
+                                   num_warps=NUM_WARPS)
+    return out
+
+
+def _direct(x, logits, gate_up, down, shared, top_k):
+    """The direct path on x [T <= BLOCK_M, H] -> [T, H] (the module docstring); logits [T, E + 1]."""
+    num_tokens, hidden = x.shape
+    num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    ws_gate_up, ws_down = shared
+    inter_s = ws_gate_up.shape[0] // 2
+    num_routed = num_tokens * top_k
+    ids = torch.empty(num_routed, dtype=torch.int32, device=x.device)
+    weights = torch.empty(num_routed, dtype=x.dtype, device=x.device)
+    h = torch.empty(num_routed + num_tokens, max(inter, inter_s), dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x)
+    flags = dict(**_dot_flags(x.dtype), num_warps=NUM_WARPS)
+    _gate_up_kernel[(num_routed + 1, triton.cdiv(max(inter, inter_s), GATE_UP_BLOCK_N))](
+        x, gate_up, ws_gate_up, h, logits, ids, weights, ids, ids, num_tokens, num_tokens, num_experts, inter,
+        inter_s, hidden, 0, x.stride(0), gate_up.stride(0), h.stride(0), logits.stride(0),
+        BM=BLOCK_M, BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, DIRECT=True, num_stages=NUM_STAGES, **_route_sizes(
+            num_experts, top_k), **flags)
+    _down_combine_kernel[(num_tokens, triton.cdiv(hidden, DOWN_BLOCK_N))](
+        h, down, ws_down, ids, weights, logits, out, num_tokens, num_experts, inter, inter_s, hidden, h.stride(0),
+        down.stride(0), logits.stride(0), out.stride(0), TOP_K=top_k, BM=BLOCK_M, BN=DOWN_BLOCK_N, BK=DOWN_BLOCK_K,
+        num_stages=DIRECT_DOWN_STAGES, **flags)
     return out
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                 down: torch.Tensor) -> torch.Tensor:
     """As moe_naive.moe_experts: x [T, H], ids [T, k], weights [T, k], gate_up [E, 2I, H], down [E, H, I]
-    -> sum_r weights[t, r] * expert_{ids[t, r]}(x[t]), [T, H] in x's dtype. ids must lie in 0..E-1 (not
-    checked: that would wait on the device; moe_route's always do)."""
+    -> sum_r weights[t, r] * expert_{ids[t, r]}(x[t]), [T, H] in x's dtype (the grouped path). ids must lie
+    in 0..E-1 (not checked: that would wait on the device; moe_route's always do); a token may name an
+    expert more than once."""
     _check_experts(x, gate_up, down)
     if ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
         raise ValueError(f"ids and weights must both be [T, k] for x [T, H]; got {tuple(ids.shape)}, "
                          f"{tuple(weights.shape)} for {tuple(x.shape)}")
-    return _grouped_experts(x, ids.reshape(-1).to(torch.int32), weights, gate_up, down)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    return _grouped(x, ids.reshape(-1).to(torch.int32), ids.numel(), weights, gate_up, down)
+
+
+PATHS = ("direct", "grouped")
 
 
 def moe_block(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
               shared_gate_up: torch.Tensor, shared_down: torch.Tensor, shared_gate_w: torch.Tensor,
-              top_k: int) -> torch.Tensor:
+              top_k: int, *, path: str | None = None) -> torch.Tensor:
     """As moe_naive.moe_block: Qwen3.5-MoE's sparse MLP block on x [T, H] -> [T, H]; router_w [E, H],
-    gate_up [E, 2I, H], down [E, H, I], shared_gate_up [2Is, H], shared_down [H, Is], shared_gate_w [1, H]."""
+    gate_up [E, 2I, H], down [E, H, I], shared_gate_up [2Is, H], shared_down [H, Is], shared_gate_w [1, H].
+    path: "direct" (T <= BLOCK_M) or "grouped"; None picks by T alone (DIRECT_MAX_TOKENS). Both give the same
+    bits (the module docstring), so the choice is one of speed."""
     _check_experts(x, gate_up, down)
-    hidden = x.shape[1]
+    num_tokens, hidden = x.shape
     inter_s = shared_gate_up.shape[0] // 2
     if (router_w.shape != (gate_up.shape[0], hidden) or shared_gate_up.shape != (2 * inter_s, hidden)
             or shared_down.shape != (hidden, inter_s) or shared_gate_w.shape != (1, hidden)):
         raise ValueError(f"need router_w [E, H], shared_gate_up [2Is, H], shared_down [H, Is], shared_gate_w [1, H]"
                          f" for H = {hidden}; got {tuple(router_w.shape)}, {tuple(shared_gate_up.shape)}, "
                          f"{tuple(shared_down.shape)}, {tuple(shared_gate_w.shape)}")
-    shared = tuple(w.contiguous() for w in (shared_gate_up, shared_down, shared_gate_w))
+    if path is None:
+        path = "direct" if num_tokens <= DIRECT_MAX_TOKENS else "grouped"
+    if path not in PATHS or (path == "direct" and num_tokens > BLOCK_M):
+        raise ValueError(f"path must be one of {PATHS} (direct for at most {BLOCK_M} tokens); got {path!r} for "
+                         f"{num_tokens} tokens")
+    num_experts = gate_up.shape[0]
+    _route_sizes(num_experts, top_k)
+    if num_tokens == 0:
+        return torch.empty_like(x)
+    shared = tuple(w.contiguous() for w in (shared_gate_up, shared_down))
     x = x if x.stride(-1) == 1 else x.contiguous()
-    _, weights, keys = _route(router_logits(x, router_w.contiguous()), top_k, with_keys=True, with_shared=True)
-    return _grouped_experts(x, keys, weights, gate_up, down, shared)
+    logits = _router(x, router_w.contiguous(), shared_gate_w.contiguous())  # [T, E + 1]
+    if path == "direct":
+        return _direct(x, logits, gate_up, down, shared, top_k)
+    keys, weights = _route(logits, num_experts, top_k, torch.int32)
+    return _grouped(x, keys.reshape(-1), num_tokens, weights, gate_up, down, shared, logits)
 
 
-__all__ = ["moe_block", "moe_experts", "moe_route", "router_logits"]
+__all__ = ["DIRECT_MAX_TOKENS", "PATHS", "moe_block", "moe_experts", "moe_route", "router_logits"]
