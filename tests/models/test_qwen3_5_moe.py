@@ -311,6 +311,16 @@ def _reshape(name, shape):
     return lambda state: state.__setitem__(name, torch.zeros(shape))
 
 
+def _assert_refused(source, tmp_path, cache_dir, edit, message):
+    """`source`'s checkpoint with `edit` applied, written to tmp_path: resolve refuses it, saying `message`."""
+    state = load_file(str(source / "model.safetensors"))
+    edit(state)
+    shutil.copy(source / "config.json", tmp_path / "config.json")
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        resolve(str(tmp_path), CPU, torch.float32, cache_dir)
+
+
 @pytest.mark.parametrize("edit,message", [
     (_drop("model.language_model.layers.1.mlp.experts.down_proj"),
      "missing tensor 'layers.1.mlp.experts.down_proj' (shape (6, 48, 24))"),
@@ -326,13 +336,7 @@ def _reshape(name, shape):
 ], ids=["missing-experts", "experts-wrong-shape", "missing-shared-gate", "router-wrong-shape", "unknown-tensor",
         "fp8"])
 def test_a_bad_fused_checkpoint_names_the_tensor(published_b, tmp_path, cache_dir, edit, message):
-    source, _ = published_b
-    state = load_file(str(source / "model.safetensors"))
-    edit(state)
-    shutil.copy(source / "config.json", tmp_path / "config.json")
-    save_file(state, str(tmp_path / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
-        resolve(str(tmp_path), CPU, torch.float32, cache_dir)
+    _assert_refused(published_b[0], tmp_path, cache_dir, edit, message)
 
 
 @pytest.mark.parametrize("edit,message", [
@@ -343,13 +347,7 @@ def test_a_bad_fused_checkpoint_names_the_tensor(published_b, tmp_path, cache_di
     (_reshape("model.layers.0.mlp.experts.gate_up_proj", (8, 64, 64)), "holds both fused experts and one-expert"),
 ], ids=["missing-expert", "expert-wrong-shape", "expert-past-the-last", "both-forms"])
 def test_a_bad_one_expert_checkpoint_names_the_tensor(hf_pair, tmp_path, cache_dir, edit, message):
-    source, _ = hf_pair
-    state = load_file(str(source / "model.safetensors"))
-    edit(state)
-    shutil.copy(source / "config.json", tmp_path / "config.json")
-    save_file(state, str(tmp_path / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
-        resolve(str(tmp_path), CPU, torch.float32, cache_dir)
+    _assert_refused(hf_pair[0], tmp_path, cache_dir, edit, message)
 
 
 def test_reference_config_is_the_models_shape(ours_a):
