@@ -60,8 +60,9 @@ The MTP head (mtp=True; qse/models/qwen3_5/mtp.py)
   second table, allocator and lifetime a sequence, for nothing: the rows are one a position on both sides.
   (A page costs 1 / attention layers more: 1/8 at the 9B.) The slot is not in the model's manifest: a session
   stored and restored carries the target's rows only (the head's are then stale: drafts worse, never wrong).
-- Every round's entry owns a final-hidden tap [rows, H] (decode_step fills it). `draft` runs the head over the
-  last round's rows at its fixed shape: row j of a slot pairs its final hidden with the id after it, which is
+- Each round's entry has a final-hidden tap [rows, H] that this object owns (decode_step fills it). `draft`
+  follows a round (a verify or a run, its keep before or after) before any other round, and runs the head over
+  that round's rows at its fixed shape: row j of a slot pairs its final hidden with the id after it, which is
   the next draft it verified where j < accepted and next_ids where j == accepted (rows above are written and
   overwritten later: the head's row a position, above the kept length); then k drafts from the accepted row's
   output, each an argmax on the device. One graph per (bucket, width, k); no host read, no ragged shape.
