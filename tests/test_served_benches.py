@@ -192,6 +192,8 @@ def test_spec_measure_times_a_verify_against_a_decode_step(tmp_path, cache_dir):
         assert r["projected_x_plain"] == round(r["published_tokens_per_step"] / r["x_decode_round"], 3)
         assert r["oracle_ids_equal"] is True
         assert r["oracle_x_plain"] == round(r["oracle_tokens_per_s"] / r["plain_tokens_per_s"], 3)
+        assert r["oracle_self_ids_equal"] is True
+        assert r["oracle_self_x_plain"] == round(r["oracle_self_tokens_per_s"] / r["plain_tokens_per_s"], 3)
     assert set(result["goals"]) == {"verify_4_rows_le_1.15x_step", "oracle_k3_ge_2.5x_plain_batch_1",
                                     "projected_ge_1.8x_at_2.5", "batch_2_not_slower_at_2.5"}
     assert result["mtp_preset"] == "tiny-mtp"
