@@ -440,6 +440,17 @@ def _check_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -
         raise ValueError(f"x and the expert weights must share a dtype; got {x.dtype}, {gate_up.dtype}, {down.dtype}")
 
 
+def _group(keys: torch.Tensor, num_tokens: int, top_k: int, num_experts: int, cap: int):
+    """The routed pairs grouped by expert: keys [T * k] int32 (pair t * k + r's expert) -> (order [E * cap]
+    int32, counts [E] int32): expert e's pairs in pair order are order[e * cap : e * cap + counts[e]] (a stable
+    sort's), the rest of order unwritten. cap: the most pairs an expert can have."""
+    order = torch.empty(num_experts * cap, dtype=torch.int32, device=keys.device)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=keys.device)
+    _group_kernel[(triton.cdiv(num_experts, GROUP_BLOCK_E),)](keys, order, counts, num_tokens, num_experts, cap,
+                                                             TOP_K=top_k, BE=GROUP_BLOCK_E, BT=GROUP_BLOCK_T)
+    return order, counts
+
+
 def _grouped(x, keys, cap, weights, gate_up, down, shared=None, logits=None):
     """The grouped path's experts on x [T, H] -> [T, H]: keys [T * k] int32 the routed pairs' experts (an
     expert at most cap times), weights [T, k]; with shared = (shared_gate_up, shared_down) the shared expert
@@ -453,10 +464,7 @@ def _grouped(x, keys, cap, weights, gate_up, down, shared=None, logits=None):
     inter_s = ws_gate_up.shape[-2] // 2 if shared is not None else inter
     num_shared = num_tokens if shared is not None else 0
     num_routed = num_tokens * top_k
-    order = torch.empty(num_experts * cap, dtype=torch.int32, device=x.device)
-    counts = torch.empty(num_experts, dtype=torch.int32, device=x.device)
-    _group_kernel[(triton.cdiv(num_experts, GROUP_BLOCK_E),)](keys, order, counts, num_tokens, num_experts, cap,
-                                                             TOP_K=top_k, BE=GROUP_BLOCK_E, BT=GROUP_BLOCK_T)
+    order, counts = _group(keys, num_tokens, top_k, num_experts, cap)
     # sum over experts of ceil(rows / BM) <= ceil(P / BM) + (experts with rows), then the shared expert's blocks
     max_blocks = triton.cdiv(num_routed, BLOCK_M) + min(num_experts, num_routed) + triton.cdiv(num_shared, BLOCK_M)
     h = torch.empty(num_routed + num_shared, max(inter, inter_s), dtype=x.dtype, device=x.device)

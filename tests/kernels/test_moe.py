@@ -142,13 +142,17 @@ BLOCK_CASES = {
 }
 
 
-@pytest.mark.parametrize("num_tokens,top_k,dtype,inter_s", BLOCK_CASES.values(), ids=BLOCK_CASES.keys())
+PATH_CASES = {f"{name}-{path}": (*case, path) for name, case in BLOCK_CASES.items()
+              for path in ("direct", "grouped") if path == "grouped" or case[0] <= 16}
+
+
+@pytest.mark.parametrize("num_tokens,top_k,dtype,inter_s,path", PATH_CASES.values(), ids=PATH_CASES.keys())
 @needs_triton
-def test_triton_block_matches_twin(device, rel, num_tokens, top_k, dtype, inter_s):
+def test_triton_block_matches_twin(device, rel, num_tokens, top_k, dtype, inter_s, path):
     w = _weights(dtype=dtype, device=device, inter_s=inter_s)
     x = _tokens(num_tokens, w, top_k, margin=0.25)
     assert x.shape[0] == num_tokens
-    out = moe.moe_block(x, **w, top_k=top_k)
+    out = moe.moe_block(x, **w, top_k=top_k, path=path)
     assert out.shape == x.shape and out.dtype == dtype
     assert rel(out, moe_naive.moe_block(x, **w, top_k=top_k)) < (1e-5 if dtype == torch.float32 else 2e-2)
 
@@ -184,6 +188,86 @@ def test_a_row_is_the_same_whatever_rows_come_with_it(device, dtype):
     assert torch.equal(moe.moe_block(x[shuffled], **w, top_k=3), whole[shuffled])
 
 
+PATHS_CASES = {"fp32-T1": (torch.float32, 1), "fp32-T16": (torch.float32, 16), "bf16-T5": (torch.bfloat16, 5)}
+
+
+@pytest.mark.parametrize("dtype,num_tokens", PATHS_CASES.values(), ids=PATHS_CASES.keys())
+@needs_triton
+def test_the_direct_and_grouped_paths_give_the_same_bits(device, dtype, num_tokens):
+    """The direct path (a pair its own tile, the down and combine in one pass) against the grouped one at the
+    same T, bit for bit (the interpreter's row-exact products; the gpu test checks the real tiles), with a
+    shared expert wider than the routed ones (T = 16: its rows fill one tile)."""
+    w = _weights(dtype=dtype, device=device, inter_s=I_SHARED)
+    x = _tokens(num_tokens, w, 3, seed=11)
+    direct = moe.moe_block(x, **w, top_k=3, path="direct")
+    assert torch.equal(direct, moe.moe_block(x, **w, top_k=3, path="grouped"))
+    if num_tokens == 5:  # and the direct path's rows against the same rows alone
+        for t in range(num_tokens):
+            assert torch.equal(moe.moe_block(x[t:t + 1], **w, top_k=3), direct[t:t + 1]), t
+
+
+@needs_triton
+def test_experts_with_several_blocks_and_group_steps(device, rel):
+    """70 tokens, top-3 of 8 experts: some 26 rows an expert (two blocks each), the shared expert's 70 rows in
+    five blocks, the counting sort in two token steps; against the twin, and its rows against T = 1 calls."""
+    w = _weights(dtype=torch.float32, device=device)
+    x = _tokens(70, w, 3, seed=13, margin=0.25)
+    whole = moe.moe_block(x, **w, top_k=3)
+    assert rel(whole, moe_naive.moe_block(x, **w, top_k=3)) < 1e-5
+    for t in (0, 64, 69):
+        assert torch.equal(moe.moe_block(x[t:t + 1], **w, top_k=3), whole[t:t + 1]), t
+
+
+@pytest.mark.parametrize("path", ["direct", "grouped"])
+@needs_triton
+def test_tied_router_logits_take_the_lower_expert(device, rel, path):
+    """Router rows 2 and 5 equal and the others zero: a token with x . v > 0 takes experts 2, 5 (equal logits,
+    lower index first), then 0; one with x . v < 0 takes 0, 1, 3 (the lowest of the zero logits). Experts the
+    rule leaves out may hold anything: the block's bits do not change."""
+    w = _weights(dtype=torch.float32, device=device)
+    router = torch.zeros_like(w["router_w"])
+    router[2] = router[5] = w["router_w"][0]
+    w["router_w"] = router
+    x = _tokens(4, w, 3, seed=17)
+    logits = x @ router.T
+    assert (logits[:, 2] > 0).any() and (logits[:, 2] < 0).any()
+    out = moe.moe_block(x, **w, top_k=3, path=path)
+    assert rel(out, moe_naive.moe_block(x, **w, top_k=3)) < 1e-5
+    unused = [e for e in range(E) if e not in (0, 1, 2, 3, 5)]
+    other = {**w, "gate_up": w["gate_up"].clone(), "down": w["down"].clone()}
+    other["gate_up"][unused] = 7.0
+    other["down"][unused] = -7.0
+    assert torch.equal(moe.moe_block(x, **other, top_k=3, path=path), out)
+
+
+@pytest.mark.parametrize("path", ["direct", "grouped"])
+@needs_triton
+def test_the_shared_expert_rides_behind_its_sigmoid_gate(device, rel, path):
+    """With every routed expert's down zero the block is sigmoid(x . gate_w) * shared(x), the shared expert
+    wider than the routed ones."""
+    w = _weights(dtype=torch.float32, device=device, inter_s=I_SHARED)
+    w["down"] = torch.zeros_like(w["down"])
+    x = _tokens(4, w, 2, seed=19)
+    want = torch.sigmoid(x @ w["shared_gate_w"].T) * moe_naive.expert_mlp(x, w["shared_gate_up"], w["shared_down"])
+    assert rel(moe.moe_block(x, **w, top_k=2, path=path), want) < 1e-5
+
+
+@needs_triton
+def test_the_group_kernel_is_a_stable_sort_by_expert(device):
+    """order and counts against torch's stable argsort of the keys, with 70 tokens (two token steps) and a
+    token naming one expert twice (as moe_experts allows); 20 experts: two programs, the second partial."""
+    num_tokens, top_k, num_experts = 70, 3, 20
+    gen = torch.Generator().manual_seed(23)
+    keys = torch.randint(0, num_experts, (num_tokens * top_k,), generator=gen, dtype=torch.int32)
+    keys[3:6] = 7  # token 1 names expert 7 three times
+    cap = keys.numel()
+    order, counts = moe._group(keys.to(device), num_tokens, top_k, num_experts, cap)
+    want = torch.sort(keys.long(), stable=True).indices
+    assert counts.tolist() == torch.bincount(keys.long(), minlength=num_experts).tolist()
+    got = torch.cat([order[e * cap: e * cap + c] for e, c in enumerate(counts.tolist())])
+    assert got.tolist() == want.tolist()
+
+
 # --- edges ---------------------------------------------------------------------------------------------------
 
 
@@ -210,17 +294,16 @@ def test_bad_shapes_say_what_was_wrong(device):
         moe.moe_block(x, **{**w, "shared_gate_w": w["shared_gate_w"].T}, top_k=3)
     with pytest.raises(ValueError, match="dtype"):
         moe.moe_block(x.double(), **w, top_k=3)
+    with pytest.raises(ValueError, match="path must be"):
+        moe.moe_block(_tokens(17, w, 3), **w, top_k=3, path="direct")
 
 
 # --- the real shapes, on a GPU -------------------------------------------------------------------------------
 
 
-@needs_triton
-@pytest.mark.gpu
-def test_qwen3_5_35b_a3b_shapes_on_the_gpu(rel):
-    """Hidden 2048, 256 experts, top-8, I = Is = 512, bf16: against the twin, and bit for bit across decode
-    (1 and 32 rows) and a 512-row chunk."""
-    hidden, num_experts, inter, top_k = 2048, 256, 512, 8
+def _qwen3_5_35b_a3b_block(num_tokens: int):
+    """Hidden 2048, 256 experts, top-8, I = Is = 512, bf16, random weights on the GPU; and x [num_tokens, H]."""
+    hidden, num_experts, inter = 2048, 256, 512
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def draw(*shape):
@@ -229,7 +312,17 @@ def test_qwen3_5_35b_a3b_shapes_on_the_gpu(rel):
     w = dict(router_w=draw(num_experts, hidden), gate_up=draw(num_experts, 2 * inter, hidden),
              down=draw(num_experts, hidden, inter), shared_gate_up=draw(2 * inter, hidden),
              shared_down=draw(hidden, inter), shared_gate_w=draw(1, hidden))
-    x = draw(512, hidden) * hidden ** 0.5
+    return w, draw(num_tokens, hidden) * hidden ** 0.5
+
+
+@needs_triton
+@pytest.mark.gpu
+def test_qwen3_5_35b_a3b_shapes_on_the_gpu(rel):
+    """The real shapes: against the twin, and a row's bits the same at every T, on either path: decode (1, 2,
+    8, 16 rows: the direct path), rounds and verify windows (32, 33: grouped) and a 512-row chunk; the two
+    paths bit for bit at the same T; and the direct path under a CUDA graph."""
+    top_k = 8
+    w, x = _qwen3_5_35b_a3b_block(512)
     whole = moe.moe_block(x, **w, top_k=top_k)
     ref = moe_naive.moe_block(x, **w, top_k=top_k)
     # rows whose two routings agree (cuBLAS's logits and ours may round a near tie apart)
@@ -238,5 +331,44 @@ def test_qwen3_5_35b_a3b_shapes_on_the_gpu(rel):
     same = (ids.sort(-1).values == ref_ids.sort(-1).values).all(-1)
     assert same.float().mean() > 0.97
     assert rel(whole[same], ref[same]) < 2e-2
-    for lo, hi in ((0, 1), (7, 8), (0, 32), (100, 132), (480, 512), (0, 300)):
-        assert torch.equal(moe.moe_block(x[lo:hi], **w, top_k=top_k), whole[lo:hi]), (lo, hi)
+    for num_tokens in (1, 2, 8, 16, 32, 33):
+        for lo in (0, 100, 512 - num_tokens):
+            got = moe.moe_block(x[lo:lo + num_tokens], **w, top_k=top_k)
+            assert torch.equal(got, whole[lo:lo + num_tokens]), (num_tokens, lo)
+        if num_tokens <= moe.BLOCK_M:
+            part = x[7:7 + num_tokens]
+            assert torch.equal(moe.moe_block(part, **w, top_k=top_k, path="direct"),
+                               moe.moe_block(part, **w, top_k=top_k, path="grouped")), num_tokens
+    assert torch.equal(moe.moe_block(x[:300], **w, top_k=top_k), whole[:300])
+    # the decode step's block inside a graph: nothing waits on the host, the same bits
+    static_x = x[5:6].clone()
+    moe.moe_block(static_x, **w, top_k=top_k)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = moe.moe_block(static_x, **w, top_k=top_k)
+    for t in (5, 9):
+        static_x.copy_(x[t:t + 1])
+        graph.replay()
+        assert torch.equal(static_out, whole[t:t + 1]), t
+
+
+# --- the benchmark's flow ------------------------------------------------------------------------------------
+
+
+@needs_triton
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the tiny flow check runs the interpreter on the CPU")
+def test_the_block_benchmark_flow_on_the_cpu(tmp_path):
+    """benchmarks/moe_block_bench.py --tiny at T = 1: every path timed, its bit checks true, the JSON's
+    header; the old block is timed where git has its commit, and says why not elsewhere."""
+    import json
+
+    from benchmarks import moe_block_bench
+
+    assert moe_block_bench.main(["--tiny", "--out", str(tmp_path), "--tokens", "1"]) == 0
+    (path,) = tmp_path.glob("moe_block_bench-*-cpu.json")
+    result = json.loads(path.read_text())
+    assert list(result)[:4] == ["command", "date", "device", "versions"]
+    (row,) = result["rows"]
+    assert row["T"] == 1 and all(f"{name}_us" in row for name in ("new", "direct", "grouped"))
+    assert row["paths_bit_equal"] and row["rows_bit_equal_alone"]
+    assert ("old_us" in row) != bool(result["old_missing"])

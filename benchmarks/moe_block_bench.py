@@ -1,0 +1,281 @@
+#!/usr/bin/env python
+"""Qwen3.5-MoE's sparse block alone (qse_kernels/moe.py) at the 35B-A3B shapes, on one GPU: device us a call
+at T = 1 .. 512 tokens for the old block (OLD_COMMIT: five Triton launches around a torch plan), the direct
+path, the grouped path and moe_block's own pick by T, against the byte floor. Times are CUDA events over a
+CUDA graph of back-to-back calls that rotate among copies of the weights and among inputs (the copies'
+touched experts together several times the L2), so every call streams its experts from memory as a decode
+step's 40 layers do.
+
+    python benchmarks/moe_block_bench.py [--out DIR] [--old FILE] [--sweep]
+    python benchmarks/moe_block_bench.py --tiny --out DIR     (CPU, interpreted kernels, small shapes: the flow only)
+
+--old FILE: the old block's source (`git show 9d2d0b6:qse_kernels/moe.py > FILE`); without it the script
+asks git itself, and where there is no git (the device machine) the old block is left out and says why.
+--sweep: the direct path's down pipeline depth (moe.DIRECT_DOWN_STAGES, which changes no bits) at a few T.
+
+The floor: the bytes a call must read at least, over the bandwidth of a device copy measured here (and the
+H200's nominal 4.8 TB/s): the router and shared gate rows, every distinct expert the call's tokens route to
+(counted from the routing itself), the shared expert, x and out. Each row also records whether the direct
+and grouped paths gave the same bits (T <= 16), whether a call's rows equal the same rows alone, and the
+largest difference of the new block from the old one (the routing weights and the gate now round apart).
+Writes benchmarks/results/moe_block_bench-<date>-<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.results_io import result_header, write_result  # noqa: E402
+
+OLD_COMMIT = "9d2d0b6"  # Kernels: Qwen3.5-MoE sparse block in Triton, batch-invariant
+NOMINAL_HBM_TBPS = 4.8
+SHAPE_35B = dict(hidden=2048, num_experts=256, top_k=8, inter=512, inter_s=512)
+SHAPE_TINY = dict(hidden=64, num_experts=8, top_k=2, inter=32, inter_s=48)
+TOKENS, TOKENS_TINY = (1, 2, 4, 8, 16, 32, 64, 512), (1, 17)
+LAYERS_35B = 40  # blocks a 35B-A3B decode step runs
+NUM_COPIES = 4  # weight copies a timing rotates among (a copy's experts: 1.6 GB; a T=1 call touches 55 MB)
+CALLS = 16  # calls in a timed graph, each on its own input
+TRIES = 7
+SWEEP_STAGES, SWEEP_TOKENS = (2, 3, 4, 5, 6), (1, 4, 16)
+
+
+def draw_block(shape: dict, device: str, dtype: torch.dtype, seed: int) -> dict:
+    """One layer's block weights, as moe_block takes them (tests/kernels/test_moe.py's scale)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    h, e, i, i_s = shape["hidden"], shape["num_experts"], shape["inter"], shape["inter_s"]
+
+    def draw(*dims):
+        return (torch.randn(*dims, generator=gen, device=device) * dims[-1] ** -0.5).to(dtype)
+
+    return dict(router_w=draw(e, h), gate_up=draw(e, 2 * i, h), down=draw(e, h, i), shared_gate_up=draw(2 * i_s, h),
+                shared_down=draw(h, i_s), shared_gate_w=draw(1, h))
+
+
+def load_old(path: str | None):
+    """(the old block's module, None), or (None, why not): its source from FILE or from git at OLD_COMMIT,
+    imported inside qse_kernels (its relative import) from a file of its own (Triton reads a kernel's source)."""
+    try:
+        if path:
+            source = Path(path).read_text()
+        else:
+            source = subprocess.run(["git", "show", f"{OLD_COMMIT}:qse_kernels/moe.py"], cwd=ROOT, check=True,
+                                    capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        return None, (f"no old source ({type(exc).__name__}): pass --old FILE, from "
+                      f"git show {OLD_COMMIT}:qse_kernels/moe.py")
+    import qse_kernels
+
+    file = Path(tempfile.mkdtemp(prefix="moe_old_")) / "moe_old.py"
+    file.write_text(source)
+    spec = importlib.util.spec_from_file_location("qse_kernels._moe_old_bench", file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    assert module.__package__ == qse_kernels.__name__
+    return module, None
+
+
+def _timer(device: str):
+    """us a call of fns[i], i = 0.. (each on its own weights copy and input)."""
+    if device != "cuda":
+        def wall_us(fns):  # the CPU flow check: interpreted kernels (nothing to compile), the wall clock
+            t0 = time.perf_counter()
+            fns[0]()
+            return (time.perf_counter() - t0) * 1e6
+
+        return wall_us
+
+    def graphed_us(fns):
+        for fn in fns:  # compiled, and the allocator warm, outside the capture
+            fn()
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            with torch.cuda.graph(graph, stream=stream):
+                for fn in fns:
+                    fn()
+        torch.cuda.synchronize()
+        graph.replay()
+        times = []
+        for _ in range(TRIES):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) * 1000 / len(fns))
+        del graph
+        return statistics.median(times)
+
+    return graphed_us
+
+
+def hbm_tbps(device: str, nbytes: int = 1 << 30, reps: int = 10) -> float | None:
+    """TB/s of a device copy of nbytes (read plus write), the best of reps; None on the CPU."""
+    if device != "cuda":
+        return None
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    best = math.inf
+    for _ in range(reps + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * nbytes / best / 1e12
+
+
+def floor_nbytes(shape: dict, num_tokens: int, distinct_experts: float, itemsize: int) -> float:
+    """The bytes a call reads at least (the module docstring)."""
+    h, e, i, i_s = shape["hidden"], shape["num_experts"], shape["inter"], shape["inter_s"]
+    return itemsize * ((e + 1) * h + distinct_experts * 3 * i * h + 3 * i_s * h + 2 * num_tokens * h)
+
+
+def count_kernels(fn) -> int | None:
+    """Device kernels one eager call launches (the profiler's CUDA kernel events), or None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for ev in prof.events() if ev.device_type.name == "CUDA" and "memcpy" not in ev.name.lower()
+               and "memset" not in ev.name.lower())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--tiny", action="store_true", help="small shapes on the CPU through Triton's interpreter")
+    p.add_argument("--old", default=None, help=f"the old block's source (git show {OLD_COMMIT}:qse_kernels/moe.py)")
+    p.add_argument("--sweep", action="store_true", help="also time the direct down's stage counts")
+    p.add_argument("--tokens", default="", help="comma-separated T (default: all)")
+    args = p.parse_args(argv)
+    device = "cpu" if args.tiny else "cuda"
+    if args.tiny:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
+    from qse_kernels import moe
+
+    old, old_missing = load_old(args.old)
+    if old_missing:
+        print(json.dumps({"old": old_missing}), flush=True)
+    shape, all_tokens = (SHAPE_TINY, TOKENS_TINY) if args.tiny else (SHAPE_35B, TOKENS)
+    if args.tokens:
+        all_tokens = tuple(int(t) for t in args.tokens.split(","))
+    dtype = torch.bfloat16
+    top_k = shape["top_k"]
+    num_copies, calls = (1, 1) if args.tiny else (NUM_COPIES, CALLS)
+    copies = [draw_block(shape, device, dtype, seed) for seed in range(num_copies)]
+    time_us = _timer(device)
+    measured_tbps = hbm_tbps(device)
+
+    impls = {"new": lambda x, w: moe.moe_block(x, **w, top_k=top_k),
+             "direct": lambda x, w: moe.moe_block(x, **w, top_k=top_k, path="direct"),
+             "grouped": lambda x, w: moe.moe_block(x, **w, top_k=top_k, path="grouped")}
+    if old is not None:
+        impls["old"] = lambda x, w: old.moe_block(x, **w, top_k=top_k)
+    rows = []
+    gen = torch.Generator(device=device).manual_seed(1234)
+    for num_tokens in all_tokens:
+        xs = [(torch.randn(num_tokens, shape["hidden"], generator=gen, device=device)).to(dtype)
+              for _ in range(calls)]
+        row = {"T": num_tokens, "path": "direct" if num_tokens <= moe.DIRECT_MAX_TOKENS else "grouped"}
+        distinct = [moe.moe_route(moe.router_logits(x, copies[i % num_copies]["router_w"]), top_k)[0].unique().numel()
+                    for i, x in enumerate(xs)]
+        row["distinct_experts"] = statistics.mean(distinct)
+        nbytes = floor_nbytes(shape, num_tokens, row["distinct_experts"], dtype.itemsize)
+        row["floor_nbytes"] = round(nbytes)
+        row["floor_us_nominal"] = round(nbytes / (NOMINAL_HBM_TBPS * 1e6), 2)
+        if measured_tbps:
+            row["floor_us_measured"] = round(nbytes / (measured_tbps * 1e6), 2)
+        for name, impl in impls.items():
+            if name == "direct" and num_tokens > moe.BLOCK_M:
+                continue
+            fns = [lambda i=i, impl=impl: impl(xs[i], copies[i % num_copies]) for i in range(calls)]
+            row[f"{name}_us"] = round(time_us(fns), 2)
+            if measured_tbps:
+                row[f"{name}_x_floor"] = round(row["floor_us_measured"] / row[f"{name}_us"], 3)
+        if "old_us" in row:
+            row["new_over_old"] = round(row["new_us"] / row["old_us"], 3)
+            got, was = impls["new"](xs[0], copies[0]).float(), impls["old"](xs[0], copies[0]).float()
+            row["rel_diff_old"] = float((got - was).abs().max() / was.abs().max())
+        new = impls["new"](xs[0], copies[0])
+        if num_tokens <= moe.BLOCK_M:
+            row["paths_bit_equal"] = bool(torch.equal(impls["direct"](xs[0], copies[0]),
+                                                      impls["grouped"](xs[0], copies[0])))
+        row["rows_bit_equal_alone"] = all(torch.equal(impls["new"](xs[0][t:t + 1], copies[0]), new[t:t + 1])
+                                          for t in {0, num_tokens - 1})
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    kernels = {}
+    for num_tokens in sorted({all_tokens[0], all_tokens[-1]}):
+        x = torch.randn(num_tokens, shape["hidden"], generator=gen, device=device).to(dtype)
+        kernels[str(num_tokens)] = {name: count_kernels(lambda impl=impl: impl(x, copies[0]))
+                                    for name, impl in impls.items() if name != "direct" or num_tokens <= moe.BLOCK_M}
+    print(json.dumps({"kernels_a_call": kernels}), flush=True)
+    sweep = []
+    if args.sweep:
+        pinned = moe.DIRECT_DOWN_STAGES
+        for stages in SWEEP_STAGES:
+            moe.DIRECT_DOWN_STAGES = stages
+            entry = {"direct_down_stages": stages}
+            for num_tokens in SWEEP_TOKENS:
+                xs = [torch.randn(num_tokens, shape["hidden"], generator=gen, device=device).to(dtype)
+                      for _ in range(calls)]
+                fns = [lambda i=i: impls["direct"](xs[i], copies[i % num_copies]) for i in range(calls)]
+                entry[f"us_t{num_tokens}"] = round(time_us(fns), 2)
+            print(json.dumps(entry), flush=True)
+            sweep.append(entry)
+        moe.DIRECT_DOWN_STAGES = pinned
+    # a 35B-A3B decode step at batch 1 runs LAYERS_35B blocks of T = 1
+    decode = {}
+    one = next((r for r in rows if r["T"] == 1), None)
+    if one is not None:
+        decode = {f"{name}_ms": round(LAYERS_35B * one[f"{name}_us"] / 1e3, 3) for name in impls if f"{name}_us" in one}
+        if "old_us" in one:
+            decode["saved_ms"] = round(LAYERS_35B * (one["old_us"] - one["new_us"]) / 1e3, 3)
+    faster = [r["T"] for r in rows if "direct_us" in r and r["direct_us"] <= r["grouped_us"]]
+    result = {**result_header("triton", device="cpu (interpreted)" if args.tiny else None),
+              "shape": shape, "dtype": str(dtype), "old_commit": OLD_COMMIT, "old_missing": old_missing,
+              "direct_max_tokens": moe.DIRECT_MAX_TOKENS, "direct_down_stages": moe.DIRECT_DOWN_STAGES,
+              "weight_copies": num_copies, "calls_a_graph": calls, "tries": TRIES,
+              "hbm_tbps": {"nominal": NOMINAL_HBM_TBPS, "measured": measured_tbps and round(measured_tbps, 3)},
+              "rows": rows, "kernels_a_call": kernels, "direct_not_slower_at": faster,
+              "decode_35b_batch1_blocks": decode, "sweep": sweep}
+    write_result(result, args.out, "moe_block_bench")
+    names = [n for n in ("old", "new", "direct", "grouped") if n in impls]
+    print(f"{'T':>4}{'floor':>8}" + "".join(f"{n + ' us':>12}" for n in names) + f"{'x floor':>9}{'bits':>6}")
+    for r in rows:
+        cells = "".join(f"{r.get(n + '_us', ''):>12}" for n in names)
+        print(f"{r['T']:>4}{r.get('floor_us_measured', r['floor_us_nominal']):>8}{cells}"
+              f"{r.get('new_x_floor', ''):>9}{str(r.get('paths_bit_equal', r['rows_bit_equal_alone']))[0]:>6}")
+    print(json.dumps({"decode_35b_batch1_blocks": decode, "direct_not_slower_at": faster}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
