@@ -10,6 +10,12 @@ recurrent_gated_delta_rule_from_gates gates the raw projections a, b in the same
 recurrent_gated_delta_rule_slots steps B sequences by one token each in one launch, grid (Hv, Dv / BV, B):
 program b runs the one-token step of sequence b on its state, slot slots[b] of a slot stack (in place), the
 same code as the launch of that sequence alone.
+
+recurrent_gated_delta_rule_window is a speculative verify's rule in one launch, grid (Hv, Dv / BV, B):
+program b loads sequence b's state from slot slots[b] once, steps its T rows in order and stores the state
+after row j into slot scratch[b, j] (slots[b] is only read). Each row runs _recurrent_row, the step every
+kernel here runs, so row j's output and state are the bits of T one-token slot steps, row j from
+scratch[b, j - 1] (row 0 from slots[b]).
 """
 
 from __future__ import annotations
@@ -22,6 +28,31 @@ from .gdn_chunk import _check_gates, _check_gdn_shapes, _last_dim_contiguous, _l
 
 RECURRENT_NUM_WARPS = 4
 RECURRENT_BLOCK_V = 32
+
+
+@triton.jit
+def _recurrent_row(
+    b_s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, o_ptr, t, num_tokens, i_h, i_kh,
+    o_k, m_k, o_v, m_v, scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, stride_oh, GATES: tl.constexpr,
+):
+    """One token t of value head i_h on the state slice b_s [BK, BV] (fp32): stores its output o[t] and
+    returns the new slice. Every kernel here steps a token through this, so a token's bits do not depend on
+    which launch ran it."""
+    b_q = tl.load(q_ptr + t * stride_qt + i_kh * stride_qh + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_k = tl.load(k_ptr + t * stride_kt + i_kh * stride_kh + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 0) + 1e-6)
+    b_q = b_q * scale
+    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
+    b_v = tl.load(v_ptr + t * stride_vt + i_h * stride_vh + o_v, mask=m_v, other=0.0).to(tl.float32)
+    b_g, b_beta = _load_gates(g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, i_h, t, t < num_tokens,
+                              stride_gt, stride_gh, stride_bt, stride_bh, GATES)
+    b_s = b_s * tl.exp(b_g)
+    b_u = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
+    b_s = b_s + b_k[:, None] * b_u[None, :]
+    b_o = tl.sum(b_s * b_q[:, None], 0)
+    tl.store(o_ptr + t * stride_ot + i_h * stride_oh + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
+    return b_s
 
 
 @triton.jit
@@ -54,20 +85,46 @@ def _recurrent_kernel(
     m_s = m_k[:, None] & m_v[None, :]
     b_s = tl.load(state_ptr + o_s, mask=m_s, other=0.0)  # [BK, BV] fp32
     for t in range(num_tokens):
-        b_q = tl.load(q_ptr + t * stride_qt + i_kh * stride_qh + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_k = tl.load(k_ptr + t * stride_kt + i_kh * stride_kh + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 0) + 1e-6)
-        b_q = b_q * scale
-        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
-        b_v = tl.load(v_ptr + t * stride_vt + i_h * stride_vh + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_g, b_beta = _load_gates(g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, i_h, t, t < num_tokens,
-                                  stride_gt, stride_gh, stride_bt, stride_bh, GATES)
-        b_s = b_s * tl.exp(b_g)
-        b_u = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
-        b_s = b_s + b_k[:, None] * b_u[None, :]
-        b_o = tl.sum(b_s * b_q[:, None], 0)
-        tl.store(o_ptr + t * stride_ot + i_h * stride_oh + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
+        b_s = _recurrent_row(b_s, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, o_ptr, t, num_tokens,
+                             i_h, i_kh, o_k, m_k, o_v, m_v, scale, stride_qt, stride_qh, stride_kt, stride_kh,
+                             stride_vt, stride_vh, stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, stride_oh,
+                             GATES)
     tl.store(new_state_ptr + o_s, b_s, mask=m_s)
+
+
+@triton.jit
+def _recurrent_window_kernel(
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, states_ptr, o_ptr,
+    num_rows, heads_per_key, scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_at, stride_ah, stride_bt, stride_bh, stride_ot, stride_oh,
+    slots_ptr, stride_slots, scratch_ptr, stride_scratch_b, stride_scratch_t, stride_slot,
+    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    # program i_b: the num_rows (T) rows of sequence i_b (rows i_b * T ..), from the state in slot slots[i_b]
+    i_h, i_v, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_slot = tl.load(slots_ptr + i_b * stride_slots).to(tl.int64)
+    q_ptr = q_ptr + i_b * num_rows * stride_qt
+    k_ptr = k_ptr + i_b * num_rows * stride_kt
+    v_ptr = v_ptr + i_b * num_rows * stride_vt
+    a_ptr = a_ptr + i_b * num_rows * stride_at
+    b_ptr = b_ptr + i_b * num_rows * stride_bt
+    o_ptr = o_ptr + i_b * num_rows * stride_ot
+    i_kh = i_h // heads_per_key
+    o_k = tl.arange(0, BK)
+    m_k = o_k < DK
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < DV
+    o_s = i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]
+    m_s = m_k[:, None] & m_v[None, :]
+    b_s = tl.load(states_ptr + i_slot * stride_slot + o_s, mask=m_s, other=0.0)  # [BK, BV] fp32
+    for t in range(num_rows):
+        b_s = _recurrent_row(b_s, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, o_ptr, t, num_rows,
+                             i_h, i_kh, o_k, m_k, o_v, m_v, scale, stride_qt, stride_qh, stride_kt, stride_kh,
+                             stride_vt, stride_vh, stride_at, stride_ah, stride_bt, stride_bh, stride_ot, stride_oh,
+                             True)
+        i_target = tl.load(scratch_ptr + i_b * stride_scratch_b + t * stride_scratch_t).to(tl.int64)
+        tl.store(states_ptr + i_target * stride_slot + o_s, b_s, mask=m_s)
 
 
 def recurrent_gated_delta_rule(
@@ -137,6 +194,38 @@ def recurrent_gated_delta_rule_slots(
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), slots, states.stride(0),
             DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block_v, GATES=True, SLOTS=True,
+            num_warps=RECURRENT_NUM_WARPS,
+        )
+    return out
+
+
+def recurrent_gated_delta_rule_window(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+    dt_bias: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, scratch: torch.Tensor,
+) -> torch.Tensor:
+    """Triton twin of naive.recurrent_gated_delta_rule_window: the T rows of each of B sequences, row-major,
+    q, k [B * T, Hk, Dk], v [B * T, Hv, Dv], raw gates a, b [B * T, Hv]; states [S, Hv, Dk, Dv] fp32
+    contiguous; sequence b's rows step from slot slots[b] (read only), the state after its row j written to
+    slot scratch[b, j] (integer tensors [B], [B, T] on the device, all distinct). Returns o [B * T, Hv, Dv]."""
+    from .conv1d import _check_window
+
+    if states.dim() != 4 or not len(states) or states.dtype != torch.float32 or not states.is_contiguous():
+        raise ValueError(f"states must be a contiguous float32 [S, Hv, Dk, Dv], S >= 1; got {states.dtype} "
+                         f"{tuple(states.shape)}, strides {states.stride()}")
+    total_rows, num_k_heads, num_v_heads, dk, dv = _check_gdn_shapes(q, k, v, a, b, states[0], "a and b")
+    a_log, dt_bias = _check_gates(a, b, a_log, dt_bias, num_v_heads)
+    num_seqs, num_rows = _check_window(slots, scratch, total_rows)
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    out = torch.empty(total_rows, num_v_heads, dv, dtype=v.dtype, device=v.device)
+    if total_rows:
+        block_v = min(RECURRENT_BLOCK_V, triton.next_power_of_2(dv))
+        _recurrent_window_kernel[(num_v_heads, triton.cdiv(dv, block_v), num_seqs)](
+            q, k, v, a, b, a_log, dt_bias, states, out,
+            num_rows, num_v_heads // num_k_heads, dk ** -0.5,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+            slots, slots.stride(0), scratch, scratch.stride(0), scratch.stride(1), states.stride(0),
+            DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block_v,
             num_warps=RECURRENT_NUM_WARPS,
         )
     return out

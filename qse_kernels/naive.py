@@ -446,7 +446,47 @@ def recurrent_gated_delta_rule_slots(
     return out
 
 
+# ---- a speculative verify: the T rows of each of B sequences, row-major (sequence b's are b * T .. b * T + T - 1)
+# Row j of sequence b steps the GDN state from slot scratch[b, j - 1] (row 0: slots[b], only read) into slot
+# scratch[b, j]: the one-row twins above, one row after another, so each row has the bits of its one-row step.
+
+
+def _window_sources(slots: torch.Tensor, scratch: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """For each sequence, (source slot, target slot) of each of its rows."""
+    return [list(zip([own, *row[:-1]], row)) for own, row in zip(slots.tolist(), scratch.tolist())]
+
+
+def causal_conv1d_window(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                         scratch: torch.Tensor) -> torch.Tensor:
+    """causal_conv1d of a verify's rows: x [B * T, C], weight [C, K], states [S, K-1, C]; slots [B], scratch
+    [B, T] integer tensors (see above). Returns y [B * T, C]."""
+    y = torch.empty_like(x)
+    for b, steps in enumerate(_window_sources(slots, scratch)):
+        for j, (source, target) in enumerate(steps):
+            r = b * len(steps) + j
+            y[r:r + 1], _ = causal_conv1d(x[r:r + 1], weight, states[source], out_state=states[target])
+    return y
+
+
+def recurrent_gated_delta_rule_window(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+    dt_bias: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, scratch: torch.Tensor,
+) -> torch.Tensor:
+    """recurrent_gated_delta_rule_from_gates of a verify's rows: q, k [B * T, Hk, Dk], v [B * T, Hv, Dv], the
+    raw gates a, b [B * T, Hv]; states [S, Hv, Dk, Dv] fp32; slots [B], scratch [B, T] (see above). Returns o
+    [B * T, Hv, Dv] in v's dtype."""
+    out = torch.empty_like(v)
+    for i, steps in enumerate(_window_sources(slots, scratch)):
+        for j, (source, target) in enumerate(steps):
+            r = i * len(steps) + j
+            out[r:r + 1], _ = recurrent_gated_delta_rule_from_gates(
+                q[r:r + 1], k[r:r + 1], v[r:r + 1], a[r:r + 1], b[r:r + 1], a_log, dt_bias, states[source],
+                out_state=states[target])
+    return out
+
+
 __all__ = [
+    "causal_conv1d_window", "recurrent_gated_delta_rule_window",
     "causal_conv1d_slots", "paged_decode_attention", "qk_norm_rotary_paged_rows", "recurrent_gated_delta_rule_slots",
     "dense_matmul", "gather_pages", "paged_attention", "rms_norm", "gated_rms_norm", "qk_norm_rotary_paged", "rotary_cos_sin", "apply_rotary", "causal_conv1d", "gdn_gating",
     "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "chunk_gated_delta_rule_from_gates",
