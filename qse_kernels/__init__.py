@@ -93,6 +93,9 @@ def triton_ops() -> SimpleNamespace:
         paged_decode_attention=mods["attention"].paged_decode_attention,
         causal_conv1d_slots=mods["conv1d"].causal_conv1d_slots,
         recurrent_gated_delta_rule_slots=mods["gdn_recurrent"].recurrent_gated_delta_rule_slots,
+        # a verify's rows (all T of each of B sequences) in one launch each, with the bits of the _slots steps
+        causal_conv1d_window=mods["conv1d"].causal_conv1d_window,
+        recurrent_gated_delta_rule_window=mods["gdn_recurrent"].recurrent_gated_delta_rule_window,
     )
     if GEMV_HEAD:
         ops.head_row = head_row

@@ -74,6 +74,8 @@ def default_ops() -> SimpleNamespace:
         paged_decode_attention=naive_ops.paged_decode_attention,
         causal_conv1d_slots=naive_ops.causal_conv1d_slots,
         recurrent_gated_delta_rule_slots=naive_ops.recurrent_gated_delta_rule_slots,
+        causal_conv1d_window=naive_ops.causal_conv1d_window,
+        recurrent_gated_delta_rule_window=naive_ops.recurrent_gated_delta_rule_window,
     )
 
 
@@ -379,7 +381,17 @@ class Qwen35Model:
         z = z.view(num_rows, hv, dv)
         if window is None:
             o = self._gdn_step_rows(layer, qkv, a, b, states, slots)
-        else:
+        elif hasattr(self.ops, "causal_conv1d_window") and hasattr(self.ops, "recurrent_gated_delta_rule_window"):
+            # all rows of all sequences in one launch of each op: the bits of the one-row steps of the loop below
+            hk, dk, kd = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.gdn_key_dim
+            qkv = self.ops.causal_conv1d_window(qkv, self.w[g_ + "conv1d.weight"][:, 0, :], states.conv[i],
+                                                window.slots, window.scratch)
+            q = qkv[:, :kd].reshape(num_rows, hk, dk)
+            k = qkv[:, kd : 2 * kd].reshape(num_rows, hk, dk)
+            v = qkv[:, 2 * kd :].reshape(num_rows, hv, dv)
+            o = self.ops.recurrent_gated_delta_rule_window(q, k, v, a, b, self.w[g_ + "A_log"], self.w[g_ + "dt_bias"],
+                                                           states.recurrent[i], window.slots, window.scratch)
+        else:  # an op set without the window ops: the rows one after another through the one-row ops
             conv, recurrent, width = states.conv[i], states.recurrent[i], window.width
             steps = []
             for j in range(width):  # row j of every sequence: from row j - 1's state (row 0: its own slot's)
