@@ -243,7 +243,9 @@ def main(argv=None) -> int:
     spec = args.preset
     if args.tiny:
         device, dtype, spec = torch.device("cpu"), torch.float32, ""
-        args.context, args.reps, args.steps, ks, batches = 100, 2, 6, [k for k in ks if k <= 3], [1, 2]
+        # k = 1 and 3: the shortest verify and the one the goals read (CI runs this: a minute is its budget)
+        args.context, args.reps, args.steps, batches = 100, 2, 6, [1, 2]
+        ks, mtp_ks = [k for k in ks if k in (1, 3)], [k for k in mtp_ks if k in (1, 3)]
     engine = Engine(resolve(spec, device, dtype, cache_dir))
     clock = DeviceClock(device)
     rows = [row for b in batches for row in measure_batch(engine, b, ks, args.context, args.reps, args.steps, clock)]
