@@ -11,7 +11,8 @@ step's 40 layers do.
 
 --old FILE: the old block's source (`git show 9d2d0b6:qse_kernels/moe.py > FILE`); without it the script
 asks git itself, and where there is no git (the device machine) the old block is left out and says why.
---sweep: the direct path's down pipeline depth (moe.DIRECT_DOWN_STAGES, which changes no bits) at a few T.
+--sweep: the pipeline depths of the router and of the direct path's down (moe.ROUTER_STAGES,
+moe.DIRECT_DOWN_STAGES; they change no bits), the direct path timed at a few T for each.
 
 The floor: the bytes a call must read at least, over the bandwidth of a device copy measured here (and the
 H200's nominal 4.8 TB/s): the router and shared gate rows, every distinct expert the call's tokens route to
@@ -51,7 +52,7 @@ LAYERS_35B = 40  # blocks a 35B-A3B decode step runs
 NUM_COPIES = 4  # weight copies a timing rotates among (a copy's experts: 1.6 GB; a T=1 call touches 55 MB)
 CALLS = 16  # calls in a timed graph, each on its own input
 TRIES = 7
-SWEEP_STAGES, SWEEP_TOKENS = (2, 3, 4, 5, 6), (1, 4, 16)
+SWEEP_STAGES, SWEEP_TOKENS = (2, 3, 4, 5, 6, 7), (1, 4, 16)
 
 
 def draw_block(shape: dict, device: str, dtype: torch.dtype, seed: int) -> dict:
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--tiny", action="store_true", help="small shapes on the CPU through Triton's interpreter")
     p.add_argument("--old", default=None, help=f"the old block's source (git show {OLD_COMMIT}:qse_kernels/moe.py)")
-    p.add_argument("--sweep", action="store_true", help="also time the direct down's stage counts")
+    p.add_argument("--sweep", action="store_true", help="also time the router's and the direct down's stage counts")
     p.add_argument("--tokens", default="", help="comma-separated T (default: all)")
     args = p.parse_args(argv)
     device = "cpu" if args.tiny else "cuda"
@@ -238,11 +239,11 @@ def main(argv=None) -> int:
                                     for name, impl in impls.items() if name != "direct" or num_tokens <= moe.BLOCK_M}
     print(json.dumps({"kernels_a_call": kernels}), flush=True)
     sweep = []
-    if args.sweep:
-        pinned = moe.DIRECT_DOWN_STAGES
+    for knob in ("ROUTER_STAGES", "DIRECT_DOWN_STAGES") if args.sweep else ():
+        pinned = getattr(moe, knob)
         for stages in SWEEP_STAGES:
-            moe.DIRECT_DOWN_STAGES = stages
-            entry = {"direct_down_stages": stages}
+            setattr(moe, knob, stages)
+            entry = {knob.lower(): stages}
             for num_tokens in SWEEP_TOKENS:
                 xs = [torch.randn(num_tokens, shape["hidden"], generator=gen, device=device).to(dtype)
                       for _ in range(calls)]
@@ -250,7 +251,7 @@ def main(argv=None) -> int:
                 entry[f"us_t{num_tokens}"] = round(time_us(fns), 2)
             print(json.dumps(entry), flush=True)
             sweep.append(entry)
-        moe.DIRECT_DOWN_STAGES = pinned
+        setattr(moe, knob, pinned)
     # a 35B-A3B decode step at batch 1 runs LAYERS_35B blocks of T = 1
     decode = {}
     one = next((r for r in rows if r["T"] == 1), None)
@@ -261,7 +262,8 @@ def main(argv=None) -> int:
     faster = [r["T"] for r in rows if "direct_us" in r and r["direct_us"] <= r["grouped_us"]]
     result = {**result_header("triton", device="cpu (interpreted)" if args.tiny else None),
               "shape": shape, "dtype": str(dtype), "old_commit": OLD_COMMIT, "old_missing": old_missing,
-              "direct_max_tokens": moe.DIRECT_MAX_TOKENS, "direct_down_stages": moe.DIRECT_DOWN_STAGES,
+              "direct_max_tokens": moe.DIRECT_MAX_TOKENS, "router_stages": moe.ROUTER_STAGES,
+              "direct_down_stages": moe.DIRECT_DOWN_STAGES,
               "weight_copies": num_copies, "calls_a_graph": calls, "tries": TRIES,
               "hbm_tbps": {"nominal": NOMINAL_HBM_TBPS, "measured": measured_tbps and round(measured_tbps, 3)},
               "rows": rows, "kernels_a_call": kernels, "direct_not_slower_at": faster,

@@ -55,12 +55,14 @@ GATE_UP_BLOCK_N, GATE_UP_BLOCK_K = 32, 128  # gate and up: 2 x 32 columns a prog
 DOWN_BLOCK_N, DOWN_BLOCK_K = 32, 128  # 64 programs for one decode token's down (H = 2048)
 ROUTER_BLOCK_N, ROUTER_BLOCK_K = 16, 256  # 17 programs for one token: its 1 MB of router weight in parallel
 NUM_WARPS, NUM_STAGES = 4, 3
+# pipeline depths (they change no bits): the router has 17 programs for a decode token and the direct down
+# H / DOWN_BLOCK_N, whose K loop runs over all k experts of the token; with few programs the bytes in flight
+# come from depth. Pinned from benchmarks/moe_block_bench.py --sweep.
+ROUTER_STAGES = 4
+DIRECT_DOWN_STAGES = 6
 # the direct path up to this many tokens, the grouped one above: a choice of speed only (both give the same
 # bits); at most BLOCK_M, so that the shared expert's rows are one tile. Pinned from benchmarks/moe_block_bench.py.
 DIRECT_MAX_TOKENS = 16
-# the direct down's pipeline depth: its K loop runs over all k experts of a token, so with few programs (a
-# decode token has H / DOWN_BLOCK_N) the loads in flight come from depth (the stage count changes no bits)
-DIRECT_DOWN_STAGES = 4
 GROUP_BLOCK_E, GROUP_BLOCK_T = 16, 64  # the counting sort: BE experts a program, BT tokens a step
 assert DIRECT_MAX_TOKENS <= BLOCK_M
 
@@ -87,19 +89,19 @@ def _dense_kernel(
     o_m = tl.program_id(0) * BM + tl.arange(0, BM)
     o_n = tl.program_id(1) * BN + tl.arange(0, BN)
     m_m, m_n = o_m < num_rows, o_n < num_cols
-    is_last = (o_n == num_cols) & (o_n < num_cols + HAS_LAST)
+    if HAS_LAST:
+        is_last = o_n == num_cols
+    else:
+        is_last = o_n < 0
     acc = tl.zeros((BM, BN), tl.float32)
     for k0 in range(0, depth, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < depth
         b_x = tl.load(x_ptr + o_m[:, None].to(tl.int64) * stride_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
                       other=0.0)
-        b_w = tl.load(w_ptr + o_n[:, None].to(tl.int64) * stride_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :],
-                      other=0.0)
-        if HAS_LAST:
-            b_g = tl.load(w_last_ptr + o_n[:, None] * 0 + o_k[None, :], mask=is_last[:, None] & m_k[None, :],
-                          other=0.0)
-            b_w = tl.where(is_last[:, None], b_g, b_w)
+        p_w = tl.where(is_last[:, None], w_last_ptr + o_n[:, None] * 0 + o_k[None, :],
+                       w_ptr + o_n[:, None].to(tl.int64) * stride_w + o_k[None, :])
+        b_w = tl.load(p_w, mask=(m_n | is_last)[:, None] & m_k[None, :], other=0.0)
         acc = _dot_acc(acc, b_x, b_w, ROW_EXACT, IEEE)
     p_y = y_ptr + o_m[:, None].to(tl.int64) * stride_y + o_n[None, :]
     tl.store(p_y, acc.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & (m_n | is_last)[None, :])
@@ -121,16 +123,23 @@ def _top_k(logits_ptr, i_t, stride_l, num_experts, TOP_K: tl.constexpr, BE: tl.c
     b_ex = tl.zeros((BR,), tl.float32)
     is_free = m_e
     top = tl.max(b_l, 0)  # rank 0's logit
-    denom = top * 0.0
+    denom = top * 0.0  # (0 + ex_0 = ex_0)
     for r in tl.static_range(TOP_K):
         best = tl.max(tl.where(is_free, b_l, float("-inf")), 0)
         pick = tl.min(tl.where(is_free & (b_l == best), o_e, BE), 0)  # the tie rule, explicit
         is_free = is_free & (o_e != pick)
         ex = tl.exp(best - top)
-        denom = ex if r == 0 else denom + ex
+        denom = denom + ex
         b_ids = tl.where(o_r == r, pick, b_ids)
         b_ex = tl.where(o_r == r, ex, b_ex)
     return b_ids, b_ex / denom
+
+
+@triton.jit
+def _fold(acc, w, y):
+    """acc + w * y in one rounding (fp32; w a scalar, broadcast first): the combine's step, the same
+    instruction on both paths."""
+    return tl.fma(tl.zeros_like(y) + w, y, acc)
 
 
 @triton.jit
@@ -144,7 +153,7 @@ def _route_kernel(logits_ptr, ids_ptr, w_ptr, num_experts, stride_l, TOP_K: tl.c
     tl.store(w_ptr + i_t * TOP_K + o_r, b_w.to(w_ptr.dtype.element_ty), mask=o_r < TOP_K)
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit(do_not_specialize=["num_tokens", "cap"])
 def _group_kernel(keys_ptr, order_ptr, counts_ptr, num_tokens, num_experts, cap, TOP_K: tl.constexpr,
                   BE: tl.constexpr, BT: tl.constexpr):
     """Experts BE * program .. + BE: each one's pairs t * k + r (keys [T, k] int32 in 0..E-1, their experts)
@@ -214,7 +223,8 @@ def _direct_rows(logits_ptr, ids_ptr, w_ptr, num_tokens, num_experts, stride_l, 
     i_t = tl.minimum(i_p // TOP_K, num_tokens - 1)  # (the shared block's program routes a token it does not use)
     b_ids, b_w = _top_k(logits_ptr, i_t.to(tl.int64), stride_l, num_experts, TOP_K, BE, BR)
     o_r = tl.arange(0, BR)
-    if (i_p < num_routed) and (i_p % TOP_K == 0) and (tl.program_id(1) == 0):
+    is_writer = (i_p < num_routed) & (i_p % TOP_K == 0) & (tl.program_id(1) == 0)
+    if is_writer:
         tl.store(ids_ptr + i_t * TOP_K + o_r, b_ids, mask=o_r < TOP_K)
         tl.store(w_ptr + i_t * TOP_K + o_r, b_w.to(w_ptr.dtype.element_ty), mask=o_r < TOP_K)
     o_m = tl.arange(0, BM)
@@ -225,7 +235,7 @@ def _direct_rows(logits_ptr, ids_ptr, w_ptr, num_tokens, num_experts, stride_l, 
     return e, m_m, pair, token
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit(do_not_specialize=["num_tokens", "num_shared", "cap"])
 def _gate_up_kernel(
     x_ptr, w_ptr, ws_ptr, h_ptr, logits_ptr, ids_ptr, wts_ptr, order_ptr, counts_ptr,
     num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap, stride_x, stride_we, stride_h, stride_l,
@@ -275,7 +285,7 @@ def _gate_up_kernel(
              mask=m_m[:, None] & m_n[None, :])
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit(do_not_specialize=["num_tokens", "num_shared", "cap"])
 def _down_kernel(
     h_ptr, w_ptr, ws_ptr, y_ptr, order_ptr, counts_ptr,
     num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap, stride_h, stride_we, stride_y,
@@ -322,11 +332,11 @@ def _combine_kernel(
     for r in tl.static_range(TOP_K):
         b_w = tl.load(w_ptr + i_t * TOP_K + r).to(tl.float32)
         b_y = tl.load(y_ptr + (i_t * TOP_K + r) * stride_y + o_h, mask=m_h, other=0.0).to(tl.float32)
-        acc = tl.fma(b_w, b_y, acc)
+        acc = _fold(acc, b_w, b_y)
     if HAS_SHARED:
         gate = tl.sigmoid(tl.load(logits_ptr + i_t * stride_l + num_experts).to(tl.float32))
         b_s = tl.load(y_ptr + (num_tokens * TOP_K + i_t) * stride_y + o_h, mask=m_h, other=0.0).to(tl.float32)
-        acc = tl.fma(gate, b_s, acc)
+        acc = _fold(acc, gate, b_s)
     tl.store(out_ptr + i_t * stride_out + o_h, acc.to(out_ptr.dtype.element_ty), mask=m_h)
 
 
@@ -363,7 +373,7 @@ def _down_combine_kernel(
         acc = _dot_acc(acc, b_h, b_w, ROW_EXACT, IEEE)
         is_end = k0 + BK >= inter  # the pair's last step: fold it in rank order, start the next one from zero
         b_wt = tl.load(wts_ptr + i_t * TOP_K + r).to(tl.float32)
-        out = tl.where(is_end, tl.fma(b_wt, acc.to(dt).to(tl.float32), out), out)
+        out = tl.where(is_end, _fold(out, b_wt, acc.to(dt).to(tl.float32)), out)
         acc = tl.where(is_end, 0.0, acc)
     for k0 in range(0, inter_s, BK):  # the shared expert: [H, Is]
         o_k = k0 + tl.arange(0, BK)
@@ -374,7 +384,7 @@ def _down_combine_kernel(
                       other=0.0)
         acc = _dot_acc(acc, b_h, b_w, ROW_EXACT, IEEE)
     gate = tl.sigmoid(tl.load(logits_ptr + i_t * stride_l + num_experts).to(tl.float32))
-    out = tl.fma(gate, acc.to(dt).to(tl.float32), out)
+    out = _fold(out, gate, acc.to(dt).to(tl.float32))
     p_out = out_ptr + i_t * stride_out + o_m[:, None] * 0 + o_n[None, :]
     tl.store(p_out, out.to(dt), mask=m_row[:, None] & m_n[None, :])
 
@@ -395,7 +405,7 @@ def _router(x: torch.Tensor, router_w: torch.Tensor, gate_w: torch.Tensor | None
         _dense_kernel[grid](x, router_w, gate_w if has_last else router_w, logits, num_tokens, num_experts, hidden,
                             x.stride(0), router_w.stride(0), logits.stride(0), BM=BLOCK_M, BN=ROUTER_BLOCK_N,
                             BK=ROUTER_BLOCK_K, HAS_LAST=has_last, **_dot_flags(x.dtype), num_warps=NUM_WARPS,
-                            num_stages=NUM_STAGES)
+                            num_stages=ROUTER_STAGES)
     return logits
 
 
