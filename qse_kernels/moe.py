@@ -57,11 +57,12 @@ ROUTER_BLOCK_N, ROUTER_BLOCK_K = 16, 256  # 17 programs for one token: its 1 MB 
 NUM_WARPS, NUM_STAGES = 4, 3
 # pipeline depths (they change no bits): the router has 17 programs for a decode token and the direct down
 # H / DOWN_BLOCK_N, whose K loop runs over all k experts of the token; with few programs the bytes in flight
-# come from depth. Pinned from benchmarks/moe_block_bench.py --sweep.
+# come from depth. Reckoned, not yet measured: benchmarks/moe_block_bench.py --sweep times the others.
 ROUTER_STAGES = 4
 DIRECT_DOWN_STAGES = 6
 # the direct path up to this many tokens, the grouped one above: a choice of speed only (both give the same
-# bits); at most BLOCK_M, so that the shared expert's rows are one tile. Pinned from benchmarks/moe_block_bench.py.
+# bits); at most BLOCK_M, so that the shared expert's rows are one tile. benchmarks/moe_block_bench.py times
+# both paths at every T <= BLOCK_M ("direct_not_slower_at").
 DIRECT_MAX_TOKENS = 16
 GROUP_BLOCK_E, GROUP_BLOCK_T = 16, 64  # the counting sort: BE experts a program, BT tokens a step
 assert DIRECT_MAX_TOKENS <= BLOCK_M
