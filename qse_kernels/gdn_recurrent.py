@@ -8,8 +8,9 @@ q and k are L2-normalised in fp32 (q also scaled by Dk^-1/2) per token, as the t
 recurrent_gated_delta_rule_from_gates gates the raw projections a, b in the same kernel (see gdn_chunk).
 
 recurrent_gated_delta_rule_slots steps B sequences by one token each in one launch, grid (Hv, Dv / BV, B):
-program b runs the one-token step of sequence b on its state, slot slots[b] of a slot stack (in place), the
-same code as the launch of that sequence alone.
+program b runs the one-token step of sequence b on its state, slot slots[b] of a slot stack (in place). It is
+the window kernel below with one row a sequence and its own slot as its window: a decode step and a verify's
+rows run one compiled kernel, so their bits agree on a GPU as in the interpreter.
 
 recurrent_gated_delta_rule_window is a speculative verify's rule in one launch, grid (Hv, Dv / BV, B):
 program b loads sequence b's state from slot slots[b] once, steps its T rows in order and stores the state
@@ -60,22 +61,10 @@ def _recurrent_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, state_ptr, new_state_ptr, o_ptr,
     num_tokens, heads_per_key, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, stride_oh, slots_ptr, stride_slot,
+    stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, stride_oh,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATES: tl.constexpr,
-    SLOTS: tl.constexpr = False,
 ):
     i_h, i_v = tl.program_id(0), tl.program_id(1)
-    if SLOTS:  # program i_b: the one token (num_tokens == 1) of sequence i_b, its state in slot slots[i_b]
-        i_b = tl.program_id(2)
-        i_slot = tl.load(slots_ptr + i_b).to(tl.int64)
-        q_ptr = q_ptr + i_b * stride_qt
-        k_ptr = k_ptr + i_b * stride_kt
-        v_ptr = v_ptr + i_b * stride_vt
-        g_ptr = g_ptr + i_b * stride_gt
-        beta_ptr = beta_ptr + i_b * stride_bt
-        o_ptr = o_ptr + i_b * stride_ot
-        state_ptr = state_ptr + i_slot * stride_slot
-        new_state_ptr = new_state_ptr + i_slot * stride_slot
     i_kh = i_h // heads_per_key
     o_k = tl.arange(0, BK)
     m_k = o_k < DK
@@ -92,7 +81,10 @@ def _recurrent_kernel(
     tl.store(new_state_ptr + o_s, b_s, mask=m_s)
 
 
-@triton.jit
+# T and the window's row stride are not specialised: a decode step (T = 1, its slot its own window) and a
+# verify run one compiled kernel, so a row's bits cannot depend on which of them ran it (a kernel specialised on
+# T == 1 unrolls its loop and may fuse its float ops otherwise; measured on the H200: the states differed)
+@triton.jit(do_not_specialize=["num_rows", "stride_scratch_b"])
 def _recurrent_window_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, states_ptr, o_ptr,
     num_rows, heads_per_key, scale,
@@ -162,7 +154,7 @@ def _recurrent_rule(q, k, v, g, beta, gates, state, out_state, shapes):
         q, k, v, g, beta, a_log, dt_bias, state, new_state, out,
         num_tokens, num_v_heads // num_k_heads, dk ** -0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1), out, 0,
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
         DK=dk, DV=dv, BK=block_k, BV=block_v, GATES=gates is not None,
         num_warps=RECURRENT_NUM_WARPS,
     )
@@ -186,16 +178,9 @@ def recurrent_gated_delta_rule_slots(
     slots = slots.contiguous()  # the kernel reads slots[b] at slots_ptr + b (a verify passes a column of a table)
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     out = torch.empty(num_rows, num_v_heads, dv, dtype=v.dtype, device=v.device)
-    if num_rows:
-        block_v = min(RECURRENT_BLOCK_V, triton.next_power_of_2(dv))
-        _recurrent_kernel[(num_v_heads, triton.cdiv(dv, block_v), num_rows)](
-            q, k, v, a, b, a_log, dt_bias, states, states, out,
-            1, num_v_heads // num_k_heads, dk ** -0.5,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), slots, states.stride(0),
-            DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block_v, GATES=True, SLOTS=True,
-            num_warps=RECURRENT_NUM_WARPS,
-        )
+    if num_rows:  # the verify's kernel with one row a sequence, its own slot as its window (in place)
+        _launch_window(q, k, v, a, b, a_log, dt_bias, states, out, slots, slots[:, None], num_rows, 1,
+                       num_k_heads, num_v_heads, dk, dv)
     return out
 
 
@@ -218,14 +203,21 @@ def recurrent_gated_delta_rule_window(
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     out = torch.empty(total_rows, num_v_heads, dv, dtype=v.dtype, device=v.device)
     if total_rows:
-        block_v = min(RECURRENT_BLOCK_V, triton.next_power_of_2(dv))
-        _recurrent_window_kernel[(num_v_heads, triton.cdiv(dv, block_v), num_seqs)](
-            q, k, v, a, b, a_log, dt_bias, states, out,
-            num_rows, num_v_heads // num_k_heads, dk ** -0.5,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-            slots, slots.stride(0), scratch, scratch.stride(0), scratch.stride(1), states.stride(0),
-            DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block_v,
-            num_warps=RECURRENT_NUM_WARPS,
-        )
+        _launch_window(q, k, v, a, b, a_log, dt_bias, states, out, slots, scratch, num_seqs, num_rows,
+                       num_k_heads, num_v_heads, dk, dv)
     return out
+
+
+def _launch_window(q, k, v, a, b, a_log, dt_bias, states, out, slots, scratch, num_seqs, num_rows,
+                   num_k_heads, num_v_heads, dk, dv) -> None:
+    """_recurrent_window_kernel over num_seqs sequences of num_rows rows (the slot step's launch too)."""
+    block_v = min(RECURRENT_BLOCK_V, triton.next_power_of_2(dv))
+    _recurrent_window_kernel[(num_v_heads, triton.cdiv(dv, block_v), num_seqs)](
+        q, k, v, a, b, a_log, dt_bias, states, out,
+        num_rows, num_v_heads // num_k_heads, dk ** -0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+        slots, slots.stride(0), scratch, scratch.stride(0), scratch.stride(1), states.stride(0),
+        DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block_v,
+        num_warps=RECURRENT_NUM_WARPS,
+    )

@@ -66,6 +66,8 @@ def _same_state(a, b) -> bool:
             and all(torch.equal(a.views[k], b.views[k]) for k in a.views))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the kernels interpreted on CPU tensors; on a GPU "
+                    "tests/kernels/test_moe.py checks the block's rows at the real shapes")
 def test_moe_rounds_give_every_row_the_bits_it_gets_alone(wide_tiles):
     engine = _engine("invariant")
     assert engine.model.moe_block.__module__ == "qse_kernels.moe"
