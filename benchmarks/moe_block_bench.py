@@ -202,7 +202,7 @@ def main(argv=None) -> int:
     for num_tokens in all_tokens:
         xs = [(torch.randn(num_tokens, shape["hidden"], generator=gen, device=device)).to(dtype)
               for _ in range(calls)]
-        row = {"T": num_tokens, "path": "direct" if num_tokens <= moe.DIRECT_MAX_TOKENS else "grouped"}
+        row = {"T": num_tokens, "path": "direct" if moe.uses_direct(num_tokens) else "grouped"}
         distinct = [moe.moe_route(moe.router_logits(x, copies[i % num_copies]["router_w"]), top_k)[0].unique().numel()
                     for i, x in enumerate(xs)]
         row["distinct_experts"] = statistics.mean(distinct)
@@ -262,7 +262,7 @@ def main(argv=None) -> int:
     faster = [r["T"] for r in rows if "direct_us" in r and r["direct_us"] <= r["grouped_us"]]
     result = {**result_header("triton", device="cpu (interpreted)" if args.tiny else None),
               "shape": shape, "dtype": str(dtype), "old_commit": OLD_COMMIT, "old_missing": old_missing,
-              "direct_max_tokens": moe.DIRECT_MAX_TOKENS, "router_stages": moe.ROUTER_STAGES,
+              "direct_tokens": [moe.DIRECT_MIN_TOKENS, moe.DIRECT_MAX_TOKENS], "router_stages": moe.ROUTER_STAGES,
               "direct_down_stages": moe.DIRECT_DOWN_STAGES,
               "weight_copies": num_copies, "calls_a_graph": calls, "tries": TRIES,
               "hbm_tbps": {"nominal": NOMINAL_HBM_TBPS, "measured": measured_tbps and round(measured_tbps, 3)},

@@ -1,12 +1,12 @@
 """Qwen3.5-MoE's sparse MLP block in Triton, batch-invariant; the naive twins are in moe_naive.py (the math,
 the layouts, the tie rule and the rounding points are written there, and hold here).
 
-A block takes one of two paths, chosen by T alone (DIRECT_MAX_TOKENS); both give the same bits for a row.
+A block takes one of two paths, chosen by T alone (uses_direct); both give the same bits for a row.
 Nothing waits on the host and nothing but Triton kernels runs (a CUDA graph holds the block):
 
     router   logits [T, E + 1] = x @ [router_w; shared_gate_w]^T: column E
              is the shared expert's gate logit                           _dense_kernel
-  direct (decode: T <= DIRECT_MAX_TOKENS <= BLOCK_M), three launches:
+  direct (small decode batches, uses_direct; T <= BLOCK_M), three launches:
     gate_up  a program a pair (token t, rank r): it routes t from the
              logits (_top_k), and its tile's row 0 is x_t through expert
              ids[t, r]; one more program holds the shared expert's block
@@ -60,12 +60,18 @@ NUM_WARPS, NUM_STAGES = 4, 3
 # come from depth. Reckoned, not yet measured: benchmarks/moe_block_bench.py --sweep times the others.
 ROUTER_STAGES = 4
 DIRECT_DOWN_STAGES = 6
-# the direct path up to this many tokens, the grouped one above: a choice of speed only (both give the same
-# bits); at most BLOCK_M, so that the shared expert's rows are one tile. benchmarks/moe_block_bench.py times
-# both paths at every T <= BLOCK_M ("direct_not_slower_at").
-DIRECT_MAX_TOKENS = 16
+# the direct path for DIRECT_MIN_TOKENS..DIRECT_MAX_TOKENS tokens, the grouped one elsewhere: a choice of speed
+# only (both give the same bits); at most BLOCK_M, so that the shared expert's rows are one tile. Pinned from
+# benchmarks/moe_block_bench.py on the H200 (35B-A3B shapes, moe_block_bench-2026-12-03-h200.json): the direct
+# path wins at T = 2 and 4 only (T = 1: grouped 35.3 us against 39.0; T = 8: 112 against 125)
+DIRECT_MIN_TOKENS, DIRECT_MAX_TOKENS = 2, 4
 GROUP_BLOCK_E, GROUP_BLOCK_T = 16, 64  # the counting sort: BE experts a program, BT tokens a step
 assert DIRECT_MAX_TOKENS <= BLOCK_M
+
+
+def uses_direct(num_tokens: int) -> bool:
+    """Whether a block of num_tokens tokens takes the direct path (the choice of speed above)."""
+    return DIRECT_MIN_TOKENS <= num_tokens <= DIRECT_MAX_TOKENS
 
 
 @triton.jit
@@ -543,7 +549,7 @@ def moe_block(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Tensor, do
               top_k: int, *, path: str | None = None) -> torch.Tensor:
     """As moe_naive.moe_block: Qwen3.5-MoE's sparse MLP block on x [T, H] -> [T, H]; router_w [E, H],
     gate_up [E, 2I, H], down [E, H, I], shared_gate_up [2Is, H], shared_down [H, Is], shared_gate_w [1, H].
-    path: "direct" (T <= BLOCK_M) or "grouped"; None picks by T alone (DIRECT_MAX_TOKENS). Both give the same
+    path: "direct" (T <= BLOCK_M) or "grouped"; None picks by T alone (uses_direct). Both give the same
     bits (the module docstring), so the choice is one of speed."""
     _check_experts(x, gate_up, down)
     num_tokens, hidden = x.shape
@@ -554,7 +560,7 @@ def moe_block(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Tensor, do
                          f" for H = {hidden}; got {tuple(router_w.shape)}, {tuple(shared_gate_up.shape)}, "
                          f"{tuple(shared_down.shape)}, {tuple(shared_gate_w.shape)}")
     if path is None:
-        path = "direct" if num_tokens <= DIRECT_MAX_TOKENS else "grouped"
+        path = "direct" if uses_direct(num_tokens) else "grouped"
     if path not in PATHS or (path == "direct" and num_tokens > BLOCK_M):
         raise ValueError(f"path must be one of {PATHS} (direct for at most {BLOCK_M} tokens); got {path!r} for "
                          f"{num_tokens} tokens")
@@ -571,4 +577,4 @@ def moe_block(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Tensor, do
     return _grouped(x, keys.reshape(-1), num_tokens, weights, gate_up, down, shared, logits)
 
 
-__all__ = ["DIRECT_MAX_TOKENS", "PATHS", "moe_block", "moe_experts", "moe_route", "router_logits"]
+__all__ = ["DIRECT_MAX_TOKENS", "DIRECT_MIN_TOKENS", "PATHS", "moe_block", "moe_experts", "moe_route", "router_logits", "uses_direct"]
