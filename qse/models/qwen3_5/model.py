@@ -521,7 +521,7 @@ class Qwen35Model:
         dense = sum(t.numel() * t.element_size() for t in self.w.values())
         return dense + sum(l.nbytes_per_use for l in self.lin.values())
 
-    def cast(self, dtype: torch.dtype) -> "Qwen35Model":
+    def cast(self, dtype: torch.dtype) -> "Qwen35Model":  # (or the subclass's own type)
         """The same weights cast to `dtype` (an upcast is exact), on the torch ops, on this device: a twin that
         code above the adapter path can build without naming the family. Dense weights only (a block-scaled
         format has no exact cast): another Linear is a ValueError naming it."""
@@ -531,7 +531,7 @@ class Qwen35Model:
                 raise ValueError(f"{name} is {type(lin).__name__}: only dense weights cast to another dtype")
             linears[name] = DenseLinear(lin.weight.to(dtype))
         weights = LoadedWeights({k: t.to(dtype) for k, t in self.w.items()}, linears)
-        return Qwen35Model(self.cfg, weights, self.device, dtype)
+        return type(self)(self.cfg, weights, self.device, dtype)  # (a family built on this one casts as its own)
 
 
 def _check_taps(taps, num_rows: int | None = None) -> None:

@@ -95,16 +95,5 @@ class Qwen35MoeModel(Qwen35Model):
         """The sparse block of layer prefix `p` on h [T, H] -> [T, H]."""
         return self.moe_block(h, *self.moe_args[p], self.cfg.num_experts_per_tok)
 
-    def cast(self, dtype: torch.dtype) -> "Qwen35MoeModel":
-        """The same weights cast to `dtype` (an upcast is exact), on the torch ops, on this device (as the dense
-        family's cast: a twin code above the adapter path builds without naming the family)."""
-        linears = {}
-        for name, lin in self.lin.items():
-            if not isinstance(lin, DenseLinear):
-                raise ValueError(f"{name} is {type(lin).__name__}: only dense weights cast to another dtype")
-            linears[name] = DenseLinear(lin.weight.to(dtype))
-        weights = LoadedWeights({k: t.to(dtype) for k, t in self.w.items()}, linears)
-        return Qwen35MoeModel(self.cfg, weights, self.device, dtype)
-
 
 __all__ = ["Qwen35MoeModel", "moe_block_of"]
