@@ -33,17 +33,14 @@ def expected_tokens(draft: int, alpha: float) -> float:
 
 @dataclass
 class SpecTurn:
-    """One running turn's acceptance: a running mean of the share of its drafted ids a verify kept."""
+    """One running turn's acceptance: a running mean of the share of its drafted ids a verify kept (the turn's
+    own counts of drafted and kept ids are its record's, qse/runtime/turn.py)."""
 
     alpha: float
-    drafted: int = 0  # ids drafted for it, over the turn
-    accepted: int = 0  # of them kept
 
     def observe(self, drafted: int, accepted: int, weight: float) -> None:
         if drafted <= 0:
             return
-        self.drafted += drafted
-        self.accepted += accepted
         # the rate a geometric acceptance gives this outcome: a of d kept, the (a + 1)-th refused (all kept: a
         # rate above every lower count's)
         rate = accepted / drafted if accepted < drafted else (accepted + 1) / (drafted + 1)

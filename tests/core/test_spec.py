@@ -47,10 +47,10 @@ def test_a_turns_rate_follows_its_drafts_and_drifts_back_when_it_stops_drafting(
     turn = planner.new_turn()
     for _ in range(10):
         planner.observe_turn(turn, 3, 0)
-    assert turn.alpha < 0.01 and turn.drafted == 30 and turn.accepted == 0
+    assert turn.alpha < 0.01
     for _ in range(10):
         planner.observe_turn(turn, 3, 3)
-    assert turn.alpha > 0.75 and turn.accepted == 30
+    assert turn.alpha > 0.75
     low = planner.new_turn()
     planner.observe_turn(low, 3, 0)
     before = low.alpha
