@@ -123,14 +123,22 @@ class PromptLookup:
         # the places an n-gram equal to the context's last n ids ends, before the last id: those where the last
         # id occurs (one pass over the context), narrowed by each id before it (a few candidates each step)
         ends = np.flatnonzero(ctx[:-1] == ctx[-1])
-        for n in range(min(self.max_n, len(ctx) - 1), self.min_n - 1, -1):
-            hits = ends[ends >= n - 1]
-            for back in range(1, n):
-                hits = hits[ctx[hits - back] == ctx[-1 - back]]
+        for _, hits in ngram_matches(ctx, ctx, ends, min(self.max_n, len(ctx) - 1), self.min_n):
             if len(hits):
                 follow = hits[-1] + 1
                 return ctx[follow : follow + self.k].tolist()
         return []
+
+
+def ngram_matches(corpus: np.ndarray, tail: np.ndarray, ends: np.ndarray, longest: int, shortest: int):
+    """For n from `longest` down to `shortest`: (n, the places in `corpus` where an occurrence of tail's last n
+    ids ends), narrowed from `ends` (where tail's last id occurs) by each id before it: a few candidates a
+    step, never a Python loop over the corpus."""
+    for n in range(longest, shortest - 1, -1):
+        hits = ends[ends >= n - 1]
+        for back in range(1, n):
+            hits = hits[corpus[hits - back] == tail[-1 - back]]
+        yield n, hits
 
 
 class MTPDrafter:
@@ -177,4 +185,4 @@ class MTPDrafter:
         self.cache.rollback_to(length)
 
 
-__all__ = ["Drafter", "DrafterMismatch", "DrafterNeeds", "MTPDrafter", "PromptLookup", "check_drafter"]
+__all__ = ["Drafter", "DrafterMismatch", "DrafterNeeds", "MTPDrafter", "PromptLookup", "check_drafter", "ngram_matches"]

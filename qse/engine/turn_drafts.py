@@ -16,7 +16,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .drafters import PromptLookup
+from .drafters import PromptLookup, ngram_matches
 
 
 class PredictedOutput:
@@ -41,10 +41,7 @@ class PredictedOutput:
             return pred[: self.k].tolist()
         tail = np.asarray(output[-self.max_n:], dtype=np.int64)
         ends = np.flatnonzero(pred == tail[-1])
-        for n in range(len(tail), 0, -1):
-            hits = ends[ends >= n - 1]
-            for back in range(1, n):
-                hits = hits[pred[hits - back] == tail[-1 - back]]
+        for _, hits in ngram_matches(pred, tail, ends, len(tail), 1):
             hits = hits[hits + 1 < len(pred)]  # an occurrence at the very end has nothing after it
             if len(hits):
                 ahead = hits[hits >= self._place - 1]
