@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from mtp_rig import agreeing_tensors
 
 from qse.engine.drafters import DrafterMismatch, DrafterNeeds, MTPDrafter, PromptLookup, check_drafter
 from qse.engine.kv import KVPool, PagedKV
@@ -50,23 +51,9 @@ def random_model() -> Qwen35Model:
 
 @pytest.fixture(scope="module")
 def agreeing_model() -> Qwen35Model:
-    """A served model that is nearly a bigram model (a larger embedding, the layers' output projections scaled
-    down: the next id depends mostly on the last), and an MTP head that is that bigram model on the id it is given:
-    fc passes the embedding's half through, the layer adds nothing, and its norm is the model's final norm. So the
-    head's drafts agree with the served model often, and not always."""
+    """A served model whose MTP head's drafts agree with it often, and not always (mtp_rig.agreeing_tensors)."""
     cfg = parse_config(tiny_mtp_config_dict())
-    t = random_tensors(cfg, seed=5)
-    t["embed_tokens.weight"] = t["embed_tokens.weight"] * 10
-    for name in t:
-        if name.startswith("layers.") and name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
-            t[name] = t[name] * 0.05
-    h = cfg.hidden_size
-    t["mtp.fc.weight"] = torch.cat((torch.eye(h), torch.zeros(h, h)), dim=1)
-    t["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(h)
-    t["mtp.norm.weight"] = t["norm.weight"].clone()
-    t["mtp.layers.0.self_attn.o_proj.weight"] = torch.zeros_like(t["mtp.layers.0.self_attn.o_proj.weight"])
-    t["mtp.layers.0.mlp.down_proj.weight"] = torch.zeros_like(t["mtp.layers.0.mlp.down_proj.weight"])
-    return _build(t, cfg)
+    return _build(agreeing_tensors(random_tensors(cfg, seed=5), cfg), cfg)
 
 
 class Target:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mtp_rig import agreeing_tensors
 
 from qse.engine.engine import Engine
 from qse.engine.kv import KVPool, PagedKV
@@ -40,22 +41,11 @@ def _engine(tensors: dict[str, torch.Tensor], cfg) -> Engine:
 @pytest.fixture(scope="module")
 def engines() -> dict[str, Engine]:
     """random: the head's drafts are nearly always refused. agreeing: a served model that is nearly a bigram
-    model and a head that is that bigram model (test_mtp_drafter.agreeing_model): drafts kept often, not always."""
+    model and a head that is that bigram model (mtp_rig.agreeing_tensors): drafts kept often, not always."""
     cfg = parse_config(tiny_mtp_config_dict())
     t = random_tensors(cfg, seed=5)
     out = {"random": _engine(t, cfg)}
-    t = dict(t)
-    t["embed_tokens.weight"] = t["embed_tokens.weight"] * 10
-    for name in t:
-        if name.startswith("layers.") and name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
-            t[name] = t[name] * 0.05
-    h = cfg.hidden_size
-    t["mtp.fc.weight"] = torch.cat((torch.eye(h), torch.zeros(h, h)), dim=1)
-    t["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(h)
-    t["mtp.norm.weight"] = t["norm.weight"].clone()
-    t["mtp.layers.0.self_attn.o_proj.weight"] = torch.zeros_like(t["mtp.layers.0.self_attn.o_proj.weight"])
-    t["mtp.layers.0.mlp.down_proj.weight"] = torch.zeros_like(t["mtp.layers.0.mlp.down_proj.weight"])
-    out["agreeing"] = _engine(t, cfg)
+    out["agreeing"] = _engine(agreeing_tensors(t, cfg), cfg)
     return out
 
 

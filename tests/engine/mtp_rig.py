@@ -1,0 +1,26 @@
+"""The MTP tests' tiny models (tests/engine/test_mtp_drafter.py, test_mtp_rounds.py): the tensors of a served model
+whose MTP head's drafts agree with it often."""
+
+from __future__ import annotations
+
+import torch
+
+
+def agreeing_tensors(tensors: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    """A copy of a tiny Qwen3.5's tensors made into a served model that is nearly a bigram model (a larger
+    embedding, the layers' output projections scaled down: the next id depends mostly on the last), and an MTP
+    head that is that bigram model on the id it is given: fc passes the embedding's half through, the layer adds
+    nothing, and its norm is the model's final norm. So the head's drafts agree with the served model often, and
+    not always."""
+    t = dict(tensors)
+    t["embed_tokens.weight"] = t["embed_tokens.weight"] * 10
+    for name in t:
+        if name.startswith("layers.") and name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+            t[name] = t[name] * 0.05
+    h = cfg.hidden_size
+    t["mtp.fc.weight"] = torch.cat((torch.eye(h), torch.zeros(h, h)), dim=1)
+    t["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(h)
+    t["mtp.norm.weight"] = t["norm.weight"].clone()
+    t["mtp.layers.0.self_attn.o_proj.weight"] = torch.zeros_like(t["mtp.layers.0.self_attn.o_proj.weight"])
+    t["mtp.layers.0.mlp.down_proj.weight"] = torch.zeros_like(t["mtp.layers.0.mlp.down_proj.weight"])
+    return t
