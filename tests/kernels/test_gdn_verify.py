@@ -90,21 +90,20 @@ def test_conv_window_is_the_one_row_steps(device, rel, num_seqs, num_rows, chann
     assert rel(y, ref) < TOL[dtype] and rel(mine, twin) < TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype,state_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)],
-                         ids=["fp32-x-bf16-state", "bf16-x-fp32-state"])
-def test_conv_window_reads_earlier_rows_through_the_state_dtype(device, dtype, state_dtype):
+# (B, T, channels, width, x's dtype, the state's dtype, seed): the rows the window must round as the steps do
+CONV_EXACT_CASES = {"fp32-x-bf16-state": (2, 4, 96, 4, torch.float32, torch.bfloat16, 3),
+                    "bf16-x-fp32-state": (2, 4, 96, 4, torch.bfloat16, torch.float32, 3),
+                    "width2-odd-channels": (2, 3, 70, 2, torch.float32, torch.float32, 4)}
+
+
+@pytest.mark.parametrize("num_seqs,num_rows,channels,width,dtype,state_dtype,seed", CONV_EXACT_CASES.values(),
+                         ids=CONV_EXACT_CASES.keys())
+def test_conv_window_rounds_as_the_one_row_steps(device, num_seqs, num_rows, channels, width, dtype, state_dtype,
+                                                 seed):
     """A row's taps on the window's earlier rows see them as the one-row steps do: stored in the state's dtype
-    (a narrower state rounds them), then read back."""
-    x, weight, states, slots, scratch = _conv_inputs(2, 4, 96, 4, dtype, state_dtype, device, seed=3)
-    mine, loop = states.clone(), states.clone()
-    y = conv1d.causal_conv1d_window(x, weight, mine, slots, scratch)
-    step = lambda x_rows, s, target: conv1d.causal_conv1d_slots(x_rows, weight, s, target)  # noqa: E731
-    assert torch.equal(y, _loop(step, loop, slots, scratch, x))
-    assert torch.equal(mine, loop)
-
-
-def test_conv_window_width2_and_odd_channels(device):
-    x, weight, states, slots, scratch = _conv_inputs(2, 3, 70, 2, torch.float32, torch.float32, device, seed=4)
+    (a narrower state rounds them), then read back; and so at width 2 and a channel count off the block."""
+    x, weight, states, slots, scratch = _conv_inputs(num_seqs, num_rows, channels, width, dtype, state_dtype,
+                                                     device, seed=seed)
     mine, loop = states.clone(), states.clone()
     y = conv1d.causal_conv1d_window(x, weight, mine, slots, scratch)
     step = lambda x_rows, s, target: conv1d.causal_conv1d_slots(x_rows, weight, s, target)  # noqa: E731
