@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.results_io import result_header, write_result  # noqa: E402
+from benchmarks.timing import cuda_us, kernel_bench_args, wall_us  # noqa: E402
 
 # (name, N, K): the 9B's projections one by one (an FP8 checkpoint's members are not fused), and the head
 SHAPES_9B = [("gdn_in_proj_qkv", 8192, 4096), ("gdn_in_proj_z", 4096, 4096), ("gdn_out_proj", 4096, 4096),
@@ -37,18 +36,10 @@ CHUNK_ROWS, CHUNK_ROWS_TINY = 512, 64
 
 
 def _timer(device: str):
+    """us a call of fn: on CUDA graphed (200 calls) or eager (20); on the CPU (the smoke run) the wall clock."""
     if device == "cuda":
-        from benchmarks.timing import cuda_us
-
         return lambda fn, graphed: cuda_us(fn, 200 if graphed else 20, graphed=graphed, tries=5)
-
-    def wall_us(fn, graphed):  # the CPU smoke run: interpreted kernels, the wall clock
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e6
-
-    return wall_us
+    return lambda fn, graphed: wall_us(fn)
 
 
 def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -57,13 +48,7 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    p.add_argument("--tiny", action="store_true", help="small shapes on the CPU through Triton's interpreter")
-    args = p.parse_args(argv)
-    device = "cpu" if args.tiny else "cuda"
-    if args.tiny:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
+    args, device = kernel_bench_args(argparse.ArgumentParser(), argv)
     from qse.models.linear import quantize_fp8_block
     from qse_kernels import fp8, naive
     from qse_kernels.gemv import gemv

@@ -28,12 +28,10 @@ import argparse
 import importlib.util
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -42,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.results_io import result_header, write_result  # noqa: E402
+from benchmarks.timing import graph_us, kernel_bench_args, wall_us  # noqa: E402
 
 OLD_COMMIT = "9d2d0b6"  # Kernels: Qwen3.5-MoE sparse block in Triton, batch-invariant
 NOMINAL_HBM_TBPS = 4.8
@@ -92,39 +91,11 @@ def load_old(path: str | None):
 
 
 def _timer(device: str):
-    """us a call of fns[i], i = 0.. (each on its own weights copy and input)."""
+    """us a call of fns[i], i = 0.. (each on its own weights copy and input); on the CPU (the flow check:
+    interpreted kernels, nothing to compile) the wall clock of fns[0], unwarmed."""
     if device != "cuda":
-        def wall_us(fns):  # the CPU flow check: interpreted kernels (nothing to compile), the wall clock
-            t0 = time.perf_counter()
-            fns[0]()
-            return (time.perf_counter() - t0) * 1e6
-
-        return wall_us
-
-    def graphed_us(fns):
-        for fn in fns:  # compiled, and the allocator warm, outside the capture
-            fn()
-        torch.cuda.synchronize()
-        stream = torch.cuda.Stream()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            with torch.cuda.graph(graph, stream=stream):
-                for fn in fns:
-                    fn()
-        torch.cuda.synchronize()
-        graph.replay()
-        times = []
-        for _ in range(TRIES):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) * 1000 / len(fns))
-        del graph
-        return statistics.median(times)
-
-    return graphed_us
+        return lambda fns: wall_us(fns[0], warm=False)
+    return lambda fns: graph_us(fns, tries=TRIES)
 
 
 def hbm_tbps(device: str, nbytes: int = 1 << 30, reps: int = 10) -> float | None:
@@ -168,15 +139,10 @@ def count_kernels(fn) -> int | None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    p.add_argument("--tiny", action="store_true", help="small shapes on the CPU through Triton's interpreter")
     p.add_argument("--old", default=None, help=f"the old block's source (git show {OLD_COMMIT}:qse_kernels/moe.py)")
     p.add_argument("--sweep", action="store_true", help="also time the router's and the direct down's stage counts")
     p.add_argument("--tokens", default="", help="comma-separated T (default: all)")
-    args = p.parse_args(argv)
-    device = "cpu" if args.tiny else "cuda"
-    if args.tiny:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
+    args, device = kernel_bench_args(p, argv)
     from qse_kernels import moe
 
     old, old_missing = load_old(args.old)

@@ -19,10 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.results_io import result_header, write_result  # noqa: E402
+from benchmarks.timing import graph_us, kernel_bench_args, wall_us  # noqa: E402
 
 # (name, N, K): the 9B's fused projections of one layer (qse/models/qwen3_5/model.py FUSED_PROJECTIONS over
 # layout.expected_shapes) and the head, whose output is fp32
@@ -63,53 +61,18 @@ def candidates():
 
 
 def _timer(device: str):
-    """us a call of fns[i % len(fns)], i = 0.. (each fn reads its own copy of the weight)."""
+    """us a call of fns[i % len(fns)], i = 0.. (each fn reads its own copy of the weight); on the CPU (the flow
+    check) the wall clock of fns[0]."""
     if device != "cuda":
-        def wall_us(fns):  # the CPU flow check: interpreted kernels, the wall clock
-            fns[0]()
-            t0 = time.perf_counter()
-            fns[0]()
-            return (time.perf_counter() - t0) * 1e6
-
-        return wall_us
-
-    def graphed_us(fns):
-        calls = len(fns) * math.ceil(MIN_CALLS / len(fns))
-        for fn in fns:  # compiled, cuBLAS's handle made, outside the capture
-            fn()
-        torch.cuda.synchronize()
-        stream = torch.cuda.Stream()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            with torch.cuda.graph(graph, stream=stream):
-                for i in range(calls):
-                    fns[i % len(fns)]()
-        torch.cuda.synchronize()
-        graph.replay()
-        times = []
-        for _ in range(TRIES):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) * 1000 / calls)
-        del graph
-        return statistics.median(times)
-
-    return graphed_us
+        return lambda fns: wall_us(fns[0])
+    return lambda fns: graph_us(fns, len(fns) * math.ceil(MIN_CALLS / len(fns)), TRIES)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    p.add_argument("--tiny", action="store_true", help="small shapes on the CPU through Triton's interpreter")
     p.add_argument("--sweep", action="store_true", help="also time every candidate tiling at SWEEP_ROWS rows")
     p.add_argument("--shapes", default="", help="comma-separated shape names (default: all)")
-    args = p.parse_args(argv)
-    device = "cpu" if args.tiny else "cuda"
-    if args.tiny:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
+    args, device = kernel_bench_args(p, argv)
     from qse_kernels import skinny
     from qse_kernels.gemv import gemv
 
