@@ -40,12 +40,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.engines import on_this_machine  # noqa: E402
+from benchmarks.engines import PAGE_ROWS, on_this_machine  # noqa: E402
 from benchmarks.results_io import result_header, write_result  # noqa: E402
-from benchmarks.round_step import PAGE_ROWS, WARM_ROUNDS, measure  # noqa: E402
+from benchmarks.round_step import decode_rows  # noqa: E402
 from qse.engine.engine import Engine  # noqa: E402
 from qse.engine.kv import KVPool, PagedKV  # noqa: E402
-from qse.engine.rounds import DecodeRounds  # noqa: E402
 from qse.models import FAMILIES, ResolvedModel, resolve  # noqa: E402
 
 NOMINAL_HBM_TBPS = 4.8  # the H200's HBM3e
@@ -117,44 +116,6 @@ def floor_terms(model, batch: int, context: int) -> dict:
             "state_nbytes": batch * state_nbytes, "kv_nbytes": batch * kv_nbytes,
             "total_nbytes": int(weights + batch * (state_nbytes + kv_nbytes)),
             "active_params_a_token": int((other_nbytes + cfg.hidden_size * size + experts_nbytes * k / e) / size)}
-
-
-def decode_rows(engine: Engine, batches: list[int], context: int, num_rounds: int) -> tuple[list[dict], dict]:
-    """benchmarks/round_step.py's rounds on this engine: a row a batch size; and how the rounds ran."""
-    cfg, device, dtype = engine.cfg, engine.device, engine.dtype
-    max_running = max(batches)
-    length = context + 2 * WARM_ROUNDS + num_rounds + 1
-    pool = KVPool(max_running * -(-length // PAGE_ROWS) + 1, PAGE_ROWS, len(cfg.attention_layers),
-                  cfg.num_key_value_heads, cfg.head_dim, dtype, device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    for t in (pool.k, pool.v):
-        t.normal_(0.0, 0.5, generator=gen)
-    rounds = DecodeRounds(engine, pool, max_running)
-    t0 = time.perf_counter()
-    rounds.warm()
-    warm_s = time.perf_counter() - t0
-    caches = []
-    for _ in range(max_running):
-        cache = engine.new_cache(kv=PagedKV(pool))
-        assert cache.kv.ensure(context)
-        cache.length = context
-        for t in cache.stacked:
-            t.normal_(0.0, 0.1, generator=gen)
-        caches.append(cache)
-    rows = []
-    for num_rows in batches:
-        for cache in caches[:num_rows]:  # every batch size starts at the same context
-            cache.length = context
-        slots = [rounds.admit(cache) for cache in caches[:num_rows]]
-        first = torch.randint(0, cfg.vocab_size, (num_rows,), device=device, generator=gen)
-        row = measure(rounds, slots, first, num_rounds)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-        for slot in slots:
-            rounds.release(slot)
-    ran = {"graphs": rounds.capture, "buckets": list(rounds.buckets), "warm_s": round(warm_s, 3)}
-    rounds.release_all()
-    return rows, ran
 
 
 def prefill_rows(engine: Engine, prompt: list[int], chunks: list[int]) -> list[dict]:

@@ -29,25 +29,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.engines import on_this_machine  # noqa: E402
+from benchmarks.engines import PAGE_ROWS, on_this_machine, random_pool, random_sequences  # noqa: E402
 from benchmarks.results_io import result_header, write_result  # noqa: E402
+from benchmarks.timing import device_ms  # noqa: E402
 from qse.engine.engine import DeviceClock, Engine  # noqa: E402
-from qse.engine.kv import KVPool, PagedKV  # noqa: E402
+from qse.engine.kv import PagedKV  # noqa: E402
 from qse.engine.rounds import DecodeRounds  # noqa: E402
 from qse.models import ResolvedModel, resolve  # noqa: E402
-
-PAGE_ROWS = 512
-
-
-def device_ms(step, reps: int, clock: DeviceClock) -> float:
-    """Device ms a call of step() (three calls first: kernels compiled, caches warm)."""
-    for _ in range(3):
-        step()
-    start = clock.mark()
-    for _ in range(reps):
-        step()
-    return clock.ms(start, clock.mark()) / reps
-
 
 def graphed(step):
     """step captured as a CUDA graph: its replay (warmed on a side stream first, as DecodeRounds captures)."""
@@ -66,20 +54,11 @@ def graphed(step):
 
 def decode_round_ms(engine: Engine, context: int, reps: int, clock: DeviceClock) -> float:
     """One decode round of one sequence at `context` rows (random KV and GDN state)."""
-    cfg, device = engine.cfg, engine.device
-    pool = KVPool(-(-(context + 3 * reps + 16) // PAGE_ROWS) + 2, PAGE_ROWS, len(cfg.attention_layers),
-                  cfg.num_key_value_heads, cfg.head_dim, engine.dtype, device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    for t in (pool.k, pool.v):
-        t.normal_(0.0, 0.5, generator=gen)
+    pool, gen = random_pool(engine, -(-(context + 3 * reps + 16) // PAGE_ROWS) + 2)
     rounds = DecodeRounds(engine, pool, max_running=1, buckets=(1,))
-    cache = engine.new_cache(kv=PagedKV(pool))
-    assert cache.kv.ensure(context)
-    cache.length = context
-    for t in cache.stacked:
-        t.normal_(0.0, 0.1, generator=gen)
+    (cache,) = random_sequences(engine, pool, 1, context, gen)
     slot = rounds.admit(cache)
-    tokens = torch.tensor([7], device=device)
+    tokens = torch.tensor([7], device=engine.device)
     ms = device_ms(lambda: rounds.run([slot], tokens), reps, clock)
     rounds.release(slot)
     rounds.release_all()
@@ -91,11 +70,7 @@ def measure(model, ks: list[int], context: int, reps: int, clock: DeviceClock, d
     width = max(ks) + 1
     # the head's rows in pages of a pool of its own (read and written through the page table on the device: a
     # graph captured at a position holds no host copy)
-    pool = KVPool(-(-(context + width + 1) // PAGE_ROWS), PAGE_ROWS, 1, cfg.num_key_value_heads, cfg.head_dim,
-                  model.dtype, device)
-    gen = torch.Generator(device=device).manual_seed(1)
-    for t in (pool.k, pool.v):
-        t.normal_(0.0, 0.5, generator=gen)
+    pool, gen = random_pool(model, -(-(context + width + 1) // PAGE_ROWS), 1, seed=1)
     cache = head.new_cache(kv=PagedKV(pool))
     assert cache.kv.ensure(context + width)
     cache.length = context

@@ -26,15 +26,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.engines import on_this_machine  # noqa: E402
+from benchmarks.engines import PAGE_ROWS, on_this_machine, random_pool, random_sequences  # noqa: E402
 from benchmarks.results_io import result_header, write_result  # noqa: E402
 from benchmarks.timing import is_cublas_kernel  # noqa: E402
 from qse.engine.engine import DeviceClock, Engine  # noqa: E402
-from qse.engine.kv import KVPool, PagedKV  # noqa: E402
 from qse.engine.rounds import DecodeRounds  # noqa: E402
 from qse.models import resolve  # noqa: E402
 
-PAGE_ROWS = 512  # the served sessions' page size (their grid, QSE_SERVED_GRID)
 WARM_ROUNDS = 3
 
 
@@ -81,6 +79,37 @@ def kernel_times(rounds: DecodeRounds, slots: list[int], first: torch.Tensor, nu
             for k, (us, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])]
 
 
+def decode_rows(engine: Engine, batches: list[int], context: int, num_rounds: int, graphs: str | None = None,
+                profile: int = 0) -> tuple[list[dict], dict]:
+    """A row a batch size (measure's, and with `profile` on CUDA its kernel_times over that many rounds), every
+    sequence at `context` tokens of random KV rows and GDN state; and how the rounds ran (their graphs, buckets
+    and warm-up seconds). graphs: DecodeRounds' (None: CUDA graphs where the device and kernels allow)."""
+    max_running = max(batches)
+    length = context + 2 * WARM_ROUNDS + num_rounds + profile + 1
+    pool, gen = random_pool(engine, max_running * -(-length // PAGE_ROWS) + 1)
+    rounds = DecodeRounds(engine, pool, max_running, graphs=graphs)
+    t0 = time.perf_counter()
+    rounds.warm()
+    warm_s = time.perf_counter() - t0
+    caches = random_sequences(engine, pool, max_running, context, gen)
+    rows = []
+    for num_rows in batches:
+        for cache in caches[:num_rows]:  # every batch size starts at the same context
+            cache.length = context
+        slots = [rounds.admit(cache) for cache in caches[:num_rows]]
+        first = torch.randint(0, engine.cfg.vocab_size, (num_rows,), device=engine.device, generator=gen)
+        row = measure(rounds, slots, first, num_rounds)
+        print(json.dumps(row), flush=True)
+        if profile and engine.device.type == "cuda":
+            row["kernels"] = kernel_times(rounds, slots, first, profile)
+        rows.append(row)
+        for slot in slots:
+            rounds.release(slot)
+    ran = {"graphs": rounds.capture, "buckets": list(rounds.buckets), "warm_s": round(warm_s, 3)}
+    rounds.release_all()
+    return rows, ran
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen3.5-9b", help="preset, checkpoint dir, or embedded (the tiny model)")
@@ -102,44 +131,12 @@ def main(argv=None) -> int:
         torch.backends.cuda.preferred_blas_library(args.blas)
     spec = "" if args.preset in ("", "embedded") else args.preset
     engine = Engine(resolve(spec, device, dtype, cache_dir), kernels=args.kernels)
-    cfg = engine.cfg
-    max_running = max(batches)
-    length = args.context + 2 * WARM_ROUNDS + args.rounds + args.profile + 1
-    pages_each = -(-length // PAGE_ROWS)
-    pool = KVPool(max_running * pages_each + 1, PAGE_ROWS, len(cfg.attention_layers), cfg.num_key_value_heads,
-                  cfg.head_dim, dtype, device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    for t in (pool.k, pool.v):
-        t.normal_(0.0, 0.5, generator=gen)
-    rounds = DecodeRounds(engine, pool, max_running, graphs=None if args.graphs == "auto" else "static")
-    t0 = time.perf_counter()
-    rounds.warm()
-    warm_s = time.perf_counter() - t0
-    caches = []
-    for _ in range(max_running):
-        cache = engine.new_cache(kv=PagedKV(pool))
-        assert cache.kv.ensure(args.context)
-        cache.length = args.context
-        for t in cache.stacked:
-            t.normal_(0.0, 0.1, generator=gen)
-        caches.append(cache)
-    rows = []
-    for num_rows in batches:
-        for cache in caches[:num_rows]:  # every batch size starts at the same context
-            cache.length = args.context
-        slots = [rounds.admit(cache) for cache in caches[:num_rows]]
-        first = torch.randint(0, cfg.vocab_size, (num_rows,), device=device, generator=gen)
-        row = measure(rounds, slots, first, args.rounds)
-        print(json.dumps(row), flush=True)
-        if args.profile and device.type == "cuda":
-            row["kernels"] = kernel_times(rounds, slots, first, args.profile)
-        rows.append(row)
-        for slot in slots:
-            rounds.release(slot)
+    rows, ran = decode_rows(engine, batches, args.context, args.rounds,
+                            graphs=None if args.graphs == "auto" else "static", profile=args.profile)
     result = {**result_header("triton", device=None if device.type == "cuda" else "cpu"),
               "preset": args.preset, "blas": str(torch.backends.cuda.preferred_blas_library()) if device.type == "cuda"
-              else None, "kernels": engine.kernels, "graphs": rounds.capture, "context": args.context,
-              "page_rows": PAGE_ROWS, "buckets": list(rounds.buckets), "warm_s": round(warm_s, 3), "rows": rows}
+              else None, "kernels": engine.kernels, "graphs": ran["graphs"], "context": args.context,
+              "page_rows": PAGE_ROWS, "buckets": ran["buckets"], "warm_s": ran["warm_s"], "rows": rows}
     write_result(result, args.out, "round_step")
     return 0
 

@@ -44,53 +44,25 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.engines import on_this_machine  # noqa: E402
+from benchmarks.engines import PAGE_ROWS, on_this_machine, random_pool, random_sequences  # noqa: E402
 from benchmarks.results_io import result_header, write_result  # noqa: E402
+from benchmarks.timing import device_ms  # noqa: E402
 from qse.engine.engine import DeviceClock, Engine  # noqa: E402
-from qse.engine.kv import KVPool, PagedKV  # noqa: E402
 from qse.engine.rounds import DecodeRounds, pool_slots_for  # noqa: E402
 from qse.engine.spec_check import oracle_loop, plain_loop  # noqa: E402
 from qse.models import resolve  # noqa: E402
 
-PAGE_ROWS = 512
 PUBLISHED_ACCEPTANCE = {1: 1.87, 2: 2.50, 3: 3.06}  # tokens a step, bonus included (the issue's sources)
-
-
-def device_ms(step, reps: int, clock: DeviceClock) -> float:
-    """Device ms a call of step() (three calls first: graphs captured, caches warm)."""
-    for _ in range(3):
-        step()
-    start = clock.mark()
-    for _ in range(reps):
-        step()
-    return clock.ms(start, clock.mark()) / reps
-
-
-def sequences(engine: Engine, pool: KVPool, batch: int, context: int, gen: torch.Generator) -> list:
-    """`batch` caches of `context` rows in pages of the pool, their GDN state random."""
-    caches = []
-    for _ in range(batch):
-        cache = engine.new_cache(kv=PagedKV(pool))
-        assert cache.kv.ensure(context)
-        cache.length = context
-        for t in cache.stacked:
-            t.normal_(0.0, 0.1, generator=gen)
-        caches.append(cache)
-    return caches
 
 
 def measure_batch(engine: Engine, batch: int, ks: list[int], context: int, reps: int, steps: int,
                   clock: DeviceClock) -> list[dict]:
-    cfg, device, dtype = engine.cfg, engine.device, engine.dtype
+    cfg, device = engine.cfg, engine.device
     width = max(ks) + 1
     per_seq = -(-(context + 3 * reps + 2 * steps + width + 16) // PAGE_ROWS)
-    pool = KVPool(batch * (per_seq + 1) + 2, PAGE_ROWS, len(cfg.attention_layers), cfg.num_key_value_heads,
-                  cfg.head_dim, dtype, device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    for t in (pool.k, pool.v):
-        t.normal_(0.0, 0.5, generator=gen)
+    pool, gen = random_pool(engine, batch * (per_seq + 1) + 2)
     rounds = DecodeRounds(engine, pool, max_running=batch, buckets=(batch,), verify_width=width)
-    caches = sequences(engine, pool, batch, context, gen)
+    caches = random_sequences(engine, pool, batch, context, gen)
     slots = [rounds.admit(c) for c in caches]
     starts = [rounds.store(s).clone_state() for s in slots]
     host_gen = torch.Generator().manual_seed(1)
@@ -145,16 +117,12 @@ def measure_batch(engine: Engine, batch: int, ks: list[int], context: int, reps:
 def measure_mtp_batch(engine: Engine, batch: int, ks: list[int], context: int, reps: int,
                       clock: DeviceClock) -> list[dict]:
     """The MTP cycle against a plain decode round, per k (the module docstring)."""
-    cfg, device, dtype = engine.cfg, engine.device, engine.dtype
+    cfg, device = engine.cfg, engine.device
     width = max(ks) + 1
     # every timed call keeps one row a sequence (accepted 0); each measurement starts from the same lengths
     per_seq = -(-(context + 3 * (reps + 3) + 2 * width + 16) // PAGE_ROWS)
-    pool = KVPool(batch * (per_seq + 1) + 3, PAGE_ROWS, pool_slots_for(cfg, mtp=True), cfg.num_key_value_heads,
-                  cfg.head_dim, dtype, device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    for t in (pool.k, pool.v):
-        t.normal_(0.0, 0.5, generator=gen)
-    caches = sequences(engine, pool, batch, context, gen)
+    pool, gen = random_pool(engine, batch * (per_seq + 1) + 3, pool_slots_for(cfg, mtp=True))
+    caches = random_sequences(engine, pool, batch, context, gen)
     starts = [c.clone_state() for c in caches]
     host_gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, min(cfg.vocab_size, 150_000), (batch,), generator=host_gen).to(device)
