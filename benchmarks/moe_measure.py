@@ -50,19 +50,11 @@ from qse.models import FAMILIES, ResolvedModel, resolve  # noqa: E402
 NOMINAL_HBM_TBPS = 4.8  # the H200's HBM3e
 GOAL_FLOOR_SHARE = 0.5
 GOAL_X_TRANSFORMERS = 10.0
-# --tiny: one layer of each kind twice, eight experts two a token (the flow of the real run, on CPU in seconds)
-TINY_SHAPE = dict(model_type="qwen3_5_moe_text", vocab_size=328, hidden_size=64, num_hidden_layers=4,
-                  full_attention_interval=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                  linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
-                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                  tie_word_embeddings=False)
-
-
 def tiny_model(cache_dir: Path) -> ResolvedModel:
     from qse.models.qwen3_5_moe import ChatFormat, Qwen35MoeModel, parse_config
-    from qse.models.qwen3_5_moe.presets import random_weights
+    from qse.models.qwen3_5_moe.presets import random_weights, tiny_config_dict
 
-    cfg = parse_config(TINY_SHAPE, where="--tiny")
+    cfg = parse_config(tiny_config_dict(), where="--tiny")
     model = Qwen35MoeModel(cfg, random_weights(cfg, 0, "cpu", torch.float32), "cpu", torch.float32)
     return ResolvedModel(model, ChatFormat(None), "tiny-moe", "preset", "qwen3_5_moe", "tiny-moe:seed0")
 

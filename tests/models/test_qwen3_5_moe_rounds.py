@@ -23,13 +23,7 @@ from qse.models.qwen3_5_moe import ChatFormat, Qwen35MoeModel, parse_config, pre
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PAGE_ROWS = 64
-# one layer of each kind, eight experts two a token, the shared expert wider than them; a vocabulary of 328 (the
-# heads' masked tails) as the kernel tests' small model
-SHAPE = dict(model_type="qwen3_5_moe_text", vocab_size=328, hidden_size=64, num_hidden_layers=2,
-             full_attention_interval=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-             linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
-             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-             tie_word_embeddings=False)
+SHAPE = presets.tiny_config_dict(num_hidden_layers=2)  # one layer of each kind
 PROMPTS = [list(range(10, 20)), list(range(30, 30 + PAGE_ROWS))]  # the second's round crosses a page line
 
 

@@ -42,6 +42,18 @@ def preset_config_dict(name: str) -> dict[str, Any]:
     return {**common, **PRESETS[key], "tie_word_embeddings": False, "model_type": "qwen3_5_moe_text"}
 
 
+def tiny_config_dict(**overrides: Any) -> dict[str, Any]:
+    """A tiny Qwen3.5-MoE (tests, benchmarks' CPU rehearsals): one layer of each kind twice, eight experts two a
+    token, a shared expert wider than them, a vocabulary of 328 (the heads' masked tails, as the kernel tests'
+    small model), an untied head; `num_hidden_layers=2` keeps one layer of each kind."""
+    shape = dict(vocab_size=328, hidden_size=64, num_hidden_layers=4, full_attention_interval=2,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_num_key_heads=1,
+                 linear_num_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=32, num_experts=8,
+                 num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                 tie_word_embeddings=False)
+    return {**shape, "model_type": "qwen3_5_moe_text", **overrides}
+
+
 def random_tensors(cfg: MoeTextConfig, seed: int, device: torch.device | str = "cpu",
                    dtype: torch.dtype = torch.float32, progress: str | None = None) -> dict[str, torch.Tensor]:
     """Deterministic random weights of cfg's shapes (same seed, device kind and dtype -> same bytes), on the
