@@ -19,6 +19,12 @@ The drafters: the oracle (each sequence's plain continuation itself, so every ro
 all are accepted up to a parting) and prompt lookup (the server's TurnDrafts, over a prompt that repeats itself:
 drafts of every acceptance length, rejected ones included). Both runs start from the same prefilled states; the
 plain run goes first (the oracle's drafts are its ids).
+
+Each run also reports the drift: at every row whose context is the plain run's (before a parting), the largest
+difference between the verify row's logits and the plain round's at the plain round's top ids; and each parting
+its own row's. A parting's gap is always under twice its row's drift (that is why it parted); what tells a
+rounding from a fault is how its row's drift stands against the rows before it. The derived tolerance counts
+only the head's last rounding; the drift measures what every layer's differing roundings add up to.
 """
 
 from __future__ import annotations
@@ -197,6 +203,7 @@ def run_spec_check(engine: Engine, num_sequences: int = 8, context: int = 512, s
         "sequences_compared": num_sequences * len(runs),
         "near_ties": sum(p["near_tie"] for p in partings),
         "partings": partings, "pass": all(p["near_tie"] for p in partings),
+        "max_drift": max(run["drift"]["max"] for run in runs),
         "plain_wall_s": round(plain_s, 3), "runs": runs,
     }
 
@@ -251,7 +258,16 @@ class _Rig:
         k, steps = self.k, self.steps
         propose = oracle_drafts(plain, k) if drafter == "oracle" else lookup_drafts(self.prompts, k)
         spec_gaps: dict[int, float] = {}  # sequence -> its verify row's own gap at the parting
+        row_drifts: dict[int, float] = {}  # sequence -> the drift at its parting's row
+        drifts: list[float] = []  # the drift at every row before a parting (the two paths' usual difference)
         counts = {"verifies": 0, "ids": 0}
+        values, top_ids = tops
+
+        def drift(logits_row: torch.Tensor, i: int, pos: int) -> float:
+            """The largest difference between this verify row's logits and the plain round's at the plain
+            round's top ids, for the same position after the same ids."""
+            ids = top_ids[pos - 1, i].to(logits_row.device)
+            return float((logits_row.float().index_select(0, ids).cpu() - values[pos - 1, i]).abs().max())
 
         def watch(logits, before, drafts, accepted, nxt) -> None:
             counts["verifies"] += 1
@@ -263,14 +279,16 @@ class _Rig:
                     pos = len(ids) + row
                     if pos > steps:
                         break
+                    # the row read the plain run's ids up to pos (the rows before it matched them)
                     if token != plain[i][pos]:  # the verify's margin of its pick over the plain id
                         spec_gaps[i] = float(logits[i, row, token] - logits[i, row, plain[i][pos]])
+                        row_drifts[i] = drift(logits[i, row], i, pos)
                         break
+                    drifts.append(drift(logits[i, row], i, pos))
 
         t0 = time.perf_counter()
         spec, _ = spec_loop(self.rounds, self.slots, self.first, propose, k, steps, watch)
         wall_s = time.perf_counter() - t0
-        values, ids = tops
         partings, compared = [], 0
         for i, (want, got) in enumerate(zip(plain, spec)):
             pos = first_parting(want, got)
@@ -279,18 +297,23 @@ class _Rig:
                 continue
             compared += pos
             # the plain round that picked position pos read position pos - 1
-            row_values, row_ids = values[pos - 1, i], ids[pos - 1, i]
+            row_values, row_ids = values[pos - 1, i], top_ids[pos - 1, i]
             where = (row_ids == got[pos]).nonzero()
             bound = not len(where)
             gap = float(row_values[0] - (row_values[-1] if bound else row_values[int(where[0])]))
             partings.append({"drafter": drafter, "sequence": i, "position": pos, "plain_id": want[pos],
                              "spec_id": got[pos], "gap": gap, "gap_is_lower_bound": bound,
-                             "spec_gap": spec_gaps.get(i), "tolerance": tol, "near_tie": not bound and gap <= tol})
+                             "spec_gap": spec_gaps.get(i), "row_drift": row_drifts.get(i), "tolerance": tol,
+                             "near_tie": not bound and gap <= tol})
         return {"drafter": drafter, "equal_sequences": len(plain) - len(partings), "tokens_compared": compared,
                 "verifies": counts["verifies"],
                 # ids a sequence takes from a verify: its accepted drafts and the next id
                 "ids_per_verify": round(counts["ids"] / max(1, counts["verifies"] * len(plain)), 3),
-                "wall_s": round(wall_s, 3), "partings": partings}
+                "wall_s": round(wall_s, 3), "partings": partings,
+                # how far the verify's logits stood from the plain run's at the rows both read alike (the plain
+                # run's top ids): the numbers a near-tie tolerance for these kernels should be read from
+                "drift": {"rows": len(drifts), "max": max(drifts, default=0.0),
+                          "median": float(torch.tensor(drifts).median()) if drifts else 0.0}}
 
     def close(self) -> None:
         for slot in self.slots:

@@ -51,6 +51,9 @@ def test_every_sequence_is_plain_decodings_in_float64(engine64):
     assert (oracle["drafter"], ngram["drafter"]) == ("oracle", "ngram")
     assert oracle["ids_per_verify"] == SMALL["k"] + 1  # every draft of every verify accepted
     assert report["tolerance"] == default_tolerance(torch.float32) and report["tolerance_source"] == "default"
+    # every row compared read plain decoding's ids: the same logits but for their last fp32 bits (the rounds hand
+    # back fp32 logits; float64's roundings apart, a value may round to the next fp32 number)
+    assert oracle["drift"]["rows"] == 2 * SMALL["steps"] and 0.0 <= report["max_drift"] < 1e-5
 
 
 def test_a_parting_far_from_a_tie_fails_and_names_its_sequence_and_position(engine64, monkeypatch, capsys, tmp_path):
@@ -93,6 +96,8 @@ def test_a_near_tie_parting_passes_and_is_reported(engine64, monkeypatch):
     assert (parting["sequence"], parting["position"], parting["spec_id"]) == (0, 2, tie["id"])
     assert parting["near_tie"] is True and parting["gap_is_lower_bound"] is False
     assert parting["gap"] == pytest.approx(0.01, abs=1e-5) and parting["spec_gap"] == pytest.approx(0.01, abs=1e-5)
+    # the parting's row stood 0.02 from the plain row at the edited id; the rows before it agreed
+    assert parting["row_drift"] == pytest.approx(0.02, abs=1e-5) and report["runs"][0]["drift"]["max"] < 1e-5
     assert parting["tolerance"] == 0.05 and report["tolerance_source"] == "flag"
 
 
