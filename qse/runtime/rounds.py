@@ -201,7 +201,8 @@ class RoundLoop:
         carry = [rows.get(id(e), -1) if e.in_flight else -1 for e in batch]
         # a batch with turns that can verify drafts runs its rounds one at a time: the drafts follow the last ids,
         # which must be on the host (a round launched ahead keeps them on the device)
-        speculating = self.spec_planner is not None and any(e.sampler.verifies for e in batch)
+        planner = self.spec_planner
+        speculating = planner is not None and any(e.sampler.verifies and planner.looks(e.spec) for e in batch)
         ahead = (not speculating and self.policy.launch_ahead and bool(batch)
                  and all(e.sampler.is_on_device for e in batch))
         spec = speculating and in_flight is None
@@ -227,6 +228,12 @@ class RoundLoop:
         if earlier is not None:
             ids, earlier_ms = earlier
             await self._decoded(in_flight.batch, [[t] for t in ids], earlier_ms)
+        # a round that did not look for drafts (a round that wanted to, but drained one launched ahead first, is
+        # not counted: the next one looks)
+        if planner is not None and drafted is None and not speculating:
+            for entry in batch:
+                if entry.spec is not None:
+                    planner.observe_turn(entry.spec, 0, 0)
         if launched is not None:
             for entry in batch:
                 entry.in_flight = 1
@@ -340,7 +347,7 @@ class RoundLoop:
         proposals: list[list[int]] = []
         for entry in batch:
             turn, req = entry.turn, entry.turn.req
-            if not entry.sampler.verifies:
+            if not entry.sampler.verifies or not planner.looks(entry.spec):
                 proposals.append([])
                 continue
             if entry.drafts is None:  # (its first round: the prompt's ids and the first token)

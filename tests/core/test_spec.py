@@ -63,3 +63,15 @@ def test_a_turns_rate_follows_its_drafts_and_drifts_back_when_it_stops_drafting(
 def test_bad_widths_are_refused_by_value(widths):
     with pytest.raises(ValueError, match="widths"):
         SpecPlanner(widths)
+
+
+def test_a_turn_that_finds_no_draft_looks_again_only_now_and_then():
+    planner = SpecPlanner((4,), quiet_after=2, recheck_every=3)
+    turn = planner.new_turn()
+    looked = []
+    for _ in range(10):
+        looked.append(planner.looks(turn))
+        planner.observe_turn(turn, 0, 0)  # nothing found (or not looked)
+    assert looked == [True, True, True, False, False, True, False, False, True, False]
+    planner.observe_turn(turn, 3, 2)  # a draft found: it looks every round again
+    assert turn.quiet_rounds == 0 and planner.looks(turn)

@@ -126,3 +126,31 @@ async def test_a_verify_with_no_pages_for_its_rows_falls_back_to_a_plain_round(m
     assert spec == plain and len(refused) == 3
     assert sum(r.accepted_draft_tokens for r in rig.records) > 0  # later rounds verified
     assert all(r.finish_reason == "length" for r in rig.records)
+
+
+async def test_turns_with_nothing_to_draft_go_back_to_rounds_launched_ahead(make_rig, fp64_engine):
+    """Prompts whose lookups find nothing: after quiet_after rounds the batch's rounds are launched ahead again,
+    a round in recheck_every looks once more, and the ids are plain decoding's."""
+    plain = await _together(make_rig(engine=fp64_engine, max_running=4), 30)
+    rig = _speculating(make_rig, fp64_engine)
+    planner = rig.conductor.spec_planner
+    planner.quiet_after, planner.recheck_every = 2, 5
+    serving, counts = rig.conductor.serving, {"ahead": 0, "verify": 0}
+    real_launch, real_verify = serving.launch_round, serving.verify_round
+
+    def launch_round(*args, **kwargs):
+        counts["ahead"] += 1
+        return real_launch(*args, **kwargs)
+
+    def verify_round(*args, **kwargs):
+        counts["verify"] += 1
+        return real_verify(*args, **kwargs)
+
+    serving.launch_round, serving.verify_round = launch_round, verify_round
+    spec = await _together(rig, 30, predictions={"a": (7,) * 30})  # a prediction that never fits
+    assert spec == plain
+    assert sum(r.draft_tokens for r in rig.records) == 0 and counts["verify"] == 0
+    rounds = len(rig.probe.of("decode"))
+    # every round but the first two (looking) and one in five after them (looking again, after the round in flight
+    # has drained) is launched ahead
+    assert rig.conductor.policy.launch_ahead and rounds // 2 < counts["ahead"] < rounds
