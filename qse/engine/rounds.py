@@ -343,9 +343,7 @@ class DecodeRounds:
                 raise ValueError(f"slot {slot}: accepted {count} must lie in [0, {self.verify_width})")
         width = self.verify_width
         index = torch.tensor([[s, self.scratch_base + s * width + c] for s, c in zip(slots, accepted)], dtype=torch.long)
-        if self.device.type == "cuda":  # pinned, asynchronous: a pageable copy would wait for the stream
-            index = index.pin_memory()
-        index = index.to(self.device, non_blocking=True)
+        index = self._up(index)
         self.states.keep(index[:, 0], index[:, 1])
         for slot, count in zip(slots, accepted):
             self._verifying.discard(slot)
@@ -406,9 +404,7 @@ class DecodeRounds:
                 raise ValueError(f"accepted counts: one a slot in [0, {width}) (the round read {width} rows a slot); "
                                  f"got {list(accepted)}")
             host[1, :num_seqs] = torch.tensor(list(accepted), dtype=torch.long)
-        if self.device.type == "cuda":  # pinned, asynchronous: a pageable copy would wait for the stream
-            host = host.pin_memory()
-        self._draft_in[:, :size].copy_(host.to(self.device, non_blocking=True))
+        self._draft_in[:, :size].copy_(self._up(host))
         if isinstance(next_ids, torch.Tensor):
             self._draft_in[0, :num_seqs].copy_(next_ids)
         if isinstance(accepted, torch.Tensor):
@@ -487,16 +483,20 @@ class DecodeRounds:
             if not 0 <= token < vocab:
                 raise InputError(f"token id {token} is outside the vocabulary [0, {vocab})")
 
+    def _up(self, host: torch.Tensor) -> torch.Tensor:
+        """A small host tensor on the device without waiting for the stream: pinned, then copied asynchronously
+        (a pageable copy waits; the caching host allocator keeps the pinned block until the copy has run)."""
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
+
     def _upload_pages(self, slot: int, kv: PagedKV) -> None:
         """New pages of the slot's sequence into its table row (pages only grow while it is admitted)."""
         have, now = self._pages_up[slot], len(kv.pages)
         if now < have:
             raise RuntimeError(f"slot {slot}'s pages went from {have} to {now} while it was admitted")
         if now > have:
-            new = torch.tensor(kv.pages[have:], dtype=torch.int32)
-            if self.device.type == "cuda":
-                new = new.pin_memory()  # asynchronous; the caching host allocator keeps it until the copy ran
-            self.tables[slot, have:now].copy_(new, non_blocking=True)
+            self.tables[slot, have:now].copy_(self._up(torch.tensor(kv.pages[have:], dtype=torch.int32)))
             self._pages_up[slot] = now
 
     def _stage(self, slots: Sequence[int], positions: list[int], tokens: Sequence[int] | torch.Tensor,
