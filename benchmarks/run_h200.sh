@@ -6,7 +6,7 @@
 # (weka_cc_sessions_dev.csv, hf_reader_baseline.py) and a pytest.ini without the asyncio plugin's
 # options. Results land in $OUT; copy them to benchmarks/results/ and commit.
 #
-#   bash benchmarks/run_h200.sh [tests|gemv|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abl|invariant|grammar|rounds|served|cache|load|memory|moves|pcie|sides|agents|spec|moe ...]   (default: all, ~13 minutes)
+#   bash benchmarks/run_h200.sh [tests|gemv|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abl|invariant|grammar|rounds|served|cache|load|memory|moves|pcie|sides|agents|spec|speccheck|moe ...]   (default: all, ~13 minutes)
 #   PRESETS=qwen3.5-0.8b bash benchmarks/run_h200.sh measure                       (measure fewer presets)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -79,6 +79,10 @@ for step in $steps; do
     spec)  # speculative decoding's go/no-go: a verify of k + 1 rows against one decode step (graphs), and the rounds' step beside it
       timeout 200 python3 benchmarks/spec_measure.py --preset "${SPEC_PRESET:-qwen3.5-9b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-400
       timeout 120 python3 benchmarks/round_step.py --preset "${SPEC_PRESET:-qwen3.5-9b}" --batches 1,8 --out "$OUT" 2>&1 | grep '^{' | cut -c1-300 ;;
+    speccheck)  # qse spec-check on the production kernels: speculative greedy against plain, partings judged by the near-tie rule
+      QSE_KERNELS=triton timeout 240 python3 -m qse.cli spec-check --model "${SPEC_PRESET:-qwen3.5-9b}" --device cuda \
+        --dtype bfloat16 --sequences 8 --context 512 --steps 128 --k 3 --drafter both --out "$OUT/spec_check-${SPEC_PRESET:-qwen3.5-9b}.json" \
+        2>&1 | tail -5 | cut -c1-600 ;;
     moe)  # Qwen3.5-35B-A3B (random weights): decode at batch 1/8/32 and prefill against the floor and transformers
       timeout "${MOE_TIMEOUT:-420}" python3 benchmarks/moe_measure.py --preset "${MOE_PRESET:-qwen3.5-35b-a3b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-600 ;;
     sides)  # the reader's chunks beside batch-8 decode rounds on streams of their own, by stream priority: decode loss, reader rate
