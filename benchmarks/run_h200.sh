@@ -6,7 +6,7 @@
 # (weka_cc_sessions_dev.csv, hf_reader_baseline.py) and a pytest.ini without the asyncio plugin's
 # options. Results land in $OUT; copy them to benchmarks/results/ and commit.
 #
-#   bash benchmarks/run_h200.sh [tests|gemv|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abl|invariant|grammar|rounds|served|cache|load|memory|moves|pcie|sides|agents|spec|speccheck|moe ...]   (default: all, ~13 minutes)
+#   bash benchmarks/run_h200.sh [tests|gemv|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abl|invariant|grammar|rounds|served|cache|load|memory|moves|pcie|sides|agents|spec|speccheck|tail|moe ...]   (default: all, ~13 minutes)
 #   PRESETS=qwen3.5-0.8b bash benchmarks/run_h200.sh measure                       (measure fewer presets)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -83,6 +83,8 @@ for step in $steps; do
       QSE_KERNELS=triton timeout 240 python3 -m qse.cli spec-check --model "${SPEC_PRESET:-qwen3.5-9b}" --device cuda \
         --dtype bfloat16 --sequences 8 --context 512 --steps 128 --k 3 --drafter both --out "$OUT/spec_check-${SPEC_PRESET:-qwen3.5-9b}.json" \
         2>&1 | tail -5 | cut -c1-600 ;;
+    tail)  # a served prompt's tail (eager, outside the chunks' graphs) by the wall and on the device, against a chunk
+      timeout 120 python3 benchmarks/tail_cost.py --preset "${TAIL_PRESET:-qwen3.5-9b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-300 ;;
     moe)  # Qwen3.5-35B-A3B (random weights): decode at batch 1/8/32 and prefill against the floor and transformers
       timeout "${MOE_TIMEOUT:-420}" python3 benchmarks/moe_measure.py --preset "${MOE_PRESET:-qwen3.5-35b-a3b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-600 ;;
     sides)  # the reader's chunks beside batch-8 decode rounds on streams of their own, by stream priority: decode loss, reader rate

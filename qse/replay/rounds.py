@@ -116,10 +116,12 @@ class _Views:
 
 
 def simulate_rounds(records: Iterable[UsageRecord], policy, read_model: ReadModel, decode: DecodeCost,
-                    keep_plans: bool = True) -> RoundsResult:
+                    keep_plans: bool = True, tail_ms: float = 0.0) -> RoundsResult:
     """Replay `records` (in arrival order; a record's `cached_tokens` whole grid chunks are taken as reused)
     through the scheduler's rounds as `policy` (qse.policy.Policy: max_running, round_token_budget, served_grid,
-    launch_ahead) sets them. Turn keys in the plans are the records' indices in arrival order."""
+    launch_ahead, decode_yield_ms) sets them. Turn keys in the plans are the records' indices in arrival order.
+    tail_ms: a tail's fixed cost on top of its rows' share of a chunk (the served model reads its tail outside
+    the chunks' graphs, so a tail of a few ids costs about as much as one of a few hundred)."""
     # the rounds need neither the estimator nor the ledger (they are the reader's)
     sched = Scheduler(policy, ChunkCostEstimator(policy.chunk_prior_ms), GpuLedger())
     planner, grid, launch_ahead = sched.rounds, policy.served_grid, policy.launch_ahead
@@ -199,7 +201,7 @@ def simulate_rounds(records: Iterable[UsageRecord], policy, read_model: ReadMode
                 cost_ms += read_model.ms_per_chunk(t.row, grid)
                 t.row += grid
             if read.tail:
-                cost_ms += read_model.ms_per_chunk(t.row, grid) * (t.unread_tokens - read.chunks * grid) / grid
+                cost_ms += tail_ms + read_model.ms_per_chunk(t.row, grid) * (t.unread_tokens - read.chunks * grid) / grid
         note(plan)
         now += cost_ms / 1000
         ended = []

@@ -148,3 +148,13 @@ def test_the_served_model_has_its_own_chunk_costs(tmp_path, capsys):
     model.write_text(__import__("json").dumps(ReadModel.flat(174.0).to_json()))
     assert main([str(ledger), "--served-read-model", str(model), "--served-ms-per-1000", "1", "--no-progress"]) == 2
     assert "give one" in capsys.readouterr().err
+
+
+def test_a_tails_fixed_cost_is_charged_once_a_tail():
+    """x: 2 chunks and a 1-id tail, alone. Its first token comes after 2 chunks (10 ms each), the tail's share
+    (1 ms) and the tail's fixed cost, once, whatever its length."""
+    model = ReadModel.flat(1000.0, grid=GRID)
+    plain = simulate_rounds([rec("x", 0.0, 2 * GRID + 1, 1)], policy(), model, DecodeCost(5.0))
+    fixed = simulate_rounds([rec("x", 0.0, 2 * GRID + 1, 1)], policy(), model, DecodeCost(5.0), tail_ms=7.0)
+    assert plain.turns[0].ttft_s == pytest.approx(0.021)
+    assert fixed.turns[0].ttft_s == pytest.approx(0.028)

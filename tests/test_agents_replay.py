@@ -1,0 +1,39 @@
+"""benchmarks/agents_replay.py on a small agents run: the live policy's replay, the others beside it, and the
+bounds (faster chunks, each session alone) on the side the replay's own model says they must be."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def turn(agent, no, sent, prompt, cached, out=8):
+    return {"agent": agent, "turn": no, "sent_s": sent, "ttft_s": 0.1, "end_s": sent + 0.5, "prompt_tokens": prompt,
+            "cached_tokens": cached, "output_tokens": out, "server_ttft_s": 0.09, "error": None}
+
+
+def test_replays_an_agents_run_under_each_policy(tmp_path):
+    # three agents whose first prompts arrive together and whose follow-ups overlap
+    turns = []
+    for a in range(3):
+        turns += [turn(a, 0, 0.1 * a, 6000 + 1000 * a, 0), turn(a, 1, 2.0 + 0.05 * a, 9000 + 900 * a, 5632 + 512 * a),
+                  turn(a, 2, 4.0 + 0.05 * a, 12000 + 900 * a, 8704 + 512 * a)]
+    run = tmp_path / "agents_live-x.json"
+    run.write_text(json.dumps({"agents": {"turns_detail": turns}}))
+    out = tmp_path / "replay.json"
+    done = subprocess.run([sys.executable, "benchmarks/agents_replay.py", str(run), "--chunk-scales", "0.5",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    rows = {r["policy"]: r for r in result["policies"]}
+    assert {"live", "budget_1024", "yield_50ms", "live_chunks_x0.5", "each_session_alone"} <= set(rows)
+    live = rows["live"]
+    assert live["followups"] == 6 and live["first_p50_s"] > 0
+    # half the chunk cost cannot make a follow-up wait longer; neither can having the device alone
+    assert rows["live_chunks_x0.5"]["followup_p90_s"] <= live["followup_p90_s"]
+    assert rows["each_session_alone"]["followup_p50_s"] <= live["followup_p50_s"]
+    assert result["live_measured"]["client"]["followups"] == 6
