@@ -30,6 +30,7 @@ The callers' verbs (the order of capture, staging, state copies and replay stays
     graphs.can_group(n, rows)                       a group of n chunks can run (captured); False: read one
     begin = graphs.run_chunks(cache, ids, start, n) read n chunks into cache; a device mark before them
     logits, gpu_ms = graphs.answer(cache, ids, pos, row)  a question's forward on a working copy
+    logits = graphs.run_tail(cache, ids, start)     a prompt's tail (1..TAIL_CLASS * k rows) padded to its class
     with graphs.decoding(cache) as fork:            greedy decode on a fork, never stored back
         logits = fork.prefill(ids, pos)             eager (any length)
         logits = fork(token, pos)                   the one-row graph, launched without waiting
@@ -60,6 +61,11 @@ from .kv import KVPool, PagedKV
 # (Bounding how far first ranges run ahead, stream priorities by range and splits shifted off the attention
 # layers were measured too, `chunk_groups-sweep2..5-*`, and did not pay; they are gone since.)
 GROUP_STAGES = 4
+# a prompt's tail (the 1..grid ids above its last grid line) runs in the graph of the smallest multiple of this
+# many rows that holds it, the rows past it padding (Step.valid): one graph per class instead of one per length,
+# and at most TAIL_CLASS - 1 rows of work wasted (an eager tail of a few ids costs the 9B about what a whole
+# chunk's graph does: the host launches its kernels slower than the device runs them)
+TAIL_CLASS = 64
 
 
 def capture_mode(engine, graphs: bool | str | None, who: str, error: type[Exception] = ValueError) -> bool | None:
@@ -123,6 +129,7 @@ class ForwardGraphs:
         self.cache = model.new_cache(kv=self.kv)  # the working GDN state
         self.start = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.logit_row = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.valid = torch.zeros(1, dtype=torch.long, device=self.device)  # a padded tail's real rows
         self._ids: dict[int, torch.Tensor] = {}
         self._ids_host: dict[int, torch.Tensor] = {}  # pinned staging for host ids (stage)
         self._ids_sent: dict[int, Any] = {}  # the event after the last copy out of each staging buffer
@@ -157,6 +164,13 @@ class ForwardGraphs:
     def supports(self, num_tokens: int) -> bool:
         return 1 <= num_tokens <= self.max_tokens
 
+    def tail_rows(self, num_tokens: int) -> int:
+        """The rows a tail of `num_tokens` ids is read with (its class: the rows past it are padding): what its
+        cache's pages must hold above its start."""
+        if not 1 <= num_tokens <= self.max_tokens:
+            raise ValueError(f"a tail is 1..{self.max_tokens} ids, not {num_tokens}")
+        return min(self.max_tokens, -(-num_tokens // TAIL_CLASS) * TAIL_CLASS)
+
     # ---- the callers' verbs -------------------------------------------------------------------
     def warm(self, rows: int, group: int = 1) -> None:
         """Capture now, rather than on the first read, the graphs reading chunks of `rows` rows: one chunk,
@@ -167,6 +181,11 @@ class ForwardGraphs:
         count = 2
         while count <= group and self.can_group(count, rows):
             count *= 2
+
+    def warm_tails(self, max_tail: int) -> None:
+        """Capture now the tail graphs of every class up to `max_tail` ids (a served book: its grid)."""
+        for rows in sorted({self.tail_rows(n) for n in range(1, max_tail + 1)}):
+            self._prepare_tail(rows)
 
     def can_group(self, num_chunks: int, rows: int) -> bool:
         """Whether a group of `num_chunks` chunks of `rows` rows can run: its graph is captured (on first
@@ -211,6 +230,24 @@ class ForwardGraphs:
             logits = self._replay(entry)[0].clone()
         return logits, watch.gpu_ms
 
+    def run_tail(self, cache: SequenceCache, ids: list[int], start: int) -> torch.Tensor:
+        """A prompt's tail: `ids` at `start` into `cache` (its GDN state, its KV rows; cache.length becomes
+        start + len(ids)), read in its class's graph (`tail_rows`) with the rows past the ids padding, which
+        write KV rows up to start + tail_rows(len(ids)) (the cache's pages must hold them: kv.ensure) and
+        step no state. Returns the last id's logits (fp32 [1, vocab], a copy); never waits on the device.
+        The real rows' results are a forward of `tail_rows` rows' (the GEMMs see that many), so every read of
+        a tail, cold or cached, takes this path to give the same bits."""
+        num_tokens = len(ids)
+        rows = self.tail_rows(num_tokens)
+        entry = self._prepare_tail(rows)
+        self._stage([*ids, *([ids[-1]] * (rows - num_tokens))], start, num_tokens - 1)
+        self.valid.fill_(num_tokens)
+        self._load(cache)
+        logits = self._replay(entry).clone()
+        self._store(cache)
+        cache.length = start + num_tokens
+        return logits
+
     @contextmanager
     def decoding(self, cache: SequenceCache) -> Iterator["ForkDecode"]:
         """Greedy decode on a fork of `cache`: the one-row graph captured on entry, the cache's GDN state
@@ -247,6 +284,23 @@ class ForwardGraphs:
             def forward() -> Any:
                 return self.model.forward_step(ids, self.cache, step, logits)
 
+            entry = self._capture(forward) if self.capture else _Entry(forward)
+            self._entries[key] = entry
+        return entry
+
+    def _prepare_tail(self, rows: int) -> _Entry:
+        """The entry of a padded tail of `rows` rows (logits of the row `logit_row`, rows from `valid` on
+        padding), captured on first use. Call before `_load`, as `_prepare`."""
+        key = ("tail", rows)
+        entry = self._entries.get(key)
+        if entry is None:
+            ids = self._ids.setdefault(rows, torch.zeros(rows, dtype=torch.long, device=self.device))
+            step = Step(self.start, rows, None, self.logit_row, self.capacity, valid=self.valid)
+
+            def forward() -> Any:
+                return self.model.forward_step(ids, self.cache, step, "row")
+
+            self.valid.fill_(rows)
             entry = self._capture(forward) if self.capture else _Entry(forward)
             self._entries[key] = entry
         return entry

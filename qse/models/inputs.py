@@ -20,6 +20,10 @@ class Step:
     logit_row: torch.Tensor | None = None  # long [1]: the row whose logits logits="row" returns
     max_rows: int | None = None  # a bound on pos + T (sizes the attention launch; exact when eager)
     logit_row_host: int | None = None  # logit_row on the host (eager), for a contiguous KV store
+    # long [1]: rows at or past it are padding (a tail read in a graph of a fixed row count): they write KV
+    # rows above the real ones and step no state, so the real rows' outputs and the state after them are what
+    # a forward of the real rows alone gives (None: every row is real)
+    valid: torch.Tensor | None = None
 
 
 @dataclass

@@ -137,13 +137,17 @@ class ServedSessions:
 
     def warm(self, tails: bool | None = None) -> None:
         """Capture the grid chunk's graph and the decode step now rather than in the first turn; with `tails`
-        (None: on CUDA) also read one tail of every length class (`tail_lengths`) above two chunks of
-        context, so that no turn pays for compiling a kernel variant: a tail's eager launch compiles one per
-        shape class the first time it meets it (the attention's split count is a compile-time constant
-        chosen from the tail's length), which cost the first turn at each new class about a cold prefill."""
+        (None: on CUDA) also the tails': on the graph path each tail class's graph (`ForwardGraphs.tail_rows`),
+        eagerly one tail of every length class (`tail_lengths`) above two chunks of context, so that no turn
+        pays for compiling a kernel variant: a tail's eager launch compiles one per shape class the first time
+        it meets it (the attention's split count is a compile-time constant chosen from the tail's length),
+        which cost the first turn at each new class about a cold prefill."""
         self.book.warm()
         self.rounds.warm()
         if not (self.engine.device.type == "cuda" if tails is None else tails):
+            return
+        if self.book.graphs is not None:
+            self.book.graphs.warm_tails(self.grid)
             return
         counts = dict(self.counts)
         sid = "__warm_tails__"
@@ -328,12 +332,20 @@ class ServedSessions:
         """The ids above the committed rows on the turn's own working state, which then joins a decode slot:
         the first token's logits and device ms."""
         book, session = self.book, turn.session
-        book.reserve_rows(session, session.committed + len(tail) + 1, len(tail))
+        graphs = book.graphs  # on the graph path a tail reads in its class's graph, its rows past it padding
+        rows = len(tail) if graphs is None else graphs.tail_rows(len(tail))
+        book.reserve_rows(session, session.committed + max(rows, len(tail) + 1), len(tail))
         cache = self.engine.new_cache(kv=session.kv)  # the session's pages, a state of the turn's own
         cache.copy_state_from(session.cache)
         cache.length = session.committed
         turn.cache = cache
-        logits, ms = self.engine.forward(cache, self.engine.host_ids(tail), "last")
+        if graphs is None:
+            logits, ms = self.engine.forward(cache, self.engine.host_ids(tail), "last")
+        else:
+            watch = Stopwatch(self.engine.device)
+            with watch.measure():
+                logits = graphs.run_tail(cache, tail, session.committed)
+            ms = watch.gpu_ms
         self._reserved -= 1  # the slot open() reserved is taken now
         turn.is_reserved = False
         turn.slot = self.rounds.admit(cache)

@@ -276,3 +276,25 @@ def test_gdn_from_gates_model_shapes_gpu(rel, gate_in_prepare):
     step = gdn_recurrent.recurrent_gated_delta_rule_from_gates(q[one], k[one], v[one], *(x[one] for x in gates[:2]),
                                                                *gates[2:], state)
     _same(step, gdn_recurrent.recurrent_gated_delta_rule(q[one], k[one], v[one], g[one], beta[one], state), False, rel)
+
+
+@pytest.mark.parametrize("num_tokens", [5, 64, 70], ids=lambda t: f"T{t}")
+def test_chunk_rows_padded_neutral_are_inert(device, gate_in_prepare, num_tokens):
+    """A tail read in a graph of more rows (qse/models/qwen3_5/model.py `_neutral_padding`): rows past the
+    real ones with q, k, v zero and a raw decay gate that gates to decay 1 (their write strength is whatever
+    b gives: with k and v zero it writes nothing) leave the real rows' outputs and the state after them as a
+    call on the real rows alone gives them, bit for bit."""
+    from qse.models.qwen3_5.model import _PAD_GATE
+
+    rows = 128
+    q, k, v, _, _, state = _inputs(rows, 1, 2, 16, 16, torch.bfloat16, device, seed=11)
+    a, b, a_log, dt_bias = _gates(rows, 2, torch.bfloat16, device, seed=3)
+    want_o, want_s = gdn_chunk.chunk_gated_delta_rule_from_gates(q[:num_tokens], k[:num_tokens], v[:num_tokens],
+                                                                  a[:num_tokens], b[:num_tokens], a_log, dt_bias, state)
+    pad = slice(num_tokens, rows)
+    for x in (q, k, v):
+        x[pad] = 0.0
+    a[pad] = _PAD_GATE
+    got_o, got_s = gdn_chunk.chunk_gated_delta_rule_from_gates(q, k, v, a, b, a_log, dt_bias, state)
+    assert torch.equal(got_o[:num_tokens], want_o) and torch.equal(got_s, want_s)
+    assert not got_o[pad].any()  # (q is zero there)

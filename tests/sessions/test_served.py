@@ -87,9 +87,11 @@ def test_a_prompt_ending_on_a_grid_line_keeps_a_whole_chunk_as_its_tail(tiny_eng
     assert torch.equal(first, cold_first)
 
 
-def test_the_turns_rows_are_dropped_and_pages_come_back(tiny_engine):
+@pytest.mark.parametrize("graphs", [False, "static"], ids=["eager", "static-graph"])
+def test_the_turns_rows_are_dropped_and_pages_come_back(tiny_engine, graphs):
+    """(On the graph path the tail's padding rows take pages above the tail's: they come back too.)"""
     gen = torch.Generator().manual_seed(4)
-    served = _served(tiny_engine)
+    served = _served(tiny_engine, graphs=graphs)
     free = served.book.pool.num_free  # (the rounds keep one scratch page for padding rows)
     prompt = _ids(gen, GRID + 5)
     _turn(served, "s", prompt, steps=GRID + 3)  # the decode crosses page lines
@@ -415,3 +417,15 @@ def test_a_prompt_read_in_chunk_groups_keeps_to_the_rounds_allowance(tiny_engine
     served.finish(turn)
     assert served.book.state_equal(served.book.get("s"), cold.book.get("cold")) == {
         "committed": True, "kv": True, "recurrent": True, "conv": True}
+
+
+def test_a_tail_read_in_its_class_graph_is_the_eager_tail_to_rounding(tiny_engine):
+    """The graph path reads a tail padded to its class (ForwardGraphs.run_tail): its first token's logits are the
+    eager read's to fp32 rounding (the GEMMs see more rows), and both paths agree with themselves cold."""
+    gen = torch.Generator().manual_seed(12)
+    prompt = _ids(gen, 2 * GRID + 9)
+    eager_first, eager_tokens, _ = _turn(_served(tiny_engine), "s", prompt)
+    graph_first, graph_tokens, start = _turn(_served(tiny_engine, graphs="static"), "s", prompt)
+    assert start.tail_tokens == 9
+    torch.testing.assert_close(graph_first, eager_first, rtol=1e-4, atol=1e-4)
+    assert graph_tokens == eager_tokens

@@ -287,7 +287,7 @@ class Qwen35Model:
             if kind == "full_attention":
                 h = self._attention(layer, h, cache, step, paged, cos, sin, only, keep_host)
             else:
-                h = self._gdn(layer, h, cache)
+                h = self._gdn(layer, h, cache, step.valid)
                 if only is not None:
                     h = h.index_select(0, only)
             if layer == last:
@@ -490,7 +490,9 @@ class Qwen35Model:
         out = out.reshape(num_tokens, num_heads * head_dim)  # [T, H * D]
         return self._mm(a + "o_proj.weight", out)
 
-    def _gdn(self, layer: int, h: torch.Tensor, cache: SequenceCache) -> torch.Tensor:
+    def _gdn(self, layer: int, h: torch.Tensor, cache: SequenceCache, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """valid: long [1], rows at or past it are padding (Step.valid): they leave the conv window and the
+        recurrent state as the real rows left them."""
         cfg, g_ = self.cfg, f"layers.{layer}.linear_attn."
         num_tokens = h.shape[0]
         slot = self.gdn_slot[layer]
@@ -499,7 +501,12 @@ class Qwen35Model:
         qkv, z, b, a = self._projections(layer, "linear_attn.in_proj", h)
         z = z.view(num_tokens, hv, dv)
         conv_w = self.w[g_ + "conv1d.weight"][:, 0, :]  # [C, K]
+        before = cache.conv[slot].clone() if valid is not None else None
+        conv_in = qkv
         qkv, _ = self.ops.causal_conv1d(qkv, conv_w, cache.conv[slot], out_state=cache.conv[slot])
+        if valid is not None:
+            qkv, a = _neutral_padding(qkv, a, valid)
+            cache.conv[slot].copy_(_conv_window(before, conv_in, valid))
         kd = cfg.gdn_key_dim
         q = qkv[:, :kd].reshape(num_tokens, hk, dk)
         k = qkv[:, kd : 2 * kd].reshape(num_tokens, hk, dk)
@@ -532,6 +539,31 @@ class Qwen35Model:
             linears[name] = DenseLinear(lin.weight.to(dtype))
         weights = LoadedWeights({k: t.to(dtype) for k, t in self.w.items()}, linears)
         return type(self)(self.cfg, weights, self.device, dtype)  # (a family built on this one casts as its own)
+
+
+# a padded row's raw decay gate: softplus of it underflows to exactly 0 in fp32 (qse_kernels.norms._gdn_gates and
+# naive.gdn_gating alike), so the row's decay is e^0 = 1
+_PAD_GATE = -1.0e4
+
+
+def _neutral_padding(qkv: torch.Tensor, a: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GDN layer's rule inputs with the rows at or past `valid` inert: q, k and v zero (what the rule's kernels
+    load for rows past the end) and decay 1; their write strength may stay what b gives, since with k and v zero
+    a row writes nothing. The rule then leaves the state as the real rows left it, bit for bit, and the real
+    rows' outputs are theirs alone (the rule is causal)."""
+    pad = (torch.arange(qkv.shape[0], device=qkv.device) >= valid)[:, None]
+    return qkv.masked_fill(pad, 0.0), a.masked_fill(pad, _PAD_GATE)
+
+
+def _conv_window(before: torch.Tensor, conv_in: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The conv's carried window after the first `valid` rows of conv_in: the last K - 1 inputs of the sequence
+    `before` (the window before them, [K - 1, C]) then those rows, as the conv itself keeps them (through the
+    inputs' dtype, as naive.causal_conv1d)."""
+    keep = before.shape[0]
+    at = valid + torch.arange(keep, device=before.device)  # positions in cat(before, conv_in)
+    from_before = before.to(conv_in.dtype).index_select(0, at.clamp(max=keep - 1))
+    from_rows = conv_in.index_select(0, (at - keep).clamp(min=0))
+    return torch.where((at < keep)[:, None], from_before, from_rows).to(before.dtype)
 
 
 def _check_taps(taps, num_rows: int | None = None) -> None:
