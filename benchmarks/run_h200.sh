@@ -89,8 +89,8 @@ for step in $steps; do
       timeout "${MOE_TIMEOUT:-420}" python3 benchmarks/moe_measure.py --preset "${MOE_PRESET:-qwen3.5-35b-a3b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-600 ;;
     sides)  # the reader's chunks beside batch-8 decode rounds on streams of their own, by stream priority: decode loss, reader rate
       timeout 240 python3 benchmarks/side_stream.py --out "$OUT" ${SIDE_ARGS:-} 2>&1 | grep '^{' | cut -c1-900 ;;
-    agents)  # N coding agents (weka trace) through `qse serve` and the openai client, 9B + 0.8B, no memory switch; solo, cold, reader-off A/B
-      timeout "${AGENTS_TIMEOUT:-540}" python3 benchmarks/agents_live.py --serve --model qwen3.5-9b --shadow-model qwen3.5-0.8b --ab \
+    agents)  # N coding agents (weka trace) through `qse serve` and the openai client, 9B + 0.8B, no memory switch; solo, cold, reader-off A/B (AGENTS_AB=' ': none)
+      timeout "${AGENTS_TIMEOUT:-540}" python3 benchmarks/agents_live.py --serve --model qwen3.5-9b --shadow-model qwen3.5-0.8b ${AGENTS_AB:---ab} \
         --agents "${AGENTS:-8}" --trace .devcarry/weka_cc_sessions_dev.csv --out "$OUT" ${AGENTS_ARGS:-} 2>&1 | grep '^{' | cut -c1-1800
       gzip -f "$OUT"/agents_live-server*.log ;;
     pcie)  # what the host link carries, pinned and pageable, one tensor and many: the host tier's ceiling
