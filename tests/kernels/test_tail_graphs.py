@@ -9,16 +9,19 @@ import pytest
 import torch
 
 from qse.engine.graphs import TAIL_CLASS, ForwardGraphs
-from qse.engine.kv import PagedKV
-from rounds_rig import PAGE_ROWS, PROMPTS, make_engine, make_pool, prefill, same_state
+from qse.engine.kv import KVPool, PagedKV
+from rounds_rig import PAGE_ROWS, PROMPTS, make_engine, prefill, same_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("few_programs")]
 
 
 def _compare(engine, start, tails: list[int], capture: bool) -> None:
     state, _ = start
-    pool = make_pool(engine)
-    graphs = ForwardGraphs(engine.model, pool, capture=capture, max_tokens=2 * PAGE_ROWS * 4)
+    cfg = engine.cfg
+    # room for the graphs' scratch pages and two copies of the sequence with its longest tail's class
+    pool = KVPool(32, PAGE_ROWS, len(cfg.attention_layers), cfg.num_key_value_heads, cfg.head_dim, engine.dtype,
+                  engine.device)
+    graphs = ForwardGraphs(engine.model, pool, capture=capture, max_tokens=4 * PAGE_ROWS)
     for n in tails:
         ids = [(37 * i + 11) % (engine.cfg.vocab_size - 3) for i in range(n)]
         alone = engine.restore_cache(state, PagedKV(pool))
