@@ -146,6 +146,8 @@ class DecodeRounds:
         if self.buckets[0] < 1 or self.buckets[-1] < max_running:
             raise ValueError(f"buckets {self.buckets} must be positive and reach max_running={max_running}")
         self.engine, self.model, self.pool = engine, engine.model, pool
+        if verify_width:  # a verify row must round as a plain round's row of the same token (greedy == plain)
+            engine.round_rows_alike()
         self.mtp = None  # the MTP head, where the rounds draft with it
         if mtp:
             if verify_width < 2:

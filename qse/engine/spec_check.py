@@ -2,9 +2,11 @@
 kernels the server would use; the gate of speculative decoding's exactness, with its near-tie rule.
 
 Greedy verification emits plain decoding's ids exactly where a verify row's logits are the bits a one-row decode
-round gives (row-invariant kernels, QSE_KERNELS=invariant). On the production kernels (cuBLAS and the skinny GEMM
-pick another algorithm for k + 1 rows than for one) a row's logits differ in their last bits, so the ids may part
-where the plain run's top two logits are nearly tied. The gate, per sequence and drafter:
+round gives: on the row-invariant kernels (QSE_KERNELS=invariant), and on the production kernels wherever a round
+holds 16 rows or fewer (B sequences x (k + 1) rows <= 16: rounds that verify send every call of 1 to 16 rows
+through the skinny GEMM, qse_kernels.rows_alike). Past 16 rows a verify's GEMMs are cuBLAS's, which pick their
+algorithm by the row count, so a row's logits differ in their last bits and the ids may part where the plain
+run's top two logits are nearly tied. The gate, per sequence and drafter:
 
     position    0    1    2    3    4    5 ...
     plain       a    b    c    d    e    f          plain_loop: one-row rounds, each round's top TOP_K kept

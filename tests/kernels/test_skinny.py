@@ -91,6 +91,23 @@ def test_the_triton_ops_take_it_for_2_to_16_rows_of_16_bits(device):
     assert torch.equal(dense_matmul(x[:3].float(), w.float()), naive.dense_matmul(x[:3].float(), w.float()))
 
 
+def test_rows_alike_rounds_a_row_alone_as_in_any_call_of_up_to_16(device):
+    """qse_kernels.rows_alike (what DecodeRounds asks for where it verifies): a one-row projection and a
+    round's fp32 head of one row give the bits of that row inside 2..16 rows; past 16 the calls are cuBLAS's."""
+    import qse_kernels
+
+    ops = qse_kernels.triton_ops()
+    one_before = ops.dense_matmul
+    qse_kernels.rows_alike(ops)
+    x, w = _xw(17, 40, 96, torch.bfloat16, device, seed=6)
+    for m in (2, 5, 16):
+        assert torch.equal(ops.dense_matmul(x[:1], w), ops.dense_matmul(x[:m], w)[:1]), m
+        assert torch.equal(ops.head_rows(x[:1], w), ops.head_rows(x[:m], w)[:1]), m
+    assert ops.head_rows(x[:3], w).dtype == torch.float32
+    assert torch.equal(ops.dense_matmul(x, w), one_before(x, w))  # 17 rows: as before
+    assert torch.equal(ops.dense_matmul(x[:1].float(), w.float()), one_before(x[:1].float(), w.float()))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the tiny flow check runs the interpreter on the CPU")
 def test_the_benchmark_flow_on_the_cpu(tmp_path):
     import json
