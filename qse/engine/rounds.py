@@ -157,9 +157,14 @@ class DecodeRounds:
                 raise ValueError(f"the MTP head's rows live in KV slot {self.mtp_slot} of the pool, which has "
                                  f"{pool.num_slots} slots: build it with pool_slots_for(cfg, mtp=True) = "
                                  f"{pool_slots_for(engine.cfg, True)}")
-        # a round reaches this many rows past what it reads: a draft of verify_width - 1 ids writes rows up to
-        # verify_width - 2 past the round's last (the head's, above what is kept)
-        self._draft_reach = verify_width - 2 if mtp else 0
+            # rows the head never wrote (a prompt's chunks, a restored session's) hold zeros, never NaN: its
+            # attention over them stays finite (its drafts worse there, never a poisoned sequence)
+            pool.k[:, self.mtp_slot].zero_()
+            pool.v[:, self.mtp_slot].zero_()
+        # a round reaches this many rows past what it reads (read by the callers that reserve its pages): a
+        # draft of verify_width - 1 ids writes rows up to verify_width - 2 past the round's last (the head's,
+        # above what is kept)
+        self.draft_reach = verify_width - 2 if mtp else 0
         self.device = pool.k.device
         self.capture = capture_mode(engine, graphs, "decode rounds") is True
         self.max_running = max_running
@@ -269,7 +274,7 @@ class DecodeRounds:
         need = 0
         for slot in slots:
             kv = self._cache(slot).kv
-            need += max(0, kv.pages_for(self._caches[slot].length + width + self._draft_reach) - len(kv.pages))
+            need += max(0, kv.pages_for(self._caches[slot].length + width + self.draft_reach) - len(kv.pages))
         return need
 
     def can_run(self, slots: Sequence[int], width: int = 1) -> bool:
@@ -443,7 +448,7 @@ class DecodeRounds:
         if need > self.pool.num_free:
             raise MemoryError(f"the KV pool has {self.pool.num_free} free pages; this round needs {need}")
         for slot, cache in zip(slots, caches):
-            cache.kv.ensure(cache.length + width + self._draft_reach)
+            cache.kv.ensure(cache.length + width + self.draft_reach)
             self._upload_pages(slot, cache.kv)
 
     @property

@@ -238,7 +238,7 @@ class GridSessions:
     def __init__(self, engine: Engine, grid: int = 512, pool_bytes: int = 4 << 30, max_checkpoints: int = 6,
                  page_rows: int | None = None, residency: Residency | None = None, clock=time.monotonic,
                  graphs: bool | str | None = None, recent_checkpoints: int = 0, divergence_checkpoints: int = 0,
-                 chunk_group: int = 1, who: str = "the reader"):
+                 chunk_group: int = 1, who: str = "the reader", kv_slots: int | None = None):
         """graphs: True/False, None for CUDA graphs where the device is CUDA and the kernels are Triton's
         (the entry point passes False where QSE_SHADOW_GRAPHS is off), or "static": the graph path's buffers and flow without capturing (CPU tests).
 
@@ -249,7 +249,11 @@ class GridSessions:
         95.5 % to 97.6 %, for up to 4 more states (19.5 MB each on the 0.8B) a session.
 
         chunk_group: the chunks `read_all` launches together where they fit (see launch_step), on the graph
-        path; 1 reads one chunk a launch."""
+        path; 1 reads one chunk a launch.
+
+        kv_slots: the KV slots a page of the pool holds (None: one an attention layer; the served model's
+        pool where its rounds draft with the MTP head has one more, qse/engine/rounds.py pool_slots_for): the
+        same pool_bytes then hold fewer pages."""
         if grid < 1:
             raise SessionError(f"grid must be a positive number of rows, got {grid}")
         self.engine = engine
@@ -269,7 +273,11 @@ class GridSessions:
         page_rows = page_rows or grid
         if grid % page_rows:
             raise SessionError(f"the grid ({grid}) must be a multiple of the KV page size ({page_rows})")
-        self.pool = KVPool.for_budget(pool_bytes, page_rows, len(cfg.attention_layers), cfg.num_key_value_heads,
+        num_slots = len(cfg.attention_layers) if kv_slots is None else kv_slots
+        if num_slots < len(cfg.attention_layers):
+            raise SessionError(f"kv_slots={kv_slots}: a page holds at least one KV slot an attention layer "
+                               f"({len(cfg.attention_layers)})")
+        self.pool = KVPool.for_budget(pool_bytes, page_rows, num_slots, cfg.num_key_value_heads,
                                       cfg.head_dim, engine.dtype, engine.device)
         self.sessions: dict[str, GridSession] = {}
         self.residency: Residency = residency or DropLRU()
