@@ -69,9 +69,9 @@ async def _together(rig, max_tokens: int, sampling: dict[str, SamplingParams] | 
 
 
 def _order(serving) -> list[str]:
-    """The served calls in order: "read" (a prompt's grid chunks), "verify"."""
+    """The served calls in order, by name: a prompt's grid chunks, a round launched ahead, a verify."""
     order: list[str] = []
-    for name in ("read_chunks", "verify_round"):
+    for name in ("read_chunks", "launch_round", "verify_round"):
         real = getattr(serving, name)
 
         def wrapped(*args, _real=real, _name=name, **kwargs):
@@ -103,6 +103,27 @@ async def test_mtp_greedy_turns_emit_plain_greedys_ids_beside_prompt_reads(make_
     # rounds verified while a prompt was still being read a chunk a round
     assert "verify_round" in order and "read_chunks" in order[order.index("verify_round"):]
     assert serving.rounds.num_free == 4  # every slot back
+
+
+async def test_rounds_launched_ahead_keep_the_head_drafting(make_rig, mtp_engine):
+    """Where no verify pays (the planner's first picks here) the turns go quiet and their rounds are launched
+    ahead, the head following each on the device's ids; when a verify pays again its drafts are current, and the
+    ids are plain decoding's. (One turn: a batch's rounds are launched ahead only while none of its turns looks.)"""
+    plain = await _rig(make_rig, mtp_engine).turn(PROMPTS["b"], 40, session="b")
+    rig = _rig(make_rig, mtp_engine, "mtp")
+    planner = rig.conductor.spec_planner
+    planner.quiet_after, planner.recheck_every = 2, 4
+    real, picks = planner.choose, []
+
+    def choose(bucket, drafts):
+        picks.append(bucket)
+        return 1 if len(picks) <= 3 else real(bucket, drafts)  # no verify pays, three times: the turn goes quiet
+
+    planner.choose = choose
+    order = _order(rig.conductor.serving)
+    assert await rig.turn(PROMPTS["b"], 40, session="b") == plain
+    assert "launch_round" in order and "verify_round" in order[order.index("launch_round"):]
+    assert rig.records[-1].accepted_draft_tokens > 0
 
 
 async def test_a_sampled_turn_verifies_beside_greedy_ones(make_rig, mtp_engine):
