@@ -142,6 +142,25 @@ async def test_a_sampled_turn_verifies_beside_greedy_ones(make_rig, mtp_engine):
     assert spec["c"] == [t async for t in alone.conductor.generate(req)]
 
 
+async def test_drafts_past_the_tokenizer_s_vocabulary_are_cut(make_rig, mtp_engine):
+    """A head's argmax may pick a padding row of the model's vocabulary (ids the tokenizer does not have): the
+    draft is cut there, so a sampled turn's verify never indexes its law past it and greedy ids stay plain's."""
+    plain = await _plain(make_rig, mtp_engine, 20)
+    rig = _rig(make_rig, mtp_engine, "mtp")
+    serving = rig.conductor.serving
+    limit = rig.conductor.served.chat.tokenizer.vocab_size
+    real = serving.head_drafts
+
+    def head_drafts(turns):
+        return [d[:1] + [limit + 3] + d[2:] if d else d for d in real(turns)]  # the second id past the tokenizer's
+
+    serving.head_drafts = head_drafts
+    spec = await _together(rig, 20, {"c": SamplingParams(temperature=0.7, seed=1)})
+    assert {sid: spec[sid] for sid in "ab"} == {sid: plain[sid] for sid in "ab"}
+    assert len(spec["c"]) == 20
+    assert all(r.accepted_draft_tokens <= r.draft_tokens for r in rig.records)
+
+
 async def test_a_restored_session_with_stale_head_rows_stays_exact(make_rig, mtp_engine, tmp_path):
     """A session parked on disk and read back carries the target's rows only: its pages come back with whatever
     the head's slot held (here another session's head rows, written meanwhile), and the next turn's ids are
