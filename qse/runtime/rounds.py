@@ -6,6 +6,11 @@ every running turn, then the planned prompt pieces), then the reader's slice bet
 (qse/runtime/windows.py). A round whose turns all sample on the device is launched ahead (`LaunchedAhead`): its
 ids come back in the next round's hop. A mixin of `Conductor`: the queues it moves turns between are the
 conductor's.
+
+Speculative decoding (QSE_SPECULATE): a round where a turn looks for drafts waits for its ids; its proposals are
+the turns' own lookups (ngram) or the MTP head's drafts (mtp: the head follows every round of the running turns,
+`ServedSessions.follow_round`, and a turn's first drafts come with its first token, `start_drafts`); then one
+planner, verify, keep and sampler path for both.
 """
 
 from __future__ import annotations
