@@ -182,6 +182,17 @@ async def test_a_restored_session_with_stale_head_rows_stays_exact(make_rig, mtp
     assert out2 == await cold.turn(nxt, 30, session="a2")
 
 
+def test_qse_serve_refuses_mtp_on_a_model_without_a_head(cache_dir, tmp_path):
+    """At start, before the served pool is made: the embedded default model ships no MTP head."""
+    from qse.server.cli import build_service
+    from qse.settings import EngineSettings
+
+    settings = EngineSettings({"QSE_CACHE_DIR": str(cache_dir), "QSE_SHADOW_DISK": "off", "QSE_SHADOW_MODEL": "",
+                               "QSE_LEDGER": str(tmp_path / "usage.jsonl"), "QSE_SPECULATE": "mtp"})
+    with pytest.raises(ValueError, match=r"QSE_SPECULATE=mtp .* 'qse-tiny-qwen3.5-v1' has none"):
+        build_service(profile="default", device="cpu", dtype="float32", settings=settings)
+
+
 def test_a_model_without_an_mtp_head_is_refused(make_rig):
     with pytest.raises(ValueError, match=r"QSE_SPECULATE=mtp drafts with the served checkpoint's MTP head, and the "
                                          r"served model 'qse-tiny-qwen3.5-v1' has none \(its config has "
