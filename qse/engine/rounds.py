@@ -68,7 +68,8 @@ The MTP head (mtp=True; qse/models/qwen3_5/mtp.py)
   output, each an argmax on the device. One graph per (bucket, width, k); no host read, no ragged shape.
 - The head's rows of a prompt come from its prefill's final-hidden taps (`mtp_prefill`); a sequence admitted
   without them drafts from stale rows, which makes the drafts worse, never the output wrong (the verify keeps
-  only what the target itself picks).
+  only what the target itself picks). The head's slot of the whole pool is zeroed when the rounds are made, so a
+  row it never wrote is finite (a CPU pool's slot becomes resident memory then).
 - A round of these slots reaches verify_width - 2 rows further than it reads (a k-draft's rows past the kept
   ones): `pages_needed` and the round's page ensure count them.
 """

@@ -37,7 +37,7 @@ GRID = 16
 # crosses more; ids under the tiny model's vocabulary of 512
 PROMPTS = {"a": [100 + (i * 37) % 300 for i in range(45)], "b": [7 + (i * 11) % 400 for i in range(100)],
            "c": [300 + i % 150 for i in range(20)]}
-CONFIG = dict(max_running=4, served_grid=GRID, round_token_budget=GRID, spec_draft=3)
+CONFIG = dict(max_running=4, served_grid=GRID, round_token_budget=GRID, spec_draft=3, served_kv_gb=0.05)
 
 
 @pytest.fixture(scope="module")
