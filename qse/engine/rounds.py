@@ -374,12 +374,30 @@ class DecodeRounds:
             raise ValueError(f"slot {slot} holds {cache.length} rows: the head's prefill pairs 1..{cache.length} of "
                              f"them with their next ids; got ids of shape {tuple(ids.shape)}")
         self._check_tokens(ids.tolist() if ids.device.type == "cpu" else ids, num_rows)
-        rows = head.new_cache(cache.kv, slot=self.mtp_slot)
-        rows.length = cache.length - num_rows
-        head.forward(ids.to(self.device), hidden, rows)
+        rows = self._head_rows(cache.kv, cache.length - num_rows, ids, hidden)
         drafts = head.draft(rows, k)
         self._upload_pages(slot, cache.kv)  # the drafts' rows may have taken a page
         return drafts
+
+    def mtp_rows(self, kv: PagedKV, start: int, next_ids: Sequence[int], hidden: torch.Tensor) -> None:
+        """The head's rows at positions start .. start + T - 1 of a sequence that is not admitted (a prompt's
+        grid chunk as it is read; its caller owns the pages, which must hold the rows): row i pairs hidden[i]
+        [T, H] with next_ids[i], the id after it. Eager, never waits on the device."""
+        self._require_mtp()
+        if kv.pool is not self.pool or any(c.kv is kv for c in self._caches.values()):
+            raise ValueError("the head's rows of a sequence that is not admitted, in the rounds' own pool")
+        num_rows = len(next_ids)
+        if num_rows != hidden.shape[0] or not 0 <= start or start + num_rows > kv.capacity:
+            raise ValueError(f"{num_rows} ids and {hidden.shape[0]} hiddens at rows {start}.. of a sequence with "
+                             f"pages for {kv.capacity} rows")
+        self._check_tokens(list(next_ids), num_rows)
+        self._head_rows(kv, start, torch.tensor(list(next_ids), dtype=torch.long), hidden)
+
+    def _head_rows(self, kv: PagedKV, start: int, ids: torch.Tensor, hidden: torch.Tensor):
+        rows = self.mtp.new_cache(kv, slot=self.mtp_slot)
+        rows.length = start
+        self.mtp.forward(ids.to(self.device), hidden, rows)
+        return rows
 
     def draft(self, slots: Sequence[int], next_ids: Sequence[int] | torch.Tensor,
               accepted: Sequence[int] | torch.Tensor | None = None, k: int | None = None) -> torch.Tensor:

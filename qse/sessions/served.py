@@ -29,8 +29,10 @@ slot of the session's own pages (rounds.mtp_kv_slot): they leave and come back w
 stores them (a restored session's are stale). What the head holds of a turn:
 - its tail: the tail is read with the final-hidden taps, and `start_drafts` (once the first id is sampled)
   writes the head's rows of the tail and the first drafts;
-- the rows below the tail: whatever the head wrote when they were an earlier turn's tail or output, zeros where
-  it never wrote (a fresh prompt's grid chunks are read without taps, on the chunk graphs);
+- the grid chunks this turn reads: where the book reads them with the taps (chunk_hidden, as served_sessions
+  builds it with the head), the head's rows of each chunk, launched behind it (`read_chunks`);
+- the rows below what this turn reads: whatever the head wrote when they were read, or an earlier turn's tail or
+  output; zeros where it never wrote (a session restored from host memory or disk brings back none of them);
 - after every round of its turns, `follow_round` (launch_round does it itself): the head reads that round's rows
   and drafts again (the rounds' invariant: a draft follows each round before any other).
 Stale or zero rows only make the drafts worse: a verify keeps only what the served model itself picks. With the
@@ -272,6 +274,7 @@ class ServedSessions:
                 pending = book.launch_step(turn.start.session_id, group, turn.limit)
                 if pending is None:
                     break
+                self._head_reads(turn, pending)
                 launched += pending.chunks
                 in_flight.append(pending)
                 while len(in_flight) > 1:
@@ -290,6 +293,14 @@ class ServedSessions:
         turn.start.tail_tokens = turn.start.prompt_tokens - turn.session.committed
         turn.pos = turn.session.committed
         return self._count_chunks(turn, reports)
+
+    def _head_reads(self, turn: ServedTurn, pending) -> None:
+        """The head's rows of a grid chunk just launched, from its final hiddens (a book with chunk_hidden), each
+        paired with the prompt's id after it; launched behind the chunk, before the next one overwrites them."""
+        if not self.mtp or pending.hidden is None:
+            return
+        start, rows = pending.start, pending.hidden.shape[0]
+        self.rounds.mtp_rows(turn.session.kv, start, turn.session.ids[start + 1 : start + rows + 1], pending.hidden)
 
     def _count_chunks(self, turn: ServedTurn, reports: list) -> float:
         ms = sum(r.gpu_ms for r in reports)

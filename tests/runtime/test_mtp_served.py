@@ -15,22 +15,16 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from qse.engine.engine import Engine
 from qse.engine.rounds import mtp_kv_slot, pool_slots_for
 from qse.engine.sampling import SamplingParams
-from qse.models import ResolvedModel
-from qse.models.linear import DenseLinear
-from qse.models.qwen3_5 import Qwen35Model, parse_config
-from qse.models.qwen3_5.layout import LoadedWeights, is_linear
-from qse.models.qwen3_5.presets import random_tensors, tiny_mtp_config_dict
 from qse.policy import Policy
 from qse.runtime.conductor import GenerateRequest
 from qse.store import ShadowStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from mtp_rig import agreeing_tensors  # noqa: E402
+from mtp_rig import agreeing_engine  # noqa: E402
 
 GRID = 16
 # every prompt crosses grid lines (read in whole chunks, one a round: the others decode meanwhile) and its output
@@ -42,13 +36,7 @@ CONFIG = dict(max_running=4, served_grid=GRID, round_token_budget=GRID, spec_dra
 
 @pytest.fixture(scope="module")
 def mtp_engine(tiny_engine) -> Engine:
-    cfg = parse_config(tiny_mtp_config_dict())
-    tensors = {n: t.double() for n, t in agreeing_tensors(random_tensors(cfg, seed=5), cfg).items()}
-    weights = LoadedWeights({n: t for n, t in tensors.items() if not is_linear(n)},
-                            {n: DenseLinear(t) for n, t in tensors.items() if is_linear(n)})
-    model = Qwen35Model(cfg, weights, "cpu", torch.float64)
-    # the embedded model's chat (its tokenizer and template): the conductor's stop and turn-end ids
-    return Engine(ResolvedModel(model, tiny_engine.resolved.chat, "tiny-mtp", "random", model.family, "tiny-mtp"))
+    return agreeing_engine(tiny_engine.resolved.chat)  # the embedded model's chat: its stop and turn-end ids
 
 
 def _rig(make_rig, engine, speculate: str = "off", **config):

@@ -19,16 +19,12 @@ import torch
 
 from qse.engine.engine import Engine
 from qse.engine.sampling import SamplingParams
-from qse.models import ResolvedModel, resolve
-from qse.models.linear import DenseLinear
-from qse.models.qwen3_5 import Qwen35Model, parse_config
-from qse.models.qwen3_5.layout import LoadedWeights, is_linear
-from qse.models.qwen3_5.presets import random_tensors, tiny_mtp_config_dict
+from qse.models import resolve
 from qse.policy import Policy
 from qse.runtime.conductor import Conductor, GenerateRequest, ShadowOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from mtp_rig import agreeing_tensors  # noqa: E402
+from mtp_rig import agreeing_engine  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -38,14 +34,9 @@ PROMPTS = {"a": [100 + (i * 37) % 300 for i in range(300)], "b": [7 + (i * 11) %
 SAMPLED = "d"  # a sampled turn beside the greedy ones (its own law: compared for validity, not with plain)
 
 
-def _resolved(cache_dir) -> ResolvedModel:
-    cfg = parse_config(tiny_mtp_config_dict(linear_key_head_dim=32, linear_value_head_dim=32))
-    tensors = {n: t.to("cuda", torch.bfloat16) for n, t in agreeing_tensors(random_tensors(cfg, seed=5), cfg).items()}
-    weights = LoadedWeights({n: t for n, t in tensors.items() if not is_linear(n)},
-                            {n: DenseLinear(t) for n, t in tensors.items() if is_linear(n)})
-    model = Qwen35Model(cfg, weights, "cuda", torch.bfloat16)
+def _resolved(cache_dir):
     chat = resolve("", torch.device("cpu"), torch.float32, cache_dir).chat  # the embedded model's tokenizer
-    return ResolvedModel(model, chat, "tiny-mtp", "random", model.family, "tiny-mtp-gpu")
+    return agreeing_engine(chat, torch.bfloat16, "cuda", linear_key_head_dim=32, linear_value_head_dim=32).resolved
 
 
 def _run(resolved, tmp_path, speculate: str) -> tuple[dict[str, list[int]], list, Conductor]:
