@@ -163,10 +163,11 @@ class ForwardGraphs:
         """Capture now, rather than on the first read, the graphs reading chunks of `rows` rows: one chunk,
         and groups of 2, 4, ... up to `group` chunks (every group size a launch may take). A group the KV pool
         or the device has no room to capture is left out: launches then read the groups that fit (`can_group`
-        says so), never fail for it. hidden: the one-chunk read with the final-hidden taps too (run_chunks)."""
-        self._prepare(rows, "none")
+        says so), never fail for it. hidden: the one-chunk read with the final-hidden taps instead (run_chunks;
+        no groups then)."""
+        self._prepare(rows, "none", hidden)
         if hidden:
-            self._prepare(rows, "none", hidden=True)
+            return
         count = 2
         while count <= group and self.can_group(count, rows):
             count *= 2

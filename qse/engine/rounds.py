@@ -11,6 +11,7 @@ captured per batch-size bucket.
 
 With the checkpoint's MTP head (mtp=True) the rounds draft for themselves, on the device:
 
+    rounds.mtp_rows(kv, start, next_ids, hidden)   the head's rows of a prompt's chunk (a sequence not admitted)
     drafts = rounds.mtp_prefill(slot, next_ids, hidden)   the head's rows of a prompt; its k drafts [k]
     logits = rounds.verify(slots, rows)            rows [B, k + 1] on the device: [next token, its drafts]
     rounds.keep(slots, accepted)
