@@ -20,7 +20,7 @@ from .core.sizing import FIXED_KV_POOL_GB
 from .settings import REGISTRY, EngineSettings
 
 
-SPECULATE_MODES = ("off", "ngram")
+SPECULATE_MODES = ("off", "ngram", "mtp")
 MAX_SPEC_DRAFT = 15  # a verify reads at most 16 rows a turn
 
 
@@ -62,7 +62,7 @@ class Policy:
     round_token_budget: int = _from("QSE_ROUND_TOKEN_BUDGET")  # prompt ids a round reads beside its decode rows
     launch_ahead: bool = _from("QSE_LAUNCH_AHEAD")  # rounds of device-sampled turns launched before reading back
     decode_yield_ms: float = _from("QSE_DECODE_YIELD_MS")  # running turns may sit out prompt rounds this long
-    speculate: str = _from("QSE_SPECULATE")  # off | ngram
+    speculate: str = _from("QSE_SPECULATE")  # off | ngram | mtp
     spec_draft: int = _from("QSE_SPEC_DRAFT")  # drafted ids a turn a round, at most
     max_waiting: int = _from("QSE_MAX_WAITING")
     max_question_tokens: int = _from("QSE_MAX_QUESTION_TOKENS")
@@ -86,6 +86,11 @@ class Policy:
     def verify_width(self) -> int:
         """The most rows a running turn reads in one round: its token and its drafts (0: no speculation)."""
         return self.spec_draft + 1 if self.speculate != "off" else 0
+
+    @property
+    def mtp(self) -> bool:
+        """Whether the served turns draft with the checkpoint's MTP head (QSE_SPECULATE=mtp)."""
+        return self.speculate == "mtp"
 
     @classmethod
     def from_settings(cls, settings: EngineSettings, **overrides: Any) -> "Policy":

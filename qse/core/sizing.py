@@ -21,6 +21,10 @@ The contract, every term in bytes:
     one auto     it takes all of left
     refused      where an auto size comes out under its floor (MIN_KV_POOL_NBYTES, MIN_SESSION_CACHE_NBYTES)
 
+The KV pool is sized in bytes: its pages hold one KV slot an attention layer, and one more for the MTP head's rows
+where the served turns draft with it (QSE_SPECULATE=mtp, qse/engine/rounds.py pool_slots_for), so the same bytes
+hold 1 / (attention layers + 1) fewer rows there; the builder of the pool (GridSessions) divides by that page.
+
 Sizes a switch sets are never changed (over the budget they are logged, not refused: the operator asked for
 them). Where there are no device figures (a CPU), auto is the fixed FIXED_KV_POOL_GB and FIXED_SESSION_CACHE_GB.
 Pure: no torch, no clock; the caller measures the device and hands the figures in.

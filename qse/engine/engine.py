@@ -121,11 +121,16 @@ class Engine:
         return self.model.new_cache(kv=kv)
 
     def forward(self, cache: SequenceCache, ids: torch.Tensor, logits: str = "last",
-                logit_row: int | None = None) -> tuple[torch.Tensor | None, float]:
-        """Read ids on top of cache; returns (logits, device ms)."""
+                logit_row: int | None = None, taps: dict[str, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor | None, float]:
+        """Read ids on top of cache; returns (logits, device ms). taps: the model's tap buffers (new_taps) filled
+        for every row (its last layer then runs for every row, where "last" alone runs it for the last one)."""
         watch = Stopwatch(self.device)
         with watch.measure():  # (host ids go to the device inside: checked there first, pinned ones without a wait)
-            out = self.model.forward(ids, cache, logits, logit_row=logit_row)
+            if taps is None:
+                out = self.model.forward(ids, cache, logits, logit_row=logit_row)
+            else:
+                out = self.model.forward(ids, cache, logits, logit_row=logit_row, taps=taps)
         return out, watch.gpu_ms
 
     def prefill(self, cache: SequenceCache, ids: torch.Tensor, chunk: int) -> tuple[torch.Tensor, float]:

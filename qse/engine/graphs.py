@@ -134,6 +134,7 @@ class ForwardGraphs:
         self._ids_host: dict[int, torch.Tensor] = {}  # pinned staging for host ids (stage)
         self._ids_sent: dict[int, Any] = {}  # the event after the last copy out of each staging buffer
         self._entries: dict[tuple, _Entry] = {}
+        self._hidden: dict[int, torch.Tensor] = {}  # a tapped read's final hiddens [rows, H], by its rows
         self._sides: list = []  # the side streams of chunk groups
         self._graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._clock = DeviceClock(self.device)
@@ -172,12 +173,15 @@ class ForwardGraphs:
         return min(self.max_tokens, -(-num_tokens // TAIL_CLASS) * TAIL_CLASS)
 
     # ---- the callers' verbs -------------------------------------------------------------------
-    def warm(self, rows: int, group: int = 1) -> None:
+    def warm(self, rows: int, group: int = 1, hidden: bool = False) -> None:
         """Capture now, rather than on the first read, the graphs reading chunks of `rows` rows: one chunk,
         and groups of 2, 4, ... up to `group` chunks (every group size a launch may take). A group the KV pool
         or the device has no room to capture is left out: launches then read the groups that fit (`can_group`
-        says so), never fail for it."""
-        self._prepare(rows, "none")
+        says so), never fail for it. hidden: the one-chunk read with the final-hidden taps instead (run_chunks;
+        no groups then)."""
+        self._prepare(rows, "none", hidden)
+        if hidden:
+            return
         count = 2
         while count <= group and self.can_group(count, rows):
             count *= 2
@@ -197,14 +201,19 @@ class ForwardGraphs:
             return False
         return True
 
-    def run_chunks(self, cache: SequenceCache, ids: list[int] | torch.Tensor, start: int, chunks: int = 1) -> Any:
+    def run_chunks(self, cache: SequenceCache, ids: list[int] | torch.Tensor, start: int, chunks: int = 1,
+                   hidden: bool = False) -> Any:
         """Read `ids` at `start` into `cache` (its GDN state and its KV rows; cache.length becomes start +
         len(ids)): one chunk, or `chunks` > 1 chunks of len(ids) / chunks rows in one group. The cache's
         pages must already hold the rows (kv.ensure). Never waits on the device. Returns a device mark
         taken after any capture, before the read's first device work: with a launch still in flight it
-        stamps when the device comes to this one (time it with DeviceClock.ms against a mark after)."""
+        stamps when the device comes to this one (time it with DeviceClock.ms against a mark after).
+        hidden (one chunk): its rows' final hiddens too, into `final_hidden(len(ids))` (the last layer's MLP and
+        the final norm run as well; the state and the KV rows are the same bits)."""
+        if hidden and chunks != 1:
+            raise ValueError(f"a read with the final-hidden taps reads one chunk; got {chunks}")
         if chunks == 1:
-            entry = self._prepare(len(ids), "none")
+            entry = self._prepare(len(ids), "none", hidden)
         elif chunks > 1 and len(ids) % chunks == 0:
             entry = self._prepare_group(chunks, len(ids) // chunks)
         else:
@@ -248,6 +257,11 @@ class ForwardGraphs:
         cache.length = start + num_tokens
         return logits
 
+    def final_hidden(self, num_tokens: int) -> torch.Tensor:
+        """The final hiddens [num_tokens, H] of the last read of that many rows with the taps (run_chunks
+        hidden=True): a buffer the next such read overwrites (queue device work on it before then)."""
+        return self._hidden[num_tokens]
+
     @contextmanager
     def decoding(self, cache: SequenceCache) -> Iterator["ForkDecode"]:
         """Greedy decode on a fork of `cache`: the one-row graph captured on entry, the cache's GDN state
@@ -270,19 +284,26 @@ class ForwardGraphs:
         cache.copy_state_from(self.cache)
 
     # ---- replays -----------------------------------------------------------------------------
-    def _prepare(self, num_tokens: int, logits: str) -> _Entry:
-        """The entry for this shape, captured on first use. Call before `_load`: a capture runs the forward
-        on the working state and the scratch pages."""
+    def _prepare(self, num_tokens: int, logits: str, hidden: bool = False) -> _Entry:
+        """The entry for this shape, captured on first use (hidden: with the final-hidden taps into a buffer of
+        this object's). Call before `_load`: a capture runs the forward on the working state and the scratch
+        pages."""
         if not self.supports(num_tokens):
             raise ValueError(f"graphs serve 1..{self.max_tokens} rows, not {num_tokens}")
-        key = (num_tokens, logits)
+        key = (num_tokens, logits, "final_hidden") if hidden else (num_tokens, logits)
         entry = self._entries.get(key)
         if entry is None:
             ids = self._ids.setdefault(num_tokens, torch.zeros(num_tokens, dtype=torch.long, device=self.device))
             step = Step(self.start, num_tokens, None, self.logit_row, self.capacity)
+            taps = None
+            if hidden:  # (owned here: a captured graph keeps only the buffer's address)
+                taps = {"final_hidden": self._hidden.setdefault(
+                    num_tokens, self.model.new_taps(num_tokens, ("final_hidden",))["final_hidden"])}
 
             def forward() -> Any:
-                return self.model.forward_step(ids, self.cache, step, logits)
+                if taps is None:
+                    return self.model.forward_step(ids, self.cache, step, logits)
+                return self.model.forward_step(ids, self.cache, step, logits, taps=taps)
 
             entry = self._capture(forward) if self.capture else _Entry(forward)
             self._entries[key] = entry

@@ -11,6 +11,7 @@ captured per batch-size bucket.
 
 With the checkpoint's MTP head (mtp=True) the rounds draft for themselves, on the device:
 
+    rounds.mtp_rows(kv, start, next_ids, hidden)   the head's rows of a prompt's chunk (a sequence not admitted)
     drafts = rounds.mtp_prefill(slot, next_ids, hidden)   the head's rows of a prompt; its k drafts [k]
     logits = rounds.verify(slots, rows)            rows [B, k + 1] on the device: [next token, its drafts]
     rounds.keep(slots, accepted)
@@ -68,7 +69,8 @@ The MTP head (mtp=True; qse/models/qwen3_5/mtp.py)
   output, each an argmax on the device. One graph per (bucket, width, k); no host read, no ragged shape.
 - The head's rows of a prompt come from its prefill's final-hidden taps (`mtp_prefill`); a sequence admitted
   without them drafts from stale rows, which makes the drafts worse, never the output wrong (the verify keeps
-  only what the target itself picks).
+  only what the target itself picks). The head's slot of the whole pool is zeroed when the rounds are made, so a
+  row it never wrote is finite (a CPU pool's slot becomes resident memory then).
 - A round of these slots reaches verify_width - 2 rows further than it reads (a k-draft's rows past the kept
   ones): `pages_needed` and the round's page ensure count them.
 """
@@ -159,9 +161,14 @@ class DecodeRounds:
                 raise ValueError(f"the MTP head's rows live in KV slot {self.mtp_slot} of the pool, which has "
                                  f"{pool.num_slots} slots: build it with pool_slots_for(cfg, mtp=True) = "
                                  f"{pool_slots_for(engine.cfg, True)}")
-        # a round reaches this many rows past what it reads: a draft of verify_width - 1 ids writes rows up to
-        # verify_width - 2 past the round's last (the head's, above what is kept)
-        self._draft_reach = verify_width - 2 if mtp else 0
+            # rows the head never wrote (a prompt's chunks, a restored session's) hold zeros, never NaN: its
+            # attention over them stays finite (its drafts worse there, never a poisoned sequence)
+            pool.k[:, self.mtp_slot].zero_()
+            pool.v[:, self.mtp_slot].zero_()
+        # a round reaches this many rows past what it reads (read by the callers that reserve its pages): a
+        # draft of verify_width - 1 ids writes rows up to verify_width - 2 past the round's last (the head's,
+        # above what is kept)
+        self.draft_reach = verify_width - 2 if mtp else 0
         self.device = pool.k.device
         self.capture = capture_mode(engine, graphs, "decode rounds") is True
         self.max_running = max_running
@@ -271,7 +278,7 @@ class DecodeRounds:
         need = 0
         for slot in slots:
             kv = self._cache(slot).kv
-            need += max(0, kv.pages_for(self._caches[slot].length + width + self._draft_reach) - len(kv.pages))
+            need += max(0, kv.pages_for(self._caches[slot].length + width + self.draft_reach) - len(kv.pages))
         return need
 
     def can_run(self, slots: Sequence[int], width: int = 1) -> bool:
@@ -370,12 +377,30 @@ class DecodeRounds:
             raise ValueError(f"slot {slot} holds {cache.length} rows: the head's prefill pairs 1..{cache.length} of "
                              f"them with their next ids; got ids of shape {tuple(ids.shape)}")
         self._check_tokens(ids.tolist() if ids.device.type == "cpu" else ids, num_rows)
-        rows = head.new_cache(cache.kv, slot=self.mtp_slot)
-        rows.length = cache.length - num_rows
-        head.forward(ids.to(self.device), hidden, rows)
+        rows = self._head_rows(cache.kv, cache.length - num_rows, ids, hidden)
         drafts = head.draft(rows, k)
         self._upload_pages(slot, cache.kv)  # the drafts' rows may have taken a page
         return drafts
+
+    def mtp_rows(self, kv: PagedKV, start: int, next_ids: Sequence[int], hidden: torch.Tensor) -> None:
+        """The head's rows at positions start .. start + T - 1 of a sequence that is not admitted (a prompt's
+        grid chunk as it is read; its caller owns the pages, which must hold the rows): row i pairs hidden[i]
+        [T, H] with next_ids[i], the id after it. Eager, never waits on the device."""
+        self._require_mtp()
+        if kv.pool is not self.pool or any(c.kv is kv for c in self._caches.values()):
+            raise ValueError("the head's rows of a sequence that is not admitted, in the rounds' own pool")
+        num_rows = len(next_ids)
+        if num_rows != hidden.shape[0] or not 0 <= start or start + num_rows > kv.capacity:
+            raise ValueError(f"{num_rows} ids and {hidden.shape[0]} hiddens at rows {start}.. of a sequence with "
+                             f"pages for {kv.capacity} rows")
+        self._check_tokens(list(next_ids), num_rows)
+        self._head_rows(kv, start, torch.tensor(list(next_ids), dtype=torch.long), hidden)
+
+    def _head_rows(self, kv: PagedKV, start: int, ids: torch.Tensor, hidden: torch.Tensor):
+        rows = self.mtp.new_cache(kv, slot=self.mtp_slot)
+        rows.length = start
+        self.mtp.forward(ids.to(self.device), hidden, rows)
+        return rows
 
     def draft(self, slots: Sequence[int], next_ids: Sequence[int] | torch.Tensor,
               accepted: Sequence[int] | torch.Tensor | None = None, k: int | None = None) -> torch.Tensor:
@@ -445,7 +470,7 @@ class DecodeRounds:
         if need > self.pool.num_free:
             raise MemoryError(f"the KV pool has {self.pool.num_free} free pages; this round needs {need}")
         for slot, cache in zip(slots, caches):
-            cache.kv.ensure(cache.length + width + self._draft_reach)
+            cache.kv.ensure(cache.length + width + self.draft_reach)
             self._upload_pages(slot, cache.kv)
 
     @property

@@ -45,9 +45,10 @@ from ..core.ration import RationSlice
 from ..core.scheduler import Scheduler
 from ..core.spec import SpecPlanner
 from ..engine.engine import Engine
+from ..engine.rounds import pool_slots_for
 from ..policy import Policy
 from ..sessions.grid import GridSessions
-from ..sessions.served import ServedSessions
+from ..sessions.served import ServedSessions, require_mtp_head
 from ..shadow.reader import READ_FIRST, AskResult, ShadowError, ShadowReader
 from .executor import EngineExecutor, landed
 from .ledger import RuntimeLedger
@@ -455,9 +456,14 @@ _LOAD_ATTEMPTS = 3  # loads a question's session may need before its file is rea
 
 def served_sessions(engine: Engine, policy: Policy, residency=None) -> ServedSessions:
     """The served model's sessions as the policy sizes them (residency: the store with its host and disk
-    tiers; None drops least recently fed sessions past the pool)."""
+    tiers; None drops least recently fed sessions past the pool). QSE_SPECULATE=mtp: a model without an MTP
+    head is refused here, before the pool is made; the pool's pages hold the head's KV slot too, and the prompts'
+    grid chunks are read with the final-hidden taps, for the head's rows of them."""
     check_group(policy.served_chunk_group, "the served chunk group (QSE_SERVED_CHUNK_GROUP)")
+    if policy.mtp:
+        require_mtp_head(engine)
     book = GridSessions(engine, grid=policy.served_grid, pool_bytes=int(policy.served_kv_gb * (1 << 30)),
                         **policy.served_checkpoints(), residency=residency, chunk_group=policy.served_chunk_group,
-                        graphs=None if policy.served_graphs else False, who="the served model")
-    return ServedSessions(book, max_running=policy.max_running, verify_width=policy.verify_width)
+                        graphs=None if policy.served_graphs else False, who="the served model",
+                        kv_slots=pool_slots_for(engine.cfg, policy.mtp), chunk_hidden=policy.mtp)
+    return ServedSessions(book, max_running=policy.max_running, verify_width=policy.verify_width, mtp=policy.mtp)

@@ -6,6 +6,11 @@ every running turn, then the planned prompt pieces), then the reader's slice bet
 (qse/runtime/windows.py). A round whose turns all sample on the device is launched ahead (`LaunchedAhead`): its
 ids come back in the next round's hop. A mixin of `Conductor`: the queues it moves turns between are the
 conductor's.
+
+Speculative decoding (QSE_SPECULATE): a round where a turn looks for drafts waits for its ids; its proposals are
+the turns' own lookups (ngram) or the MTP head's drafts (mtp: the head follows every round of the running turns,
+`ServedSessions.follow_round`, and a turn's first drafts come with its first token, `start_drafts`); then one
+planner, verify, keep and sampler path for both.
 """
 
 from __future__ import annotations
@@ -321,6 +326,7 @@ class RoundLoop:
                 if take_first:
                     take_earlier()
                 tokens = [[e.sampler(logits[i])] for i, e in enumerate(batch)]
+                self.serving.follow_round(seqs, [t[0] for t in tokens])  # (the MTP head's drafts: launch_round's own)
         reads = []
         for entry, chunks, tail in plan:
             seq = entry.seq
@@ -338,23 +344,44 @@ class RoundLoop:
         take_earlier()
         return launched, tokens, ms, reads, back, drafted
 
-    def _speculative_round(self, batch: list["RoundEntry"]) -> tuple[list[list[int]], float, tuple[int, list[int]]]:
-        """One round of turns some of which draft (on the served thread): each verifying turn's drafts looked
-        up, the planner's width for them (1: a plain round, where no verify pays), then the round, and each
-        turn's ids: its accepted drafts and the id after them (a turn that cannot verify, or drafted nothing,
-        one id as in a plain round). Returns (ids a turn, device ms, (width, ids drafted a turn))."""
+    def _proposals(self, batch: list["RoundEntry"]) -> list[list[int]]:
+        """Each turn's drafts for this round ([] for a turn that cannot verify or does not look this round): the
+        MTP head's after the turn's last round (QSE_SPECULATE=mtp: read back from the device), else its own
+        lookups (TurnDrafts); cut where they would pass the turn's last id or leave the tokenizer's vocabulary
+        (a head's argmax may pick a padding row of the model's vocabulary)."""
         planner, serving = self.spec_planner, self.serving
+        looking = [e for e in batch if e.sampler.verifies and planner.looks(e.spec)]
+        found = iter(serving.head_drafts([e.seq for e in looking]) if serving.mtp else
+                     [self._looked_up(e) for e in looking])
         proposals: list[list[int]] = []
         for entry in batch:
-            turn, req = entry.turn, entry.turn.req
-            if not entry.sampler.verifies or not planner.looks(entry.spec):
+            if entry not in looking:
                 proposals.append([])
                 continue
-            if entry.drafts is None:  # (its first round: the prompt's ids and the first token)
-                entry.drafts = TurnDrafts(req.prompt_ids, planner.max_draft, req.prediction_ids)
-                entry.drafts.append(turn.out_ids)
-            room = req.max_tokens - len(turn.out_ids) - 1  # drafts past the turn's last id would be thrown away
-            proposals.append(entry.drafts.propose()[: max(0, room)])
+            turn, limit = entry.turn, entry.sampler.vocab_limit
+            room = turn.req.max_tokens - len(turn.out_ids) - 1  # drafts past the turn's last id would be thrown away
+            draft = next(found)[: max(0, room)]
+            if limit is not None:
+                draft = draft[: next((j for j, t in enumerate(draft) if not 0 <= t < limit), len(draft))]
+            proposals.append(draft)
+        return proposals
+
+    def _looked_up(self, entry: "RoundEntry") -> list[int]:
+        """The turn's drafts looked up in its prediction, prompt and output (QSE_SPECULATE=ngram)."""
+        turn, req = entry.turn, entry.turn.req
+        if entry.drafts is None:  # (its first round: the prompt's ids and the first token)
+            entry.drafts = TurnDrafts(req.prompt_ids, self.spec_planner.max_draft, req.prediction_ids)
+            entry.drafts.append(turn.out_ids)
+        return entry.drafts.propose()
+
+    def _speculative_round(self, batch: list["RoundEntry"]) -> tuple[list[list[int]], float, tuple[int, list[int]]]:
+        """One round of turns some of which draft (on the served thread): each verifying turn's drafts (the MTP
+        head's, or looked up), the planner's width for them (1: a plain round, where no verify pays), then the
+        round, and each turn's ids: its accepted drafts and the id after them (a turn that cannot verify, or
+        drafted nothing, one id as in a plain round); the head then follows the round. Returns (ids a turn,
+        device ms, (width, ids drafted a turn))."""
+        planner, serving = self.spec_planner, self.serving
+        proposals = self._proposals(batch)
         seqs = [e.seq for e in batch]
         width = planner.choose(serving.rounds.bucket(len(batch)),
                                [(len(p), e.spec.alpha if e.spec is not None else 0.0) for e, p in zip(batch, proposals)])
@@ -370,7 +397,9 @@ class RoundLoop:
                 width = 1
         if width == 1:
             logits, ms = serving.decode_round(seqs, [e.token for e in batch])
-            return [[e.sampler(logits[i])] for i, e in enumerate(batch)], ms, (1, [0] * len(batch))
+            tokens = [[e.sampler(logits[i])] for i, e in enumerate(batch)]
+            serving.follow_round(seqs, [t[0] for t in tokens])
+            return tokens, ms, (1, [0] * len(batch))
         greedy = [i for i, e in enumerate(batch) if drafts[i] and e.sampler.verifies == "greedy"]
         picks: dict[int, list[int]] = {}
         if greedy:  # one argmax and one read back for every greedy turn (first maximum on ties, as alone)
@@ -391,6 +420,7 @@ class RoundLoop:
             tokens.append(ids)
             accepted.append(len(ids) - 1)
         serving.keep_round(seqs, accepted)
+        serving.follow_round(seqs, [ids[-1] for ids in tokens], accepted)
         return tokens, ms, (width, [len(d) for d in drafts])
 
     def _read_tail(self, entry: "RoundEntry") -> int:
@@ -399,6 +429,7 @@ class RoundLoop:
         logits = self.serving.first_token(seq)
         try:
             token = entry.sampler(logits[-1])
+            self.serving.start_drafts(seq, token)  # (the MTP head's rows of the tail, and its first drafts)
         except BaseException:
             self.serving.finish(seq)
             raise

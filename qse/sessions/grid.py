@@ -70,6 +70,8 @@ class PendingChunk:
     marks: tuple | None = None  # (start, end) device marks until finish_step reads them
     gpu_ms: float = 0.0
     chunks: int = 1  # grid chunks launched together (a chunk group)
+    # the chunk's final hiddens [rows, H] (a book with chunk_hidden): valid until the book's next chunk launch
+    hidden: Any = None
 
 
 @dataclass
@@ -238,7 +240,8 @@ class GridSessions:
     def __init__(self, engine: Engine, grid: int = 512, pool_bytes: int = 4 << 30, max_checkpoints: int = 6,
                  page_rows: int | None = None, residency: Residency | None = None, clock=time.monotonic,
                  graphs: bool | str | None = None, recent_checkpoints: int = 0, divergence_checkpoints: int = 0,
-                 chunk_group: int = 1, who: str = "the reader"):
+                 chunk_group: int = 1, who: str = "the reader", kv_slots: int | None = None,
+                 chunk_hidden: bool = False):
         """graphs: True/False, None for CUDA graphs where the device is CUDA and the kernels are Triton's
         (the entry point passes False where QSE_SHADOW_GRAPHS is off), or "static": the graph path's buffers and flow without capturing (CPU tests).
 
@@ -249,7 +252,13 @@ class GridSessions:
         95.5 % to 97.6 %, for up to 4 more states (19.5 MB each on the 0.8B) a session.
 
         chunk_group: the chunks `read_all` launches together where they fit (see launch_step), on the graph
-        path; 1 reads one chunk a launch."""
+        path; 1 reads one chunk a launch.
+
+        kv_slots: the KV slots a page of the pool holds (None: one an attention layer; the served model's
+        pool where its rounds draft with the MTP head has one more, qse/engine/rounds.py pool_slots_for): the
+        same pool_bytes then hold fewer pages. chunk_hidden: each grid chunk is read with the final-hidden taps,
+        handed out on its PendingChunk (`hidden`), for the served model's MTP head; one chunk a launch then
+        (no chunk groups). The state and the KV rows are the same bits either way."""
         if grid < 1:
             raise SessionError(f"grid must be a positive number of rows, got {grid}")
         self.engine = engine
@@ -262,6 +271,7 @@ class GridSessions:
                 raise SessionError(f"{name} must be a whole number >= 0, got {value!r}")
         _check_chunks(chunk_group, "chunk_group")
         self.chunk_group = chunk_group
+        self.chunk_hidden = chunk_hidden
         # every session's checkpoint book follows these (qse/core/checkpoints.py: the one copy of the rules)
         self.checkpoint_rules = CheckpointRules.counted(grid, max_checkpoints, recent_checkpoints,
                                                         divergence_checkpoints)
@@ -269,7 +279,11 @@ class GridSessions:
         page_rows = page_rows or grid
         if grid % page_rows:
             raise SessionError(f"the grid ({grid}) must be a multiple of the KV page size ({page_rows})")
-        self.pool = KVPool.for_budget(pool_bytes, page_rows, len(cfg.attention_layers), cfg.num_key_value_heads,
+        num_slots = len(cfg.attention_layers) if kv_slots is None else kv_slots
+        if num_slots < len(cfg.attention_layers):
+            raise SessionError(f"kv_slots={kv_slots}: a page holds at least one KV slot an attention layer "
+                               f"({len(cfg.attention_layers)})")
+        self.pool = KVPool.for_budget(pool_bytes, page_rows, num_slots, cfg.num_key_value_heads,
                                       cfg.head_dim, engine.dtype, engine.device)
         self.sessions: dict[str, GridSession] = {}
         self.residency: Residency = residency or DropLRU()
@@ -292,7 +306,7 @@ class GridSessions:
         """Capture the grid chunk's graph now rather than on the first read (a capture takes a few
         hundred ms; a server does it before it takes requests)."""
         if self.graphs is not None:
-            self.graphs.warm(self.grid, self.chunk_group)
+            self.graphs.warm(self.grid, 1 if self.chunk_hidden else self.chunk_group, hidden=self.chunk_hidden)
 
     # ---- sessions ----------------------------------------------------------------------------
     def get(self, session_id: str) -> GridSession:
@@ -471,10 +485,12 @@ class GridSessions:
         try:
             if self.graphs is not None:
                 begin = self._launch_graph_chunk(session, ids, start, count)
-                pending = PendingChunk(session, start, chunks=count)
+                hidden = self.graphs.final_hidden(rows) if self.chunk_hidden else None
+                pending = PendingChunk(session, start, chunks=count, hidden=hidden)
             else:  # eager: the engine measures (and waits for) the forward itself
-                _, gpu_ms = self.engine.forward(session.cache, self.engine.host_ids(ids), logits="none")
-                pending = PendingChunk(session, start, gpu_ms=gpu_ms)
+                taps = self.engine.model.new_taps(rows, ("final_hidden",)) if self.chunk_hidden else None
+                _, gpu_ms = self.engine.forward(session.cache, self.engine.host_ids(ids), logits="none", taps=taps)
+                pending = PendingChunk(session, start, gpu_ms=gpu_ms, hidden=None if taps is None else taps["final_hidden"])
         except BaseException:
             self._recover(session, start)
             raise
@@ -508,7 +524,7 @@ class GridSessions:
         """How many chunks the next launch reads: 1 without graphs or when asked for 1; else the largest
         power of two up to `chunks` that are all waiting and hold no prompt or divergence line inside."""
         _check_chunks(chunks, "chunks")
-        if chunks == 1 or self.graphs is None:
+        if chunks == 1 or self.graphs is None or self.chunk_hidden:
             return 1
         return session.book.group_chunks(session.committed, min(chunks, backlog // self.grid))
 
@@ -530,7 +546,7 @@ class GridSessions:
         """Launch the chunk's (or the group's) replay; the device mark before it."""
         if not session.kv.ensure(start + len(ids)):
             raise MemoryError(f"{self.who}'s KV pool cannot hold session {session.session_id!r} at {start + len(ids)} rows")
-        return self.graphs.run_chunks(session.cache, ids, start, chunks)
+        return self.graphs.run_chunks(session.cache, ids, start, chunks, hidden=self.chunk_hidden)
 
     def read_all(self, session_id: str, lookahead: int = 1, group: int | None = None,
                  limit: int | None = None) -> list[ChunkReport]:

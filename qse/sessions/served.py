@@ -23,6 +23,21 @@ session's pages, so the session's GDN state at L is never written) joins a slot 
 its ids sampled on the device and read back later, so a round may run past a stop id: the extra row is
 above L and goes with the rest at `finish`). A session with an open turn is pinned: the residency manager
 never moves it. A turn's prompt may be read in pieces between rounds (open, read_chunks, first_token).
+
+With the MTP head (mtp=True, QSE_SPECULATE=mtp) the turns draft on the device. The head's KV rows sit in one more
+slot of the session's own pages (rounds.mtp_kv_slot): they leave and come back with the pages, but no tier
+stores them (a restored session's are stale). What the head holds of a turn:
+- its tail: the tail is read with the final-hidden taps, and `start_drafts` (once the first id is sampled)
+  writes the head's rows of the tail and the first drafts;
+- the grid chunks this turn reads: where the book reads them with the taps (chunk_hidden, as served_sessions
+  builds it with the head), the head's rows of each chunk, launched behind it (`read_chunks`);
+- the rows below what this turn reads: whatever the head wrote when they were read, or an earlier turn's tail or
+  output; zeros where it never wrote (a session restored from host memory or disk brings back none of them);
+- after every round of its turns, `follow_round` (launch_round does it itself): the head reads that round's rows
+  and drafts again (the rounds' invariant: a draft follows each round before any other).
+Stale or zero rows only make the drafts worse: a verify keeps only what the served model itself picks. With the
+taps the tail's last layer runs for every row (where without them only the last row's): on row-invariant
+kernels the same bits, elsewhere rounding like a verify's rows.
 """
 
 from __future__ import annotations
@@ -83,6 +98,10 @@ class ServedTurn:
     # the last prompt chunk read_chunks launched and did not wait for: the next read_chunks, the tail
     # (first_token) or finish waits for it
     held: list = field(default_factory=list)
+    # the MTP head's side (ServedSessions with mtp): the tail's final hiddens until start_drafts reads them, and
+    # the head's drafts after the turn's last round (long [k] on the device; None: none since its last round)
+    tail_hidden: torch.Tensor | None = None
+    drafts: torch.Tensor | None = None
 
     @property
     def chunks_left(self) -> int:
@@ -115,14 +134,18 @@ class ServedSessions:
     One thread (the served engine's executor) calls every method; one turn runs at a time on a session.
     """
 
-    def __init__(self, book: GridSessions, max_running: int = 1, verify_width: int = 0):
+    def __init__(self, book: GridSessions, max_running: int = 1, verify_width: int = 0, mtp: bool = False):
         """max_running: turns decoding at once (the rounds' slots and largest batch). verify_width: the most rows
-        a turn may verify in a round (speculative decoding: its token and verify_width - 1 drafts; 0: off)."""
+        a turn may verify in a round (speculative decoding: its token and verify_width - 1 drafts; 0: off).
+        mtp: the turns draft with the model's MTP head (verify_width >= 2; the book's pool built with
+        pool_slots_for(cfg, mtp=True) slots a page)."""
+        if mtp:
+            require_mtp_head(book.engine)
         self.book = book
         self.engine = book.engine
         self.rounds = DecodeRounds(book.engine, book.pool, max_running,
                                    graphs=None if book.graphs is not None and book.graphs.capture else False,
-                                   verify_width=verify_width)
+                                   verify_width=verify_width, mtp=mtp)
         self._clock = DeviceClock(book.engine.device)
         self._reserved = 0  # turns opened that have not taken their decode slot yet
         self.counts = {"queries": 0, "query_tokens": 0, "hit_tokens": 0, **{f"hits_{t}": 0 for t in TIERS}}
@@ -130,6 +153,11 @@ class ServedSessions:
     @property
     def mode(self) -> str:
         return self.book.mode
+
+    @property
+    def mtp(self) -> bool:
+        """Whether the turns draft with the MTP head (start_drafts, follow_round, head_drafts)."""
+        return self.rounds.mtp is not None
 
     @property
     def grid(self) -> int:
@@ -146,7 +174,7 @@ class ServedSessions:
         self.rounds.warm()
         if not (self.engine.device.type == "cuda" if tails is None else tails):
             return
-        if self.book.graphs is not None:
+        if self.book.graphs is not None and not self.mtp:
             self.book.graphs.warm_tails(self.grid)
             return
         counts = dict(self.counts)
@@ -250,6 +278,7 @@ class ServedSessions:
                 pending = book.launch_step(turn.start.session_id, group, turn.limit)
                 if pending is None:
                     break
+                self._head_reads(turn, pending)
                 launched += pending.chunks
                 in_flight.append(pending)
                 while len(in_flight) > 1:
@@ -268,6 +297,14 @@ class ServedSessions:
         turn.start.tail_tokens = turn.start.prompt_tokens - turn.session.committed
         turn.pos = turn.session.committed
         return self._count_chunks(turn, reports)
+
+    def _head_reads(self, turn: ServedTurn, pending) -> None:
+        """The head's rows of a grid chunk just launched, from its final hiddens (a book with chunk_hidden), each
+        paired with the prompt's id after it; launched behind the chunk, before the next one overwrites them."""
+        if not self.mtp or pending.hidden is None:
+            return
+        start, rows = pending.start, pending.hidden.shape[0]
+        self.rounds.mtp_rows(turn.session.kv, start, turn.session.ids[start + 1 : start + rows + 1], pending.hidden)
 
     def _count_chunks(self, turn: ServedTurn, reports: list) -> float:
         ms = sum(r.gpu_ms for r in reports)
@@ -332,15 +369,21 @@ class ServedSessions:
         """The ids above the committed rows on the turn's own working state, which then joins a decode slot:
         the first token's logits and device ms."""
         book, session = self.book, turn.session
-        graphs = book.graphs  # on the graph path a tail reads in its class's graph, its rows past it padding
+        # on the graph path a tail reads in its class's graph, its rows past it padding; with the MTP head eagerly,
+        # for its rows' final hiddens (a graph of taps a tail class is not built)
+        graphs = book.graphs if not self.mtp else None
         rows = len(tail) if graphs is None else graphs.tail_rows(len(tail))
-        book.reserve_rows(session, session.committed + max(rows, len(tail) + 1), len(tail))
+        # (with the head: the first drafts' rows too, start_drafts)
+        book.reserve_rows(session, session.committed + max(rows, len(tail) + 1 + self.rounds.draft_reach), len(tail))
         cache = self.engine.new_cache(kv=session.kv)  # the session's pages, a state of the turn's own
         cache.copy_state_from(session.cache)
         cache.length = session.committed
         turn.cache = cache
         if graphs is None:
-            logits, ms = self.engine.forward(cache, self.engine.host_ids(tail), "last")
+            taps = self.engine.model.new_taps(len(tail), ("final_hidden",)) if self.mtp else None
+            logits, ms = self.engine.forward(cache, self.engine.host_ids(tail), "last", taps=taps)
+            if taps is not None:
+                turn.tail_hidden = taps["final_hidden"]
         else:
             watch = Stopwatch(self.engine.device)
             with watch.measure():
@@ -353,6 +396,37 @@ class ServedSessions:
             raise SessionError("no decode slot is free")
         turn.pos = cache.length
         return logits, ms
+
+    # ---- the MTP head's drafts (mtp) ---------------------------------------------------------
+    def start_drafts(self, turn: ServedTurn, first_id: int) -> None:
+        """The turn's first id was sampled: the head reads the tail's rows (each final hidden with the id after
+        it) and drafts the first verify's ids (turn.drafts). Nothing without the head, or once the turn has
+        decoded; a tail whose drafts would pass the model's window is left without them."""
+        hidden, turn.tail_hidden = turn.tail_hidden, None
+        if hidden is None or turn.slot is None or turn.pos != turn.session.committed + hidden.shape[0]:
+            return
+        if turn.pos + self.rounds.verify_width - 1 > self.engine.cfg.max_position_embeddings:
+            return
+        tail = turn.prompt_ids[turn.session.committed:]
+        turn.drafts = self.rounds.mtp_prefill(turn.slot, [*tail[1:], first_id], hidden)
+
+    def follow_round(self, turns: list[ServedTurn], next_ids: list[int] | torch.Tensor,
+                     accepted: list[int] | None = None) -> None:
+        """After a round of these turns (decode_round, or verify_round and keep_round), before any other round:
+        the head reads the round's rows and drafts again (turn.drafts). next_ids[i]: the id after turn i's last
+        kept row (a host list, or the rounds' `sampled` on the device); accepted: each turn's kept drafts (None:
+        a plain round). Nothing without the head."""
+        if not self.mtp or not turns:
+            return
+        drafts = self.rounds.draft([t.slot for t in turns], next_ids, accepted).clone()  # the next draft overwrites
+        for turn, row in zip(turns, drafts):
+            turn.drafts = row
+
+    def head_drafts(self, turns: list[ServedTurn]) -> list[list[int]]:
+        """Each turn's drafts from the head after its last round, read back in one copy ([] where it has none)."""
+        have = [t for t in turns if t.drafts is not None]
+        rows = iter(torch.stack([t.drafts for t in have]).tolist() if have else [])
+        return [next(rows) if t.drafts is not None else [] for t in turns]
 
     def decode(self, turn: ServedTurn, token: int) -> tuple[torch.Tensor, float]:
         """One token on top of the turn alone; logits [1, vocab] (valid until the next step) and device ms."""
@@ -397,6 +471,7 @@ class ServedSessions:
         end = self._clock.mark()
         for turn in turns:
             turn.pos += 1
+        self.follow_round(turns, sampled[:num_rows])  # the head reads the ids where they are, on the device
         return LaunchedRound(self.rounds.send_back(num_rows), begin, end, self._clock)
 
     def verify_round(self, turns: list[ServedTurn], rows: list[list[int]]) -> tuple[torch.Tensor, float]:
@@ -423,15 +498,18 @@ class ServedSessions:
         if not 2 <= width <= self.rounds.verify_width:
             return False
         limit = min(self.engine.cfg.max_position_embeddings, self.book.max_rows)
-        return all(turn.pos + width <= limit for turn in turns)
+        return all(turn.pos + width + self.rounds.draft_reach <= limit for turn in turns)
 
     def _before_round(self, turns: list[ServedTurn], width: int = 1) -> None:
-        window = self.engine.cfg.max_position_embeddings
+        window, reach = self.engine.cfg.max_position_embeddings, self.rounds.draft_reach
         for turn in turns:
             if turn.pos + width > window:
                 raise SessionError(f"position {turn.pos + width} exceeds the model window {window}")
-            if turn.pos + width > turn.session.kv.capacity:  # a new page, room made by the residency manager
-                self.book.reserve_rows(turn.session, turn.pos + width, width)
+            turn.drafts = None  # (until follow_round: the head's drafts after this round)
+            rows = turn.pos + width  # and the head's draft rows above the round's, where a session may hold them
+            rows += reach if rows + reach <= self.book.max_rows else 0
+            if rows > turn.session.kv.capacity:  # a new page, room made by the residency manager
+                self.book.reserve_rows(turn.session, rows, width)
 
     def finish(self, turn: ServedTurn) -> float:
         """The turn is over: its slot is free, the rows above the committed ones go (the session's own GDN state
@@ -460,6 +538,26 @@ class ServedSessions:
         return settled
 
 
+def require_mtp_head(engine) -> None:
+    """A ValueError naming the model where it has no MTP head to draft with (QSE_SPECULATE=mtp)."""
+    layers = getattr(engine.cfg, "mtp_num_hidden_layers", 0)
+    head = getattr(engine.model, "mtp_head", None)
+    why = None
+    if head is None:
+        why = f"the {engine.resolved.family} family drafts with no MTP head"
+    elif layers < 1:
+        why = f"its config has mtp_num_hidden_layers={layers}"
+    else:
+        try:
+            head()
+        except ValueError as exc:  # (another layer count, or tensors the checkpoint lacks: the head says which)
+            why = str(exc)
+    if why is not None:
+        raise ValueError(f"QSE_SPECULATE=mtp drafts with the served checkpoint's MTP head, and the served model "
+                         f"{engine.name!r} has none ({why}): serve a checkpoint that ships one (config "
+                         f"mtp_num_hidden_layers: 1, tensors mtp.*), or set QSE_SPECULATE=ngram or off")
+
+
 def _grew(before: dict[str, float], after: dict[str, float], phase: str) -> float:
     return after.get(phase, 0.0) - before.get(phase, 0.0)
 
@@ -476,4 +574,4 @@ def tail_lengths(grid: int) -> list[int]:
 
 
 __all__ = ["DEVICE", "DISK", "HOST", "TIERS", "LaunchedRound", "ServedSessions", "ServedTurn", "TurnStart",
-           "tail_lengths"]
+           "require_mtp_head", "tail_lengths"]

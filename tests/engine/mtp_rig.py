@@ -24,3 +24,22 @@ def agreeing_tensors(tensors: dict[str, torch.Tensor], cfg) -> dict[str, torch.T
     t["mtp.layers.0.self_attn.o_proj.weight"] = torch.zeros_like(t["mtp.layers.0.self_attn.o_proj.weight"])
     t["mtp.layers.0.mlp.down_proj.weight"] = torch.zeros_like(t["mtp.layers.0.mlp.down_proj.weight"])
     return t
+
+
+def agreeing_engine(chat, dtype: torch.dtype = torch.float64, device: str = "cpu", **shape):
+    """An Engine over a tiny Qwen3.5 with an MTP head (presets.tiny_mtp_config_dict(**shape)) whose weights are
+    agreeing_tensors', with `chat` (a ChatFormat: the served paths' stop and turn-end ids, the tokenizer's
+    vocabulary): what the served MTP tests serve."""
+    from qse.engine.engine import Engine
+    from qse.models import ResolvedModel
+    from qse.models.linear import DenseLinear
+    from qse.models.qwen3_5 import Qwen35Model, parse_config
+    from qse.models.qwen3_5.layout import LoadedWeights, is_linear
+    from qse.models.qwen3_5.presets import random_tensors, tiny_mtp_config_dict
+
+    cfg = parse_config(tiny_mtp_config_dict(**shape))
+    tensors = {n: t.to(device, dtype) for n, t in agreeing_tensors(random_tensors(cfg, seed=5), cfg).items()}
+    weights = LoadedWeights({n: t for n, t in tensors.items() if not is_linear(n)},
+                            {n: DenseLinear(t) for n, t in tensors.items() if is_linear(n)})
+    model = Qwen35Model(cfg, weights, device, dtype)
+    return Engine(ResolvedModel(model, chat, "tiny-mtp", "random", model.family, f"tiny-mtp-{device}"))

@@ -198,3 +198,17 @@ def test_refusals_name_what_is_wrong(engines):
     plain = DecodeRounds(engine, _pool(engine, True), max_running=1, graphs="static", verify_width=3)
     with pytest.raises(ValueError, match="no MTP head"):
         plain.draft([0], [first])
+
+
+def test_the_head_s_slot_starts_at_zero_and_the_target_s_slots_are_untouched(engines):
+    """Rows the head never wrote (a prompt's grid chunks, a restored session's pages) hold zeros, never NaN: its
+    attention over them stays finite. The target's slots are not written."""
+    engine = engines["random"]
+    pool = _pool(engine, True)
+    pool.k.fill_(float("nan"))
+    pool.v.fill_(float("nan"))
+    DecodeRounds(engine, pool, max_running=1, graphs="static", verify_width=3, mtp=True)
+    head = mtp_kv_slot(engine.cfg)
+    assert torch.equal(pool.k[:, head], torch.zeros_like(pool.k[:, head]))
+    assert torch.equal(pool.v[:, head], torch.zeros_like(pool.v[:, head]))
+    assert pool.k[:, :head].isnan().all() and pool.v[:, :head].isnan().all()

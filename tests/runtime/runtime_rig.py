@@ -64,7 +64,7 @@ class Probe:
             return
         real = engine.forward
 
-        def forward(cache, ids, logits="last", logit_row=None):
+        def forward(cache, ids, logits="last", logit_row=None, **taps):
             pool = getattr(cache.kv, "pool", None)
             if pool is not None and pool is self.served_pool:  # the served session's grid chunks, tail, decode
                 kind = "prefill" if (logits == "none" or ids.numel() > 1) else "decode"
@@ -79,7 +79,7 @@ class Probe:
             if hold is not None:
                 hold.loop.call_soon_threadsafe(hold.entered.set_result, None)
                 assert hold.release.wait(30), "the test never let the held call go"
-            out, ms = real(cache, ids, logits, logit_row)
+            out, ms = real(cache, ids, logits, logit_row, **taps)
             if kind in self.script_ms:
                 ms = self.script_ms[kind]
                 if isinstance(self.clock, ScriptedClock):
