@@ -79,10 +79,13 @@ for step in $steps; do
     spec)  # speculative decoding's go/no-go: a verify of k + 1 rows against one decode step (graphs), and the rounds' step beside it
       timeout 200 python3 benchmarks/spec_measure.py --preset "${SPEC_PRESET:-qwen3.5-9b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-400
       timeout 120 python3 benchmarks/round_step.py --preset "${SPEC_PRESET:-qwen3.5-9b}" --batches 1,8 --out "$OUT" 2>&1 | grep '^{' | cut -c1-300 ;;
-    speccheck)  # qse spec-check on the production kernels: speculative greedy against plain, partings judged by the near-tie rule
-      QSE_KERNELS=triton timeout 240 python3 -m qse.cli spec-check --model "${SPEC_PRESET:-qwen3.5-9b}" --device cuda \
-        --dtype bfloat16 --sequences 8 --context 512 --steps 128 --k 3 --drafter both --out "$OUT/spec_check-${SPEC_PRESET:-qwen3.5-9b}.json" \
-        2>&1 | tail -5 | cut -c1-600 ;;
+    speccheck)  # qse spec-check on the production kernels: speculative greedy against plain, partings judged by the near-tie
+                # rule; 4 sequences x 4 rows = 16 (every round's calls through the skinny GEMM), 8 x 4 = 32 (cuBLAS past 16)
+      for n in ${SPEC_SEQUENCES:-4 8}; do
+        QSE_KERNELS=triton timeout 240 python3 -m qse.cli spec-check --model "${SPEC_PRESET:-qwen3.5-9b}" --device cuda \
+          --dtype bfloat16 --sequences $n --context 512 --steps 128 --k 3 --drafter both \
+          --out "$OUT/spec_check-${SPEC_PRESET:-qwen3.5-9b}-s$n.json" 2>&1 | tail -5 | cut -c1-400
+      done ;;
     tail)  # a served prompt's tail (eager, outside the chunks' graphs) by the wall and on the device, against a chunk
       timeout 120 python3 benchmarks/tail_cost.py --preset "${TAIL_PRESET:-qwen3.5-9b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-300 ;;
     moe)  # Qwen3.5-35B-A3B (random weights): decode at batch 1/8/32 and prefill against the floor and transformers
