@@ -45,7 +45,7 @@ def time_tail(engine, cache, context: int, rows: int, reps: int, graphs=None) ->
         else:
             watch = Stopwatch(engine.device)
             with watch.measure():
-                graphs.run_tail(cache, ids, context)
+                graphs.run_tail(cache, ids, context)  # (logits, None)
             ms = watch.gpu_ms
         engine.synchronize()
         if i:  # the first is a warm-up (what there is to compile or autotune for this shape)

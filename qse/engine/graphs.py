@@ -30,7 +30,7 @@ The callers' verbs (the order of capture, staging, state copies and replay stays
     graphs.can_group(n, rows)                       a group of n chunks can run (captured); False: read one
     begin = graphs.run_chunks(cache, ids, start, n) read n chunks into cache; a device mark before them
     logits, gpu_ms = graphs.answer(cache, ids, pos, row)  a question's forward on a working copy
-    logits = graphs.run_tail(cache, ids, start)     a prompt's tail (1..TAIL_CLASS * k rows) padded to its class
+    logits, hidden = graphs.run_tail(cache, ids, start)  a prompt's tail, padded to its class (TAIL_CLASS rows)
     with graphs.decoding(cache) as fork:            greedy decode on a fork, never stored back
         logits = fork.prefill(ids, pos)             eager (any length)
         logits = fork(token, pos)                   the one-row graph, launched without waiting
@@ -186,10 +186,11 @@ class ForwardGraphs:
         while count <= group and self.can_group(count, rows):
             count *= 2
 
-    def warm_tails(self, max_tail: int) -> None:
-        """Capture now the tail graphs of every class up to `max_tail` ids (a served book: its grid)."""
+    def warm_tails(self, max_tail: int, hidden: bool = False) -> None:
+        """Capture now the tail graphs of every class up to `max_tail` ids (a served book: its grid); `hidden`:
+        the ones that also give their rows' final hiddens (run_tail's)."""
         for rows in sorted({self.tail_rows(n) for n in range(1, max_tail + 1)}):
-            self._prepare_tail(rows)
+            self._prepare_tail(rows, hidden)
 
     def can_group(self, num_chunks: int, rows: int) -> bool:
         """Whether a group of `num_chunks` chunks of `rows` rows can run: its graph is captured (on first
@@ -239,23 +240,26 @@ class ForwardGraphs:
             logits = self._replay(entry)[0].clone()
         return logits, watch.gpu_ms
 
-    def run_tail(self, cache: SequenceCache, ids: list[int], start: int) -> torch.Tensor:
+    def run_tail(self, cache: SequenceCache, ids: list[int], start: int,
+                 hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A prompt's tail: `ids` at `start` into `cache` (its GDN state, its KV rows; cache.length becomes
         start + len(ids)), read in its class's graph (`tail_rows`) with the rows past the ids padding, which
         write KV rows up to start + tail_rows(len(ids)) (the cache's pages must hold them: kv.ensure) and
-        step no state. Returns the last id's logits (fp32 [1, vocab], a copy); never waits on the device.
+        step no state. Returns the last id's logits (fp32 [1, vocab], a copy) and with `hidden` the ids' final
+        hiddens ([len(ids), H], a copy; else None); never waits on the device.
         The real rows' results are a forward of `tail_rows` rows' (the GEMMs see that many), so every read of
         a tail, cold or cached, takes this path to give the same bits."""
         num_tokens = len(ids)
         rows = self.tail_rows(num_tokens)
-        entry = self._prepare_tail(rows)
+        entry = self._prepare_tail(rows, hidden)
         self._stage([*ids, *([ids[-1]] * (rows - num_tokens))], start, num_tokens - 1)
         self.valid.fill_(num_tokens)
         self._load(cache)
         logits = self._replay(entry).clone()
+        finals = self._hidden[rows][:num_tokens].clone() if hidden else None
         self._store(cache)
         cache.length = start + num_tokens
-        return logits
+        return logits, finals
 
     def final_hidden(self, num_tokens: int) -> torch.Tensor:
         """The final hiddens [num_tokens, H] of the last read of that many rows with the taps (run_chunks
@@ -309,17 +313,22 @@ class ForwardGraphs:
             self._entries[key] = entry
         return entry
 
-    def _prepare_tail(self, rows: int) -> _Entry:
+    def _prepare_tail(self, rows: int, hidden: bool = False) -> _Entry:
         """The entry of a padded tail of `rows` rows (logits of the row `logit_row`, rows from `valid` on
-        padding), captured on first use. Call before `_load`, as `_prepare`."""
-        key = ("tail", rows)
+        padding; with `hidden` every row's final hidden into `_hidden[rows]` too), captured on first use. Call
+        before `_load`, as `_prepare`."""
+        key = ("tail", rows, hidden)
         entry = self._entries.get(key)
         if entry is None:
             ids = self._ids.setdefault(rows, torch.zeros(rows, dtype=torch.long, device=self.device))
             step = Step(self.start, rows, None, self.logit_row, self.capacity, valid=self.valid)
+            taps = None
+            if hidden:  # (owned here: a captured graph keeps only the buffer's address)
+                taps = {"final_hidden": self._hidden.setdefault(
+                    rows, self.model.new_taps(rows, ("final_hidden",))["final_hidden"])}
 
             def forward() -> Any:
-                return self.model.forward_step(ids, self.cache, step, "row")
+                return self.model.forward_step(ids, self.cache, step, "row", taps=taps)
 
             self.valid.fill_(rows)
             entry = self._capture(forward) if self.capture else _Entry(forward)

@@ -174,8 +174,8 @@ class ServedSessions:
         self.rounds.warm()
         if not (self.engine.device.type == "cuda" if tails is None else tails):
             return
-        if self.book.graphs is not None and not self.mtp:
-            self.book.graphs.warm_tails(self.grid)
+        if self.book.graphs is not None:
+            self.book.graphs.warm_tails(self.grid, hidden=self.mtp)
             return
         counts = dict(self.counts)
         sid = "__warm_tails__"
@@ -369,9 +369,7 @@ class ServedSessions:
         """The ids above the committed rows on the turn's own working state, which then joins a decode slot:
         the first token's logits and device ms."""
         book, session = self.book, turn.session
-        # on the graph path a tail reads in its class's graph, its rows past it padding; with the MTP head eagerly,
-        # for its rows' final hiddens (a graph of taps a tail class is not built)
-        graphs = book.graphs if not self.mtp else None
+        graphs = book.graphs  # on the graph path a tail reads in its class's graph, its rows past it padding
         rows = len(tail) if graphs is None else graphs.tail_rows(len(tail))
         # (with the head: the first drafts' rows too, start_drafts)
         book.reserve_rows(session, session.committed + max(rows, len(tail) + 1 + self.rounds.draft_reach), len(tail))
@@ -382,13 +380,13 @@ class ServedSessions:
         if graphs is None:
             taps = self.engine.model.new_taps(len(tail), ("final_hidden",)) if self.mtp else None
             logits, ms = self.engine.forward(cache, self.engine.host_ids(tail), "last", taps=taps)
-            if taps is not None:
-                turn.tail_hidden = taps["final_hidden"]
+            hidden = None if taps is None else taps["final_hidden"]
         else:
             watch = Stopwatch(self.engine.device)
             with watch.measure():
-                logits = graphs.run_tail(cache, tail, session.committed)
+                logits, hidden = graphs.run_tail(cache, tail, session.committed, hidden=self.mtp)
             ms = watch.gpu_ms
+        turn.tail_hidden = hidden  # (the head's rows of the tail: start_drafts)
         self._reserved -= 1  # the slot open() reserved is taken now
         turn.is_reserved = False
         turn.slot = self.rounds.admit(cache)

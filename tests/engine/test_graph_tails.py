@@ -44,7 +44,7 @@ def test_a_padded_tail_gives_the_tails_own_state_and_logits(tiny_engine, tail):
     graphs = ForwardGraphs(engine.model, pool_b, capture=False)
     assert graphs.tail_rows(tail) % TAIL_CLASS == 0 and graphs.tail_rows(tail) >= tail
     want, _ = engine.forward(alone, engine.host_ids(ids), "last")
-    got = graphs.run_tail(padded, ids, len(context))
+    got, _ = graphs.run_tail(padded, ids, len(context))
     assert padded.length == alone.length == len(context) + tail
     assert got.shape == want.shape == (1, engine.cfg.vocab_size)
     # the tiny model computes in fp32 on the CPU: the GEMMs of the padded read see more rows, which may
@@ -69,8 +69,8 @@ def test_padding_rows_never_touch_the_state_even_far_from_the_real_ones(tiny_eng
     graphs_a = ForwardGraphs(engine.model, pool_a, capture=False)
     graphs_b = ForwardGraphs(engine.model, pool_b, capture=False)
     graphs_b.tail_rows = lambda n: 2 * TAIL_CLASS  # the larger class for the same ids
-    got_a = graphs_a.run_tail(small, ids, len(context))
-    got_b = graphs_b.run_tail(large, ids, len(context))
+    got_a, _ = graphs_a.run_tail(small, ids, len(context))
+    got_b, _ = graphs_b.run_tail(large, ids, len(context))
     assert torch.equal(got_a, got_b)
     assert all(torch.equal(x, y) for x, y in zip(small.state_tensors(), large.state_tensors()))
 
@@ -83,3 +83,21 @@ def test_tail_rows_refuses_a_tail_it_cannot_hold(tiny_engine):
         graphs.tail_rows(129)
     with pytest.raises(ValueError, match="not 0"):
         graphs.tail_rows(0)
+
+
+def test_a_padded_tail_gives_its_rows_final_hiddens_for_the_mtp_head(tiny_engine):
+    """run_tail(hidden=True): the real rows' final hiddens (the MTP head's input), as the eager read's taps."""
+    engine = tiny_engine
+    context = list(range(700, 700 + GRID + 3))
+    ids = list(range(40, 51))
+    pool_a, alone = _rig(engine, context)
+    pool_b, padded = _rig(engine, context)
+    taps = engine.model.new_taps(len(ids), ("final_hidden",))
+    want, _ = engine.forward(alone, engine.host_ids(ids), "last", taps=taps)
+    graphs = ForwardGraphs(engine.model, pool_b, capture=False)
+    got, hidden = graphs.run_tail(padded, ids, len(context), hidden=True)
+    assert hidden.shape == (len(ids), engine.cfg.hidden_size)
+    torch.testing.assert_close(hidden, taps["final_hidden"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    _, none = graphs.run_tail(padded, ids, len(context) + len(ids))
+    assert none is None

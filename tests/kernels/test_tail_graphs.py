@@ -28,7 +28,7 @@ def _compare(engine, start, tails: list[int], capture: bool) -> None:
         want, _ = engine.forward(alone, engine.ids_tensor(ids), "last")
         padded = engine.restore_cache(state, PagedKV(pool))
         assert padded.kv.ensure(state.length + graphs.tail_rows(n))
-        got = graphs.run_tail(padded, ids, state.length)
+        got, _ = graphs.run_tail(padded, ids, state.length)
         assert torch.equal(got, want[-1:]), n
         assert same_state(engine.cache_state(padded), engine.cache_state(alone)), n
         alone.kv.truncate(0)
