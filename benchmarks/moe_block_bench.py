@@ -11,8 +11,9 @@ call streams its experts from memory as a decode step's 40 layers do.
 
 --old FILE: the old block's source (`git show 951dda5:qse_kernels/moe.py > FILE`); without it the script
 asks git itself, and where there is no git (the device machine) the old block is left out and says why.
---sweep: the schedule knobs, which change no bits (moe.ROUTER_STAGES, moe.DIRECT_DOWN_STAGES, moe.WIDE_TILES,
-moe.GROUP_WIDE_BLOCK_T), each at a few values on the path it moves, with its bits against the pinned value's.
+--sweep: the schedule knobs, which change no bits (moe.ROUTER_STAGES, moe.DIRECT_DOWN_STAGES,
+moe.DIRECT_GATE_UP_STAGES, moe.WIDE_TILES, moe.GROUP_WIDE_BLOCK_T), each at a few values on the path it moves,
+with its bits against the pinned value's.
 
 The floor: the bytes a call must read at least, over the bandwidth of a device copy measured here (and the
 H200's nominal 4.8 TB/s): the router and shared gate rows, every distinct expert the call's tokens route to
@@ -156,6 +157,7 @@ def _sweep(moe, impls, copies, gen, device, time_us, shape, calls, num_copies, t
     and its bits against the pinned value's (tiny: one small T each, the flow only)."""
     knobs = {"ROUTER_STAGES": (SWEEP_STAGES, "new_pairs", (1,) if tiny else SWEEP_TOKENS),
              "DIRECT_DOWN_STAGES": (SWEEP_STAGES, "new_direct", (2,) if tiny else SWEEP_TOKENS),
+             "DIRECT_GATE_UP_STAGES": (SWEEP_STAGES, "new_pairs", (1,) if tiny else SWEEP_TOKENS),
              "WIDE_TILES": ((1, 2, 4, 8), "new_grouped", (17,) if tiny else (512, 4096)),
              "GROUP_WIDE_BLOCK_T": ((64, 128, 256, 512), "new_grouped", (17,) if tiny else (4096,))}
     sweep = []
@@ -268,6 +270,7 @@ def main(argv=None) -> int:
               "wide": {"min_tokens": moe.WIDE_MIN_TOKENS, "tiles": moe.WIDE_TILES,
                        "group_min_tokens": moe.GROUP_WIDE_MIN_TOKENS, "group_block_t": moe.GROUP_WIDE_BLOCK_T},
               "router_stages": moe.ROUTER_STAGES, "direct_down_stages": moe.DIRECT_DOWN_STAGES,
+              "direct_gate_up_stages": moe.DIRECT_GATE_UP_STAGES,
               "weight_copies": num_copies, "calls_a_graph": calls, "tries": TRIES,
               "hbm_tbps": {"nominal": NOMINAL_HBM_TBPS, "measured": measured_tbps and round(measured_tbps, 3)},
               "rows": rows, "kernels_a_call": kernels,

@@ -67,6 +67,7 @@ NUM_WARPS, NUM_STAGES = 4, 3
 # come from depth. Reckoned, not yet measured: benchmarks/moe_block_bench.py --sweep times the others.
 ROUTER_STAGES = 4
 DIRECT_DOWN_STAGES = 6
+DIRECT_GATE_UP_STAGES = 3  # the direct gate_up (direct and pairs paths): (k + 1) * I / GATE_UP_BLOCK_N programs
 # the direct path for DIRECT_MIN_TOKENS..DIRECT_MAX_TOKENS tokens, the grouped one elsewhere: a choice of speed
 # only (both give the same bits); at most BLOCK_M, so that the shared expert's rows are one tile. Pinned from
 # benchmarks/moe_block_bench.py on the H200 (35B-A3B shapes, moe_block_bench-2026-12-03-h200.json): the direct
@@ -86,8 +87,9 @@ GROUP_BLOCK_E, GROUP_BLOCK_T = 16, 64  # the counting sort: BE experts a program
 GROUP_WIDE_MIN_TOKENS, GROUP_WIDE_BLOCK_T = 512, 256
 # from WIDE_MIN_TOKENS tokens on a grouped program takes WIDE_TILES column tiles one after another (the same
 # tiles, the same bits): every grouped program first finds its block from the counts (a scan over E), and at
-# T = 4096 the down alone has 2560 x 64 programs. Reckoned, not measured
-WIDE_MIN_TOKENS, WIDE_TILES = 256, 4
+# T = 4096 the down alone has 2560 x 64 programs. Reckoned, not measured; above the 512-row chunks the served
+# sessions read, which keep their measured schedule
+WIDE_MIN_TOKENS, WIDE_TILES = 1024, 4
 assert DIRECT_MAX_TOKENS <= BLOCK_M and PAIRS_MAX_TOKENS <= BLOCK_M
 
 
@@ -592,7 +594,7 @@ def _direct_gate_up(x, logits, gate_up, shared, top_k):
     _gate_up_kernel[(num_routed + 1, triton.cdiv(max(inter, inter_s), GATE_UP_BLOCK_N))](
         x, gate_up, ws_gate_up, h, logits, ids, weights, ids, ids, num_tokens, num_tokens, num_experts, inter,
         inter_s, hidden, 0, x.stride(0), gate_up.stride(0), h.stride(0), logits.stride(0),
-        BM=BLOCK_M, BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, NT=1, DIRECT=True, num_stages=NUM_STAGES,
+        BM=BLOCK_M, BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, NT=1, DIRECT=True, num_stages=DIRECT_GATE_UP_STAGES,
         **_route_sizes(num_experts, top_k), **_dot_flags(x.dtype), num_warps=NUM_WARPS)
     return ids, weights, h
 

@@ -346,11 +346,11 @@ def _qwen3_5_35b_a3b_block(num_tokens: int):
 
 @needs_triton
 @pytest.mark.gpu
-def test_qwen3_5_35b_a3b_shapes_on_the_gpu(rel):
+def test_qwen3_5_35b_a3b_shapes_on_the_gpu(rel, monkeypatch):
     """The real shapes: against the twin, and a row's bits the same at every T, on either path: decode (1, 2,
-    8, 16 rows), rounds and verify windows (32, 33: grouped) and a 512-row chunk (and 300 rows: a program
-    several column tiles); the three paths bit for bit at the same T; and the small paths under a CUDA
-    graph."""
+    8, 16 rows), rounds and verify windows (32, 33: grouped) and a 512-row chunk, also with the long chunks'
+    schedule (a program several column tiles, wide sort steps); the three paths bit for bit at the same T;
+    and the small paths under a CUDA graph."""
     top_k = 8
     w, x = _qwen3_5_35b_a3b_block(512)
     whole = moe.moe_block(x, **w, top_k=top_k)
@@ -371,6 +371,10 @@ def test_qwen3_5_35b_a3b_shapes_on_the_gpu(rel):
             for path in moe.SMALL_PATHS:
                 assert torch.equal(moe.moe_block(part, **w, top_k=top_k, path=path), grouped), (num_tokens, path)
     assert torch.equal(moe.moe_block(x[:300], **w, top_k=top_k), whole[:300])
+    with monkeypatch.context() as patch:
+        for knob in ("WIDE_MIN_TOKENS", "GROUP_WIDE_MIN_TOKENS"):
+            patch.setattr(moe, knob, 1)
+        assert torch.equal(moe.moe_block(x, **w, top_k=top_k), whole)
     # the decode step's block inside a graph: nothing waits on the host, the same bits
     for path, rows in (("pairs", 1), ("direct", 2)):
         static_x = x[5:5 + rows].clone()
