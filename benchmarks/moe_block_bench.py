@@ -12,8 +12,8 @@ call streams its experts from memory as a decode step's 40 layers do.
 --old FILE: the old block's source (`git show 951dda5:qse_kernels/moe.py > FILE`); without it the script
 asks git itself, and where there is no git (the device machine) the old block is left out and says why.
 --sweep: the schedule knobs, which change no bits (moe.ROUTER_STAGES, moe.DIRECT_DOWN_STAGES,
-moe.DIRECT_GATE_UP_STAGES, moe.WIDE_TILES, moe.GROUP_WIDE_BLOCK_T), each at a few values on the path it moves,
-with its bits against the pinned value's.
+moe.DIRECT_GATE_UP_STAGES, moe.WIDE_TILES, moe.GROUP_WIDE_BLOCK_T, moe.USE_PDL), each at a few values on the
+path it moves, with its bits against the pinned value's (a value that fails to run records its error).
 
 The floor: the bytes a call must read at least, over the bandwidth of a device copy measured here (and the
 H200's nominal 4.8 TB/s): the router and shared gate rows, every distinct expert the call's tokens route to
@@ -159,7 +159,8 @@ def _sweep(moe, impls, copies, gen, device, time_us, shape, calls, num_copies, t
              "DIRECT_DOWN_STAGES": (SWEEP_STAGES, "new_direct", (2,) if tiny else SWEEP_TOKENS),
              "DIRECT_GATE_UP_STAGES": (SWEEP_STAGES, "new_pairs", (1,) if tiny else SWEEP_TOKENS),
              "WIDE_TILES": ((1, 2, 4, 8), "new_grouped", (17,) if tiny else (512, 4096)),
-             "GROUP_WIDE_BLOCK_T": ((64, 128, 256, 512), "new_grouped", (17,) if tiny else (4096,))}
+             "GROUP_WIDE_BLOCK_T": ((64, 128, 256, 512), "new_grouped", (17,) if tiny else (4096,)),
+             "USE_PDL": ((False, True), "new", (1,) if tiny else (1, 2, 4, 8, 32, 512))}
     sweep = []
     for knob, (values, name, tokens) in knobs.items():
         pinned = getattr(moe, knob)
@@ -171,10 +172,13 @@ def _sweep(moe, impls, copies, gen, device, time_us, shape, calls, num_copies, t
         for value in values:
             setattr(moe, knob, value)
             entry = {"knob": knob.lower(), "value": value, "pinned": value == pinned, "path": name}
-            for t in tokens:
-                fns = [lambda i=i, t=t: impls[name](xs[t][i], copies[i % num_copies]) for i in range(calls)]
-                entry[f"us_t{t}"] = round(time_us(fns), 2)
-                entry[f"bit_equal_t{t}"] = bool(torch.equal(impls[name](xs[t][0], copies[0]), want[t]))
+            try:
+                for t in tokens:
+                    fns = [lambda i=i, t=t: impls[name](xs[t][i], copies[i % num_copies]) for i in range(calls)]
+                    entry[f"us_t{t}"] = round(time_us(fns), 2)
+                    entry[f"bit_equal_t{t}"] = bool(torch.equal(impls[name](xs[t][0], copies[0]), want[t]))
+            except Exception as exc:  # a value this Triton or device cannot run (USE_PDL): say so, go on
+                entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             print(json.dumps(entry), flush=True)
             sweep.append(entry)
         setattr(moe, knob, pinned)
@@ -270,7 +274,7 @@ def main(argv=None) -> int:
               "wide": {"min_tokens": moe.WIDE_MIN_TOKENS, "tiles": moe.WIDE_TILES,
                        "group_min_tokens": moe.GROUP_WIDE_MIN_TOKENS, "group_block_t": moe.GROUP_WIDE_BLOCK_T},
               "router_stages": moe.ROUTER_STAGES, "direct_down_stages": moe.DIRECT_DOWN_STAGES,
-              "direct_gate_up_stages": moe.DIRECT_GATE_UP_STAGES,
+              "direct_gate_up_stages": moe.DIRECT_GATE_UP_STAGES, "use_pdl": moe.USE_PDL,
               "weight_copies": num_copies, "calls_a_graph": calls, "tries": TRIES,
               "hbm_tbps": {"nominal": NOMINAL_HBM_TBPS, "measured": measured_tbps and round(measured_tbps, 3)},
               "rows": rows, "kernels_a_call": kernels,

@@ -56,6 +56,11 @@ import triton.language as tl
 
 from . import interpreting
 
+try:  # grid dependency control (sm90+), for USE_PDL
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without it: USE_PDL stays off
+    gdc_launch_dependents = gdc_wait = None
+
 # pinned tiles, for every T and every path (see the docstring): a block of BLOCK_M (token, expert) rows of one expert
 BLOCK_M = 16  # a chunk of 512 tokens at top-8 over 256 experts is 16 rows an expert on average
 GATE_UP_BLOCK_N, GATE_UP_BLOCK_K = 32, 128  # gate and up: 2 x 32 columns a program
@@ -81,6 +86,10 @@ PAIRS_MAX_TOKENS = 1
 # the route kernel's warps: one warp reduces without a barrier (it changes no bits: the ranks are exact maxima,
 # the weights lane by lane)
 ROUTE_WARPS = 1
+# programmatic dependent launch (sm90+): each launch of the block may be placed on the device while the one
+# before it runs, its programs waiting (_after_prior) before their first load; it changes no bits. Off until
+# benchmarks/moe_block_bench.py --sweep has timed it on the device (Triton's launch_pdl, CUDA graphs)
+USE_PDL = False
 GROUP_BLOCK_E, GROUP_BLOCK_T = 16, 64  # the counting sort: BE experts a program, BT tokens a step
 # past GROUP_WIDE_MIN_TOKENS tokens BT = GROUP_WIDE_BLOCK_T: a program's steps run one after another, 64 of them
 # at T = 4096 with BT = 64 (BT changes no bits: the sort is stable whatever its steps)
@@ -109,14 +118,25 @@ def _dot_acc(acc, b_a, b_b, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr):
         return tl.dot(b_a, tl.trans(b_b), acc)
 
 
+@triton.jit
+def _after_prior(PDL: tl.constexpr):
+    """With PDL (programmatic dependent launch, USE_PDL): wait here for the launch before this one to finish,
+    its writes visible, then let the next launch's programs start arriving. Every kernel calls it before its
+    first load, so no kernel reads anything early: what overlaps is only a launch's latency."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _dense_kernel(
     x_ptr, w_ptr, w_last_ptr, y_ptr, num_rows, num_cols, depth, stride_x, stride_w, stride_y,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_LAST: tl.constexpr, ROW_EXACT: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """y [M, N (+1)] = x [M, K] @ w [N, K]^T, one BM x BN tile a program (the router's logits); with HAS_LAST
     one more column N from w_last [1, K] (the shared gate's logit)."""
+    _after_prior(PDL)
     o_m = tl.program_id(0) * BM + tl.arange(0, BM)
     o_n = tl.program_id(1) * BN + tl.arange(0, BN)
     m_m, m_n = o_m < num_rows, o_n < num_cols
@@ -182,8 +202,9 @@ def _fold(acc, w, y):
 
 @triton.jit
 def _route_kernel(logits_ptr, ids_ptr, w_ptr, num_experts, stride_l, TOP_K: tl.constexpr, BE: tl.constexpr,
-                  BR: tl.constexpr):
+                  BR: tl.constexpr, PDL: tl.constexpr):
     """One token: ids [T, TOP_K] (int64, or int32 for the group kernel's keys) and w [T, TOP_K] by rank."""
+    _after_prior(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     b_ids, b_w = _top_k(logits_ptr, i_t, stride_l, num_experts, TOP_K, BE, BR)
     o_r = tl.arange(0, BR)
@@ -193,10 +214,11 @@ def _route_kernel(logits_ptr, ids_ptr, w_ptr, num_experts, stride_l, TOP_K: tl.c
 
 @triton.jit(do_not_specialize=["num_tokens", "cap"])
 def _group_kernel(keys_ptr, order_ptr, counts_ptr, num_tokens, num_experts, cap, TOP_K: tl.constexpr,
-                  BE: tl.constexpr, BT: tl.constexpr):
+                  BE: tl.constexpr, BT: tl.constexpr, PDL: tl.constexpr):
     """Experts BE * program .. + BE: each one's pairs t * k + r (keys [T, k] int32 in 0..E-1, their experts)
     in pair order, order[e * cap + j] for j < counts[e]: a stable counting sort, each program owning its
     experts (no atomics). cap bounds an expert's pairs (T where a token's k experts differ)."""
+    _after_prior(PDL)
     o_e = tl.program_id(0) * BE + tl.arange(0, BE)
     m_e = o_e < num_experts
     p_row = order_ptr + o_e.to(tl.int64) * cap
@@ -294,11 +316,12 @@ def _gate_up_kernel(
     x_ptr, w_ptr, ws_ptr, h_ptr, logits_ptr, ids_ptr, wts_ptr, order_ptr, counts_ptr,
     num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap, stride_x, stride_we, stride_h, stride_l,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr,
-    NT: tl.constexpr, DIRECT: tl.constexpr, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr,
+    NT: tl.constexpr, DIRECT: tl.constexpr, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """h[pair] = silu(x_t @ gate_e^T) * (x_t @ up_e^T) for a tile's rows, BN columns of each, for NT column
     tiles one after another (each tile's K loop the same as alone: NT changes no bits, only how many programs
     share one finding of the rows); the rows from _direct_rows (DIRECT) or _grouped_rows."""
+    _after_prior(PDL)
     if DIRECT:
         e, m_m, pair, token = _direct_rows(logits_ptr, ids_ptr, wts_ptr, num_tokens, num_experts, stride_l, TOP_K,
                                            BM, BE, BR)
@@ -345,11 +368,12 @@ def _down_kernel(
     h_ptr, w_ptr, ws_ptr, y_ptr, order_ptr, counts_ptr,
     num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap, stride_h, stride_we, stride_y,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr,
-    NT: tl.constexpr, PAIRS: tl.constexpr, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr,
+    NT: tl.constexpr, PAIRS: tl.constexpr, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[pair] = h[pair] @ down_e^T for a block's rows, BN of the H columns, for NT column tiles one after
     another (as _gate_up_kernel's); the rows from _pair_rows (PAIRS: order_ptr holds the pairs' experts) or
     _grouped_rows."""
+    _after_prior(PDL)
     if PAIRS:
         e, m_m, pair, _ = _pair_rows(order_ptr, num_tokens, num_experts, TOP_K, BM)
     else:
@@ -384,10 +408,11 @@ def _down_kernel(
 @triton.jit(do_not_specialize=["num_tokens"])
 def _combine_kernel(
     y_ptr, w_ptr, logits_ptr, out_ptr, num_tokens, num_experts, hidden, stride_y, stride_l, stride_out,
-    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BH: tl.constexpr,
+    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grouped, one token: out = sum_r w[t, r] * y[t * k + r] (+ sigmoid(logits[t, E]) * y[T * k + t]) in
     fp32, in rank order (fused multiply-adds, as _down_combine_kernel's), rounded once."""
+    _after_prior(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     o_h = tl.arange(0, BH)
     m_h = o_h < hidden
@@ -408,13 +433,14 @@ def _down_combine_kernel(
     h_ptr, w_ptr, ws_ptr, ids_ptr, wts_ptr, logits_ptr, out_ptr,
     num_tokens, num_experts, inter, inter_s, hidden, stride_h, stride_we, stride_l, stride_out,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
-    ROW_EXACT: tl.constexpr, IEEE: tl.constexpr,
+    ROW_EXACT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Direct, one token and BN columns: its k pairs' rows through their experts' down (row 0 of a BM tile,
     the grouped down's tile), each rounded to the dtype as y is, then weighted and summed in fp32 in rank
     order, then the shared expert's the same way: _down_kernel and _combine_kernel in one pass, their bits.
     One K loop runs over all k experts (k * ceil(I / BK) steps), so the pipeline stays full across them: the
     token's experts and weights are read once, before it, so no load in the loop waits on another."""
+    _after_prior(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     dt = out_ptr.dtype.element_ty
     o_m = tl.arange(0, BM)
@@ -458,7 +484,13 @@ def _down_combine_kernel(
 
 
 def _dot_flags(dtype: torch.dtype) -> dict:
-    return dict(ROW_EXACT=interpreting(), IEEE=dtype == torch.float32)
+    return dict(ROW_EXACT=interpreting(), IEEE=dtype == torch.float32, **_pdl())
+
+
+def _pdl() -> dict:
+    """A launch's PDL options: USE_PDL on a GPU (the interpreter has no grid dependency control)."""
+    is_on = USE_PDL and gdc_wait is not None and not interpreting()
+    return dict(PDL=True, launch_pdl=True) if is_on else dict(PDL=False)
 
 
 def _router(x: torch.Tensor, router_w: torch.Tensor, gate_w: torch.Tensor | None = None) -> torch.Tensor:
@@ -498,7 +530,7 @@ def _route(logits: torch.Tensor, num_experts: int, top_k: int, ids_dtype: torch.
     weights = torch.empty(num_tokens, top_k, dtype=logits.dtype, device=logits.device)
     if num_tokens:
         _route_kernel[(num_tokens,)](logits, ids, weights, num_experts, logits.stride(0), **sizes,
-                                     num_warps=ROUTE_WARPS)
+                                     num_warps=ROUTE_WARPS, **_pdl())
     return ids, weights
 
 
@@ -527,7 +559,7 @@ def _group(keys: torch.Tensor, num_tokens: int, top_k: int, num_experts: int, ca
     counts = torch.empty(num_experts, dtype=torch.int32, device=keys.device)
     block_t = GROUP_BLOCK_T if num_tokens <= GROUP_WIDE_MIN_TOKENS else GROUP_WIDE_BLOCK_T
     _group_kernel[(triton.cdiv(num_experts, GROUP_BLOCK_E),)](keys, order, counts, num_tokens, num_experts, cap,
-                                                             TOP_K=top_k, BE=GROUP_BLOCK_E, BT=block_t)
+                                                             TOP_K=top_k, BE=GROUP_BLOCK_E, BT=block_t, **_pdl())
     return order, counts
 
 
@@ -576,7 +608,7 @@ def _combine(y, weights, logits, out, num_experts, has_shared):
     _combine_kernel[(num_tokens,)](y, weights, logits if logits is not None else y, out, num_tokens, num_experts,
                                    hidden, y.stride(0), logits.stride(0) if logits is not None else 0, out.stride(0),
                                    TOP_K=top_k, HAS_SHARED=has_shared, BH=triton.next_power_of_2(hidden),
-                                   num_warps=NUM_WARPS)
+                                   num_warps=NUM_WARPS, **_pdl())
     return out
 
 

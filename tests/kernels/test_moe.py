@@ -271,6 +271,19 @@ def test_the_wide_schedule_gives_the_same_bits(device, monkeypatch):
     assert torch.equal(moe.moe_block(x, **w, top_k=3, path="grouped"), narrow)
 
 
+@needs_triton
+def test_pdl_is_off_under_the_interpreter(device, monkeypatch):
+    """USE_PDL asks for grid dependency control, which the interpreter has not: its launches stay plain, the
+    same bits."""
+    w = _weights(dtype=torch.bfloat16, device=device)
+    x = _tokens(2, w, 3, seed=31)
+    want = moe.moe_block(x, **w, top_k=3)
+    monkeypatch.setattr(moe, "USE_PDL", True)
+    if device == "cpu":
+        assert moe._pdl() == {"PDL": False}
+    assert torch.equal(moe.moe_block(x, **w, top_k=3), want)
+
+
 def test_the_paths_by_token_count():
     """path_for: pairs for one token, direct for 2..4, grouped past that (the pinned choice of speed)."""
     if moe is None:
@@ -386,6 +399,31 @@ def test_qwen3_5_35b_a3b_shapes_on_the_gpu(rel, monkeypatch):
             static_x.copy_(x[t:t + rows])
             graph.replay()
             assert torch.equal(static_out, whole[t:t + rows]), (t, path)
+
+
+@needs_triton
+@pytest.mark.gpu
+def test_pdl_launches_give_the_same_bits_on_the_gpu(monkeypatch):
+    """moe.USE_PDL (off by default): every path's launches with programmatic dependent launch, eager and in a
+    CUDA graph, give the same bits as without."""
+    top_k = 8
+    w, x = _qwen3_5_35b_a3b_block(40)
+    want = {path: moe.moe_block(x[:4], **w, top_k=top_k, path=path) for path in moe.PATHS}
+    whole = moe.moe_block(x, **w, top_k=top_k)
+    monkeypatch.setattr(moe, "USE_PDL", True)
+    assert moe._pdl()["PDL"]
+    for path in moe.PATHS:
+        assert torch.equal(moe.moe_block(x[:4], **w, top_k=top_k, path=path), want[path]), path
+    assert torch.equal(moe.moe_block(x, **w, top_k=top_k), whole)
+    static_x = x[:1].clone()
+    moe.moe_block(static_x, **w, top_k=top_k)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = moe.moe_block(static_x, **w, top_k=top_k)
+    for t in (3, 17):
+        static_x.copy_(x[t:t + 1])
+        graph.replay()
+        assert torch.equal(static_out, whole[t:t + 1]), t
 
 
 # --- the benchmark's flow ------------------------------------------------------------------------------------
