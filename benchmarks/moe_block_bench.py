@@ -52,7 +52,7 @@ LAYERS_35B = 40  # blocks a 35B-A3B decode step runs
 NUM_COPIES = 4  # weight copies a timing rotates among (a copy's experts: 1.6 GB; a T=1 call touches 55 MB)
 CALLS = 16  # calls in a timed graph, each on its own input
 TRIES = 7
-SWEEP_STAGES, SWEEP_TOKENS = (2, 3, 4, 6, 8), (1, 4)
+SWEEP_STAGES, SWEEP_TOKENS = (2, 3, 4, 6, 8, 12), (1, 2, 4)
 
 
 def draw_block(shape: dict, device: str, dtype: torch.dtype, seed: int) -> dict:
@@ -146,6 +146,14 @@ def _path_impls(module, top_k: int, prefix: str) -> dict:
     return impls
 
 
+def old_path_for(old, num_tokens: int) -> str:
+    """The path the old block picks by T (a block older than its paths has one: "grouped")."""
+    if hasattr(old, "path_for"):
+        return old.path_for(num_tokens)
+    uses_direct = getattr(old, "uses_direct", None)
+    return "direct" if uses_direct is not None and uses_direct(num_tokens) else "grouped"
+
+
 def _runs_at(name: str, module, num_tokens: int) -> bool:
     """Whether impl `name` runs at num_tokens: a path for at most BLOCK_M tokens only there."""
     path = name.split("_", 1)[1] if "_" in name else None
@@ -222,7 +230,7 @@ def main(argv=None) -> int:
               for _ in range(calls)]
         row = {"T": num_tokens, "path": moe.path_for(num_tokens)}
         if old is not None:
-            row["old_path"] = "direct" if old.uses_direct(num_tokens) else "grouped"
+            row["old_path"] = old_path_for(old, num_tokens)
         distinct = [moe.moe_route(moe.router_logits(x, copies[i % num_copies]["router_w"]), top_k)[0].unique().numel()
                     for i, x in enumerate(xs)]
         row["distinct_experts"] = statistics.mean(distinct)

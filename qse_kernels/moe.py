@@ -31,6 +31,9 @@ Nothing waits on the host and nothing but Triton kernels runs (a CUDA graph hold
     combine  out_t = sum_r w_tr * y_tr + sigmoid(gate_t) * shared_t
              in fp32 in rank order, rounded once                          _combine_kernel, a program a token
 
+With USE_PDL (off by default) every launch above is a programmatic dependent launch: placed on the device while
+the one before it runs, each of its programs waiting for that one before its first load (_after_prior).
+
 Pairs: routed pair t * k + r, and the shared expert (as expert E, whose weights are shared_gate_up /
 shared_down, its intermediate size may differ) pair T * k + t; h and y are indexed by pair on every path.
 
@@ -69,7 +72,9 @@ ROUTER_BLOCK_N, ROUTER_BLOCK_K = 16, 256  # 17 programs for one token: its 1 MB 
 NUM_WARPS, NUM_STAGES = 4, 3
 # pipeline depths (they change no bits): the router has 17 programs for a decode token and the direct down
 # H / DOWN_BLOCK_N, whose K loop runs over all k experts of the token; with few programs the bytes in flight
-# come from depth. Reckoned, not yet measured: benchmarks/moe_block_bench.py --sweep times the others.
+# come from depth. Reckoned, not yet measured: benchmarks/moe_block_bench.py --sweep times the others. (Before
+# the direct down read its ids and weights ahead of its K loop, Triton's pipeliner kept only 2 of its 6 stages
+# in flight, behind the expert id's load, with a plain load of the weight in every step; now 5.)
 ROUTER_STAGES = 4
 DIRECT_DOWN_STAGES = 6
 DIRECT_GATE_UP_STAGES = 3  # the direct gate_up (direct and pairs paths): (k + 1) * I / GATE_UP_BLOCK_N programs
