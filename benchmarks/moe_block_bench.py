@@ -1,24 +1,25 @@
 #!/usr/bin/env python
 """Qwen3.5-MoE's sparse block alone (qse_kernels/moe.py) at the 35B-A3B shapes, on one GPU: device us a call
-at T = 1 .. 512 tokens for the old block (OLD_COMMIT: five Triton launches around a torch plan), the direct
-path, the grouped path and moe_block's own pick by T, against the byte floor. Times are CUDA events over a
-CUDA graph of back-to-back calls that rotate among copies of the weights and among inputs (the copies'
-touched experts together several times the L2), so every call streams its experts from memory as a decode
-step's 40 layers do.
+at T = 1 .. 4096 tokens for the old block (OLD_COMMIT, this file's `--old`) and the new one, each with its own
+pick by T ("old", "new") and each of its paths ("new_direct", "new_pairs", "new_grouped", "old_direct", ...),
+against the byte floor. Times are CUDA events over a CUDA graph of back-to-back calls that rotate among
+copies of the weights and among inputs (the copies' touched experts together several times the L2), so every
+call streams its experts from memory as a decode step's 40 layers do.
 
-    python benchmarks/moe_block_bench.py [--out DIR] [--old FILE] [--sweep]
+    python benchmarks/moe_block_bench.py [--out DIR] [--old FILE] [--sweep] [--tokens 1,2,4]
     python benchmarks/moe_block_bench.py --tiny --out DIR     (CPU, interpreted kernels, small shapes: the flow only)
 
---old FILE: the old block's source (`git show 9d2d0b6:qse_kernels/moe.py > FILE`); without it the script
+--old FILE: the old block's source (`git show 951dda5:qse_kernels/moe.py > FILE`); without it the script
 asks git itself, and where there is no git (the device machine) the old block is left out and says why.
---sweep: the pipeline depths of the router and of the direct path's down (moe.ROUTER_STAGES,
-moe.DIRECT_DOWN_STAGES; they change no bits), the direct path timed at a few T for each.
+--sweep: the schedule knobs, which change no bits (moe.ROUTER_STAGES, moe.DIRECT_DOWN_STAGES,
+moe.DIRECT_GATE_UP_STAGES, moe.WIDE_TILES, moe.GROUP_WIDE_BLOCK_T, moe.USE_PDL), each at a few values on the
+path it moves, with its bits against the pinned value's (a value that fails to run records its error).
 
 The floor: the bytes a call must read at least, over the bandwidth of a device copy measured here (and the
 H200's nominal 4.8 TB/s): the router and shared gate rows, every distinct expert the call's tokens route to
-(counted from the routing itself), the shared expert, x and out. Each row also records whether the direct
-and grouped paths gave the same bits (T <= 16), whether a call's rows equal the same rows alone, and the
-largest difference of the new block from the old one (the routing weights and the gate now round apart).
+(counted from the routing itself), the shared expert, x and out. Each row also records whether every path of
+both blocks gave the new block's bits (bit_equal, all_bit_equal), whether a call's rows equal the same rows
+alone, and the fastest of the new block's paths (what moe.path_for should pick).
 Writes benchmarks/results/moe_block_bench-<date>-<device>.json.
 """
 
@@ -42,16 +43,16 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.results_io import result_header, write_result  # noqa: E402
 from benchmarks.timing import graph_us, kernel_bench_args, wall_us  # noqa: E402
 
-OLD_COMMIT = "9d2d0b6"  # Kernels: Qwen3.5-MoE sparse block in Triton, batch-invariant
+OLD_COMMIT = "951dda5"  # Kernels: the MoE block's direct path for 2 to 4 tokens only
 NOMINAL_HBM_TBPS = 4.8
 SHAPE_35B = dict(hidden=2048, num_experts=256, top_k=8, inter=512, inter_s=512)
 SHAPE_TINY = dict(hidden=64, num_experts=8, top_k=2, inter=32, inter_s=48)
-TOKENS, TOKENS_TINY = (1, 2, 4, 8, 16, 32, 64, 512), (1, 17)
+TOKENS, TOKENS_TINY = (1, 2, 4, 8, 16, 32, 64, 512, 4096), (1, 17)  # 4096: a one-shot 4k prefill's block
 LAYERS_35B = 40  # blocks a 35B-A3B decode step runs
 NUM_COPIES = 4  # weight copies a timing rotates among (a copy's experts: 1.6 GB; a T=1 call touches 55 MB)
 CALLS = 16  # calls in a timed graph, each on its own input
 TRIES = 7
-SWEEP_STAGES, SWEEP_TOKENS = (2, 3, 4, 5, 6, 7), (1, 4, 16)
+SWEEP_STAGES, SWEEP_TOKENS = (2, 3, 4, 6, 8, 12), (1, 2, 4)
 
 
 def draw_block(shape: dict, device: str, dtype: torch.dtype, seed: int) -> dict:
@@ -137,10 +138,67 @@ def count_kernels(fn) -> int | None:
                and "memset" not in ev.name.lower())
 
 
+def _path_impls(module, top_k: int, prefix: str) -> dict:
+    """{name: fn(x, weights)}: the module's own pick by T, then each of its paths (prefix_<path>)."""
+    impls = {prefix: lambda x, w: module.moe_block(x, **w, top_k=top_k)}
+    for path in getattr(module, "PATHS", ()):
+        impls[f"{prefix}_{path}"] = lambda x, w, path=path: module.moe_block(x, **w, top_k=top_k, path=path)
+    return impls
+
+
+def old_path_for(old, num_tokens: int) -> str:
+    """The path the old block picks by T (a block older than its paths has one: "grouped")."""
+    if hasattr(old, "path_for"):
+        return old.path_for(num_tokens)
+    uses_direct = getattr(old, "uses_direct", None)
+    return "direct" if uses_direct is not None and uses_direct(num_tokens) else "grouped"
+
+
+def _runs_at(name: str, module, num_tokens: int) -> bool:
+    """Whether impl `name` runs at num_tokens: a path for at most BLOCK_M tokens only there."""
+    path = name.split("_", 1)[1] if "_" in name else None
+    return path in (None, "grouped") or num_tokens <= module.BLOCK_M
+
+
+def _sweep(moe, impls, copies, gen, device, time_us, shape, calls, num_copies, tiny: bool) -> list:
+    """Each schedule knob of moe (they change no bits) at a few values: the affected path timed at a few T,
+    and its bits against the pinned value's (tiny: one small T each, the flow only)."""
+    knobs = {"ROUTER_STAGES": (SWEEP_STAGES, "new_pairs", (1,) if tiny else SWEEP_TOKENS),
+             "DIRECT_DOWN_STAGES": (SWEEP_STAGES, "new_direct", (2,) if tiny else SWEEP_TOKENS),
+             "DIRECT_GATE_UP_STAGES": (SWEEP_STAGES, "new_pairs", (1,) if tiny else SWEEP_TOKENS),
+             "WIDE_TILES": ((1, 2, 4, 8), "new_grouped", (17,) if tiny else (512, 4096)),
+             "GROUP_WIDE_BLOCK_T": ((64, 128, 256, 512), "new_grouped", (17,) if tiny else (4096,)),
+             "USE_PDL": ((False, True), "new", (1,) if tiny else (1, 2, 4, 8, 32, 512))}
+    sweep = []
+    for knob, (values, name, tokens) in knobs.items():
+        pinned = getattr(moe, knob)
+        xs = {t: [torch.randn(t, shape["hidden"], generator=gen, device=device).to(torch.bfloat16)
+                  for _ in range(calls)] for t in tokens}
+        want = {}
+        for t in tokens:
+            want[t] = impls[name](xs[t][0], copies[0])
+        for value in values:
+            setattr(moe, knob, value)
+            entry = {"knob": knob.lower(), "value": value, "pinned": value == pinned, "path": name}
+            try:
+                for t in tokens:
+                    fns = [lambda i=i, t=t: impls[name](xs[t][i], copies[i % num_copies]) for i in range(calls)]
+                    entry[f"us_t{t}"] = round(time_us(fns), 2)
+                    entry[f"bit_equal_t{t}"] = bool(torch.equal(impls[name](xs[t][0], copies[0]), want[t]))
+            except Exception as exc:  # a value this Triton or device cannot run (USE_PDL): say so, go on
+                entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            print(json.dumps(entry), flush=True)
+            sweep.append(entry)
+        setattr(moe, knob, pinned)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return sweep
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--old", default=None, help=f"the old block's source (git show {OLD_COMMIT}:qse_kernels/moe.py)")
-    p.add_argument("--sweep", action="store_true", help="also time the router's and the direct down's stage counts")
+    p.add_argument("--sweep", action="store_true", help="also time the schedule knobs (stages, tiles a program)")
     p.add_argument("--tokens", default="", help="comma-separated T (default: all)")
     args, device = kernel_bench_args(p, argv)
     from qse_kernels import moe
@@ -158,17 +216,21 @@ def main(argv=None) -> int:
     time_us = _timer(device)
     measured_tbps = hbm_tbps(device)
 
-    impls = {"new": lambda x, w: moe.moe_block(x, **w, top_k=top_k),
-             "direct": lambda x, w: moe.moe_block(x, **w, top_k=top_k, path="direct"),
-             "grouped": lambda x, w: moe.moe_block(x, **w, top_k=top_k, path="grouped")}
+    # "new": moe_block's own pick by T; new_<path>: each path; "old" and old_<path> the same of the old block
+    impls = _path_impls(moe, top_k, "new")
+    owner = {name: moe for name in impls}
     if old is not None:
-        impls["old"] = lambda x, w: old.moe_block(x, **w, top_k=top_k)
+        old_impls = _path_impls(old, top_k, "old")
+        impls.update(old_impls)
+        owner.update({name: old for name in old_impls})
     rows = []
     gen = torch.Generator(device=device).manual_seed(1234)
     for num_tokens in all_tokens:
         xs = [(torch.randn(num_tokens, shape["hidden"], generator=gen, device=device)).to(dtype)
               for _ in range(calls)]
-        row = {"T": num_tokens, "path": "direct" if moe.uses_direct(num_tokens) else "grouped"}
+        row = {"T": num_tokens, "path": moe.path_for(num_tokens)}
+        if old is not None:
+            row["old_path"] = old_path_for(old, num_tokens)
         distinct = [moe.moe_route(moe.router_logits(x, copies[i % num_copies]["router_w"]), top_k)[0].unique().numel()
                     for i, x in enumerate(xs)]
         row["distinct_experts"] = statistics.mean(distinct)
@@ -177,47 +239,36 @@ def main(argv=None) -> int:
         row["floor_us_nominal"] = round(nbytes / (NOMINAL_HBM_TBPS * 1e6), 2)
         if measured_tbps:
             row["floor_us_measured"] = round(nbytes / (measured_tbps * 1e6), 2)
-        for name, impl in impls.items():
-            if name == "direct" and num_tokens > moe.BLOCK_M:
-                continue
-            fns = [lambda i=i, impl=impl: impl(xs[i], copies[i % num_copies]) for i in range(calls)]
+        ran = [name for name in impls if _runs_at(name, owner[name], num_tokens)]
+        for name in ran:
+            fns = [lambda i=i, impl=impls[name]: impl(xs[i], copies[i % num_copies]) for i in range(calls)]
             row[f"{name}_us"] = round(time_us(fns), 2)
             if measured_tbps:
                 row[f"{name}_x_floor"] = round(row["floor_us_measured"] / row[f"{name}_us"], 3)
+        outs = {name: impls[name](xs[0], copies[0]) for name in ran}
+        new = outs["new"]
+        # every path of either block against the new block's own pick: the same bits
+        row["bit_equal"] = {name: bool(torch.equal(out, new)) for name, out in outs.items() if name != "new"}
+        row["all_bit_equal"] = all(row["bit_equal"].values())
+        new_paths = [name for name in ran if name.startswith("new_")]
+        row["fastest_new_path"] = min(new_paths, key=lambda n: row[f"{n}_us"]).split("_", 1)[1]
         if "old_us" in row:
             row["new_over_old"] = round(row["new_us"] / row["old_us"], 3)
-            got, was = impls["new"](xs[0], copies[0]).float(), impls["old"](xs[0], copies[0]).float()
-            row["rel_diff_old"] = float((got - was).abs().max() / was.abs().max())
-        new = impls["new"](xs[0], copies[0])
-        if num_tokens <= moe.BLOCK_M:
-            row["paths_bit_equal"] = bool(torch.equal(impls["direct"](xs[0], copies[0]),
-                                                      impls["grouped"](xs[0], copies[0])))
+            row["saved_us"] = round(row["old_us"] - row["new_us"], 2)
         row["rows_bit_equal_alone"] = all(torch.equal(impls["new"](xs[0][t:t + 1], copies[0]), new[t:t + 1])
                                           for t in {0, num_tokens - 1})
         print(json.dumps(row), flush=True)
         rows.append(row)
+        xs = outs = new = None  # (freed before the next T draws its inputs)
         if device == "cuda":
             torch.cuda.empty_cache()
     kernels = {}
     for num_tokens in sorted({all_tokens[0], all_tokens[-1]}):
         x = torch.randn(num_tokens, shape["hidden"], generator=gen, device=device).to(dtype)
-        kernels[str(num_tokens)] = {name: count_kernels(lambda impl=impl: impl(x, copies[0]))
-                                    for name, impl in impls.items() if name != "direct" or num_tokens <= moe.BLOCK_M}
+        kernels[str(num_tokens)] = {name: count_kernels(lambda impl=impls[name]: impl(x, copies[0]))
+                                    for name in impls if _runs_at(name, owner[name], num_tokens)}
     print(json.dumps({"kernels_a_call": kernels}), flush=True)
-    sweep = []
-    for knob in ("ROUTER_STAGES", "DIRECT_DOWN_STAGES") if args.sweep else ():
-        pinned = getattr(moe, knob)
-        for stages in SWEEP_STAGES:
-            setattr(moe, knob, stages)
-            entry = {knob.lower(): stages}
-            for num_tokens in SWEEP_TOKENS:
-                xs = [torch.randn(num_tokens, shape["hidden"], generator=gen, device=device).to(dtype)
-                      for _ in range(calls)]
-                fns = [lambda i=i: impls["direct"](xs[i], copies[i % num_copies]) for i in range(calls)]
-                entry[f"us_t{num_tokens}"] = round(time_us(fns), 2)
-            print(json.dumps(entry), flush=True)
-            sweep.append(entry)
-        setattr(moe, knob, pinned)
+    sweep = _sweep(moe, impls, copies, gen, device, time_us, shape, calls, num_copies, args.tiny) if args.sweep else []
     # a 35B-A3B decode step at batch 1 runs LAYERS_35B blocks of T = 1
     decode = {}
     one = next((r for r in rows if r["T"] == 1), None)
@@ -225,23 +276,28 @@ def main(argv=None) -> int:
         decode = {f"{name}_ms": round(LAYERS_35B * one[f"{name}_us"] / 1e3, 3) for name in impls if f"{name}_us" in one}
         if "old_us" in one:
             decode["saved_ms"] = round(LAYERS_35B * (one["old_us"] - one["new_us"]) / 1e3, 3)
-    faster = [r["T"] for r in rows if "direct_us" in r and r["direct_us"] <= r["grouped_us"]]
     result = {**result_header("triton", device="cpu (interpreted)" if args.tiny else None),
               "shape": shape, "dtype": str(dtype), "old_commit": OLD_COMMIT, "old_missing": old_missing,
-              "direct_tokens": [moe.DIRECT_MIN_TOKENS, moe.DIRECT_MAX_TOKENS], "router_stages": moe.ROUTER_STAGES,
-              "direct_down_stages": moe.DIRECT_DOWN_STAGES,
+              "direct_tokens": [moe.DIRECT_MIN_TOKENS, moe.DIRECT_MAX_TOKENS], "pairs_max_tokens": moe.PAIRS_MAX_TOKENS,
+              "wide": {"min_tokens": moe.WIDE_MIN_TOKENS, "tiles": moe.WIDE_TILES,
+                       "group_min_tokens": moe.GROUP_WIDE_MIN_TOKENS, "group_block_t": moe.GROUP_WIDE_BLOCK_T},
+              "router_stages": moe.ROUTER_STAGES, "direct_down_stages": moe.DIRECT_DOWN_STAGES,
+              "direct_gate_up_stages": moe.DIRECT_GATE_UP_STAGES, "use_pdl": moe.USE_PDL,
               "weight_copies": num_copies, "calls_a_graph": calls, "tries": TRIES,
               "hbm_tbps": {"nominal": NOMINAL_HBM_TBPS, "measured": measured_tbps and round(measured_tbps, 3)},
-              "rows": rows, "kernels_a_call": kernels, "direct_not_slower_at": faster,
+              "rows": rows, "kernels_a_call": kernels,
+              "all_bit_equal": all(r["all_bit_equal"] and r["rows_bit_equal_alone"] for r in rows),
+              "fastest_new_path": {r["T"]: r["fastest_new_path"] for r in rows},
               "decode_35b_batch1_blocks": decode, "sweep": sweep}
     write_result(result, args.out, "moe_block_bench")
-    names = [n for n in ("old", "new", "direct", "grouped") if n in impls]
-    print(f"{'T':>4}{'floor':>8}" + "".join(f"{n + ' us':>12}" for n in names) + f"{'x floor':>9}{'bits':>6}")
+    names = [n for n in ("old", "new", "new_direct", "new_pairs", "new_grouped") if n in impls]
+    print(f"{'T':>5}{'floor':>8}" + "".join(f"{n + ' us':>15}" for n in names) + f"{'x floor':>9}{'bits':>6}")
     for r in rows:
-        cells = "".join(f"{r.get(n + '_us', ''):>12}" for n in names)
-        print(f"{r['T']:>4}{r.get('floor_us_measured', r['floor_us_nominal']):>8}{cells}"
-              f"{r.get('new_x_floor', ''):>9}{str(r.get('paths_bit_equal', r['rows_bit_equal_alone']))[0]:>6}")
-    print(json.dumps({"decode_35b_batch1_blocks": decode, "direct_not_slower_at": faster}))
+        cells = "".join(f"{r.get(n + '_us', ''):>15}" for n in names)
+        print(f"{r['T']:>5}{r.get('floor_us_measured', r['floor_us_nominal']):>8}{cells}"
+              f"{r.get('new_x_floor', ''):>9}{str(r['all_bit_equal'] and r['rows_bit_equal_alone'])[0]:>6}")
+    print(json.dumps({"decode_35b_batch1_blocks": decode, "all_bit_equal": result["all_bit_equal"],
+                      "fastest_new_path": result["fastest_new_path"]}))
     return 0
 
 

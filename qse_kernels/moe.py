@@ -1,7 +1,7 @@
 """Qwen3.5-MoE's sparse MLP block in Triton, batch-invariant; the naive twins are in moe_naive.py (the math,
 the layouts, the tie rule and the rounding points are written there, and hold here).
 
-A block takes one of two paths, chosen by T alone (uses_direct); both give the same bits for a row.
+A block takes one of three paths, chosen by T alone (path_for); all give the same bits for a row.
 Nothing waits on the host and nothing but Triton kernels runs (a CUDA graph holds the block):
 
     router   logits [T, E + 1] = x @ [router_w; shared_gate_w]^T: column E
@@ -14,31 +14,41 @@ Nothing waits on the host and nothing but Triton kernels runs (a CUDA graph hold
     down     a program a token and BN columns: for r = 0..k-1 the pair's
              row through down_e, rounded, weighted and summed in fp32 in
              rank order, then the shared expert's, rounded once           _down_combine_kernel
+  pairs (one token; T <= BLOCK_M), four launches: the direct gate_up, then
+    down     a program a pair and BN columns (the shared block: one more
+             program), y [P, H] at the pair's row, its expert read from
+             the ids the gate_up stored                                   _down_kernel, PAIRS
+    combine  as the grouped path's                                        _combine_kernel
   grouped (chunks), six launches:
     route    top-k and weights [T, k] (_top_k), the pairs' experts        _route_kernel, a program a token
     group    each expert's pairs in pair order (a counting sort, a
              program owning BE experts: no atomics), and their counts     _group_kernel
     gate_up  h for BLOCK_M rows of one expert a program; every program
              finds its block from the counts (blocks run expert by
-             expert, then the shared expert's T rows)                     _gate_up_kernel
+             expert, then the shared expert's T rows); from
+             WIDE_MIN_TOKENS a program takes WIDE_TILES column tiles      _gate_up_kernel
     down     y [P, H] = h @ down_e^T, at the pair's own row               _down_kernel
     combine  out_t = sum_r w_tr * y_tr + sigmoid(gate_t) * shared_t
              in fp32 in rank order, rounded once                          _combine_kernel, a program a token
 
+With USE_PDL (off by default) every launch above is a programmatic dependent launch: placed on the device while
+the one before it runs, each of its programs waiting for that one before its first load (_after_prior).
+
 Pairs: routed pair t * k + r, and the shared expert (as expert E, whose weights are shared_gate_up /
-shared_down, its intermediate size may differ) pair T * k + t; h and y are indexed by pair on both paths.
+shared_down, its intermediate size may differ) pair T * k + t; h and y are indexed by pair on every path.
 
 Batch invariance (a row's bits never depend on the other rows of the call, nor on T): every tile shape below
-is pinned, not chosen by T, and the same on both paths (BLOCK_M rows, the same BN and BK, the same warps); a
-tile's K loop runs from 0 upwards in one program (no split-K); the k outputs of a token are summed in one
-program in rank order with the same fused multiply-adds on both paths; the routing weights come from scalar
+is pinned, not chosen by T, and the same on every path (BLOCK_M rows, the same BN and BK, the same warps); a
+tile's K loop runs from 0 upwards in one program (no split-K), whichever program holds the tile (how many
+column tiles a program takes, one after another, is a choice of speed); the k outputs of a token are summed
+in one program in rank order with the same fused multiply-adds on every path; the routing weights come from scalar
 arithmetic in rank order (_top_k), never a sum across lanes, so no launch's lane layout reaches them; no
 atomics. A row's place inside a BLOCK_M tile, and which other rows share the tile, differ between the paths
 and with T. On a GPU that does not change its bits (a tile product's row is that row's dot products; the gpu
-tests check it bit for bit at the real shapes, across T and across the two paths). Under Triton's
+tests check it bit for bit at the real shapes, across T and across the paths). Under Triton's
 interpreter it would: tile products go through numpy's BLAS, whose result for a row depends on its place in
 the tile; there (ROW_EXACT) the kernels multiply by broadcasting and sum over K instead, which is exact per
-row, so the interpreted tests can check invariance, and the two paths' equality, bit for bit.
+row, so the interpreted tests can check invariance, and the paths' equality, bit for bit.
 """
 
 from __future__ import annotations
@@ -49,7 +59,12 @@ import triton.language as tl
 
 from . import interpreting
 
-# pinned tiles, for every T and both paths (see the docstring): a block of BLOCK_M (token, expert) rows of one expert
+try:  # grid dependency control (sm90+), for USE_PDL
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without it: USE_PDL stays off
+    gdc_launch_dependents = gdc_wait = None
+
+# pinned tiles, for every T and every path (see the docstring): a block of BLOCK_M (token, expert) rows of one expert
 BLOCK_M = 16  # a chunk of 512 tokens at top-8 over 256 experts is 16 rows an expert on average
 GATE_UP_BLOCK_N, GATE_UP_BLOCK_K = 32, 128  # gate and up: 2 x 32 columns a program
 DOWN_BLOCK_N, DOWN_BLOCK_K = 32, 128  # 64 programs for one decode token's down (H = 2048)
@@ -57,16 +72,39 @@ ROUTER_BLOCK_N, ROUTER_BLOCK_K = 16, 256  # 17 programs for one token: its 1 MB 
 NUM_WARPS, NUM_STAGES = 4, 3
 # pipeline depths (they change no bits): the router has 17 programs for a decode token and the direct down
 # H / DOWN_BLOCK_N, whose K loop runs over all k experts of the token; with few programs the bytes in flight
-# come from depth. Reckoned, not yet measured: benchmarks/moe_block_bench.py --sweep times the others.
+# come from depth. Reckoned, not yet measured: benchmarks/moe_block_bench.py --sweep times the others. (Before
+# the direct down read its ids and weights ahead of its K loop, Triton's pipeliner kept only 2 of its 6 stages
+# in flight, behind the expert id's load, with a plain load of the weight in every step; now 5.)
 ROUTER_STAGES = 4
 DIRECT_DOWN_STAGES = 6
+DIRECT_GATE_UP_STAGES = 3  # the direct gate_up (direct and pairs paths): (k + 1) * I / GATE_UP_BLOCK_N programs
 # the direct path for DIRECT_MIN_TOKENS..DIRECT_MAX_TOKENS tokens, the grouped one elsewhere: a choice of speed
 # only (both give the same bits); at most BLOCK_M, so that the shared expert's rows are one tile. Pinned from
 # benchmarks/moe_block_bench.py on the H200 (35B-A3B shapes, moe_block_bench-2026-12-03-h200.json): the direct
 # path wins at T = 2 and 4 only (T = 1: grouped 35.3 us against 39.0; T = 8: 112 against 125)
 DIRECT_MIN_TOKENS, DIRECT_MAX_TOKENS = 2, 4
+# the pairs path for 1..PAIRS_MAX_TOKENS tokens (a choice of speed too, at most BLOCK_M): reckoned, not measured.
+# At T = 1 the direct down has H / DOWN_BLOCK_N = 64 programs, each streaming all nine experts' columns; the
+# pairs path gives that down (k + 1) * 64 = 576 programs, as the grouped one, and drops its route and group
+# launches and the plan each of its programs reads
+PAIRS_MAX_TOKENS = 1
+# the route kernel's warps: one warp reduces without a barrier (it changes no bits: the ranks are exact maxima,
+# the weights lane by lane)
+ROUTE_WARPS = 1
+# programmatic dependent launch (sm90+): each launch of the block may be placed on the device while the one
+# before it runs, its programs waiting (_after_prior) before their first load; it changes no bits. Off until
+# benchmarks/moe_block_bench.py --sweep has timed it on the device (Triton's launch_pdl, CUDA graphs)
+USE_PDL = False
 GROUP_BLOCK_E, GROUP_BLOCK_T = 16, 64  # the counting sort: BE experts a program, BT tokens a step
-assert DIRECT_MAX_TOKENS <= BLOCK_M
+# past GROUP_WIDE_MIN_TOKENS tokens BT = GROUP_WIDE_BLOCK_T: a program's steps run one after another, 64 of them
+# at T = 4096 with BT = 64 (BT changes no bits: the sort is stable whatever its steps)
+GROUP_WIDE_MIN_TOKENS, GROUP_WIDE_BLOCK_T = 512, 256
+# from WIDE_MIN_TOKENS tokens on a grouped program takes WIDE_TILES column tiles one after another (the same
+# tiles, the same bits): every grouped program first finds its block from the counts (a scan over E), and at
+# T = 4096 the down alone has 2560 x 64 programs. Reckoned, not measured; above the 512-row chunks the served
+# sessions read, which keep their measured schedule
+WIDE_MIN_TOKENS, WIDE_TILES = 1024, 4
+assert DIRECT_MAX_TOKENS <= BLOCK_M and PAIRS_MAX_TOKENS <= BLOCK_M
 
 
 def uses_direct(num_tokens: int) -> bool:
@@ -85,14 +123,25 @@ def _dot_acc(acc, b_a, b_b, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr):
         return tl.dot(b_a, tl.trans(b_b), acc)
 
 
+@triton.jit
+def _after_prior(PDL: tl.constexpr):
+    """With PDL (programmatic dependent launch, USE_PDL): wait here for the launch before this one to finish,
+    its writes visible, then let the next launch's programs start arriving. Every kernel calls it before its
+    first load, so no kernel reads anything early: what overlaps is only a launch's latency."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _dense_kernel(
     x_ptr, w_ptr, w_last_ptr, y_ptr, num_rows, num_cols, depth, stride_x, stride_w, stride_y,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_LAST: tl.constexpr, ROW_EXACT: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """y [M, N (+1)] = x [M, K] @ w [N, K]^T, one BM x BN tile a program (the router's logits); with HAS_LAST
     one more column N from w_last [1, K] (the shared gate's logit)."""
+    _after_prior(PDL)
     o_m = tl.program_id(0) * BM + tl.arange(0, BM)
     o_n = tl.program_id(1) * BN + tl.arange(0, BN)
     m_m, m_n = o_m < num_rows, o_n < num_cols
@@ -120,21 +169,28 @@ def _top_k(logits_ptr, i_t, stride_l, num_experts, TOP_K: tl.constexpr, BE: tl.c
     Softmax (fp32) over the E logits, the TOP_K largest logits (equal ones: the lowest index first; NaN counts
     as -inf), renormalised over the k: weight_r = exp(l_r - l_0) / sum_{j < k} exp(l_j - l_0) (softmax's
     denominator cancels), the sum scalar by scalar in rank order. No value here is a sum across lanes, whose
-    order would follow the launch's lane layout: every kernel that routes gets the same bits."""
+    order would follow the launch's lane layout: every kernel that routes gets the same bits.
+    A rank is one max over int64 keys (the logit's bits made to order as signed integers, high; BE - 1 - e,
+    low): the largest logit, the lowest index among equal ones (-0.0 made +0.0 first, as == holds them equal),
+    and the key decodes back to both."""
     o_e = tl.arange(0, BE)
     m_e = o_e < num_experts
     b_l = tl.load(logits_ptr + i_t * stride_l + o_e, mask=m_e, other=float("-inf")).to(tl.float32)
     b_l = tl.where(b_l == b_l, b_l, float("-inf"))  # NaN counts as -inf: every rank gets an expert in range
+    b_l = tl.where(b_l == 0.0, 0.0, b_l)
+    bits = b_l.to(tl.int32, bitcast=True)
+    b_key = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (BE - 1 - o_e).to(tl.int64)
     o_r = tl.arange(0, BR)
     b_ids = tl.zeros((BR,), tl.int32)
     b_ex = tl.zeros((BR,), tl.float32)
-    is_free = m_e
     top = tl.max(b_l, 0)  # rank 0's logit
     denom = top * 0.0  # (0 + ex_0 = ex_0)
     for r in tl.static_range(TOP_K):
-        best = tl.max(tl.where(is_free, b_l, float("-inf")), 0)
-        pick = tl.min(tl.where(is_free & (b_l == best), o_e, BE), 0)  # the tie rule, explicit
-        is_free = is_free & (o_e != pick)
+        key = tl.max(b_key, 0)
+        b_key = tl.where(b_key == key, -9223372036854775807 - 1, b_key)  # taken (lanes past E: never reached)
+        pick = BE - 1 - (key & 0xFFFFFFFF).to(tl.int32)
+        s = (key >> 32).to(tl.int32)
+        best = (s ^ ((s >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
         ex = tl.exp(best - top)
         denom = denom + ex
         b_ids = tl.where(o_r == r, pick, b_ids)
@@ -151,8 +207,9 @@ def _fold(acc, w, y):
 
 @triton.jit
 def _route_kernel(logits_ptr, ids_ptr, w_ptr, num_experts, stride_l, TOP_K: tl.constexpr, BE: tl.constexpr,
-                  BR: tl.constexpr):
+                  BR: tl.constexpr, PDL: tl.constexpr):
     """One token: ids [T, TOP_K] (int64, or int32 for the group kernel's keys) and w [T, TOP_K] by rank."""
+    _after_prior(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     b_ids, b_w = _top_k(logits_ptr, i_t, stride_l, num_experts, TOP_K, BE, BR)
     o_r = tl.arange(0, BR)
@@ -162,10 +219,11 @@ def _route_kernel(logits_ptr, ids_ptr, w_ptr, num_experts, stride_l, TOP_K: tl.c
 
 @triton.jit(do_not_specialize=["num_tokens", "cap"])
 def _group_kernel(keys_ptr, order_ptr, counts_ptr, num_tokens, num_experts, cap, TOP_K: tl.constexpr,
-                  BE: tl.constexpr, BT: tl.constexpr):
+                  BE: tl.constexpr, BT: tl.constexpr, PDL: tl.constexpr):
     """Experts BE * program .. + BE: each one's pairs t * k + r (keys [T, k] int32 in 0..E-1, their experts)
     in pair order, order[e * cap + j] for j < counts[e]: a stable counting sort, each program owning its
     experts (no atomics). cap bounds an expert's pairs (T where a token's k experts differ)."""
+    _after_prior(PDL)
     o_e = tl.program_id(0) * BE + tl.arange(0, BE)
     m_e = o_e < num_experts
     p_row = order_ptr + o_e.to(tl.int64) * cap
@@ -242,15 +300,33 @@ def _direct_rows(logits_ptr, ids_ptr, w_ptr, num_tokens, num_experts, stride_l, 
     return e, m_m, pair, token
 
 
+@triton.jit
+def _pair_rows(ids_ptr, num_tokens, num_experts, TOP_K: tl.constexpr, BM: tl.constexpr):
+    """Pairs, after the direct gate_up stored each pair's expert in ids [T * k]: program p < T * k is pair p
+    alone (row 0 of its tile), program T * k the shared expert's block of all T <= BM tokens, as _direct_rows
+    lays them out. Returns as _grouped_rows."""
+    i_p = tl.program_id(0)
+    num_routed = num_tokens * TOP_K
+    is_routed = i_p < num_routed
+    o_m = tl.arange(0, BM)
+    e = tl.where(is_routed, tl.load(ids_ptr + tl.minimum(i_p, num_routed - 1)), num_experts)
+    m_m = tl.where(is_routed, o_m == 0, o_m < num_tokens)
+    pair = tl.where(is_routed, i_p + o_m * 0, num_routed + o_m)
+    token = tl.where(is_routed, i_p // TOP_K + o_m * 0, o_m)
+    return e, m_m, pair, token
+
+
 @triton.jit(do_not_specialize=["num_tokens", "num_shared", "cap"])
 def _gate_up_kernel(
     x_ptr, w_ptr, ws_ptr, h_ptr, logits_ptr, ids_ptr, wts_ptr, order_ptr, counts_ptr,
     num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap, stride_x, stride_we, stride_h, stride_l,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr,
-    DIRECT: tl.constexpr, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr,
+    NT: tl.constexpr, DIRECT: tl.constexpr, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
-    """h[pair] = silu(x_t @ gate_e^T) * (x_t @ up_e^T) for a tile's rows, BN columns of each; the rows from
-    _direct_rows (DIRECT) or _grouped_rows."""
+    """h[pair] = silu(x_t @ gate_e^T) * (x_t @ up_e^T) for a tile's rows, BN columns of each, for NT column
+    tiles one after another (each tile's K loop the same as alone: NT changes no bits, only how many programs
+    share one finding of the rows); the rows from _direct_rows (DIRECT) or _grouped_rows."""
+    _after_prior(PDL)
     if DIRECT:
         e, m_m, pair, token = _direct_rows(logits_ptr, ids_ptr, wts_ptr, num_tokens, num_experts, stride_l, TOP_K,
                                            BM, BE, BR)
@@ -265,31 +341,31 @@ def _gate_up_kernel(
     else:  # [E, 2 I, H]
         p_w = w_ptr + e.to(tl.int64) * stride_we
         width = inter
-    n0 = tl.program_id(1) * BN
-    if n0 >= width:
-        return
-    o_n = n0 + tl.arange(0, BN)
-    m_n = o_n < width
-    acc_g = tl.zeros((BM, BN), tl.float32)
-    acc_u = tl.zeros((BM, BN), tl.float32)
-    for k0 in range(0, hidden, BK):
-        o_k = k0 + tl.arange(0, BK)
-        m_k = o_k < hidden
-        b_x = tl.load(x_ptr + token[:, None].to(tl.int64) * stride_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
-                      other=0.0)
-        p_g = p_w + o_n[:, None].to(tl.int64) * hidden + o_k[None, :]
-        m_w = m_n[:, None] & m_k[None, :]
-        b_g = tl.load(p_g, mask=m_w, other=0.0)
-        b_u = tl.load(p_g + width.to(tl.int64) * hidden, mask=m_w, other=0.0)
-        acc_g = _dot_acc(acc_g, b_x, b_g, ROW_EXACT, IEEE)
-        acc_u = _dot_acc(acc_u, b_x, b_u, ROW_EXACT, IEEE)
-    # the twin's rounding: each projection to the dtype, silu(gate) to the dtype, then the product
     dt = h_ptr.dtype.element_ty
-    b_g = acc_g.to(dt).to(tl.float32)
-    b_act = (b_g * tl.sigmoid(b_g)).to(dt)
-    b_h = b_act.to(tl.float32) * acc_u.to(dt).to(tl.float32)
-    tl.store(h_ptr + pair[:, None].to(tl.int64) * stride_h + o_n[None, :], b_h.to(dt),
-             mask=m_m[:, None] & m_n[None, :])
+    for c in tl.static_range(NT):
+        n0 = (tl.program_id(1) * NT + c) * BN
+        if n0 < width:
+            o_n = n0 + tl.arange(0, BN)
+            m_n = o_n < width
+            acc_g = tl.zeros((BM, BN), tl.float32)
+            acc_u = tl.zeros((BM, BN), tl.float32)
+            for k0 in range(0, hidden, BK):
+                o_k = k0 + tl.arange(0, BK)
+                m_k = o_k < hidden
+                b_x = tl.load(x_ptr + token[:, None].to(tl.int64) * stride_x + o_k[None, :],
+                              mask=m_m[:, None] & m_k[None, :], other=0.0)
+                p_g = p_w + o_n[:, None].to(tl.int64) * hidden + o_k[None, :]
+                m_w = m_n[:, None] & m_k[None, :]
+                b_g = tl.load(p_g, mask=m_w, other=0.0)
+                b_u = tl.load(p_g + width.to(tl.int64) * hidden, mask=m_w, other=0.0)
+                acc_g = _dot_acc(acc_g, b_x, b_g, ROW_EXACT, IEEE)
+                acc_u = _dot_acc(acc_u, b_x, b_u, ROW_EXACT, IEEE)
+            # the twin's rounding: each projection to the dtype, silu(gate) to the dtype, then the product
+            b_g = acc_g.to(dt).to(tl.float32)
+            b_act = (b_g * tl.sigmoid(b_g)).to(dt)
+            b_h = b_act.to(tl.float32) * acc_u.to(dt).to(tl.float32)
+            tl.store(h_ptr + pair[:, None].to(tl.int64) * stride_h + o_n[None, :], b_h.to(dt),
+                     mask=m_m[:, None] & m_n[None, :])
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_shared", "cap"])
@@ -297,11 +373,17 @@ def _down_kernel(
     h_ptr, w_ptr, ws_ptr, y_ptr, order_ptr, counts_ptr,
     num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap, stride_h, stride_we, stride_y,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr,
-    ROW_EXACT: tl.constexpr, IEEE: tl.constexpr,
+    NT: tl.constexpr, PAIRS: tl.constexpr, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Grouped: y[pair] = h[pair] @ down_e^T for a block's rows, BN of the H columns."""
-    e, m_m, pair, _ = _grouped_rows(order_ptr, counts_ptr, num_experts, num_tokens * TOP_K, num_shared, cap, TOP_K,
-                                    BM, BE)
+    """y[pair] = h[pair] @ down_e^T for a block's rows, BN of the H columns, for NT column tiles one after
+    another (as _gate_up_kernel's); the rows from _pair_rows (PAIRS: order_ptr holds the pairs' experts) or
+    _grouped_rows."""
+    _after_prior(PDL)
+    if PAIRS:
+        e, m_m, pair, _ = _pair_rows(order_ptr, num_tokens, num_experts, TOP_K, BM)
+    else:
+        e, m_m, pair, _ = _grouped_rows(order_ptr, counts_ptr, num_experts, num_tokens * TOP_K, num_shared, cap,
+                                        TOP_K, BM, BE)
     if e > num_experts:
         return
     if e == num_experts:  # the shared expert: [H, Is]
@@ -310,28 +392,32 @@ def _down_kernel(
     else:  # [E, H, I]
         p_w = w_ptr + e.to(tl.int64) * stride_we
         depth = inter
-    o_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    m_n = o_n < hidden
-    acc = tl.zeros((BM, BN), tl.float32)
-    for k0 in range(0, depth, BK):
-        o_k = k0 + tl.arange(0, BK)
-        m_k = o_k < depth
-        b_h = tl.load(h_ptr + pair[:, None].to(tl.int64) * stride_h + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
-                      other=0.0)
-        b_w = tl.load(p_w + o_n[:, None].to(tl.int64) * depth + o_k[None, :], mask=m_n[:, None] & m_k[None, :],
-                      other=0.0)
-        acc = _dot_acc(acc, b_h, b_w, ROW_EXACT, IEEE)
-    p_y = y_ptr + pair[:, None].to(tl.int64) * stride_y + o_n[None, :]
-    tl.store(p_y, acc.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+    for c in tl.static_range(NT):
+        n0 = (tl.program_id(1) * NT + c) * BN
+        if n0 < hidden:
+            o_n = n0 + tl.arange(0, BN)
+            m_n = o_n < hidden
+            acc = tl.zeros((BM, BN), tl.float32)
+            for k0 in range(0, depth, BK):
+                o_k = k0 + tl.arange(0, BK)
+                m_k = o_k < depth
+                b_h = tl.load(h_ptr + pair[:, None].to(tl.int64) * stride_h + o_k[None, :],
+                              mask=m_m[:, None] & m_k[None, :], other=0.0)
+                b_w = tl.load(p_w + o_n[:, None].to(tl.int64) * depth + o_k[None, :],
+                              mask=m_n[:, None] & m_k[None, :], other=0.0)
+                acc = _dot_acc(acc, b_h, b_w, ROW_EXACT, IEEE)
+            p_y = y_ptr + pair[:, None].to(tl.int64) * stride_y + o_n[None, :]
+            tl.store(p_y, acc.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _combine_kernel(
     y_ptr, w_ptr, logits_ptr, out_ptr, num_tokens, num_experts, hidden, stride_y, stride_l, stride_out,
-    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BH: tl.constexpr,
+    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grouped, one token: out = sum_r w[t, r] * y[t * k + r] (+ sigmoid(logits[t, E]) * y[T * k + t]) in
     fp32, in rank order (fused multiply-adds, as _down_combine_kernel's), rounded once."""
+    _after_prior(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     o_h = tl.arange(0, BH)
     m_h = o_h < hidden
@@ -351,13 +437,15 @@ def _combine_kernel(
 def _down_combine_kernel(
     h_ptr, w_ptr, ws_ptr, ids_ptr, wts_ptr, logits_ptr, out_ptr,
     num_tokens, num_experts, inter, inter_s, hidden, stride_h, stride_we, stride_l, stride_out,
-    TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROW_EXACT: tl.constexpr,
-    IEEE: tl.constexpr,
+    TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+    ROW_EXACT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Direct, one token and BN columns: its k pairs' rows through their experts' down (row 0 of a BM tile,
     the grouped down's tile), each rounded to the dtype as y is, then weighted and summed in fp32 in rank
     order, then the shared expert's the same way: _down_kernel and _combine_kernel in one pass, their bits.
-    One K loop runs over all k experts (k * ceil(I / BK) steps), so the pipeline stays full across them."""
+    One K loop runs over all k experts (k * ceil(I / BK) steps), so the pipeline stays full across them: the
+    token's experts and weights are read once, before it, so no load in the loop waits on another."""
+    _after_prior(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     dt = out_ptr.dtype.element_ty
     o_m = tl.arange(0, BM)
@@ -367,10 +455,14 @@ def _down_combine_kernel(
     num_k = tl.cdiv(inter, BK)
     acc = tl.zeros((BM, BN), tl.float32)
     out = tl.zeros((BM, BN), tl.float32)
+    o_r = tl.arange(0, BR)
+    m_r = o_r < TOP_K
+    b_ids = tl.load(ids_ptr + i_t * TOP_K + o_r, mask=m_r, other=0)
+    b_wts = tl.load(wts_ptr + i_t * TOP_K + o_r, mask=m_r, other=0.0).to(tl.float32)
     for i in range(0, TOP_K * num_k):
         r = i // num_k
         k0 = (i - r * num_k) * BK
-        e = tl.load(ids_ptr + i_t * TOP_K + r)
+        e = tl.sum(tl.where(o_r == r, b_ids, 0), 0)  # lane r alone: the others add zeros
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < inter
         b_h = tl.load(h_ptr + (i_t * TOP_K + r) * stride_h + o_m[:, None] * 0 + o_k[None, :],
@@ -379,7 +471,7 @@ def _down_combine_kernel(
                       mask=m_n[:, None] & m_k[None, :], other=0.0)
         acc = _dot_acc(acc, b_h, b_w, ROW_EXACT, IEEE)
         is_end = k0 + BK >= inter  # the pair's last step: fold it in rank order, start the next one from zero
-        b_wt = tl.load(wts_ptr + i_t * TOP_K + r).to(tl.float32)
+        b_wt = tl.sum(tl.where(o_r == r, b_wts, 0.0), 0)
         out = tl.where(is_end, _fold(out, b_wt, acc.to(dt).to(tl.float32)), out)
         acc = tl.where(is_end, 0.0, acc)
     for k0 in range(0, inter_s, BK):  # the shared expert: [H, Is]
@@ -397,7 +489,13 @@ def _down_combine_kernel(
 
 
 def _dot_flags(dtype: torch.dtype) -> dict:
-    return dict(ROW_EXACT=interpreting(), IEEE=dtype == torch.float32)
+    return dict(ROW_EXACT=interpreting(), IEEE=dtype == torch.float32, **_pdl())
+
+
+def _pdl() -> dict:
+    """A launch's PDL options: USE_PDL on a GPU (the interpreter has no grid dependency control)."""
+    is_on = USE_PDL and gdc_wait is not None and not interpreting()
+    return dict(PDL=True, launch_pdl=True) if is_on else dict(PDL=False)
 
 
 def _router(x: torch.Tensor, router_w: torch.Tensor, gate_w: torch.Tensor | None = None) -> torch.Tensor:
@@ -436,7 +534,8 @@ def _route(logits: torch.Tensor, num_experts: int, top_k: int, ids_dtype: torch.
     ids = torch.empty(num_tokens, top_k, dtype=ids_dtype, device=logits.device)
     weights = torch.empty(num_tokens, top_k, dtype=logits.dtype, device=logits.device)
     if num_tokens:
-        _route_kernel[(num_tokens,)](logits, ids, weights, num_experts, logits.stride(0), **sizes)
+        _route_kernel[(num_tokens,)](logits, ids, weights, num_experts, logits.stride(0), **sizes,
+                                     num_warps=ROUTE_WARPS, **_pdl())
     return ids, weights
 
 
@@ -463,9 +562,15 @@ def _group(keys: torch.Tensor, num_tokens: int, top_k: int, num_experts: int, ca
     sort's), the rest of order unwritten. cap: the most pairs an expert can have."""
     order = torch.empty(num_experts * cap, dtype=torch.int32, device=keys.device)
     counts = torch.empty(num_experts, dtype=torch.int32, device=keys.device)
+    block_t = GROUP_BLOCK_T if num_tokens <= GROUP_WIDE_MIN_TOKENS else GROUP_WIDE_BLOCK_T
     _group_kernel[(triton.cdiv(num_experts, GROUP_BLOCK_E),)](keys, order, counts, num_tokens, num_experts, cap,
-                                                             TOP_K=top_k, BE=GROUP_BLOCK_E, BT=GROUP_BLOCK_T)
+                                                             TOP_K=top_k, BE=GROUP_BLOCK_E, BT=block_t, **_pdl())
     return order, counts
+
+
+def _tiles_a_program(num_tokens: int) -> int:
+    """Column tiles a grouped program takes (a choice of speed: the tiles' bits are the same either way)."""
+    return WIDE_TILES if num_tokens >= WIDE_MIN_TOKENS else 1
 
 
 def _grouped(x, keys, cap, weights, gate_up, down, shared=None, logits=None):
@@ -486,45 +591,81 @@ def _grouped(x, keys, cap, weights, gate_up, down, shared=None, logits=None):
     max_blocks = triton.cdiv(num_routed, BLOCK_M) + min(num_experts, num_routed) + triton.cdiv(num_shared, BLOCK_M)
     h = torch.empty(num_routed + num_shared, max(inter, inter_s), dtype=x.dtype, device=x.device)
     y = torch.empty(num_routed + num_shared, hidden, dtype=x.dtype, device=x.device)
-    sizes = dict(TOP_K=top_k, BM=BLOCK_M, BE=triton.next_power_of_2(num_experts), **_dot_flags(x.dtype),
+    tiles = _tiles_a_program(num_tokens)
+    sizes = dict(TOP_K=top_k, BM=BLOCK_M, BE=triton.next_power_of_2(num_experts), NT=tiles, **_dot_flags(x.dtype),
                  num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    _gate_up_kernel[(max_blocks, triton.cdiv(max(inter, inter_s), GATE_UP_BLOCK_N))](
+    _gate_up_kernel[(max_blocks, triton.cdiv(max(inter, inter_s), GATE_UP_BLOCK_N * tiles))](
         x, gate_up, ws_gate_up, h, x, order, weights, order, counts, num_tokens, num_shared, num_experts, inter,
         inter_s, hidden, cap, x.stride(0), gate_up.stride(0), h.stride(0), 0,
         BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, BR=triton.next_power_of_2(top_k), DIRECT=False, **sizes)
-    _down_kernel[(max_blocks, triton.cdiv(hidden, DOWN_BLOCK_N))](
+    _down_kernel[(max_blocks, triton.cdiv(hidden, DOWN_BLOCK_N * tiles))](
         h, down, ws_down, y, order, counts, num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap,
-        h.stride(0), down.stride(0), y.stride(0), BN=DOWN_BLOCK_N, BK=DOWN_BLOCK_K, **sizes)
+        h.stride(0), down.stride(0), y.stride(0), BN=DOWN_BLOCK_N, BK=DOWN_BLOCK_K, PAIRS=False, **sizes)
+    return _combine(y, weights, logits, out, num_experts, shared is not None)
+
+
+def _combine(y, weights, logits, out, num_experts, has_shared):
+    """out [T, H] = the k pairs' rows of y weighted in rank order (+ the shared expert's behind its gate,
+    logits[:, E]): _combine_kernel, a program a token."""
+    num_tokens, hidden = out.shape
+    top_k = weights.numel() // num_tokens
     weights = weights if weights.is_contiguous() else weights.contiguous()
     _combine_kernel[(num_tokens,)](y, weights, logits if logits is not None else y, out, num_tokens, num_experts,
                                    hidden, y.stride(0), logits.stride(0) if logits is not None else 0, out.stride(0),
-                                   TOP_K=top_k, HAS_SHARED=shared is not None, BH=triton.next_power_of_2(hidden),
-                                   num_warps=NUM_WARPS)
+                                   TOP_K=top_k, HAS_SHARED=has_shared, BH=triton.next_power_of_2(hidden),
+                                   num_warps=NUM_WARPS, **_pdl())
     return out
+
+
+def _direct_gate_up(x, logits, gate_up, shared, top_k):
+    """The direct gate_up on x [T <= BLOCK_M, H] (the module docstring), logits [T, E + 1] -> (ids [T * k]
+    int32, weights [T * k] in x's dtype, h [T * k + T, max(I, Is)]): it routes as it goes."""
+    num_tokens, hidden = x.shape
+    num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    ws_gate_up = shared[0]
+    inter_s = ws_gate_up.shape[0] // 2
+    num_routed = num_tokens * top_k
+    ids = torch.empty(num_routed, dtype=torch.int32, device=x.device)
+    weights = torch.empty(num_routed, dtype=x.dtype, device=x.device)
+    h = torch.empty(num_routed + num_tokens, max(inter, inter_s), dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(num_routed + 1, triton.cdiv(max(inter, inter_s), GATE_UP_BLOCK_N))](
+        x, gate_up, ws_gate_up, h, logits, ids, weights, ids, ids, num_tokens, num_tokens, num_experts, inter,
+        inter_s, hidden, 0, x.stride(0), gate_up.stride(0), h.stride(0), logits.stride(0),
+        BM=BLOCK_M, BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, NT=1, DIRECT=True, num_stages=DIRECT_GATE_UP_STAGES,
+        **_route_sizes(num_experts, top_k), **_dot_flags(x.dtype), num_warps=NUM_WARPS)
+    return ids, weights, h
 
 
 def _direct(x, logits, gate_up, down, shared, top_k):
     """The direct path on x [T <= BLOCK_M, H] -> [T, H] (the module docstring); logits [T, E + 1]."""
     num_tokens, hidden = x.shape
     num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    ws_gate_up, ws_down = shared
-    inter_s = ws_gate_up.shape[0] // 2
-    num_routed = num_tokens * top_k
-    ids = torch.empty(num_routed, dtype=torch.int32, device=x.device)
-    weights = torch.empty(num_routed, dtype=x.dtype, device=x.device)
-    h = torch.empty(num_routed + num_tokens, max(inter, inter_s), dtype=x.dtype, device=x.device)
+    ws_down = shared[1]
+    inter_s = shared[0].shape[0] // 2
+    ids, weights, h = _direct_gate_up(x, logits, gate_up, shared, top_k)
     out = torch.empty_like(x)
-    flags = dict(**_dot_flags(x.dtype), num_warps=NUM_WARPS)
-    _gate_up_kernel[(num_routed + 1, triton.cdiv(max(inter, inter_s), GATE_UP_BLOCK_N))](
-        x, gate_up, ws_gate_up, h, logits, ids, weights, ids, ids, num_tokens, num_tokens, num_experts, inter,
-        inter_s, hidden, 0, x.stride(0), gate_up.stride(0), h.stride(0), logits.stride(0),
-        BM=BLOCK_M, BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, DIRECT=True, num_stages=NUM_STAGES, **_route_sizes(
-            num_experts, top_k), **flags)
     _down_combine_kernel[(num_tokens, triton.cdiv(hidden, DOWN_BLOCK_N))](
         h, down, ws_down, ids, weights, logits, out, num_tokens, num_experts, inter, inter_s, hidden, h.stride(0),
         down.stride(0), logits.stride(0), out.stride(0), TOP_K=top_k, BM=BLOCK_M, BN=DOWN_BLOCK_N, BK=DOWN_BLOCK_K,
-        num_stages=DIRECT_DOWN_STAGES, **flags)
+        BR=triton.next_power_of_2(top_k), num_stages=DIRECT_DOWN_STAGES, **_dot_flags(x.dtype), num_warps=NUM_WARPS)
     return out
+
+
+def _pairs(x, logits, gate_up, down, shared, top_k):
+    """The pairs path on x [T <= BLOCK_M, H] -> [T, H] (the module docstring); logits [T, E + 1]."""
+    num_tokens, hidden = x.shape
+    num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    ws_down = shared[1]
+    inter_s = shared[0].shape[0] // 2
+    ids, weights, h = _direct_gate_up(x, logits, gate_up, shared, top_k)
+    num_routed = num_tokens * top_k
+    y = torch.empty(num_routed + num_tokens, hidden, dtype=x.dtype, device=x.device)
+    _down_kernel[(num_routed + 1, triton.cdiv(hidden, DOWN_BLOCK_N))](
+        h, down, ws_down, y, ids, ids, num_tokens, num_tokens, num_experts, inter, inter_s, hidden, 0,
+        h.stride(0), down.stride(0), y.stride(0), TOP_K=top_k, BM=BLOCK_M, BN=DOWN_BLOCK_N, BK=DOWN_BLOCK_K,
+        BE=triton.next_power_of_2(num_experts), NT=1, PAIRS=True, **_dot_flags(x.dtype), num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES)
+    return _combine(y, weights, logits, torch.empty_like(x), num_experts, True)
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
@@ -541,7 +682,15 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     return _grouped(x, ids.reshape(-1).to(torch.int32), ids.numel(), weights, gate_up, down)
 
 
-PATHS = ("direct", "grouped")
+PATHS = ("direct", "pairs", "grouped")
+SMALL_PATHS = ("direct", "pairs")  # at most BLOCK_M tokens: the shared expert's rows are one tile
+
+
+def path_for(num_tokens: int) -> str:
+    """The path a block of num_tokens tokens takes when none is asked for (the choice of speed above)."""
+    if num_tokens <= PAIRS_MAX_TOKENS:
+        return "pairs"
+    return "direct" if uses_direct(num_tokens) else "grouped"
 
 
 def moe_block(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -549,8 +698,8 @@ def moe_block(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Tensor, do
               top_k: int, *, path: str | None = None) -> torch.Tensor:
     """As moe_naive.moe_block: Qwen3.5-MoE's sparse MLP block on x [T, H] -> [T, H]; router_w [E, H],
     gate_up [E, 2I, H], down [E, H, I], shared_gate_up [2Is, H], shared_down [H, Is], shared_gate_w [1, H].
-    path: "direct" (T <= BLOCK_M) or "grouped"; None picks by T alone (uses_direct). Both give the same
-    bits (the module docstring), so the choice is one of speed."""
+    path: "direct" or "pairs" (T <= BLOCK_M), or "grouped"; None picks by T alone (path_for). All give the
+    same bits (the module docstring), so the choice is one of speed."""
     _check_experts(x, gate_up, down)
     num_tokens, hidden = x.shape
     inter_s = shared_gate_up.shape[0] // 2
@@ -560,10 +709,10 @@ def moe_block(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Tensor, do
                          f" for H = {hidden}; got {tuple(router_w.shape)}, {tuple(shared_gate_up.shape)}, "
                          f"{tuple(shared_down.shape)}, {tuple(shared_gate_w.shape)}")
     if path is None:
-        path = "direct" if uses_direct(num_tokens) else "grouped"
-    if path not in PATHS or (path == "direct" and num_tokens > BLOCK_M):
-        raise ValueError(f"path must be one of {PATHS} (direct for at most {BLOCK_M} tokens); got {path!r} for "
-                         f"{num_tokens} tokens")
+        path = path_for(num_tokens)
+    if path not in PATHS or (path in SMALL_PATHS and num_tokens > BLOCK_M):
+        raise ValueError(f"path must be one of {PATHS} ({' and '.join(SMALL_PATHS)} for at most {BLOCK_M} tokens);"
+                         f" got {path!r} for {num_tokens} tokens")
     num_experts = gate_up.shape[0]
     _route_sizes(num_experts, top_k)
     if num_tokens == 0:
@@ -573,8 +722,11 @@ def moe_block(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Tensor, do
     logits = _router(x, router_w.contiguous(), shared_gate_w.contiguous())  # [T, E + 1]
     if path == "direct":
         return _direct(x, logits, gate_up, down, shared, top_k)
+    if path == "pairs":
+        return _pairs(x, logits, gate_up, down, shared, top_k)
     keys, weights = _route(logits, num_experts, top_k, torch.int32)
     return _grouped(x, keys.reshape(-1), num_tokens, weights, gate_up, down, shared, logits)
 
 
-__all__ = ["DIRECT_MAX_TOKENS", "DIRECT_MIN_TOKENS", "PATHS", "moe_block", "moe_experts", "moe_route", "router_logits", "uses_direct"]
+__all__ = ["DIRECT_MAX_TOKENS", "DIRECT_MIN_TOKENS", "PAIRS_MAX_TOKENS", "PATHS", "moe_block", "moe_experts",
+           "moe_route", "path_for", "router_logits", "uses_direct"]

@@ -94,6 +94,8 @@ TIE_ROWS = [
     ([5.0, 1.0, 2.0, 2.0, 0.0, 2.0, 9.0, 1.0], [6, 0, 2]),  # the tie at the edge of the top k
     ([-1.0, -0.0, 0.0, -1.0, -2.0, -0.0, -3.0, -4.0], [1, 2, 5]),  # -0.0 == 0.0
     ([float("nan"), 1.0, float("nan"), 0.5, 0.0, 0.0, 0.0, 0.0], [1, 3, 4]),  # NaN counts as -inf
+    ([-float("inf"), 2.0, float("nan"), -float("inf"), -3e38, -float("inf"), 1e-30, -float("inf")], [1, 6, 4]),
+    ([-float("inf"), float("nan"), -float("inf"), 7.0, -float("inf"), -float("inf"), -1.0, -float("inf")], [3, 6, 0]),
 ]
 
 
@@ -143,7 +145,7 @@ BLOCK_CASES = {
 
 
 PATH_CASES = {f"{name}-{path}": (*case, path) for name, case in BLOCK_CASES.items()
-              for path in ("direct", "grouped") if path == "grouped" or case[0] <= 16}
+              for path in ("direct", "pairs", "grouped") if path == "grouped" or case[0] <= 16}
 
 
 @pytest.mark.parametrize("num_tokens,top_k,dtype,inter_s,path", PATH_CASES.values(), ids=PATH_CASES.keys())
@@ -193,14 +195,16 @@ PATHS_CASES = {"fp32-T1": (torch.float32, 1), "fp32-T16": (torch.float32, 16), "
 
 @pytest.mark.parametrize("dtype,num_tokens", PATHS_CASES.values(), ids=PATHS_CASES.keys())
 @needs_triton
-def test_the_direct_and_grouped_paths_give_the_same_bits(device, dtype, num_tokens):
-    """The direct path (a pair its own tile, the down and combine in one pass) against the grouped one at the
-    same T, bit for bit (the interpreter's row-exact products; the gpu test checks the real tiles), with a
-    shared expert wider than the routed ones (T = 16: its rows fill one tile)."""
+def test_the_three_paths_give_the_same_bits(device, dtype, num_tokens):
+    """The direct path (a pair its own tile, the down and combine in one pass) and the pairs path (a pair its
+    own tile in the down too, the combine apart) against the grouped one at the same T, bit for bit (the
+    interpreter's row-exact products; the gpu test checks the real tiles), with a shared expert wider than the
+    routed ones (T = 16: its rows fill one tile)."""
     w = _weights(dtype=dtype, device=device, inter_s=I_SHARED)
     x = _tokens(num_tokens, w, 3, seed=11)
     direct = moe.moe_block(x, **w, top_k=3, path="direct")
     assert torch.equal(direct, moe.moe_block(x, **w, top_k=3, path="grouped"))
+    assert torch.equal(direct, moe.moe_block(x, **w, top_k=3, path="pairs"))
     if num_tokens == 5:  # and the direct path's rows against the same rows alone
         for t in range(num_tokens):
             assert torch.equal(moe.moe_block(x[t:t + 1], **w, top_k=3), direct[t:t + 1]), t
@@ -218,7 +222,7 @@ def test_experts_with_several_blocks_and_group_steps(device, rel):
         assert torch.equal(moe.moe_block(x[t:t + 1], **w, top_k=3), whole[t:t + 1]), t
 
 
-@pytest.mark.parametrize("path", ["direct", "grouped"])
+@pytest.mark.parametrize("path", ["direct", "pairs", "grouped"])
 @needs_triton
 def test_tied_router_logits_take_the_lower_expert(device, rel, path):
     """Router rows 2 and 5 equal and the others zero: a token with x . v > 0 takes experts 2, 5 (equal logits,
@@ -240,7 +244,7 @@ def test_tied_router_logits_take_the_lower_expert(device, rel, path):
     assert torch.equal(moe.moe_block(x, **other, top_k=3, path=path), out)
 
 
-@pytest.mark.parametrize("path", ["direct", "grouped"])
+@pytest.mark.parametrize("path", ["direct", "pairs", "grouped"])
 @needs_triton
 def test_the_shared_expert_rides_behind_its_sigmoid_gate(device, rel, path):
     """With every routed expert's down zero the block is sigmoid(x . gate_w) * shared(x), the shared expert
@@ -250,6 +254,43 @@ def test_the_shared_expert_rides_behind_its_sigmoid_gate(device, rel, path):
     x = _tokens(4, w, 2, seed=19)
     want = torch.sigmoid(x @ w["shared_gate_w"].T) * moe_naive.expert_mlp(x, w["shared_gate_up"], w["shared_down"])
     assert rel(moe.moe_block(x, **w, top_k=2, path=path), want) < 1e-5
+
+
+@needs_triton
+def test_the_wide_schedule_gives_the_same_bits(device, monkeypatch):
+    """A grouped program taking several column tiles, and the counting sort's wide token steps (the long
+    chunks' schedule, forced here at 70 tokens), against the narrow schedule: bit for bit, with a shared expert
+    wider than the routed ones (so a program's last tiles run past the routed experts' columns)."""
+    w = _weights(dtype=torch.bfloat16, device=device, inter_s=I_SHARED)
+    x = _tokens(70, w, 3, seed=29)
+    narrow = moe.moe_block(x, **w, top_k=3, path="grouped")
+    monkeypatch.setattr(moe, "WIDE_MIN_TOKENS", 1)
+    monkeypatch.setattr(moe, "WIDE_TILES", 3)  # H = 64: two tiles of 32, the third past H
+    monkeypatch.setattr(moe, "GROUP_WIDE_MIN_TOKENS", 1)
+    monkeypatch.setattr(moe, "GROUP_WIDE_BLOCK_T", 32)  # three token steps
+    assert torch.equal(moe.moe_block(x, **w, top_k=3, path="grouped"), narrow)
+
+
+@needs_triton
+def test_pdl_is_off_under_the_interpreter(device, monkeypatch):
+    """USE_PDL asks for grid dependency control, which the interpreter has not: its launches stay plain, the
+    same bits."""
+    w = _weights(dtype=torch.bfloat16, device=device)
+    x = _tokens(2, w, 3, seed=31)
+    want = moe.moe_block(x, **w, top_k=3)
+    monkeypatch.setattr(moe, "USE_PDL", True)
+    if device == "cpu":
+        assert moe._pdl() == {"PDL": False}
+    assert torch.equal(moe.moe_block(x, **w, top_k=3), want)
+
+
+def test_the_paths_by_token_count():
+    """path_for: pairs for one token, direct for 2..4, grouped past that (the pinned choice of speed)."""
+    if moe is None:
+        pytest.skip("needs Triton")
+    picks = {t: moe.path_for(t) for t in (1, 2, 4, 5, 16, 17, 4096)}
+    assert picks == {1: "pairs", 2: "direct", 4: "direct", 5: "grouped", 16: "grouped", 17: "grouped",
+                     4096: "grouped"}
 
 
 @needs_triton
@@ -294,8 +335,9 @@ def test_bad_shapes_say_what_was_wrong(device):
         moe.moe_block(x, **{**w, "shared_gate_w": w["shared_gate_w"].T}, top_k=3)
     with pytest.raises(ValueError, match="dtype"):
         moe.moe_block(x.double(), **w, top_k=3)
-    with pytest.raises(ValueError, match="path must be"):
-        moe.moe_block(_tokens(17, w, 3), **w, top_k=3, path="direct")
+    for path in ("direct", "pairs", "nope"):
+        with pytest.raises(ValueError, match="path must be"):
+            moe.moe_block(_tokens(17, w, 3), **w, top_k=3, path=path)
 
 
 # --- the real shapes, on a GPU -------------------------------------------------------------------------------
@@ -317,10 +359,11 @@ def _qwen3_5_35b_a3b_block(num_tokens: int):
 
 @needs_triton
 @pytest.mark.gpu
-def test_qwen3_5_35b_a3b_shapes_on_the_gpu(rel):
+def test_qwen3_5_35b_a3b_shapes_on_the_gpu(rel, monkeypatch):
     """The real shapes: against the twin, and a row's bits the same at every T, on either path: decode (1, 2,
-    8, 16 rows: the direct path), rounds and verify windows (32, 33: grouped) and a 512-row chunk; the two
-    paths bit for bit at the same T; and the direct path under a CUDA graph."""
+    8, 16 rows), rounds and verify windows (32, 33: grouped) and a 512-row chunk, also with the long chunks'
+    schedule (a program several column tiles, wide sort steps); the three paths bit for bit at the same T;
+    and the small paths under a CUDA graph."""
     top_k = 8
     w, x = _qwen3_5_35b_a3b_block(512)
     whole = moe.moe_block(x, **w, top_k=top_k)
@@ -337,16 +380,47 @@ def test_qwen3_5_35b_a3b_shapes_on_the_gpu(rel):
             assert torch.equal(got, whole[lo:lo + num_tokens]), (num_tokens, lo)
         if num_tokens <= moe.BLOCK_M:
             part = x[7:7 + num_tokens]
-            assert torch.equal(moe.moe_block(part, **w, top_k=top_k, path="direct"),
-                               moe.moe_block(part, **w, top_k=top_k, path="grouped")), num_tokens
+            grouped = moe.moe_block(part, **w, top_k=top_k, path="grouped")
+            for path in moe.SMALL_PATHS:
+                assert torch.equal(moe.moe_block(part, **w, top_k=top_k, path=path), grouped), (num_tokens, path)
     assert torch.equal(moe.moe_block(x[:300], **w, top_k=top_k), whole[:300])
+    with monkeypatch.context() as patch:
+        for knob in ("WIDE_MIN_TOKENS", "GROUP_WIDE_MIN_TOKENS"):
+            patch.setattr(moe, knob, 1)
+        assert torch.equal(moe.moe_block(x, **w, top_k=top_k), whole)
     # the decode step's block inside a graph: nothing waits on the host, the same bits
-    static_x = x[5:6].clone()
+    for path, rows in (("pairs", 1), ("direct", 2)):
+        static_x = x[5:5 + rows].clone()
+        moe.moe_block(static_x, **w, top_k=top_k, path=path)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = moe.moe_block(static_x, **w, top_k=top_k, path=path)
+        for t in (5, 9):
+            static_x.copy_(x[t:t + rows])
+            graph.replay()
+            assert torch.equal(static_out, whole[t:t + rows]), (t, path)
+
+
+@needs_triton
+@pytest.mark.gpu
+def test_pdl_launches_give_the_same_bits_on_the_gpu(monkeypatch):
+    """moe.USE_PDL (off by default): every path's launches with programmatic dependent launch, eager and in a
+    CUDA graph, give the same bits as without."""
+    top_k = 8
+    w, x = _qwen3_5_35b_a3b_block(40)
+    want = {path: moe.moe_block(x[:4], **w, top_k=top_k, path=path) for path in moe.PATHS}
+    whole = moe.moe_block(x, **w, top_k=top_k)
+    monkeypatch.setattr(moe, "USE_PDL", True)
+    assert moe._pdl()["PDL"]
+    for path in moe.PATHS:
+        assert torch.equal(moe.moe_block(x[:4], **w, top_k=top_k, path=path), want[path]), path
+    assert torch.equal(moe.moe_block(x, **w, top_k=top_k), whole)
+    static_x = x[:1].clone()
     moe.moe_block(static_x, **w, top_k=top_k)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_out = moe.moe_block(static_x, **w, top_k=top_k)
-    for t in (5, 9):
+    for t in (3, 17):
         static_x.copy_(x[t:t + 1])
         graph.replay()
         assert torch.equal(static_out, whole[t:t + 1]), t
@@ -369,6 +443,7 @@ def test_the_block_benchmark_flow_on_the_cpu(tmp_path):
     result = json.loads(path.read_text())
     assert list(result)[:4] == ["command", "date", "device", "versions"]
     (row,) = result["rows"]
-    assert row["T"] == 1 and all(f"{name}_us" in row for name in ("new", "direct", "grouped"))
-    assert row["paths_bit_equal"] and row["rows_bit_equal_alone"]
+    assert row["T"] == 1 and all(f"{name}_us" in row for name in ("new", "new_direct", "new_pairs", "new_grouped"))
+    assert row["all_bit_equal"] and row["rows_bit_equal_alone"] and result["all_bit_equal"]
+    assert row["fastest_new_path"] in moe.PATHS
     assert ("old_us" in row) != bool(result["old_missing"])
