@@ -6,7 +6,7 @@
 # (weka_cc_sessions_dev.csv, hf_reader_baseline.py) and a pytest.ini without the asyncio plugin's
 # options. Results land in $OUT; copy them to benchmarks/results/ and commit.
 #
-#   bash benchmarks/run_h200.sh [tests|gemv|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abl|invariant|grammar|rounds|served|cache|load|memory|moves|pcie|sides|agents|spec|speccheck|tail|moe ...]   (default: all, ~13 minutes)
+#   bash benchmarks/run_h200.sh [tests|gemv|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abl|invariant|grammar|rounds|served|cache|load|memory|moves|pcie|sides|agents|spec|speccheck|tail|moeblock|moe ...]   (default: all, ~13 minutes)
 #   PRESETS=qwen3.5-0.8b bash benchmarks/run_h200.sh measure                       (measure fewer presets)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -88,6 +88,10 @@ for step in $steps; do
       done ;;
     tail)  # a served prompt's tail (eager, outside the chunks' graphs) by the wall and on the device, against a chunk
       timeout 120 python3 benchmarks/tail_cost.py --preset "${TAIL_PRESET:-qwen3.5-9b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-300 ;;
+    moeblock)  # the MoE block alone, old (MOE_OLD: a copy of an older qse_kernels/moe.py in .devcarry) against new, every path
+               # and knob bit-checked (moe_block_bench.py --sweep)
+      timeout 200 python3 benchmarks/moe_block_bench.py --old "${MOE_OLD:-.devcarry/moe_old_951dda5.py}" \
+        --tokens "${MOE_TOKENS:-1,2,4,8,32,512,4096}" --sweep --out "$OUT" 2>&1 | grep -v '"knob"' | tail -12 | cut -c1-600 ;;
     moe)  # Qwen3.5-35B-A3B (random weights): decode at batch 1/8/32 and prefill against the floor and transformers
       timeout "${MOE_TIMEOUT:-420}" python3 benchmarks/moe_measure.py --preset "${MOE_PRESET:-qwen3.5-35b-a3b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-600 ;;
     sides)  # the reader's chunks beside batch-8 decode rounds on streams of their own, by stream priority: decode loss, reader rate
