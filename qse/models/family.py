@@ -20,7 +20,7 @@ class FamilyParts:
     parse_config: Callable[..., Any]  # (a config.json dict, where=...) -> the family's config
     load_weights: Callable[..., Any]  # (model_dir, cfg, device, dtype) -> LoadedWeights
     random_weights: Callable[..., Any]  # (cfg, seed, device, dtype) -> LoadedWeights
-    expected_shapes: Callable[[Any], dict[str, tuple[int, ...]]]  # cfg -> every tensor the forward reads
+    expected_shapes: Callable[[Any], dict[str, tuple[int, ...]]]  # cfg -> every tensor a preset's weights hold
     model: Callable[..., Any]  # the model class: (cfg, weights, device, dtype)
     preset_config_dict: Callable[[str], dict[str, Any]]  # a preset's name -> its config.json dict
     presets: Mapping[str, Any]  # lower-case preset name -> its shape

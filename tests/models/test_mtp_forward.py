@@ -1,11 +1,11 @@
-"""The MTP head's forward (qse/models/qwen3_5/mtp.py) against its naive twin, written from the formula in float64,
-and the forward's final-hidden tap that feeds it (issue 30, item 1)."""
+"""The MTP head's forward (qse/models/qwen3_5/mtp.py) against its naive twin, written from the formula in float64
+(mtp_twin.py), and the forward's final-hidden tap that feeds it (issue 30, item 1)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from mtp_twin import naive_draft, naive_logits, naive_mtp
 
 from qse.models.cache import SlotStates
 from qse.models.inputs import DecodeBatch
@@ -30,70 +30,6 @@ def pairs(model):
     ids = torch.randint(0, model.cfg.vocab_size, (CONTEXT,), generator=gen)
     hidden = torch.randn(CONTEXT, model.cfg.hidden_size, generator=gen)
     return ids, hidden
-
-
-# ---- the naive twin ------------------------------------------------------------------------------------------
-def _weights(model) -> dict[str, torch.Tensor]:
-    out = {n: t.double() for n, t in model.w.items()}
-    out.update({n: lin.weight.double() for n, lin in model.lin.items()})
-    out.setdefault("lm_head.weight", out["embed_tokens.weight"])
-    return out
-
-
-def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + w)
-
-
-def _rotate(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float) -> torch.Tensor:
-    """x [T, heads, D]: the first rotary_dim dims turn by position * theta^(-2i / rotary_dim), pair (i, i + half)."""
-    half = rotary_dim // 2
-    freq = theta ** (-torch.arange(half, dtype=torch.float64) * 2 / rotary_dim)
-    angle = positions.double()[:, None, None] * freq  # [T, 1, half]
-    a, b, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
-    return torch.cat((a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin(), rest), dim=-1)
-
-
-def naive_mtp(model, next_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """g [T, H] float64 of the rows (next_ids[t], hidden[t]) at positions 0 .. T - 1, from the formula:
-    fc(cat(norm_e(embed(x)), norm_h(h))) -> one gated-attention decoder layer -> norm."""
-    cfg, w, eps = model.cfg, _weights(model), model.cfg.rms_norm_eps
-    p, a = "mtp.layers.0.", "mtp.layers.0.self_attn."
-    num_rows, heads, kv_heads, d = len(next_ids), cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    e = w["embed_tokens.weight"][next_ids]
-    u = torch.cat((_norm(e, w["mtp.pre_fc_norm_embedding.weight"], eps),
-                   _norm(hidden.double(), w["mtp.pre_fc_norm_hidden.weight"], eps)), dim=-1)
-    x = u @ w["mtp.fc.weight"].T
-    h = _norm(x, w[p + "input_layernorm.weight"], eps)
-    qg = (h @ w[a + "q_proj.weight"].T).view(num_rows, heads, 2 * d)
-    q, gate = qg[..., :d], qg[..., d:]
-    k = (h @ w[a + "k_proj.weight"].T).view(num_rows, kv_heads, d)
-    v = (h @ w[a + "v_proj.weight"].T).view(num_rows, kv_heads, d)
-    positions = torch.arange(num_rows)
-    q = _rotate(_norm(q, w[a + "q_norm.weight"], eps), positions, cfg.rotary_dim, cfg.rope_theta)
-    k = _rotate(_norm(k, w[a + "k_norm.weight"], eps), positions, cfg.rotary_dim, cfg.rope_theta)
-    k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))  # query head i reads kv head i // group
-    scores = torch.einsum("thd,shd->hts", q, k) / d ** 0.5
-    scores = scores.masked_fill(torch.ones(num_rows, num_rows, dtype=torch.bool).triu(1), float("-inf"))
-    out = torch.einsum("hts,shd->thd", scores.softmax(-1), v) * torch.sigmoid(gate)
-    x = x + out.reshape(num_rows, heads * d) @ w[a + "o_proj.weight"].T
-    h = _norm(x, w[p + "post_attention_layernorm.weight"], eps)
-    x = x + (F.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
-    return _norm(x, w["mtp.norm.weight"], eps)
-
-
-def naive_logits(model, g: torch.Tensor) -> torch.Tensor:
-    return g @ _weights(model)["lm_head.weight"].T
-
-
-def naive_draft(model, next_ids: torch.Tensor, hidden: torch.Tensor, k: int) -> list[int]:
-    """k greedy drafts by the rule: the last row's argmax, then a row of (draft, the last row's g) a draft."""
-    ids, rows = next_ids.clone(), hidden.double().clone()
-    drafts = []
-    for _ in range(k):
-        g = naive_mtp(model, ids, rows)
-        drafts.append(int(naive_logits(model, g[-1:]).argmax()))
-        ids, rows = torch.cat((ids, torch.tensor(drafts[-1:]))), torch.cat((rows, g[-1:]))
-    return drafts
 
 
 # ---- the head -------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from qse.models import family_of_dir, preset_weights_nbytes, resolve
 from qse.models.qwen3_5_moe import (CheckpointError, ConfigError, MoeTextConfig, Qwen35MoeModel, is_preset,
                                     parse_config, presets)
-from qse.models.qwen3_5_moe.layout import expected_shapes
+from qse.models.qwen3_5_moe.layout import expected_mtp_shapes, expected_shapes
 from qse.models.qwen3_5_moe.reference import reference_config, reference_model
 
 transformers = pytest.importorskip("transformers")
@@ -87,14 +87,13 @@ def _published_config(shape: dict) -> dict:
 
 
 def _write_published(model_dir, config: dict, tensors: dict[str, torch.Tensor]) -> None:
-    """The checkpoint as published: model.language_model.* (fused experts), a vision tensor and an MTP tensor."""
+    """The checkpoint as published: model.language_model.* (fused experts), a vision tensor, and the MTP head at
+    the top (mtp.*, fused experts too)."""
     model_dir.mkdir(parents=True)
     (model_dir / "config.json").write_text(json.dumps(config))
-    named = {f"model.language_model.{k}": v.contiguous() for k, v in tensors.items() if k != "lm_head.weight"}
-    if "lm_head.weight" in tensors:
-        named["lm_head.weight"] = tensors["lm_head.weight"]
+    named = {(k if k.startswith(("mtp.", "lm_head.")) else f"model.language_model.{k}"): v.contiguous()
+             for k, v in tensors.items()}
     named["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
-    named["mtp.layers.0.mlp.experts.gate_up_proj"] = torch.zeros(2, 2, 2)
     save_file(named, str(model_dir / "model.safetensors"))
 
 
@@ -132,7 +131,7 @@ def test_the_published_config_nesting_is_read():
     assert cfg.layer_types == ("linear_attention", "linear_attention", "full_attention")
     assert cfg.tie_word_embeddings and cfg.rotary_dim == 4 and cfg.mrope_section == (11, 11, 10)
     assert cfg.intermediate_size == 3 * 24 + 40  # the MLP's active width a token (the sizing's)
-    assert cfg.mtp_num_hidden_layers == 0  # the checkpoint's MTP head stays on disk
+    assert cfg.mtp_num_hidden_layers == 1  # the checkpoint's MTP head is kept (test_qwen3_5_moe_mtp.py)
 
 
 def test_the_35b_preset_has_the_published_shape():
@@ -198,11 +197,12 @@ def test_chunked_prefill_and_decode_equal_one_shot_and_transformers(hf_pair, our
 
 def test_a_shape_the_tests_never_saw_as_published(published_b, cache_dir):
     """Shape B, written as Qwen publishes it (nested config, model.language_model. names, fused experts, a vision
-    tower and an MTP head skipped): loaded by the registry, against transformers on the same tensors."""
+    tower skipped, the MTP head kept): loaded by the registry, against transformers on the same tensors."""
     model_dir, tensors = published_b
     resolved = resolve(str(model_dir), CPU, torch.float32, cache_dir)
     model = resolved.model
-    assert resolved.family == "qwen3_5_moe" and model.skipped_tensors == 1 and model.mtp_tensors == 1
+    assert resolved.family == "qwen3_5_moe" and model.skipped_tensors == 1
+    assert model.mtp_tensors == len(expected_mtp_shapes(model.cfg)) > 0
     assert torch.equal(model.w["layers.1.mlp.experts.down_proj"], tensors["layers.1.mlp.experts.down_proj"])
     hf = reference_model(model)
     shared = hf.model.layers[1].mlp.experts.gate_up_proj  # the pair holds one copy of the weights
@@ -264,13 +264,14 @@ def test_a_checkpoint_with_its_own_tokenizer_is_checked_against_this_config(hf_p
 # ---- presets and the registry ---------------------------------------------------------------------------------
 def test_the_registry_resolves_the_35b_preset_at_its_full_shape(cache_dir):
     """On the meta device: the preset's whole model without its memory; its weights are what the planner was
-    told before building it (preset_weights_nbytes), 34.7B parameters."""
+    told before building it (preset_weights_nbytes), 35.5B parameters: 34.7B and the MTP head's 0.84B."""
     resolved = resolve("35b-a3b", torch.device("meta"), torch.bfloat16, cache_dir)
     assert resolved.family == "qwen3_5_moe" and resolved.source == "preset"
     model = resolved.model
     assert model.w["layers.0.mlp.experts.gate_up_proj"].shape == (256, 1024, 2048)
     nbytes = preset_weights_nbytes("qwen3.5-35b-a3b", torch.bfloat16)
-    assert model.weights_nbytes() == nbytes == 2 * 34_660_610_688
+    assert model.weights_nbytes() == nbytes == 2 * (34_660_610_688 + 844_640_768)
+    assert model.w["mtp.layers.0.mlp.experts.gate_up_proj"].shape == (256, 1024, 2048)
     assert preset_weights_nbytes("35B-A3B", torch.float32) == 2 * nbytes
     assert preset_weights_nbytes("397b-a17b", torch.bfloat16) > 790e9
     assert preset_weights_nbytes("qwen3.5-0.8b", torch.bfloat16) is not None  # the dense family's still answer

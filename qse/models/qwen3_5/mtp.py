@@ -4,10 +4,13 @@ Every published Qwen3.5 ships one MTP layer (`mtp_num_hidden_layers: 1`, tensors
 row at position t it reads the target's hidden state h_t and the id x_{t+1} that follows it:
 
     u_t = fc([norm_e(embed(x_{t+1})) ; norm_h(h_t)])      fc [H, 2H]; the embedding's half first
-    g_t = norm(layer(u_t))                                 a full-attention layer (gated attention, dense MLP)
+    g_t = norm(layer(u_t))                                 a full-attention layer (gated attention, the MLP)
     logits of x_{t+2} = head(g_t)                          the model's own embedding and head
 
 - h_t is the target's hidden state after its final norm: what its head reads (the forward's "final_hidden" tap).
+- The layer's MLP is the model's kind, run by the model's own `_mlp(prefix, h)`: dense here, the sparse block of
+  the head's own router and experts in the MoE family (qse/models/qwen3_5_moe/model.py), whose model names the
+  head's tensors (its `expected_mtp_shapes`; else this family's layout's).
 - Every norm is the zero-centred RMSNorm, x / rms(x) * (1 + w), as in the model.
 - The layer's attention has KV rows of its own, one a position: the row of (x_{t+1}, h_t) sits at position t
   (h_t's) and its rotary angle is t's, the model's rotary (partial, the same theta).
@@ -76,7 +79,8 @@ class MTPHead:
             raise ValueError(f"qse drafts with one MTP layer; this config has mtp_num_hidden_layers="
                              f"{cfg.mtp_num_hidden_layers} (use a checkpoint that ships its MTP head)")
         names = set(model.w) | set(model.lin)
-        missing = [name for name in expected_mtp_shapes(cfg) if name not in names]
+        shapes_of = getattr(model, "expected_mtp_shapes", expected_mtp_shapes)  # a family's own table (the MoE's)
+        missing = [name for name in shapes_of(cfg) if name not in names]
         if missing:
             raise ValueError(f"the model holds no {missing[0]!r} (and {len(missing) - 1} more MTP tensors): load "
                              "the checkpoint with its config's MTP head")

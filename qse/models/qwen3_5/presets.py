@@ -82,6 +82,12 @@ def tiny_mtp_config_dict(**overrides: Any) -> dict[str, Any]:
     return {**_COMMON, **shape, "model_type": "qwen3_5_text", "dtype": "float32", **overrides}
 
 
+def is_norm_weight(name: str) -> bool:
+    """An RMSNorm's weight by canonical name: `*norm.weight`, and the MTP head's `mtp.pre_fc_norm_*` (spelled
+    without the suffix); the random weights' rule (zero-centred: 0 is the identity scale), in both families."""
+    return name.endswith("norm.weight") or name.startswith("mtp.pre_fc_norm_")
+
+
 def random_tensors(cfg: TextConfig, seed: int, device: torch.device | str = "cpu",
                    dtype: torch.dtype = torch.float32, progress: str | None = None) -> dict[str, torch.Tensor]:
     """Deterministic random weights of cfg's shapes (same seed, device kind and dtype -> same bytes).
@@ -97,8 +103,7 @@ def random_tensors(cfg: TextConfig, seed: int, device: torch.device | str = "cpu
             t = torch.ones(shape, device=device)
         elif name.endswith("linear_attn.norm.weight"):
             t = torch.ones(shape, device=device)
-        elif name.endswith("norm.weight") or name.startswith("mtp.pre_fc_norm_"):  # zero-centred RMSNorm: 0 is
-            # the identity scale
+        elif is_norm_weight(name):  # zero-centred RMSNorm: 0 is the identity scale
             t = torch.randn(shape, device=device, generator=gen) * 0.05
         elif name.endswith("conv1d.weight"):
             t = torch.randn(shape, device=device, generator=gen) * (shape[-1] ** -0.5)

@@ -1,5 +1,6 @@
 """The qwen3_5_moe family on the adapter path: Qwen3.5-MoE (35B-A3B, 122B-A10B, 397B-A17B). Config, layout and
-forward are the dense family's with a sparse MLP in every layer (model.py); the text format is Qwen3.5's."""
+forward are the dense family's with a sparse MLP in every layer (model.py), the MTP head's layer included: the
+checkpoint's head is kept and served (`mtp_head()`, QSE_SPECULATE=mtp); the text format is Qwen3.5's."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ from pathlib import Path
 from ..family import FamilyParts
 from ..qwen3_5 import ChatFormat as _DenseChatFormat
 from .config import MODEL_TYPES, ConfigError, MoeTextConfig, load_config, parse_config
-from .layout import CheckpointError, expected_shapes, load_weights
+from .layout import CheckpointError, load_weights, weight_shapes
 from .model import Qwen35MoeModel
 from .presets import PRESET_ALIASES, PRESETS, preset_config_dict, random_weights
 
 
 _PARTS = FamilyParts(load_config=load_config, parse_config=parse_config, load_weights=load_weights,
-                     random_weights=random_weights, expected_shapes=expected_shapes, model=Qwen35MoeModel,
+                     random_weights=random_weights, expected_shapes=weight_shapes, model=Qwen35MoeModel,
                      preset_config_dict=preset_config_dict, presets=PRESETS, preset_aliases=PRESET_ALIASES)
 # build_preset on the meta device: a preset's shapes without memory (presets.py)
 load, build_preset, is_preset = _PARTS.load, _PARTS.build_preset, _PARTS.is_preset

@@ -31,8 +31,8 @@ class MoeTextConfig(TextConfig):
 
     intermediate_size (TextConfig's) is the MLP's active width a token, num_experts_per_tok x
     moe_intermediate_size + shared_expert_intermediate_size: what the activation sizing reads
-    (qse/core/sizing.py). mtp_num_hidden_layers is 0: the checkpoint's MTP head is recognised and left on disk
-    (layout.py), so the model as loaded has none."""
+    (qse/core/sizing.py). mtp_num_hidden_layers is the config's (1 in every published checkpoint): the MTP head
+    is one more decoder layer with a sparse MLP of these same sizes (layout.py), kept and served (model.py)."""
 
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -69,7 +69,6 @@ def parse_config(raw: dict[str, Any], where: str = "config.json") -> MoeTextConf
     dense_text["model_type"] = "qwen3_5_text"
     dense_text["intermediate_size"] = (moe["num_experts_per_tok"] * moe["moe_intermediate_size"]
                                        + moe["shared_expert_intermediate_size"])
-    dense_text["mtp_num_hidden_layers"] = 0  # left on disk (the class docstring)
     if nested:
         dense_raw = {**raw, "text_config": dense_text}
         if top_type is not None:

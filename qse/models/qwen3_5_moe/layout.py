@@ -14,8 +14,12 @@ them (E experts of I, a shared expert of Is, hidden H):
 
 Experts come fused, as Qwen publishes them (`experts.gate_up_proj`, `experts.down_proj`, no `.weight`), or one
 expert a tensor, as transformers' save_pretrained writes them (`experts.{e}.{gate,up,down}_proj.weight`, [I, H],
-[I, H], [H, I]); the loader stacks the second form into the first. The MTP head (an MoE decoder layer of its own)
-is recognised and left on disk. FP8 block-scaled checkpoints are refused (not supported for this family yet).
+[I, H], [H, I]); the loader stacks the second form into the first.
+
+The MTP head (`mtp.*`, where the config has `mtp_num_hidden_layers`) is the dense family's head
+(expected_mtp_shapes there: fc, its norms, a full-attention layer) whose layer's MLP is this same sparse block of
+the main layers' sizes, under `mtp.layers.0.mlp.`; its experts come in either form too. It is loaded, checked and
+kept beside the model like the rest. FP8 block-scaled checkpoints are refused (not supported for this family yet).
 """
 
 from __future__ import annotations
@@ -27,12 +31,13 @@ import torch
 
 from ..qwen3_5.layout import (FP8_SCALE_SUFFIX, CheckpointError, CheckpointTensor, LoadedWeights, check_shapes,
                               place_tensor, read_checkpoint)
+from ..qwen3_5.layout import expected_mtp_shapes as dense_expected_mtp_shapes
 from ..qwen3_5.layout import expected_shapes as dense_expected_shapes
 from .config import MoeTextConfig
 
 DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
-# one expert a tensor: layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight
-PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$")
+# one expert a tensor: [mtp.]layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight
+PER_EXPERT = re.compile(r"^((?:mtp\.)?layers\.\d+\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def moe_shapes(cfg: MoeTextConfig, p: str) -> dict[str, tuple[int, ...]]:
@@ -44,12 +49,29 @@ def moe_shapes(cfg: MoeTextConfig, p: str) -> dict[str, tuple[int, ...]]:
             m + "shared_expert.down_proj.weight": (h, i_s), m + "shared_expert_gate.weight": (1, h)}
 
 
-def expected_shapes(cfg: MoeTextConfig) -> dict[str, tuple[int, ...]]:
-    """Every canonical tensor the forward reads, with its shape."""
-    shapes = {name: shape for name, shape in dense_expected_shapes(cfg).items() if not name.endswith(DENSE_MLP)}
-    for layer in range(cfg.num_hidden_layers):
-        shapes.update(moe_shapes(cfg, f"layers.{layer}."))
+def _sparse(dense: dict[str, tuple[int, ...]], prefixes: list[str], cfg: MoeTextConfig) -> dict[str, tuple[int, ...]]:
+    """The dense family's table with each layer's dense MLP (under `prefixes`) made the sparse block."""
+    shapes = {name: shape for name, shape in dense.items() if not name.endswith(DENSE_MLP)}
+    for p in prefixes:
+        shapes.update(moe_shapes(cfg, p))
     return shapes
+
+
+def expected_shapes(cfg: MoeTextConfig) -> dict[str, tuple[int, ...]]:
+    """Every canonical tensor the forward reads, with its shape (the MTP head's: expected_mtp_shapes)."""
+    return _sparse(dense_expected_shapes(cfg), [f"layers.{i}." for i in range(cfg.num_hidden_layers)], cfg)
+
+
+def expected_mtp_shapes(cfg: MoeTextConfig) -> dict[str, tuple[int, ...]]:
+    """The MTP head's tensors (`mtp.*`), with their shapes; empty when the config has none (the module
+    docstring)."""
+    prefixes = [f"mtp.layers.{i}." for i in range(cfg.mtp_num_hidden_layers)]
+    return _sparse(dense_expected_mtp_shapes(cfg), prefixes, cfg)
+
+
+def weight_shapes(cfg: MoeTextConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a model of cfg holds: the forward's, then the MTP head's (what a preset's weights claim)."""
+    return {**expected_shapes(cfg), **expected_mtp_shapes(cfg)}
 
 
 class _ExpertStack:
@@ -57,7 +79,7 @@ class _ExpertStack:
     copy of the layer); `missing()` names the first expert tensor that never came."""
 
     def __init__(self, prefix: str, cfg: MoeTextConfig):
-        self.prefix, self.cfg = prefix, cfg  # prefix: layers.{i}.mlp.experts.
+        self.prefix, self.cfg = prefix, cfg  # prefix: [mtp.]layers.{i}.mlp.experts.
         self.gate_up: torch.Tensor | None = None
         self.down: torch.Tensor | None = None
         self.seen: set[tuple[int, str]] = set()
@@ -93,8 +115,9 @@ class _ExpertStack:
 def load_weights(model_dir: Path, cfg: MoeTextConfig, device: torch.device | str,
                  dtype: torch.dtype) -> LoadedWeights:
     """Read every shard, map names to canonical ones, stack per-expert tensors, check names and shapes, build
-    Linear objects for the projections (is_linear) and keep the rest (router, experts, gates, norms) as tensors."""
-    want = expected_shapes(cfg)
+    Linear objects for the projections (is_linear) and keep the rest (router, experts, gates, norms) as tensors;
+    the MTP head's tensors too where the config has one, else they are recognised and left on disk."""
+    want = weight_shapes(cfg)
     stacks: dict[str, _ExpertStack] = {}
     model_dir = Path(model_dir)
 
@@ -110,8 +133,7 @@ def load_weights(model_dir: Path, cfg: MoeTextConfig, device: torch.device | str
         stack.add(t.shard, t.name, expert, part, t.read())
         return True
 
-    # the MTP head is recognised and left on disk (the module docstring)
-    raw, skipped, mtp = read_checkpoint(model_dir, want, "Qwen3.5-MoE", False, claim)
+    raw, skipped, mtp = read_checkpoint(model_dir, want, "Qwen3.5-MoE", cfg.mtp_num_hidden_layers > 0, claim)
     for prefix, stack in stacks.items():
         fused = (prefix + "gate_up_proj", prefix + "down_proj")
         if any(name in raw for name in fused):
@@ -129,4 +151,4 @@ def load_weights(model_dir: Path, cfg: MoeTextConfig, device: torch.device | str
         place_tensor(weights, name, t, device, dtype)
     return weights
 
-__all__ = ["CheckpointError", "expected_shapes", "load_weights", "moe_shapes"]
+__all__ = ["CheckpointError", "expected_mtp_shapes", "expected_shapes", "load_weights", "moe_shapes", "weight_shapes"]

@@ -14,6 +14,10 @@ twin's per-expert GEMMs choose their algorithm by row count, like torch's CPU ma
 
 The block comes with the op set: an op set's own `moe_block` where it has one, else the torch twin beside the
 torch twins (default_ops) and the Triton block beside Triton kernels (the engine's triton and invariant sets).
+
+The MTP head (`mtp_head()`: the dense family's MTPHead, qse/models/qwen3_5/mtp.py) runs its decoder layer's MLP
+through `_mlp(p, h)` like every layer: here the sparse block of the head's own router, experts and shared expert
+(prefix `mtp.layers.0.`, layout.py's expected_mtp_shapes), on the same kernels as the main layers'.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from ..linear import DenseLinear
 from ..qwen3_5.layout import LoadedWeights
 from ..qwen3_5.model import Qwen35Model
 from .config import MoeTextConfig
+from .layout import expected_mtp_shapes
 
 SHARED_GATE_UP = "mlp.shared_expert.gate_up_proj"  # the shared expert's gate and up rows, fused (a view each)
 
@@ -47,22 +52,31 @@ def moe_block_of(ops: SimpleNamespace):
 
 class Qwen35MoeModel(Qwen35Model):
     family = "qwen3_5_moe"
+    # the MTP head's tensors, as MTPHead checks them: its layer's MLP is the sparse block
+    expected_mtp_shapes = staticmethod(expected_mtp_shapes)
 
     def __init__(self, cfg: MoeTextConfig, weights: LoadedWeights, device: torch.device | str, dtype: torch.dtype,
                  ops: SimpleNamespace | None = None):
         super().__init__(cfg, weights, device, dtype, ops)
         # each layer's block arguments, looked up once (a decode step runs cfg.num_hidden_layers blocks)
         self.moe_args: dict[str, tuple] = {}
-        for layer in range(cfg.num_hidden_layers):
-            m = f"layers.{layer}.mlp."
-            self.moe_args[f"layers.{layer}."] = (
+        for p in self._sparse_layers():
+            m = p + "mlp."
+            self.moe_args[p] = (
                 self.w[m + "gate.weight"],  # [E, H]
                 self.w[m + "experts.gate_up_proj"],  # [E, 2I, H]
                 self.w[m + "experts.down_proj"],  # [E, H, I]
-                self.fused[f"layers.{layer}.{SHARED_GATE_UP}"][0].weight,  # [2Is, H]
+                self.fused[p + SHARED_GATE_UP][0].weight,  # [2Is, H]
                 self.lin[m + "shared_expert.down_proj.weight"].weight,  # [H, Is]
                 self.w[m + "shared_expert_gate.weight"],  # [1, H]
             )
+
+    def _sparse_layers(self) -> list[str]:
+        """The prefixes of the layers with a sparse MLP: the model's, then the MTP head's where the weights hold
+        it (a config with a head over weights without one: MTPHead names what is missing)."""
+        prefixes = [f"layers.{layer}." for layer in range(self.cfg.num_hidden_layers)]
+        mtp = [f"mtp.layers.{layer}." for layer in range(self.cfg.mtp_num_hidden_layers)]
+        return prefixes + [p for p in mtp if p + "mlp.gate.weight" in self.w]
 
     # the engine swaps the op set (Engine._pick_kernels): the block follows it
     @property
@@ -76,10 +90,10 @@ class Qwen35MoeModel(Qwen35Model):
 
     def _fuse_projections(self) -> None:
         """The dense groups (attention, GDN), then each layer's shared expert's gate and up projections into one
-        [2Is, H] matrix, gate rows first: the block's shared_gate_up."""
+        [2Is, H] matrix, gate rows first: the block's shared_gate_up (the MTP head's layer's too)."""
         super()._fuse_projections()
-        for layer in range(self.cfg.num_hidden_layers):
-            s = f"layers.{layer}.mlp.shared_expert."
+        for p in self._sparse_layers():
+            s = p + "mlp.shared_expert."
             names = (s + "gate_proj.weight", s + "up_proj.weight")
             lins = [self.lin[n] for n in names]
             if not all(isinstance(lin, DenseLinear) for lin in lins):
@@ -89,10 +103,11 @@ class Qwen35MoeModel(Qwen35Model):
             widths = tuple(lin.shape[0] for lin in lins)
             for name, part in zip(names, fused.split(widths, dim=0)):
                 self.lin[name] = DenseLinear(part)
-            self.fused[f"layers.{layer}.{SHARED_GATE_UP}"] = (DenseLinear(fused), widths)
+            self.fused[p + SHARED_GATE_UP] = (DenseLinear(fused), widths)
 
     def _mlp(self, p: str, h: torch.Tensor) -> torch.Tensor:
-        """The sparse block of layer prefix `p` on h [T, H] -> [T, H]."""
+        """The sparse block of layer prefix `p` (`layers.{i}.`, or the MTP head's `mtp.layers.0.`) on h [T, H] ->
+        [T, H]."""
         return self.moe_block(h, *self.moe_args[p], self.cfg.num_experts_per_tok)
 
 

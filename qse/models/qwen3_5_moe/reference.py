@@ -1,5 +1,6 @@
 """transformers' Qwen3_5MoeForCausalLM on the very tensors a qse model holds (a test/bench dependency): its
-parameters are the qse model's tensors (load_state_dict assign=True), so the pair holds one copy of the weights."""
+parameters are the qse model's tensors (load_state_dict assign=True), so the pair holds one copy of the weights.
+transformers' model has no MTP head: the qse model's `mtp.*` tensors are left out of it."""
 
 from __future__ import annotations
 
@@ -35,9 +36,10 @@ def reference_model(model: Qwen35MoeModel, **overrides):
 
     with torch.device("meta"):
         hf = Qwen3_5MoeForCausalLM(reference_config(model, **overrides))
-    state = {f"model.{name}": t for name, t in model.w.items() if name != "lm_head.weight"}
+    state = {f"model.{name}": t for name, t in model.w.items() if name != "lm_head.weight" and not _is_mtp(name)}
     for name, lin in model.lin.items():
-        state[f"model.{name}"] = lin.weight
+        if not _is_mtp(name):
+            state[f"model.{name}"] = lin.weight
     state["lm_head.weight"] = model.lm_head.weight
     hf.load_state_dict(state, strict=True, assign=True)
     if model.cfg.tie_word_embeddings:
@@ -45,6 +47,10 @@ def reference_model(model: Qwen35MoeModel, **overrides):
     hf.model.rotary_emb.inv_freq = model.inv_freq.clone()
     hf.model.rotary_emb.original_inv_freq = model.inv_freq.clone()
     return hf.eval()
+
+
+def _is_mtp(name: str) -> bool:
+    return name.startswith("mtp.")
 
 
 __all__ = ["reference_config", "reference_model"]
