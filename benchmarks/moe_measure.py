@@ -86,6 +86,8 @@ def floor_terms(model, batch: int, context: int) -> dict:
     cfg = model.cfg
     experts_nbytes = embed_nbytes = other_nbytes = 0
     for name, t in model.w.items():
+        if name.startswith("mtp."):
+            continue  # the MTP head's layer: a plain decode round never reads it
         nbytes = t.numel() * t.element_size()
         if ".mlp.experts." in name:
             experts_nbytes += nbytes
@@ -93,7 +95,7 @@ def floor_terms(model, batch: int, context: int) -> dict:
             embed_nbytes += nbytes
         else:
             other_nbytes += nbytes  # norms, router, shared gate, GDN's conv and gates, an untied head
-    other_nbytes += sum(lin.nbytes_per_use for lin in model.lin.values())
+    other_nbytes += sum(lin.nbytes_per_use for name, lin in model.lin.items() if not name.startswith("mtp."))
     if cfg.tie_word_embeddings:
         other_nbytes += embed_nbytes  # the head reads the whole embedding
     e, k = cfg.num_experts, cfg.num_experts_per_tok
