@@ -6,7 +6,7 @@
 # (weka_cc_sessions_dev.csv, hf_reader_baseline.py) and a pytest.ini without the asyncio plugin's
 # options. Results land in $OUT; copy them to benchmarks/results/ and commit.
 #
-#   bash benchmarks/run_h200.sh [tests|gemv|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abl|invariant|grammar|rounds|served|cache|load|memory|moves|pcie|sides|agents|spec|speccheck|tail|moeblock|moe ...]   (default: all, ~13 minutes)
+#   bash benchmarks/run_h200.sh [tests|gemv|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abspec|abl|invariant|grammar|rounds|served|cache|load|memory|moves|pcie|sides|agents|spec|speccheck|tail|moeblock|moe ...]   (default: all, ~13 minutes)
 #   PRESETS=qwen3.5-0.8b bash benchmarks/run_h200.sh measure                       (measure fewer presets)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -61,6 +61,11 @@ for step in $steps; do
     ab)  # decode loss of a 9B served model with the 0.8B reader on and off
       timeout 200 python3 benchmarks/shadow_ab.py --served qwen3.5-9b --reader qwen3.5-0.8b --prompt-tokens 16350 \
         --out-tokens 346 --pairs "${PAIRS:-10}" --out "$OUT" 2>&1 | grep '^{' | grep -v '"chunk"\|"run"' | tail -3 ;;
+    abspec)  # the decode-loss A/B with speculation on (AB_SPECULATE: ngram, mtp or both): the reader's ration beside verify rounds
+      for m in ${AB_SPECULATE:-ngram mtp}; do
+        QSE_SPECULATE=$m timeout 200 python3 benchmarks/shadow_ab.py --served qwen3.5-9b --reader qwen3.5-0.8b --prompt-tokens 16350 \
+          --out-tokens 346 --pairs "${PAIRS:-4}" --json-out "$OUT/shadow_ab-spec-$m.json" 2>&1 | grep '^{' | grep -v '"chunk"\|"run"' | tail -3
+      done ;;
     abl)  # the same with long turns (1,500 tokens, ~8 s of decode at 180 tokens/s): the ration opens 5 s after the first token
       timeout 300 python3 benchmarks/shadow_ab.py --served qwen3.5-9b --reader qwen3.5-0.8b --prompt-tokens 16350 \
         --out-tokens 1500 --pairs "${PAIRS:-10}" --json-out "$OUT/shadow_ab-long.json" 2>&1 | grep '^{' | grep -v '"chunk"\|"run"' | tail -3 ;;
@@ -77,7 +82,7 @@ for step in $steps; do
     moves)  # a 9B user decoding while another's 60k session comes back from disk: the decoder's largest gap
       timeout 300 python3 benchmarks/served_moves.py --preset "${MOVES_PRESET:-qwen3.5-9b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-500 ;;
     spec)  # speculative decoding's go/no-go: a verify of k + 1 rows against one decode step (graphs), and the rounds' step beside it
-      timeout 200 python3 benchmarks/spec_measure.py --preset "${SPEC_PRESET:-qwen3.5-9b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-400
+      timeout "${SPEC_TIMEOUT:-200}" python3 benchmarks/spec_measure.py --preset "${SPEC_PRESET:-qwen3.5-9b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-400
       timeout 120 python3 benchmarks/round_step.py --preset "${SPEC_PRESET:-qwen3.5-9b}" --batches 1,8 --out "$OUT" 2>&1 | grep '^{' | cut -c1-300 ;;
     speccheck)  # qse spec-check on the production kernels: speculative greedy against plain, partings judged by the near-tie
                 # rule; 4 sequences x 4 rows = 16 (every round's calls through the skinny GEMM), 8 x 4 = 32 (cuBLAS past 16)
@@ -117,7 +122,7 @@ for step in $steps; do
         --ahead "${LOAD_AHEAD:-1,0}" --arrival-gap-s "${LOAD_GAP:-0}" --decode-yield-ms "${LOAD_YIELD:-0}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-500 ;;
     rounds)  # batched decode rounds of the served 9B: device ms a round at 1 to 32 sequences of 6k tokens (ROUND_PROFILE=10: per kernel;
              # ROUND_BLAS=cublaslt: torch's other BLAS for the 2-32-row GEMMs)
-      timeout 300 python3 benchmarks/round_step.py --preset "${ROUND_PRESET:-qwen3.5-9b}" --batches 1,2,4,8,16,32 --profile "${ROUND_PROFILE:-0}" --blas "${ROUND_BLAS:-default}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-400 ;;
+      timeout 300 python3 benchmarks/round_step.py --preset "${ROUND_PRESET:-qwen3.5-9b}" --batches "${ROUND_BATCHES:-1,2,4,8,16,32}" --profile "${ROUND_PROFILE:-0}" --blas "${ROUND_BLAS:-default}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-400 ;;
     memory)  # peak device memory of 16k, 64k and 128k prompts read from row 0: the served 9B's turn start, the 0.8B's question
       timeout 400 python3 benchmarks/prompt_memory.py --preset "${MEMORY_PRESET:-qwen3.5-9b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-600 ;;
     *) echo "unknown step $step"; exit 2 ;;

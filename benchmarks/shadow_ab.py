@@ -68,6 +68,8 @@ async def one_run(conductor: Conductor, prompt: list[int], out_tokens: int) -> d
             # the slices' wall time: device time plus the host steps around it (thread hops, plan, logs)
             "reader_ration_wall_ms": round(rec.reader_ration_wall_ms, 3), "reader_ration_slices": rec.reader_ration_slices,
             "wall_s": round(time.perf_counter() - t0, 3), **gap_stats(stamps),
+            # with QSE_SPECULATE on: what the turn's verifies drafted and kept (0 and 0: plain rounds)
+            "draft_tokens": rec.draft_tokens, "accepted_draft_tokens": rec.accepted_draft_tokens,
             # Python's collections by generation during the turn: a full one stalls the decode loop
             "gc_collections": collections}
 
@@ -119,7 +121,7 @@ async def main_async(args) -> dict:
         "served": args.served, "reader": args.reader, "served_model": served.name, "reader_model": reader_engine.name,
         "shared_engine": reader_engine is served, "ops": args.ops, "reader_mode": reader.mode, "served_mode": serving.mode, "grid": args.grid,
         "conductor": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(config).items()},
-        "prompt_tokens": args.prompt_tokens, "out_tokens": args.out_tokens, "pairs": args.pairs, "gap_s": args.gap_s,
+        "speculate": config.speculate, "prompt_tokens": args.prompt_tokens, "out_tokens": args.out_tokens, "pairs": args.pairs, "gap_s": args.gap_s,
         "decode_tok_s_median": med, "decode_loss_pct": round((med["off"] - med["on"]) / med["off"] * 100, 3),
         "paired_deltas_pct": [round(d, 3) for d in pairs],
         "ttft_s_median": {a: statistics.median(r["ttft_s"] for r in runs) for a, runs in arms.items()},
