@@ -9,7 +9,10 @@ acceptance rate alpha:
     choose W   = the width with the most tokens per device ms; 1 (a plain round) unless one beats it by `margin`
 
 A turn that finds no draft for a few rounds looks again only now and then (`looks`): looking needs its last id
-on the host, so its rounds cannot be launched ahead while it looks. The costs are measured: every round the loop
+on the host, so its rounds cannot be launched ahead while it looks. Nor does a turn look whose rate could not pay
+for the round's widest verify alone (a head whose drafts are refused: a verify costs more than a plain round and
+the rounds lose their launch ahead); its rate drifts back to the prior between verifies, more slowly after each
+verify in a row that kept nothing (`SpecTurn.misses`), so such a turn tries again ever more rarely. The costs are measured: every round the loop
 runs reports its device ms (`observe_round`), a running mean a
 (bucket, width); a width not measured yet is priced from the plain round's cost by a prior per extra row. A
 turn's alpha is a running mean of what its drafts kept (`observe_turn`); a turn that stops drafting drifts back
@@ -41,6 +44,7 @@ class SpecTurn:
 
     alpha: float
     quiet_rounds: int = 0  # rounds in a row it found no draft in (or did not look in)
+    misses: int = 0  # verifies in a row that kept none of its drafts
 
     def observe(self, drafted: int, accepted: int, weight: float) -> None:
         if drafted <= 0:
@@ -74,6 +78,9 @@ class SpecPlanner:
     # draft should not keep its batch from it
     quiet_after: int = 4
     recheck_every: int = 8
+    # after m verifies in a row that kept nothing a turn's rate drifts back at idle_weight / 2^min(m, max_backoff)
+    # a round: from a refused draft's rate, ~3 rounds to the next try after one miss, ~100 after five, ~400 at most
+    max_backoff: int = 7
     _cost_ms: dict[tuple[int, int], float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -91,10 +98,14 @@ class SpecPlanner:
     def new_turn(self) -> SpecTurn:
         return SpecTurn(self.prior_alpha)
 
-    def looks(self, turn: SpecTurn) -> bool:
-        """Whether the turn looks for drafts this round (its last quiet_rounds rounds found none)."""
+    def looks(self, turn: SpecTurn, bucket: int | None = None) -> bool:
+        """Whether the turn looks for drafts this round: its last quiet_rounds rounds found none (looks now and
+        then), and, for a round of `bucket` rows, a full draft at its rate would pay for a verify alone (also
+        while the plain round is unmeasured: verifies measure it)."""
         quiet = turn.quiet_rounds
-        return quiet < self.quiet_after or (quiet - self.quiet_after) % self.recheck_every == 0
+        if not (quiet < self.quiet_after or (quiet - self.quiet_after) % self.recheck_every == 0):
+            return False
+        return bucket is None or self.cost_ms(bucket, 1) is None or self.choose(bucket, [(self.max_draft, turn.alpha)]) > 1
 
     def observe_round(self, bucket: int, width: int, ms: float) -> None:
         """A round of `bucket` rows a width (1: plain) took `ms` of device time."""
@@ -109,8 +120,9 @@ class SpecPlanner:
         if drafted > 0:
             turn.observe(drafted, accepted, self.alpha_weight)
             turn.quiet_rounds = 0
+            turn.misses = turn.misses + 1 if accepted == 0 else 0
         else:
-            turn.idle(self.prior_alpha, self.idle_weight)
+            turn.idle(self.prior_alpha, self.idle_weight / 2 ** min(turn.misses, self.max_backoff))
             turn.quiet_rounds += 1
 
     def cost_ms(self, bucket: int, width: int) -> float | None:

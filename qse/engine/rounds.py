@@ -480,7 +480,8 @@ class DecodeRounds:
 
     def warm(self) -> None:
         """Capture every bucket's graph now rather than in the rounds that first need them (with the MTP head,
-        the drafts of verify_width - 1 ids after a round of each width too; other draft lengths on first use)."""
+        the drafts of verify_width - 1 ids after a round of each width, and of one id after a plain round, too;
+        other draft lengths on first use)."""
         for size in self.buckets:
             self._prepare(size)
             for width in range(2, self.verify_width + 1):  # a round may verify fewer rows (the planner's pick)
@@ -488,6 +489,7 @@ class DecodeRounds:
             if self.mtp is not None:
                 for width in (1, *range(2, self.verify_width + 1)):
                     self._prepare_draft(size, width, self.verify_width - 1)
+                self._prepare_draft(size, 1, 1)  # a plain round's one-id draft: no turn of it looks (the planner)
 
     def release_all(self) -> None:
         """Drop the graphs and give the scratch page back (admitted caches are the caller's to release)."""

@@ -207,7 +207,11 @@ class RoundLoop:
         # a batch with turns that can verify drafts runs its rounds one at a time: the drafts follow the last ids,
         # which must be on the host (a round launched ahead keeps them on the device)
         planner = self.spec_planner
-        speculating = planner is not None and any(e.sampler.verifies and planner.looks(e.spec) for e in batch)
+        bucket = self.serving.rounds.bucket(len(batch)) if batch else 0
+        speculating = planner is not None and any(e.sampler.verifies and planner.looks(e.spec, bucket) for e in batch)
+        # the MTP head drafts after the round for the next one: the widest draft where a turn looks now, else one
+        # id (a head step reads the whole output head; a turn that stopped looking tries again with one draft)
+        draft_k = None if speculating else 1
         ahead = (not speculating and self.policy.launch_ahead and bool(batch)
                  and all(e.sampler.is_on_device for e in batch))
         spec = speculating and in_flight is None
@@ -216,7 +220,7 @@ class RoundLoop:
         try:
             launched, tokens, ms, reads, earlier, drafted = await self.served_exec.run(
                 self._round_on_thread, batch, carry, ahead, plan.reads, in_flight.launch if in_flight else None, takers,
-                spec)
+                spec, draft_k)
         except Exception as exc:  # the round failed: every turn in it ends with the error
             for entry in batch + [r.key for r in plan.reads] + (in_flight.batch if in_flight else []):
                 if not entry.done.done():
@@ -293,7 +297,7 @@ class RoundLoop:
 
     def _round_on_thread(self, batch: list["RoundEntry"], carry: list[int], ahead: bool,
                          plan: tuple[Read, ...], earlier: LaunchedRound | None, takers: list[Sampler | None],
-                         spec: bool = False):
+                         spec: bool = False, draft_k: int | None = None):
         """The decode of `batch` (launched ahead, or sampled on the host and waited for), each planned read, then
         the earlier round's ids. Returns (the round launched ahead or None, the batch's ids when not ahead, their
         device ms, for each read (device ms, the first token if the tail was read, the error if it failed), the
@@ -320,13 +324,13 @@ class RoundLoop:
                 tokens, ms, drafted = self._speculative_round(batch)
             elif ahead:
                 launched = self.serving.launch_round(seqs, host_ids, carry, [e.sampler for e in batch],
-                                                     between=take_earlier if take_first else None)
+                                                     between=take_earlier if take_first else None, draft_k=draft_k)
             else:
                 logits, ms = self.serving.decode_round(seqs, host_ids, carry)
                 if take_first:
                     take_earlier()
                 tokens = [[e.sampler(logits[i])] for i, e in enumerate(batch)]
-                self.serving.follow_round(seqs, [t[0] for t in tokens])  # (the MTP head's drafts: launch_round's own)
+                self.serving.follow_round(seqs, [t[0] for t in tokens], k=draft_k)  # (launch_round's own: its k)
         reads = []
         for entry, chunks, tail in plan:
             seq = entry.seq
@@ -350,7 +354,8 @@ class RoundLoop:
         lookups (TurnDrafts); cut where they would pass the turn's last id or leave the tokenizer's vocabulary
         (a head's argmax may pick a padding row of the model's vocabulary)."""
         planner, serving = self.spec_planner, self.serving
-        looking = [e for e in batch if e.sampler.verifies and planner.looks(e.spec)]
+        bucket = serving.rounds.bucket(len(batch))
+        looking = [e for e in batch if e.sampler.verifies and planner.looks(e.spec, bucket)]
         found = iter(serving.head_drafts([e.seq for e in looking]) if serving.mtp else
                      [self._looked_up(e) for e in looking])
         proposals: list[list[int]] = []

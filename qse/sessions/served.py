@@ -409,22 +409,27 @@ class ServedSessions:
         turn.drafts = self.rounds.mtp_prefill(turn.slot, [*tail[1:], first_id], hidden)
 
     def follow_round(self, turns: list[ServedTurn], next_ids: list[int] | torch.Tensor,
-                     accepted: list[int] | None = None) -> None:
+                     accepted: list[int] | None = None, k: int | None = None) -> None:
         """After a round of these turns (decode_round, or verify_round and keep_round), before any other round:
         the head reads the round's rows and drafts again (turn.drafts). next_ids[i]: the id after turn i's last
         kept row (a host list, or the rounds' `sampled` on the device); accepted: each turn's kept drafts (None:
-        a plain round). Nothing without the head."""
+        a plain round); k: ids a turn (None: the widest verify's). Nothing without the head."""
         if not self.mtp or not turns:
             return
-        drafts = self.rounds.draft([t.slot for t in turns], next_ids, accepted).clone()  # the next draft overwrites
+        drafts = self.rounds.draft([t.slot for t in turns], next_ids, accepted, k=k).clone()  # the next overwrites
         for turn, row in zip(turns, drafts):
             turn.drafts = row
 
     def head_drafts(self, turns: list[ServedTurn]) -> list[list[int]]:
         """Each turn's drafts from the head after its last round, read back in one copy ([] where it has none)."""
-        have = [t for t in turns if t.drafts is not None]
-        rows = iter(torch.stack([t.drafts for t in have]).tolist() if have else [])
-        return [next(rows) if t.drafts is not None else [] for t in turns]
+        have = [t.drafts for t in turns if t.drafts is not None]  # (their lengths may differ: follow_round's k)
+        flat = torch.cat(have).tolist() if have else []
+        out, at = [], 0
+        for turn in turns:
+            n = 0 if turn.drafts is None else int(turn.drafts.shape[0])
+            out.append(flat[at : at + n])
+            at += n
+        return out
 
     def decode(self, turn: ServedTurn, token: int) -> tuple[torch.Tensor, float]:
         """One token on top of the turn alone; logits [1, vocab] (valid until the next step) and device ms."""
@@ -445,12 +450,14 @@ class ServedSessions:
         return logits, watch.gpu_ms
 
     def launch_round(self, turns: list[ServedTurn], tokens: list[int], carry: list[int] | None,
-                     samplers: list[Sampler], between: Callable[[], None] | None = None) -> "LaunchedRound":
+                     samplers: list[Sampler], between: Callable[[], None] | None = None,
+                     draft_k: int | None = None) -> "LaunchedRound":
         """decode_round without waiting: each row's id chosen on the device (every sampler is_on_device; plain
         greedy rows in one argmax) into the rounds' `sampled` row i, where the next round may read it (carry),
         and on its way to the host; nothing here waits for the device. between: called once the forward is
         enqueued and before the sampling (a grammar's matcher takes the last round's ids there and builds this
-        step's mask on the host while the device runs the forward; the sampling stays outside any graph)."""
+        step's mask on the host while the device runs the forward; the sampling stays outside any graph).
+        draft_k: the MTP head's draft after the round, ids a turn (follow_round's k)."""
         if not all(s.is_on_device for s in samplers):
             raise ValueError("launch_round samples on the device: log-probabilities need decode_round")
         self._before_round(turns)
@@ -469,7 +476,7 @@ class ServedSessions:
         end = self._clock.mark()
         for turn in turns:
             turn.pos += 1
-        self.follow_round(turns, sampled[:num_rows])  # the head reads the ids where they are, on the device
+        self.follow_round(turns, sampled[:num_rows], k=draft_k)  # the head reads the ids where they are, on the device
         return LaunchedRound(self.rounds.send_back(num_rows), begin, end, self._clock)
 
     def verify_round(self, turns: list[ServedTurn], rows: list[list[int]]) -> tuple[torch.Tensor, float]:

@@ -75,3 +75,37 @@ def test_a_turn_that_finds_no_draft_looks_again_only_now_and_then():
     assert looked == [True, True, True, False, False, True, False, False, True, False]
     planner.observe_turn(turn, 3, 2)  # a draft found: it looks every round again
     assert turn.quiet_rounds == 0 and planner.looks(turn)
+
+
+def test_a_turn_whose_verifies_keep_nothing_stops_looking_and_backs_off():
+    planner = SpecPlanner((2, 4))
+    planner.observe_round(1, 1, 5.0)
+    planner.observe_round(1, 2, 5.4)
+    planner.observe_round(1, 4, 5.7)
+    turn = planner.new_turn()
+    assert planner.looks(turn, 1)  # the prior rate pays
+    tries = []
+    for step in range(1000):
+        if planner.looks(turn, 1) and planner.choose(1, [(planner.max_draft, turn.alpha)]) > 1:
+            tries.append(step)
+            planner.observe_turn(turn, 3, 0)  # refused
+        else:
+            planner.observe_turn(turn, 0, 0)  # a plain round
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert 3 <= len(tries) <= 12  # (every ~4 rounds, ~250 tries, without the back-off)
+    assert gaps == sorted(gaps) and gaps[-1] > 8 * max(gaps[0], 1)  # ever more rarely
+    kept = planner.new_turn()
+    for _ in range(20):
+        assert planner.looks(kept, 1)
+        planner.observe_turn(kept, 3, 2)  # drafts kept: it looks every round
+    assert kept.misses == 0
+
+
+def test_a_turn_looks_while_the_plain_round_is_unmeasured():
+    planner = SpecPlanner((4,))
+    turn = planner.new_turn()
+    for _ in range(3):
+        planner.observe_turn(turn, 3, 0)
+    assert planner.looks(turn, 8)  # bucket 8 unmeasured: a verify measures it
+    planner.observe_round(8, 1, 6.0)
+    assert not planner.looks(turn, 8) and planner.looks(turn)  # no bucket: the quiet rule alone

@@ -188,3 +188,36 @@ def test_a_model_without_an_mtp_head_is_refused(make_rig):
         make_rig(speculate="mtp")
     with pytest.raises(ValueError, match=r"QSE_SPECULATE='eagle' is not one of \('off', 'ngram', 'mtp'\)"):
         Policy(speculate="eagle")
+
+
+async def test_a_turn_whose_drafts_are_refused_stops_verifying_and_tries_again_rarely(make_rig, mtp_engine):
+    """A head whose drafts are all refused (here: each id shifted off the head's pick) would make every round a
+    verify that keeps nothing and cost the rounds their launch ahead. After a few misses the turn stops looking:
+    its rounds are launched ahead, the head drafting one id after each, and it tries again, with that one id,
+    ever more rarely; its ids stay plain decoding's."""
+    plain = await _rig(make_rig, mtp_engine).turn(PROMPTS["b"], 60, session="b")
+    rig = make_rig(engine=mtp_engine, speculate="mtp", **CONFIG)
+    planner = rig.conductor.spec_planner
+    planner.cost_ms = lambda bucket, width: 1.0 + 0.15 * (width - 1)  # the prior's prices, never the CPU's clock
+    serving = rig.conductor.serving
+    limit = rig.conductor.served.chat.tokenizer.vocab_size
+    real_drafts, real_verify = serving.head_drafts, serving.verify_round
+    widths: list[int] = []
+
+    def head_drafts(turns):
+        return [[(t + 1) % limit for t in d] for d in real_drafts(turns)]
+
+    def verify_round(turns, rows):
+        widths.append(len(rows[0]))
+        return real_verify(turns, rows)
+
+    serving.head_drafts, serving.verify_round = head_drafts, verify_round
+    order = _order(serving)
+    assert await rig.turn(PROMPTS["b"], 60, session="b") == plain
+    record = rig.records[-1]
+    assert record.accepted_draft_tokens == 0 and record.draft_tokens > 0
+    assert order.count("launch_round") >= 40  # most of its 60 rounds launched ahead
+    assert 2 <= len(widths) <= 5  # a verify every round or two without the back-off
+    first_launch = order.index("launch_round")
+    assert "verify_round" in order[first_launch:]  # it tried again, after rounds launched ahead,
+    assert widths[-1] == 2  # with the one id the head drafted after a plain round
