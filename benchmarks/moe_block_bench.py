@@ -13,7 +13,9 @@ call streams its experts from memory as a decode step's 40 layers do.
 asks git itself, and where there is no git (the device machine) the old block is left out and says why.
 --sweep: the schedule knobs, which change no bits (moe.ROUTER_STAGES, moe.DIRECT_DOWN_STAGES,
 moe.DIRECT_GATE_UP_STAGES, moe.WIDE_TILES, moe.GROUP_WIDE_BLOCK_T, moe.USE_PDL), each at a few values on the
-path it moves, with its bits against the pinned value's (a value that fails to run records its error).
+path it moves, with its bits against the pinned value's (a value that fails to run records its error); and the
+pinned tiles (moe.ROUTER_BLOCK_K, GATE_UP_BLOCK_N, DOWN_BLOCK_N, NUM_WARPS), whose bit_equal says whether a
+row's bits survive a change of them on this device.
 
 The floor: the bytes a call must read at least, over the bandwidth of a device copy measured here (and the
 H200's nominal 4.8 TB/s): the router and shared gate rows, every distinct expert the call's tokens route to
@@ -168,7 +170,13 @@ def _sweep(moe, impls, copies, gen, device, time_us, shape, calls, num_copies, t
              "DIRECT_GATE_UP_STAGES": (SWEEP_STAGES, "new_pairs", (1,) if tiny else SWEEP_TOKENS),
              "WIDE_TILES": ((1, 2, 4, 8), "new_grouped", (17,) if tiny else (512, 4096)),
              "GROUP_WIDE_BLOCK_T": ((64, 128, 256, 512), "new_grouped", (17,) if tiny else (4096,)),
-             "USE_PDL": ((False, True), "new", (1,) if tiny else (1, 2, 4, 8, 32, 512))}
+             "USE_PDL": ((False, True), "new", (1,) if tiny else (1, 2, 4, 8, 32, 512)),
+             # tile shapes: pinned for batch invariance, but a row's dot products may keep their bits across them
+             # (the K loop's order is the same); bit_equal says whether they do on this device
+             "ROUTER_BLOCK_K": ((128, 256, 512, 1024), "new_pairs", (1,) if tiny else SWEEP_TOKENS),
+             "GATE_UP_BLOCK_N": ((16, 32, 64), "new_pairs", (1,) if tiny else SWEEP_TOKENS),
+             "DOWN_BLOCK_N": ((16, 32, 64), "new_pairs", (1,) if tiny else SWEEP_TOKENS),
+             "NUM_WARPS": ((2, 4, 8), "new_pairs", (1,) if tiny else SWEEP_TOKENS)}
     sweep = []
     for knob, (values, name, tokens) in knobs.items():
         pinned = getattr(moe, knob)

@@ -6,7 +6,7 @@ Nothing waits on the host and nothing but Triton kernels runs (a CUDA graph hold
 
     router   logits [T, E + 1] = x @ [router_w; shared_gate_w]^T: column E
              is the shared expert's gate logit                           _dense_kernel
-  direct (small decode batches, uses_direct; T <= BLOCK_M), three launches:
+  direct (when asked, or uses_direct past the pairs' range; T <= BLOCK_M), three launches:
     gate_up  a program a pair (token t, rank r): it routes t from the
              logits (_top_k), and its tile's row 0 is x_t through expert
              ids[t, r]; one more program holds the shared expert's block
@@ -14,7 +14,7 @@ Nothing waits on the host and nothing but Triton kernels runs (a CUDA graph hold
     down     a program a token and BN columns: for r = 0..k-1 the pair's
              row through down_e, rounded, weighted and summed in fp32 in
              rank order, then the shared expert's, rounded once           _down_combine_kernel
-  pairs (one token; T <= BLOCK_M), four launches: the direct gate_up, then
+  pairs (small decode batches, PAIRS_MAX_TOKENS; T <= BLOCK_M), four launches: the direct gate_up, then
     down     a program a pair and BN columns (the shared block: one more
              program), y [P, H] at the pair's row, its expert read from
              the ids the gate_up stored                                   _down_kernel, PAIRS
@@ -83,11 +83,11 @@ DIRECT_GATE_UP_STAGES = 3  # the direct gate_up (direct and pairs paths): (k + 1
 # benchmarks/moe_block_bench.py on the H200 (35B-A3B shapes, moe_block_bench-2026-12-03-h200.json): the direct
 # path wins at T = 2 and 4 only (T = 1: grouped 35.3 us against 39.0; T = 8: 112 against 125)
 DIRECT_MIN_TOKENS, DIRECT_MAX_TOKENS = 2, 4
-# the pairs path for 1..PAIRS_MAX_TOKENS tokens (a choice of speed too, at most BLOCK_M): reckoned, not measured.
-# At T = 1 the direct down has H / DOWN_BLOCK_N = 64 programs, each streaming all nine experts' columns; the
-# pairs path gives that down (k + 1) * 64 = 576 programs, as the grouped one, and drops its route and group
-# launches and the plan each of its programs reads
-PAIRS_MAX_TOKENS = 1
+# the pairs path for 1..PAIRS_MAX_TOKENS tokens (a choice of speed too, at most BLOCK_M; it is checked first, so
+# the direct path's range above is taken only where it lies past this one). Measured on the H200 (35B-A3B shapes,
+# moe_block_bench-pairs-2026-12-03-h200.json): pairs is the fastest path at T = 1, 2, 4 and 8 (grouped first from
+# T = 32); the pairs down has (T * k + 1) * H / DOWN_BLOCK_N programs where the direct one has T * H / DOWN_BLOCK_N
+PAIRS_MAX_TOKENS = 8
 # the route kernel's warps: one warp reduces without a barrier (it changes no bits: the ranks are exact maxima,
 # the weights lane by lane)
 ROUTE_WARPS = 1

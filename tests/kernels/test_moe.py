@@ -285,11 +285,11 @@ def test_pdl_is_off_under_the_interpreter(device, monkeypatch):
 
 
 def test_the_paths_by_token_count():
-    """path_for: pairs for one token, direct for 2..4, grouped past that (the pinned choice of speed)."""
+    """path_for: pairs for 1..8 tokens, grouped past that (the pinned choice of speed); direct only when asked."""
     if moe is None:
         pytest.skip("needs Triton")
-    picks = {t: moe.path_for(t) for t in (1, 2, 4, 5, 16, 17, 4096)}
-    assert picks == {1: "pairs", 2: "direct", 4: "direct", 5: "grouped", 16: "grouped", 17: "grouped",
+    picks = {t: moe.path_for(t) for t in (1, 2, 4, 8, 9, 16, 17, 4096)}
+    assert picks == {1: "pairs", 2: "pairs", 4: "pairs", 8: "pairs", 9: "grouped", 16: "grouped", 17: "grouped",
                      4096: "grouped"}
 
 
