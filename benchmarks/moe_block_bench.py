@@ -286,7 +286,7 @@ def main(argv=None) -> int:
             decode["saved_ms"] = round(LAYERS_35B * (one["old_us"] - one["new_us"]) / 1e3, 3)
     result = {**result_header("triton", device="cpu (interpreted)" if args.tiny else None),
               "shape": shape, "dtype": str(dtype), "old_commit": OLD_COMMIT, "old_missing": old_missing,
-              "direct_tokens": [moe.DIRECT_MIN_TOKENS, moe.DIRECT_MAX_TOKENS], "pairs_max_tokens": moe.PAIRS_MAX_TOKENS,
+              "pairs_max_tokens": moe.PAIRS_MAX_TOKENS,
               "wide": {"min_tokens": moe.WIDE_MIN_TOKENS, "tiles": moe.WIDE_TILES,
                        "group_min_tokens": moe.GROUP_WIDE_MIN_TOKENS, "group_block_t": moe.GROUP_WIDE_BLOCK_T},
               "router_stages": moe.ROUTER_STAGES, "direct_down_stages": moe.DIRECT_DOWN_STAGES,

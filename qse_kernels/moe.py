@@ -6,7 +6,7 @@ Nothing waits on the host and nothing but Triton kernels runs (a CUDA graph hold
 
     router   logits [T, E + 1] = x @ [router_w; shared_gate_w]^T: column E
              is the shared expert's gate logit                           _dense_kernel
-  direct (when asked, or uses_direct past the pairs' range; T <= BLOCK_M), three launches:
+  direct (when asked; T <= BLOCK_M), three launches:
     gate_up  a program a pair (token t, rank r): it routes t from the
              logits (_top_k), and its tile's row 0 is x_t through expert
              ids[t, r]; one more program holds the shared expert's block
@@ -78,15 +78,11 @@ NUM_WARPS, NUM_STAGES = 4, 3
 ROUTER_STAGES = 4
 DIRECT_DOWN_STAGES = 6
 DIRECT_GATE_UP_STAGES = 3  # the direct gate_up (direct and pairs paths): (k + 1) * I / GATE_UP_BLOCK_N programs
-# the direct path for DIRECT_MIN_TOKENS..DIRECT_MAX_TOKENS tokens, the grouped one elsewhere: a choice of speed
-# only (both give the same bits); at most BLOCK_M, so that the shared expert's rows are one tile. Pinned from
-# benchmarks/moe_block_bench.py on the H200 (35B-A3B shapes, moe_block_bench-2026-12-03-h200.json): the direct
-# path wins at T = 2 and 4 only (T = 1: grouped 35.3 us against 39.0; T = 8: 112 against 125)
-DIRECT_MIN_TOKENS, DIRECT_MAX_TOKENS = 2, 4
-# the pairs path for 1..PAIRS_MAX_TOKENS tokens (a choice of speed too, at most BLOCK_M; it is checked first, so
-# the direct path's range above is taken only where it lies past this one). Measured on the H200 (35B-A3B shapes,
-# moe_block_bench-pairs-2026-12-03-h200.json): pairs is the fastest path at T = 1, 2, 4 and 8 (grouped first from
-# T = 32); the pairs down has (T * k + 1) * H / DOWN_BLOCK_N programs where the direct one has T * H / DOWN_BLOCK_N
+# the pairs path for 1..PAIRS_MAX_TOKENS tokens, the grouped one past them; the direct path only when asked (all
+# give the same bits: a choice of speed, at most BLOCK_M so that the shared expert's rows are one tile). Measured
+# on the H200 (35B-A3B shapes, moe_block_bench-pairs-2026-12-03-h200.json): pairs is the fastest path at T = 1, 2,
+# 4 and 8 (grouped first from T = 32); the pairs down has (T * k + 1) * H / DOWN_BLOCK_N programs where the direct
+# one has T * H / DOWN_BLOCK_N
 PAIRS_MAX_TOKENS = 8
 # the route kernel's warps: one warp reduces without a barrier (it changes no bits: the ranks are exact maxima,
 # the weights lane by lane)
@@ -104,12 +100,7 @@ GROUP_WIDE_MIN_TOKENS, GROUP_WIDE_BLOCK_T = 512, 256
 # T = 4096 the down alone has 2560 x 64 programs. Reckoned, not measured; above the 512-row chunks the served
 # sessions read, which keep their measured schedule
 WIDE_MIN_TOKENS, WIDE_TILES = 1024, 4
-assert DIRECT_MAX_TOKENS <= BLOCK_M and PAIRS_MAX_TOKENS <= BLOCK_M
-
-
-def uses_direct(num_tokens: int) -> bool:
-    """Whether a block of num_tokens tokens takes the direct path (the choice of speed above)."""
-    return DIRECT_MIN_TOKENS <= num_tokens <= DIRECT_MAX_TOKENS
+assert PAIRS_MAX_TOKENS <= BLOCK_M
 
 
 @triton.jit
@@ -688,9 +679,7 @@ SMALL_PATHS = ("direct", "pairs")  # at most BLOCK_M tokens: the shared expert's
 
 def path_for(num_tokens: int) -> str:
     """The path a block of num_tokens tokens takes when none is asked for (the choice of speed above)."""
-    if num_tokens <= PAIRS_MAX_TOKENS:
-        return "pairs"
-    return "direct" if uses_direct(num_tokens) else "grouped"
+    return "pairs" if num_tokens <= PAIRS_MAX_TOKENS else "grouped"
 
 
 def moe_block(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -728,5 +717,5 @@ def moe_block(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Tensor, do
     return _grouped(x, keys.reshape(-1), num_tokens, weights, gate_up, down, shared, logits)
 
 
-__all__ = ["DIRECT_MAX_TOKENS", "DIRECT_MIN_TOKENS", "PAIRS_MAX_TOKENS", "PATHS", "moe_block", "moe_experts",
-           "moe_route", "path_for", "router_logits", "uses_direct"]
+__all__ = ["PAIRS_MAX_TOKENS", "PATHS", "moe_block", "moe_experts",
+           "moe_route", "path_for", "router_logits"]

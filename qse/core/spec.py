@@ -12,9 +12,9 @@ A turn that finds no draft for a few rounds looks again only now and then (`look
 on the host, so its rounds cannot be launched ahead while it looks. Nor does a turn look whose rate could not pay
 for the round's widest verify alone (a head whose drafts are refused: a verify costs more than a plain round and
 the rounds lose their launch ahead); its rate drifts back to the prior between verifies, more slowly after each
-verify in a row that kept nothing (`SpecTurn.misses`), so such a turn tries again ever more rarely. The costs are measured: every round the loop
-runs reports its device ms (`observe_round`), a running mean a
-(bucket, width); a width not measured yet is priced from the plain round's cost by a prior per extra row. A
+verify in a row that kept nothing (`SpecTurn.misses`), so such a turn tries again ever more rarely. The costs
+are measured: every round the loop runs reports its device ms (`observe_round`), a running mean a (bucket,
+width); a width not measured yet is priced from the plain round's cost by a prior per extra row. A
 turn's alpha is a running mean of what its drafts kept (`observe_turn`); a turn that stops drafting drifts back
 to the prior (`SpecTurn.idle`), so one bad stretch does not shut its drafts off for the rest of the turn.
 

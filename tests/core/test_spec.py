@@ -86,7 +86,7 @@ def test_a_turn_whose_verifies_keep_nothing_stops_looking_and_backs_off():
     assert planner.looks(turn, 1)  # the prior rate pays
     tries = []
     for step in range(1000):
-        if planner.looks(turn, 1) and planner.choose(1, [(planner.max_draft, turn.alpha)]) > 1:
+        if planner.looks(turn, 1):  # (looking: a full draft at its rate pays)
             tries.append(step)
             planner.observe_turn(turn, 3, 0)  # refused
         else:
