@@ -38,7 +38,7 @@ SHAPES_9B = [("gdn_in_proj", 12352, 4096), ("gdn_out_proj", 4096, 4096), ("attn_
 LAYERS_9B = {"gdn_in_proj": 24, "gdn_out_proj": 24, "attn_qkv": 8, "attn_o": 8, "mlp_gate_up": 32, "mlp_down": 32,
              "head": 1}  # how many of each a forward runs (24 GDN layers, 8 attention, 32 MLPs)
 SHAPES_TINY = [("tiny_proj", 96, 64), ("tiny_head", 200, 64)]
-ROWS, ROWS_TINY = (1, 2, 4, 8, 16), (1, 2, 5)
+ROWS, ROWS_TINY = (1, 2, 4, 8, 16, 24, 32), (1, 2, 5)  # 17..32: the 32-row tile (a verify of 8 x 4)
 SWEEP_ROWS = (2, 4, 8, 16)
 ROTATE_BYTES = 512 << 20  # the weight copies a timing rotates among, together (the H200's L2 is 50 MB)
 MIN_CALLS = 24  # calls in a timed graph
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
         gen = torch.Generator(device=device).manual_seed(n * 31 + k)  # drawn where they are used: the head is 1G values
         w0 = (torch.randn(n, k, generator=gen, device=device) * k ** -0.5).to(dtype)
         copies = [w0] + [w0.clone() for _ in range(num_copies - 1)]
-        x16 = torch.randn(16, k, generator=gen, device=device).to(dtype)
+        x16 = torch.randn(max(all_rows + SWEEP_ROWS), k, generator=gen, device=device).to(dtype)
         xs = {m: x16[:m] for m in {*all_rows, *SWEEP_ROWS}}
         ref16 = (x16.double() @ w0.double().t()).float()  # (fp64 products and sums: the rounding's yardstick)
         pinned = skinny.tiles(n, k)

@@ -66,7 +66,7 @@ def triton_ops() -> SimpleNamespace:
         if GEMV_PROJECTIONS and x.numel() == x.shape[-1]:
             return gemv(x, w)
         rows = x.numel() // max(x.shape[-1], 1)
-        if SKINNY_PROJECTIONS and 2 <= rows <= skinny.MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+        if SKINNY_PROJECTIONS and 2 <= rows <= skinny.TILE_ROWS and x.dtype in (torch.bfloat16, torch.float16):
             return skinny.skinny_matmul(x, w)
         return naive.dense_matmul(x, w)
 
@@ -103,11 +103,11 @@ def triton_ops() -> SimpleNamespace:
 
 
 def rows_alike(ops: SimpleNamespace) -> None:
-    """triton_ops' `ops`, in place, with every call of 1 to 16 rows of 16-bit x through the skinny GEMM: the
+    """triton_ops' `ops`, in place, with every call of 1 to 32 rows of 16-bit x through the skinny GEMM: the
     projections (the one-row GEMV's rows too) and the fp32 head of a decode round (`head_rows`). A row's bits
-    then depend on its values alone in any round of up to 16 rows, so a plain round's row and a speculative
-    verify's row of the same token round alike on the production kernels (DecodeRounds asks for it where it
-    verifies). Past 16 rows the calls go to cuBLAS as before. A one-row projection costs a little more than the
+    then depend on its values alone in any round of up to 32 rows (8 sequences verifying 4 rows each), so a
+    plain round's row and a speculative verify's row of the same token round alike on the production kernels
+    (DecodeRounds asks for it where it verifies). Past 32 rows the calls go to cuBLAS as before. A one-row projection costs a little more than the
     GEMV's (skinny_bench: 3.67 against 3.54 ms for the 9B's a forward)."""
     import torch
 

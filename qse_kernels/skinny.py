@@ -1,4 +1,4 @@
-"""A few rows times a weight, x [M, K] @ w [N, K]^T for 1 <= M <= 16, in Triton: a speculative verify's k + 1
+"""A few rows times a weight, x [M, K] @ w [N, K]^T for 1 <= M <= 32, in Triton: a speculative verify's k + 1
 rows and a small batched decode round; the naive twin is naive.dense_matmul.
 
 Like the one-row GEMV (gemv.py) this is bound by memory: the weight is read once for all M rows. Each program
@@ -6,7 +6,9 @@ owns BN rows of w (BN columns of y) and streams them in BK-column steps through 
 [16, BK] tile of x by a [BK, BN] tile of w^T (or, swapped, w's [BN, BK] by x^T's [BK, 16]). x is padded
 to 16 rows of zeros (their results are never stored), so the tile shape, the K order and the instructions
 are the same for every M; element (i, j) of a tile product reads row i of x and row j of w only. Row
-invariance follows: row i's bits depend on x[i] and w, never on M or on the other rows' values.
+invariance follows: row i's bits depend on x[i] and w, never on M or on the other rows' values. 17 to 32 rows
+(a verify of 8 sequences of 4 rows) take two such products a step, rows 0-15 and 16-31, of the one weight tile
+loaded once: the same 16-row product shape, so the same bits as a call of 16 rows or fewer.
 
 The tiling is pinned by (N, K) alone (`tiles`). Where N gives too few programs to keep the SMs reading, K is
 cut into SPLIT fixed slices: each writes its fp32 partial sums, and a second kernel adds the slices in slice
@@ -23,7 +25,8 @@ import triton.language as tl
 
 from . import interpreting
 
-MAX_ROWS = 16  # the tile's rows: x is padded to them
+TILE_ROWS = 16  # a tile product's rows: x is padded to them
+MAX_ROWS = 2 * TILE_ROWS  # two products a weight tile
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -56,7 +59,7 @@ def tiles(num_cols: int, depth: int) -> Tiles:
 def _skinny_kernel(
     x_ptr, w_ptr, y_ptr, num_rows, num_cols, depth, split_depth, stride_xm, stride_wn, stride_ys, stride_ym,
     BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
-    SWAP: tl.constexpr,
+    SWAP: tl.constexpr, TWO: tl.constexpr,
 ):
     i_n, i_s = tl.program_id(0), tl.program_id(1)
     o_m = tl.arange(0, 16)
@@ -66,35 +69,66 @@ def _skinny_kernel(
     # the same lines, slower at small M); w's rows past N repeat row N - 1 (unmasked loads). A tile product's
     # element (i, j) reads only x's row i and w's row j, so neither touches a stored result.
     m_m = o_m < num_rows
+    m_m2 = (o_m + 16) < num_rows  # TWO: the second product's rows, 16..31
     p_x = x_ptr + o_m[:, None].to(tl.int64) * stride_xm + o_k[None, :]
+    p_x2 = p_x + 16 * stride_xm
     p_w = w_ptr + tl.minimum(o_n, num_cols - 1)[:, None].to(tl.int64) * stride_wn + o_k[None, :]
     k_lo = i_s * split_depth
     k_hi = tl.minimum(k_lo + split_depth, depth)
     if SWAP:
         acc = tl.zeros((BN, 16), tl.float32)
+        acc2 = tl.zeros((BN, 16), tl.float32)
     else:
         acc = tl.zeros((16, BN), tl.float32)
+        acc2 = tl.zeros((16, BN), tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         if EVEN_K:
-            b_x = tl.load(p_x + k0, mask=m_m[:, None], other=0.0)
+            m_k = o_k < BK
             b_w = tl.load(p_w + k0)
         else:  # slices start on BK lines, so only K's own end is ragged
             m_k = (k0 + o_k) < depth
-            b_x = tl.load(p_x + k0, mask=m_m[:, None] & m_k[None, :], other=0.0)
             b_w = tl.load(p_w + k0, mask=m_k[None, :], other=0.0)
         if DOT_FP32:  # the interpreter multiplies 16-bit dot operands as raw integers
-            b_x, b_w = b_x.to(tl.float32), b_w.to(tl.float32)
-        if SWAP:
-            if IEEE:  # fp32 operands: full fp32 products
-                acc += tl.dot(b_w, tl.trans(b_x), input_precision="ieee")
-            else:
-                acc += tl.dot(b_w, tl.trans(b_x))
-        else:
-            if IEEE:
-                acc += tl.dot(b_x, tl.trans(b_w), input_precision="ieee")
-            else:
-                acc += tl.dot(b_x, tl.trans(b_w))
+            b_w = b_w.to(tl.float32)
+        acc = _product(acc, _x_tile(p_x + k0, m_m, m_k, EVEN_K, DOT_FP32), b_w, SWAP, IEEE)
+        if TWO:
+            acc2 = _product(acc2, _x_tile(p_x2 + k0, m_m2, m_k, EVEN_K, DOT_FP32), b_w, SWAP, IEEE)
     y_ptr += i_s.to(tl.int64) * stride_ys
+    _store_rows(y_ptr, acc, o_m, o_n, m_m, num_cols, stride_ym, SWAP)
+    if TWO:
+        _store_rows(y_ptr + 16 * stride_ym, acc2, o_m, o_n, m_m2, num_cols, stride_ym, SWAP)
+
+
+@triton.jit
+def _x_tile(p_x, m_m, m_k, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    """16 rows of x at one K step: rows past M are zeros (masked: no traffic)."""
+    if EVEN_K:
+        b_x = tl.load(p_x, mask=m_m[:, None], other=0.0)
+    else:
+        b_x = tl.load(p_x, mask=m_m[:, None] & m_k[None, :], other=0.0)
+    if DOT_FP32:
+        b_x = b_x.to(tl.float32)
+    return b_x
+
+
+@triton.jit
+def _product(acc, b_x, b_w, SWAP: tl.constexpr, IEEE: tl.constexpr):
+    """acc + one K step of 16 rows of x by BN rows of w: [BN, 16] swapped, else [16, BN]."""
+    if SWAP:
+        if IEEE:  # fp32 operands: full fp32 products
+            acc += tl.dot(b_w, tl.trans(b_x), input_precision="ieee")
+        else:
+            acc += tl.dot(b_w, tl.trans(b_x))
+    else:
+        if IEEE:
+            acc += tl.dot(b_x, tl.trans(b_w), input_precision="ieee")
+        else:
+            acc += tl.dot(b_x, tl.trans(b_w))
+    return acc
+
+
+@triton.jit
+def _store_rows(y_ptr, acc, o_m, o_n, m_m, num_cols, stride_ym, SWAP: tl.constexpr):
     if SWAP:
         p_y = y_ptr + o_m[None, :].to(tl.int64) * stride_ym + o_n[:, None]
         tl.store(p_y, acc.to(y_ptr.dtype.element_ty), mask=m_m[None, :] & (o_n < num_cols)[:, None])
@@ -119,7 +153,7 @@ SUM_BLOCK = 1024
 
 def skinny_matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
                   launch: Tiles | None = None) -> torch.Tensor:
-    """x [..., K] with 1..16 rows @ w [N, K]^T -> [..., N] in out_dtype (x's dtype, or float32 for a logits
+    """x [..., K] with 1..32 rows @ w [N, K]^T -> [..., N] in out_dtype (x's dtype, or float32 for a logits
     head; fp32 accumulation either way). `launch` overrides the pinned tiling (benchmarks only: another
     tiling rounds differently)."""
     if w.dim() != 2 or x.dim() == 0 or x.shape[-1] != w.shape[1]:
@@ -156,7 +190,7 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | Non
         part.stride(0) if splits > 1 else 0, part.stride(-2),
         BN=cfg.block_n, BK=cfg.block_k, EVEN_K=depth % cfg.block_k == 0,
         DOT_FP32=interpreting() and x.dtype != torch.float32, IEEE=x.dtype == torch.float32, SWAP=cfg.swap_ab,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TWO=num_rows > TILE_ROWS, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         numel = num_rows * num_cols
@@ -164,4 +198,4 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | Non
     return y.reshape(*lead, num_cols)
 
 
-__all__ = ["MAX_ROWS", "Tiles", "skinny_matmul", "tiles"]
+__all__ = ["MAX_ROWS", "TILE_ROWS", "Tiles", "skinny_matmul", "tiles"]

@@ -106,9 +106,9 @@ class Engine:
 
     def round_rows_alike(self) -> None:
         """Make a decode round's row round as a speculative verify's rows do, where the op set would not: on
-        the production kernels (triton) every call of 1 to 16 rows goes through the skinny GEMM, the one-row
+        the production kernels (triton) every call of 1 to 32 rows goes through the skinny GEMM, the one-row
         projections and the round's head too (qse_kernels.rows_alike), so speculative greedy decoding emits
-        plain decoding's ids wherever a round holds 16 rows or fewer. The naive and invariant op sets already
+        plain decoding's ids wherever a round holds 32 rows or fewer. The naive and invariant op sets already
         round a row the same in any call. Idempotent; before any graph is captured (a captured graph keeps the
         calls it captured)."""
         if self.kernels == "triton" and not getattr(self.model.ops, "rows_alike", False):

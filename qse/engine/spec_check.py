@@ -3,8 +3,8 @@ kernels the server would use; the gate of speculative decoding's exactness, with
 
 Greedy verification emits plain decoding's ids exactly where a verify row's logits are the bits a one-row decode
 round gives: on the row-invariant kernels (QSE_KERNELS=invariant), and on the production kernels wherever a round
-holds 16 rows or fewer (B sequences x (k + 1) rows <= 16: rounds that verify send every call of 1 to 16 rows
-through the skinny GEMM, qse_kernels.rows_alike). Past 16 rows a verify's GEMMs are cuBLAS's, which pick their
+holds 32 rows or fewer (B sequences x (k + 1) rows <= 32: rounds that verify send every call of 1 to 32 rows
+through the skinny GEMM, qse_kernels.rows_alike). Past 32 rows a verify's GEMMs are cuBLAS's, which pick their
 algorithm by the row count, so a row's logits differ in their last bits and the ids may part where the plain
 run's top two logits are nearly tied. The gate, per sequence and drafter:
 

@@ -1,4 +1,4 @@
-"""qse's skinny GEMM (1 to 16 rows) against its naive twin, and the property it promises: a row's bits never
+"""qse's skinny GEMM (1 to 32 rows) against its naive twin, and the property it promises: a row's bits never
 depend on how many rows came with it, nor on their values."""
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ CASES = {
     "fp32-split-fp32-out": (3, 50, 200, torch.float32, torch.float32, NARROW_SPLIT),
     "bf16-swapped": (9, 50, 130, torch.bfloat16, None, SWAPPED),
     "fp16-1row": (1, 20, 64, torch.float16, None, None),
+    "bf16-32rows-tall-tile": (32, 40, 96, torch.bfloat16, None, None),
+    "bf16-17rows-split": (17, 50, 200, torch.bfloat16, None, NARROW_SPLIT),
 }
 
 
@@ -43,13 +45,13 @@ def test_skinny_matches_twin(device, rel, m, n, k, dtype, out_dtype, launch):
 
 @pytest.mark.parametrize("launch", [None, NARROW_SPLIT, SWAPPED], ids=["pinned", "split", "swapped"])
 def test_a_row_is_the_same_bits_whatever_rows_come_with_it(device, launch):
-    """The rows of a 5-row call against the same rows inside calls of 1 to 16 rows, the other rows drawn
-    afresh for each call: torch.equal, not allclose."""
+    """The rows of a 5-row call against the same rows inside calls of 1 to 32 rows (the 16-row tile and the
+    32-row one), the other rows drawn afresh for each call: torch.equal, not allclose."""
     x, w = _xw(16, 40, 96, torch.bfloat16, device, seed=3)
     five = skinny.skinny_matmul(x[:5], w, launch=launch)
     gen = torch.Generator().manual_seed(4)
-    for m in range(1, 17):
-        others = torch.randn(16, 96, generator=gen).to(device, torch.bfloat16) * 100  # other rows' values differ wildly
+    for m in (*range(1, 18), 24, 31, 32):
+        others = torch.randn(32, 96, generator=gen).to(device, torch.bfloat16) * 100  # other rows' values differ wildly
         xm = torch.cat([x[: min(m, 5)], others[: max(m - 5, 0)]])
         got = skinny.skinny_matmul(xm, w, launch=launch)
         assert torch.equal(got[: min(m, 5)], five[: min(m, 5)]), m
@@ -60,8 +62,8 @@ def test_leading_dims_and_bad_input(device):
     assert torch.equal(skinny.skinny_matmul(x.view(2, 3, 32), w), skinny.skinny_matmul(x, w).view(2, 3, 40))
     with pytest.raises(ValueError, match=r"share K.*\(6, 16\)"):
         skinny.skinny_matmul(x[:, :16], w)
-    with pytest.raises(ValueError, match="1 to 16 rows; got 17"):
-        skinny.skinny_matmul(torch.zeros(17, 32, dtype=torch.bfloat16, device=device), w)
+    with pytest.raises(ValueError, match="1 to 32 rows; got 33"):
+        skinny.skinny_matmul(torch.zeros(33, 32, dtype=torch.bfloat16, device=device), w)
     with pytest.raises(ValueError, match="got 0"):
         skinny.skinny_matmul(x[:0], w)
     with pytest.raises(ValueError, match="torch.bfloat16 and torch.float32"):
@@ -91,20 +93,21 @@ def test_the_triton_ops_take_it_for_2_to_16_rows_of_16_bits(device):
     assert torch.equal(dense_matmul(x[:3].float(), w.float()), naive.dense_matmul(x[:3].float(), w.float()))
 
 
-def test_rows_alike_rounds_a_row_alone_as_in_any_call_of_up_to_16(device):
+def test_rows_alike_rounds_a_row_alone_as_in_any_call_of_up_to_32(device):
     """qse_kernels.rows_alike (what DecodeRounds asks for where it verifies): a one-row projection and a
-    round's fp32 head of one row give the bits of that row inside 2..16 rows; past 16 the calls are cuBLAS's."""
+    round's fp32 head of one row give the bits of that row inside 2..32 rows (8 sequences verifying 4 rows);
+    past 32 the calls are cuBLAS's."""
     import qse_kernels
 
     ops = qse_kernels.triton_ops()
     one_before = ops.dense_matmul
     qse_kernels.rows_alike(ops)
-    x, w = _xw(17, 40, 96, torch.bfloat16, device, seed=6)
-    for m in (2, 5, 16):
+    x, w = _xw(33, 40, 96, torch.bfloat16, device, seed=6)
+    for m in (2, 5, 16, 17, 32):
         assert torch.equal(ops.dense_matmul(x[:1], w), ops.dense_matmul(x[:m], w)[:1]), m
         assert torch.equal(ops.head_rows(x[:1], w), ops.head_rows(x[:m], w)[:1]), m
     assert ops.head_rows(x[:3], w).dtype == torch.float32
-    assert torch.equal(ops.dense_matmul(x, w), one_before(x, w))  # 17 rows: as before
+    assert torch.equal(ops.dense_matmul(x, w), one_before(x, w))  # 33 rows: as before
     assert torch.equal(ops.dense_matmul(x[:1].float(), w.float()), one_before(x[:1].float(), w.float()))
 
 
@@ -132,10 +135,10 @@ GPU_SHAPES = {"gdn_out_proj": (4096, 4096, None), "gdn_in_proj": (12352, 4096, N
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k,out_dtype", GPU_SHAPES.values(), ids=GPU_SHAPES.keys())
 def test_skinny_on_the_9b_shapes(rel, n, k, out_dtype):
-    x, w = _xw(16, n, k, torch.bfloat16, "cuda", seed=n)
+    x, w = _xw(32, n, k, torch.bfloat16, "cuda", seed=n)
     ref = x.double() @ w.double().t()
     five = skinny.skinny_matmul(x[:5], w, out_dtype)
-    for m in (1, 2, 5, 8, 16):
+    for m in (1, 2, 5, 8, 16, 17, 24, 32):  # the 16-row tile and the 32-row one
         got = skinny.skinny_matmul(x[:m], w, out_dtype)
         assert rel(got, ref[:m]) < (1e-4 if out_dtype == torch.float32 else 1e-2), m
         assert torch.equal(got[: min(m, 5)], five[: min(m, 5)]), m
