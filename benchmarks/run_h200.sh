@@ -6,7 +6,7 @@
 # (weka_cc_sessions_dev.csv, hf_reader_baseline.py) and a pytest.ini without the asyncio plugin's
 # options. Results land in $OUT; copy them to benchmarks/results/ and commit.
 #
-#   bash benchmarks/run_h200.sh [tests|gemv|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abspec|abl|invariant|grammar|rounds|served|cache|load|memory|moves|pcie|sides|agents|spec|speccheck|tail|moeblock|moe ...]   (default: all, ~13 minutes)
+#   bash benchmarks/run_h200.sh [tests|gemv|skinny|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abspec|abl|invariant|grammar|rounds|served|cache|load|memory|moves|pcie|sides|agents|spec|speccheck|tail|moeblock|moe ...]   (default: all, ~13 minutes)
 #   PRESETS=qwen3.5-0.8b bash benchmarks/run_h200.sh measure                       (measure fewer presets)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -24,6 +24,8 @@ for step in $steps; do
         ${TESTS:-tests/kernels} -q 2>&1 | tail -8 | tee "$OUT/gpu-tests.txt" ;;
     gemv)  # one-row projections and head: cuBLAS against qse's GEMV, 0.8B and 9B shapes
       timeout 120 python3 benchmarks/gemv_bench.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-300 ;;
+    skinny)  # 1 to 32 rows (verify rounds): cuBLAS against qse's skinny GEMM at the 9B's shapes, rows' bits whatever M
+      timeout 150 python3 benchmarks/skinny_bench.py --out "$OUT" 2>&1 | grep '^{' | grep -v '"candidate"' | cut -c1-300 ;;
     fp8)  # FP8 block weights against BF16 at the 9B's projections: one row (GEMV) and a 512-row chunk (GEMM)
       timeout 180 python3 benchmarks/fp8_bench.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-600 ;;
     attention)  # the attention kernel's tile shapes and softmax forms for chunks and questions, at 32k and 64k
@@ -85,7 +87,7 @@ for step in $steps; do
       timeout "${SPEC_TIMEOUT:-200}" python3 benchmarks/spec_measure.py --preset "${SPEC_PRESET:-qwen3.5-9b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-400
       timeout 120 python3 benchmarks/round_step.py --preset "${SPEC_PRESET:-qwen3.5-9b}" --batches 1,8 --out "$OUT" 2>&1 | grep '^{' | cut -c1-300 ;;
     speccheck)  # qse spec-check on the production kernels: speculative greedy against plain, partings judged by the near-tie
-                # rule; 4 sequences x 4 rows = 16 (every round's calls through the skinny GEMM), 8 x 4 = 32 (cuBLAS past 16)
+                # rule; 4 sequences x 4 rows = 16 (every round's calls through the skinny GEMM), 8 x 4 = 32 (the skinny GEMM's 32-row tile)
       for n in ${SPEC_SEQUENCES:-4 8}; do
         QSE_KERNELS=triton timeout 240 python3 -m qse.cli spec-check --model "${SPEC_PRESET:-qwen3.5-9b}" --device cuda \
           --dtype bfloat16 --sequences $n --context 512 --steps 128 --k 3 --drafter both \
