@@ -23,6 +23,8 @@ Pure: no torch, no clock. The round loop (qse/runtime/rounds.py) owns one planne
 
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass, field
 
 
@@ -106,6 +108,13 @@ class SpecPlanner:
         if not (quiet < self.quiet_after or (quiet - self.quiet_after) % self.recheck_every == 0):
             return False
         return bucket is None or self.cost_ms(bucket, 1) is None or self.choose(bucket, [(self.max_draft, turn.alpha)]) > 1
+
+    def looks_next(self, turn: SpecTurn, bucket: int | None = None) -> bool:
+        """Whether the turn would look for drafts in the round after this one, where this one does not verify
+        (the MTP head drafts for the next round after this one: none where no turn would read them)."""
+        after = copy.copy(turn)
+        self.observe_turn(after, 0, 0)
+        return self.looks(after, bucket)
 
     def observe_round(self, bucket: int, width: int, ms: float) -> None:
         """A round of `bucket` rows a width (1: plain) took `ms` of device time."""

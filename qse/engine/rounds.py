@@ -406,17 +406,19 @@ class DecodeRounds:
               accepted: Sequence[int] | torch.Tensor | None = None, k: int | None = None) -> torch.Tensor:
         """After the round of these slots (a verify, or a run: the last round, with the slots in its order; keep
         may come before or after): the head reads that round's rows and drafts k ids a slot (k default
-        verify_width - 1). next_ids[i]: the id after slot slots[i]'s accepted row (the verify's next pick, the
-        run's sampled id); accepted[i]: its accepted count (None: 0, as after a run). Either may be a long tensor
-        [B] on the device, never read here. Returns the drafts, long [B, k] on the device (a view of a buffer the
-        next draft overwrites): the next verify reads [next_ids, drafts]."""
+        verify_width - 1; k = 0: the head's rows alone, no draft: its KV rows stay current for a later draft,
+        and the output head, most of a draft's cost, is not read). next_ids[i]: the id after slot slots[i]'s
+        accepted row (the verify's next pick, the run's sampled id); accepted[i]: its accepted count (None: 0, as
+        after a run). Either may be a long tensor [B] on the device, never read here. Returns the drafts, long
+        [B, k] on the device (a view of a buffer the next draft overwrites): the next verify reads
+        [next_ids, drafts]."""
         self._require_mtp()
         last = self._last_round
         if last is None or last[0] != tuple(slots):
             raise ValueError(f"a draft follows the round of its slots, in their order: the last round ran "
                              f"{list(last[0]) if last else None}; got {list(slots)}")
         _, size, width = last
-        k = self._draft_k(k)
+        k = self._draft_k(k, rows_only=True)
         num_seqs = len(slots)
         host = torch.zeros(2, size, dtype=torch.long)
         self._check_tokens(next_ids, num_seqs)
@@ -446,10 +448,12 @@ class DecodeRounds:
             raise ValueError("these rounds hold no MTP head: build them with mtp=True to draft")
         return self.mtp
 
-    def _draft_k(self, k: int | None) -> int:
+    def _draft_k(self, k: int | None, rows_only: bool = False) -> int:
+        """k, checked: 1..verify_width - 1 ids (None: the most); 0 too where rows_only (the head's rows alone)."""
         k = self.verify_width - 1 if k is None else k
-        if not 1 <= k < self.verify_width:
-            raise ValueError(f"a draft holds 1..{self.verify_width - 1} ids (verify_width - 1); got k={k}")
+        if not (0 if rows_only else 1) <= k < self.verify_width:
+            raise ValueError(f"a draft holds {0 if rows_only else 1}..{self.verify_width - 1} ids (verify_width - 1);"
+                             f" got k={k}")
         return k
 
     def _round_caches(self, slots: Sequence[int], width: int) -> list[SequenceCache]:
@@ -480,8 +484,8 @@ class DecodeRounds:
 
     def warm(self) -> None:
         """Capture every bucket's graph now rather than in the rounds that first need them (with the MTP head,
-        the drafts of verify_width - 1 ids after a round of each width, and of one id after a plain round, too;
-        other draft lengths on first use)."""
+        the drafts of verify_width - 1 ids after a round of each width, and of one id or none after a plain
+        round, too; other draft lengths on first use)."""
         for size in self.buckets:
             self._prepare(size)
             for width in range(2, self.verify_width + 1):  # a round may verify fewer rows (the planner's pick)
@@ -489,7 +493,8 @@ class DecodeRounds:
             if self.mtp is not None:
                 for width in (1, *range(2, self.verify_width + 1)):
                     self._prepare_draft(size, width, self.verify_width - 1)
-                self._prepare_draft(size, 1, 1)  # a plain round's one-id draft: no turn of it looks (the planner)
+                self._prepare_draft(size, 1, 1)  # a plain round's one-id draft: a turn of it looks next round
+                self._prepare_draft(size, 1, 0)  # the head's rows alone: no turn of it looks next round
 
     def release_all(self) -> None:
         """Drop the graphs and give the scratch page back (admitted caches are the caller's to release)."""
@@ -624,6 +629,8 @@ class DecodeRounds:
                 batch = DecodeBatch(positions.reshape(-1).to(torch.int32), slots, self.tables.index_select(0, slots),
                                     self.pool, self.max_rows)
                 g = head.forward_rows(next_ids.reshape(-1), hidden, batch, kv_slot)  # [rows, H]
+                if k == 0:  # the rows alone
+                    return torch.zeros(size, 0, dtype=torch.long, device=g.device)
                 start = g.view(size, width, -1).gather(1, acc[:, None, None].expand(size, 1, g.shape[1])).squeeze(1)
                 own = slots[::width]
                 first = DecodeBatch((positions[:, 0] + acc).to(torch.int32), own, self.tables.index_select(0, own),

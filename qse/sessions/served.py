@@ -413,7 +413,8 @@ class ServedSessions:
         """After a round of these turns (decode_round, or verify_round and keep_round), before any other round:
         the head reads the round's rows and drafts again (turn.drafts). next_ids[i]: the id after turn i's last
         kept row (a host list, or the rounds' `sampled` on the device); accepted: each turn's kept drafts (None:
-        a plain round); k: ids a turn (None: the widest verify's). Nothing without the head."""
+        a plain round); k: ids a turn (None: the widest verify's; 0: the head reads the rows and drafts nothing,
+        where no turn will look next round). Nothing without the head."""
         if not self.mtp or not turns:
             return
         drafts = self.rounds.draft([t.slot for t in turns], next_ids, accepted, k=k).clone()  # the next overwrites

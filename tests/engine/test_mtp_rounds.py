@@ -171,6 +171,30 @@ def test_the_head_s_rows_share_the_target_s_pages(engines):
     assert torch.isfinite(rounds.pool.k[second, slot_kv, : 19 - PAGE_ROWS]).all()
 
 
+def test_rounds_whose_head_reads_its_rows_alone_leave_it_as_drafting_ones_do(engines):
+    """A round after which no turn will verify lets the head read the round's rows and draft nothing (k = 0: the
+    output head, most of a draft's cost, unread). Its KV rows are the same as after one-id drafts, so the next
+    real draft is the same ids: torch.equal after runs with k = 0 and runs with k = 1."""
+    engine = engines["agreeing"]
+    drafts = {}
+    for k_between in (0, 1):
+        rounds = DecodeRounds(engine, _pool(engine, True), max_running=2, graphs="static", verify_width=4, mtp=True)
+        slots, nxt = [], []
+        for prompt in PROMPTS:
+            slot, first, hidden = _prefill(engine, rounds, prompt)
+            rounds.mtp_prefill(slot, prompt[1:] + [first], hidden)
+            slots.append(slot)
+            nxt.append(first)
+        ids = torch.tensor(nxt)
+        for _ in range(6):  # across the page line at 16 (the first prompt's 13 rows + 6)
+            ids = rounds.run(slots, ids).argmax(-1)
+            between = rounds.draft(slots, ids, k=k_between)
+            assert between.shape == (2, k_between) and between.dtype == torch.long
+        ids = rounds.run(slots, ids).argmax(-1)
+        drafts[k_between] = rounds.draft(slots, ids, k=3).clone()
+    assert drafts[0].shape == (2, 3) and torch.equal(drafts[0], drafts[1])
+
+
 def test_refusals_name_what_is_wrong(engines):
     engine = engines["random"]
     with pytest.raises(ValueError, match=r"KV slot 1 of the pool, which has 1 slots: build it with "
@@ -190,6 +214,8 @@ def test_refusals_name_what_is_wrong(engines):
     rounds.verify([slot], [[first, 1, 2]])
     with pytest.raises(ValueError, match=r"in \[0, 3\)"):
         rounds.draft([slot], [first], [3])
+    with pytest.raises(ValueError, match=r"0..2 ids \(verify_width - 1\); got k=3"):
+        rounds.draft([slot], [first], [0], k=3)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         rounds.draft([slot], [engine.cfg.vocab_size])
     other, token, _ = _prefill(engine, rounds, PROMPTS[1])

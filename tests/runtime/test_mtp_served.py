@@ -193,8 +193,8 @@ def test_a_model_without_an_mtp_head_is_refused(make_rig):
 async def test_a_turn_whose_drafts_are_refused_stops_verifying_and_tries_again_rarely(make_rig, mtp_engine):
     """A head whose drafts are all refused (here: each id shifted off the head's pick) would make every round a
     verify that keeps nothing and cost the rounds their launch ahead. After a few misses the turn stops looking:
-    its rounds are launched ahead, the head drafting one id after each, and it tries again, with that one id,
-    ever more rarely; its ids stay plain decoding's."""
+    its rounds are launched ahead, the head reading their rows and drafting nothing (k = 0) except before a round
+    where it will look, and it tries again, with that one id, ever more rarely; its ids stay plain decoding's."""
     plain = await _rig(make_rig, mtp_engine).turn(PROMPTS["b"], 60, session="b")
     rig = make_rig(engine=mtp_engine, speculate="mtp", **CONFIG)
     planner = rig.conductor.spec_planner
@@ -211,7 +211,14 @@ async def test_a_turn_whose_drafts_are_refused_stops_verifying_and_tries_again_r
         widths.append(len(rows[0]))
         return real_verify(turns, rows)
 
-    serving.head_drafts, serving.verify_round = head_drafts, verify_round
+    follow_ks: list[int | None] = []
+    real_follow = serving.follow_round
+
+    def follow_round(turns, next_ids, accepted=None, k=None):
+        follow_ks.append(k)
+        return real_follow(turns, next_ids, accepted, k=k)
+
+    serving.head_drafts, serving.verify_round, serving.follow_round = head_drafts, verify_round, follow_round
     order = _order(serving)
     assert await rig.turn(PROMPTS["b"], 60, session="b") == plain
     record = rig.records[-1]
@@ -221,3 +228,5 @@ async def test_a_turn_whose_drafts_are_refused_stops_verifying_and_tries_again_r
     first_launch = order.index("launch_round")
     assert "verify_round" in order[first_launch:]  # it tried again, after rounds launched ahead,
     assert widths[-1] == 2  # with the one id the head drafted after a plain round
+    assert follow_ks.count(0) >= 30  # most rounds: the head's rows alone, no output head
+    assert 1 <= follow_ks.count(1) <= len(widths) + 1  # one id drafted only before a round that looks
