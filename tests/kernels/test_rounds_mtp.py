@@ -2,7 +2,7 @@
 static flow, the same script of rounds gives the same logits, drafts and head rows bit for bit.
 
 A tiny random Qwen3.5 with an MTP head (presets.tiny_mtp_config_dict, the embedded model's GDN head dims) in bf16:
-the embedded default ships none."""
+the embedded default ships none; and a tiny Qwen3.5-MoE with its MoE head (qwen3_5_moe presets.tiny_config_dict)."""
 
 from __future__ import annotations
 
@@ -15,30 +15,40 @@ from qse.engine.rounds import DecodeRounds, mtp_kv_slot, pool_slots_for
 from qse.models import ResolvedModel
 from qse.models.qwen3_5 import Qwen35Model, parse_config
 from qse.models.qwen3_5.presets import random_weights, tiny_mtp_config_dict
+from qse.models.qwen3_5_moe import Qwen35MoeModel
+from qse.models.qwen3_5_moe import parse_config as parse_moe_config
+from qse.models.qwen3_5_moe import presets as moe_presets
 
 PAGE_ROWS = 64  # the attention kernels' key block divides a page
 
 
-def _engine(kernels: str) -> Engine:
-    cfg = parse_config(tiny_mtp_config_dict(linear_key_head_dim=32, linear_value_head_dim=32))
-    model = Qwen35Model(cfg, random_weights(cfg, 0, "cuda", torch.bfloat16), "cuda", torch.bfloat16)
-    return Engine(ResolvedModel(model, None, "tiny-mtp", "random", model.family, "tiny-mtp-gpu"), kernels=kernels)
+def _engine(kernels: str, family: str = "dense") -> Engine:
+    if family == "moe":
+        cfg = parse_moe_config(moe_presets.tiny_config_dict())
+        model = Qwen35MoeModel(cfg, moe_presets.random_weights(cfg, 0, "cuda", torch.bfloat16), "cuda", torch.bfloat16)
+    else:
+        cfg = parse_config(tiny_mtp_config_dict(linear_key_head_dim=32, linear_value_head_dim=32))
+        model = Qwen35Model(cfg, random_weights(cfg, 0, "cuda", torch.bfloat16), "cuda", torch.bfloat16)
+    return Engine(ResolvedModel(model, None, f"tiny-mtp-{family}", "random", model.family, "tiny-mtp-gpu"),
+                  kernels=kernels)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernels", ["triton", "invariant"])
-def test_mtp_drafts_under_cuda_graphs_equal_the_static_flow(kernels):
+@pytest.mark.parametrize("kernels,family", [("triton", "dense"), ("invariant", "dense"), ("triton", "moe")])
+def test_mtp_drafts_under_cuda_graphs_equal_the_static_flow(kernels, family):
     """Two sequences (60 and 130 rows: page lines crossed) prefilled with the head's rows, then verifies of 2 to
     4 rows at scripted accepted counts, a plain round, and a draft after each (its ids the next verify's rows,
     built on the device; the accepted counts on the device too): captured and uncaptured, the same logits,
     drafts, head rows and GDN states bit for bit. The allocator is churned between rounds, so a graph that
     kept the address of a tensor it does not own reads garbage and fails here."""
     torch.manual_seed(0)
-    engine = _engine(kernels)
+    engine = _engine(kernels, family)
     cfg = engine.cfg
     prompts = [list(range(300, 300 + n)) for n in (60, 130)]
-    # (accepted counts of this verify or None: a plain round, then the next draft's length k)
-    script = [([1, 0], 3), ([3, 2], 1), ([0, 1], 2), (None, 3), ([2, 3], 3), ([0, 0], 2), ([2, 1], 3), ([3, 3], 1)]
+    # (accepted counts of this verify or None: a plain round, then the next draft's length k; k = 0: the head
+    # reads the round's rows and drafts nothing)
+    script = [([1, 0], 3), ([3, 2], 1), ([0, 1], 2), (None, 3), (None, 0), (None, 0), (None, 3), ([2, 3], 3),
+              ([0, 0], 2), ([2, 1], 3), ([3, 3], 1)]
     out = {}
     for graphs in (True, "static"):
         pool = KVPool(16, PAGE_ROWS, pool_slots_for(cfg, mtp=True), cfg.num_key_value_heads, cfg.head_dim,
