@@ -44,7 +44,7 @@ def test_mtp_drafts_under_cuda_graphs_equal_the_static_flow(kernels, family):
     torch.manual_seed(0)
     engine = _engine(kernels, family)
     cfg = engine.cfg
-    prompts = [list(range(300, 300 + n)) for n in (60, 130)]
+    prompts = [[(300 + i) % cfg.vocab_size for i in range(n)] for n in (60, 130)]  # (the MoE vocabulary: 328)
     # (accepted counts of this verify or None: a plain round, then the next draft's length k; k = 0: the head
     # reads the round's rows and drafts nothing)
     script = [([1, 0], 3), ([3, 2], 1), ([0, 1], 2), (None, 3), (None, 0), (None, 0), (None, 3), ([2, 3], 3),
