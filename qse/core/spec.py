@@ -45,8 +45,13 @@ class SpecTurn:
     found a draft (SpecPlanner.looks)."""
 
     alpha: float
+    prior: float | None = None  # the rate an idle round drifts back toward (None: alpha's first value)
     quiet_rounds: int = 0  # rounds in a row it found no draft in (or did not look in)
     misses: int = 0  # verifies in a row that kept none of its drafts
+
+    def __post_init__(self) -> None:
+        if self.prior is None:
+            self.prior = self.alpha
 
     def observe(self, drafted: int, accepted: int, weight: float) -> None:
         if drafted <= 0:
@@ -70,6 +75,9 @@ class SpecPlanner:
     widths: tuple[int, ...]
     prior_row_cost: float = 0.15
     prior_alpha: float = 0.5
+    # a turn whose request sent a prediction (OpenAI's predicted outputs: the file an agent rewrites) starts
+    # here: its drafts come mostly from text the answer will repeat, and a verify must be tried to learn it
+    prediction_alpha: float = 0.9
     alpha_weight: float = 0.5  # the newest verify's weight in a turn's rate
     idle_weight: float = 0.05  # a round without a draft pulls the rate this far back to the prior
     cost_weight: float = 0.2  # the newest round's weight in its (bucket, width) cost
@@ -88,8 +96,9 @@ class SpecPlanner:
     def __post_init__(self) -> None:
         if not self.widths or any(not isinstance(w, int) or w < 2 for w in self.widths):
             raise ValueError(f"verify widths must be integers >= 2, got {self.widths!r}")
-        if not 0.0 <= self.prior_alpha <= 1.0:
-            raise ValueError(f"prior_alpha must lie in [0, 1], got {self.prior_alpha!r}")
+        for name in ("prior_alpha", "prediction_alpha"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)!r}")
         self.widths = tuple(sorted(set(self.widths)))
 
     @property
@@ -97,8 +106,9 @@ class SpecPlanner:
         """The most drafted ids a verify reads a turn."""
         return self.widths[-1] - 1
 
-    def new_turn(self) -> SpecTurn:
-        return SpecTurn(self.prior_alpha)
+    def new_turn(self, predicted: bool = False) -> SpecTurn:
+        """A running turn's rate, from the prior (prediction_alpha where its request sent a prediction)."""
+        return SpecTurn(self.prediction_alpha if predicted else self.prior_alpha)
 
     def looks(self, turn: SpecTurn, bucket: int | None = None) -> bool:
         """Whether the turn looks for drafts this round: its last quiet_rounds rounds found none (looks now and
@@ -131,7 +141,7 @@ class SpecPlanner:
             turn.quiet_rounds = 0
             turn.misses = turn.misses + 1 if accepted == 0 else 0
         else:
-            turn.idle(self.prior_alpha, self.idle_weight / 2 ** min(turn.misses, self.max_backoff))
+            turn.idle(turn.prior, self.idle_weight / 2 ** min(turn.misses, self.max_backoff))
             turn.quiet_rounds += 1
 
     def cost_ms(self, bucket: int, width: int) -> float | None:

@@ -294,7 +294,7 @@ class RoundLoop:
         self._reading.remove(entry)
         self._running.append(entry)
         if self.spec_planner is not None:
-            entry.spec = self.spec_planner.new_turn()
+            entry.spec = self.spec_planner.new_turn(predicted=bool(turn.req.prediction_ids))
         behind = [e.prompt() for e in list(self._waiting) + self._reading]
         for other in self.scheduler.rounds.overtaken(entry.prompt(), behind):
             other.overtaken += 1  # (prefill_order's starvation bound)

@@ -59,6 +59,25 @@ def test_a_turns_rate_follows_its_drafts_and_drifts_back_when_it_stops_drafting(
     assert before < low.alpha < planner.prior_alpha
 
 
+def test_a_turn_that_sent_a_prediction_starts_and_drifts_back_at_the_prediction_s_rate():
+    """A request's prediction is text the answer is expected to repeat: its turn is priced at prediction_alpha,
+    so a verify is tried where a turn at the plain prior would not pay for one (here: a 4-row verify at 2.2x a
+    round, as on a CPU); its misses still pull it down, and idle rounds back to its own prior."""
+    planner = SpecPlanner((4,), prior_alpha=0.5, prediction_alpha=0.9)
+    planner.observe_round(1, 1, 1.0)
+    planner.observe_round(1, 4, 2.2)
+    plain, predicted = planner.new_turn(), planner.new_turn(predicted=True)
+    assert (plain.alpha, predicted.alpha) == (0.5, 0.9)
+    assert not planner.looks(plain, 1) and planner.looks(predicted, 1)
+    planner.observe_turn(predicted, 3, 0)
+    low = predicted.alpha
+    for _ in range(40):
+        planner.observe_turn(predicted, 0, 0)
+    assert low < predicted.alpha < 0.9 and predicted.alpha > planner.prior_alpha
+    with pytest.raises(ValueError, match="prediction_alpha must lie in"):
+        SpecPlanner((4,), prediction_alpha=1.5)
+
+
 @pytest.mark.parametrize("widths", [(), (1,), (0, 4)])
 def test_bad_widths_are_refused_by_value(widths):
     with pytest.raises(ValueError, match="widths"):

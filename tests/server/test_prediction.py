@@ -52,6 +52,40 @@ def test_a_prediction_drafts_and_leaves_the_answer_as_it_was(spec_server):
         assert parts.choices[0].message.content == text
 
 
+TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file.", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+
+
+def _streamed(client, model, **extra):
+    """A streamed chat with tools offered: every delta's (content, reasoning, tool calls), the finish, usage."""
+    chunks = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=32, temperature=0, stream=True,
+                                            tools=TOOLS, stream_options={"include_usage": True},
+                                            extra_body={"chat_template_kwargs": {"enable_thinking": False}}, **extra)
+    deltas, finish, usage = [], None, None
+    for chunk in chunks:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            d = choice.delta
+            calls = [c.model_dump() for c in d.tool_calls] if d.tool_calls else None
+            if d.content or calls or getattr(d, "reasoning_content", None):
+                deltas.append((d.content, getattr(d, "reasoning_content", None), calls))
+            finish = choice.finish_reason or finish
+    return deltas, finish, usage
+
+
+def test_a_speculating_stream_with_tools_offered_is_the_plain_stream(spec_server):
+    """Deliverable 6 of speculative decoding: with tools offered, a stream whose turn verifies drafts (its
+    prediction the answer itself, so most drafts are kept and a verify emits several ids at once) sends what
+    the stream without a prediction sends, delta for delta: the parser sees the same ids one at a time."""
+    with _client(spec_server) as client:
+        plain, plain_finish, _ = _streamed(client, spec_server.model)
+        text = "".join(c or "" for c, _, _ in plain)
+        assert text and plain_finish in ("length", "stop", "tool_calls")
+        got, finish, usage = _streamed(client, spec_server.model, prediction={"type": "content", "content": text})
+        assert got == plain and finish == plain_finish
+        assert usage.completion_tokens_details.accepted_prediction_tokens > 0  # it did verify, and kept drafts
+
+
 def test_a_malformed_prediction_is_a_400_naming_it(spec_server):
     with _client(spec_server) as client:
         with pytest.raises(openai.BadRequestError) as err:
