@@ -274,7 +274,8 @@ def test_the_registry_resolves_the_35b_preset_at_its_full_shape(cache_dir):
     assert model.w["mtp.layers.0.mlp.experts.gate_up_proj"].shape == (256, 1024, 2048)
     assert preset_weights_nbytes("35B-A3B", torch.float32) == 2 * nbytes
     assert preset_weights_nbytes("397b-a17b", torch.bfloat16) > 790e9
-    assert preset_weights_nbytes("qwen3.5-0.8b", torch.bfloat16) is not None  # the dense family's still answer
+    dense = resolve("qwen3.5-9b", torch.device("meta"), torch.bfloat16, cache_dir).model  # the dense family's
+    assert "mtp.fc.weight" in dense.lin and preset_weights_nbytes("qwen3.5-9b", torch.bfloat16) == dense.weights_nbytes()
 
 
 def test_random_preset_weights_keep_activations_unit_and_routing_spread():

@@ -8,7 +8,7 @@ from ..family import FamilyParts
 from .chat import (ChatTemplate, HFTokenizer, TokenizerError, answer_grammar, load_tokenizer, parse_output,
                    question_prompt, read_generation_config, tool_calls_rules)
 from .config import ConfigError, TextConfig, load_config, parse_config
-from .layout import CheckpointError, expected_shapes, load_weights
+from .layout import CheckpointError, expected_shapes, load_weights, weight_shapes
 from .model import TAPS, InputError, Qwen35Model
 from .mtp import MTPCache, MTPHead
 from .presets import PRESET_ALIASES, PRESETS, ensure_embedded, preset_config_dict, random_weights
@@ -17,7 +17,7 @@ MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 
 
 _PARTS = FamilyParts(load_config=load_config, parse_config=parse_config, load_weights=load_weights,
-                     random_weights=random_weights, expected_shapes=expected_shapes, model=Qwen35Model,
+                     random_weights=random_weights, expected_shapes=weight_shapes, model=Qwen35Model,
                      preset_config_dict=preset_config_dict, presets=PRESETS, preset_aliases=PRESET_ALIASES)
 load, build_preset, is_preset = _PARTS.load, _PARTS.build_preset, _PARTS.is_preset
 preset_weights_nbytes = _PARTS.preset_weights_nbytes

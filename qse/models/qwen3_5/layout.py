@@ -63,6 +63,11 @@ def expected_mtp_shapes(cfg: TextConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def weight_shapes(cfg: TextConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a model of cfg holds: the forward's, then the MTP head's (what a preset's weights claim)."""
+    return {**expected_shapes(cfg), **expected_mtp_shapes(cfg)}
+
+
 def layer_shapes(cfg: TextConfig, p: str, kind: str) -> dict[str, tuple[int, ...]]:
     """One decoder layer's tensors under the prefix `p`: its norms, its MLP, and its attention or GDN mixer."""
     h, f = cfg.hidden_size, cfg.intermediate_size

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from .chat import DATA_DIR, TEMPLATE_FILE
 from .config import TextConfig, parse_config
-from .layout import LoadedWeights, expected_mtp_shapes, expected_shapes, is_linear
+from .layout import LoadedWeights, is_linear, weight_shapes
 from ..linear import DenseLinear
 
 _COMMON: dict[str, Any] = dict(
@@ -91,11 +91,14 @@ def is_norm_weight(name: str) -> bool:
 def random_tensors(cfg: TextConfig, seed: int, device: torch.device | str = "cpu",
                    dtype: torch.dtype = torch.float32, progress: str | None = None) -> dict[str, torch.Tensor]:
     """Deterministic random weights of cfg's shapes (same seed, device kind and dtype -> same bytes).
-    progress: a bar with this description on a terminal's stderr, one step a tensor."""
+    progress: a bar with this description on a terminal's stderr, one step a tensor. On the meta device: shapes
+    only (what a planner or a test sizes without memory)."""
+    # the MTP head's after the model's: the model's tensors are the same bytes with or without a head
+    shapes = list(weight_shapes(cfg).items())
+    if torch.device(device).type == "meta":
+        return {name: torch.empty(shape, device="meta", dtype=dtype) for name, shape in shapes}
     gen = torch.Generator(device=device).manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
-    # the MTP head's after the model's: the model's tensors are the same bytes with or without a head
-    shapes = [*expected_shapes(cfg).items(), *expected_mtp_shapes(cfg).items()]
     for name, shape in tqdm(shapes, desc=progress, unit="tensor", disable=None if progress else True):
         if name.endswith("A_log"):
             t = torch.empty(shape, device=device).uniform_(1.0, 16.0, generator=gen).log()
