@@ -56,7 +56,10 @@ def _recurrent_row(
     return b_s
 
 
-@triton.jit
+# T not specialised, as in the window kernel below: a T = 1 step here (a reader's fork decode, an eager step)
+# then compiles as a round's slot step does, the same float ops in the same order (a specialised T == 1
+# unrolls the loop and the compiler may fuse differently: the states parted on the H200)
+@triton.jit(do_not_specialize=["num_tokens"])
 def _recurrent_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, state_ptr, new_state_ptr, o_ptr,
     num_tokens, heads_per_key, scale,
