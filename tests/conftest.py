@@ -16,66 +16,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _patch_the_interpreter_once_a_launch() -> None:
-    """Triton's interpreter re-patches triton.language (inspect.getmembers over tl, tl.tensor, tl.math, ...) on
-    every call of a device function (each tl.sum, tl.zeros, each @triton.jit helper), in every program of every
-    launch: about a third of an interpreted kernel test's time. Those repeats change nothing: within one launch a
-    module already patched stays patched until the launch's end restores it (a device call's own patches are never
-    restored). Here a device call re-patches only the modules this launch has not yet patched; the kernels run the
-    same interpreted ops, the same bits. Off where Triton's interpreter is not built as read here. Installed once
-    the tests are collected (tests/kernels/conftest.py sets TRITON_INTERPRET first: triton.language must not be
-    imported before it), and only with the interpreter on."""
-    import inspect
-
-    if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes", "y"):
-        return
-    try:
-        import triton.language as tl
-        from triton.runtime import interpreter as ti
-    except ImportError:
-        return
-    try:
-        is_as_read = all(hasattr(ti, name) for name in ("_patch_lang", "_LangPatchScope", "GridExecutor")) and \
-            "_patch_lang(self.fn)" in inspect.getsource(ti.InterpretedFunction.__call__) and \
-            "_patch_lang(self.fn)" in inspect.getsource(ti.GridExecutor.__call__)
-    except (AttributeError, OSError, TypeError):
-        is_as_read = False
-    if not is_as_read or getattr(ti, "_qse_once_a_launch", False):
-        return
-    patch_lang, run_launch = ti._patch_lang, ti.GridExecutor.__call__
-    state: dict = {"patched": None}  # in a launch: the modules (ids) it has patched
-    langs_of: dict = {}
-
-    def langs(fn) -> frozenset:
-        if fn not in langs_of:  # as _patch_lang finds them
-            langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values()
-                                     if inspect.ismodule(v) and v in (tl, tl.core))
-        return langs_of[fn]
-
-    def patch_once(fn):
-        patched = state["patched"]
-        if patched is None:
-            return patch_lang(fn)
-        if patched and langs(fn) <= patched:
-            return ti._LangPatchScope()
-        scope = patch_lang(fn)
-        state["patched"] = patched | langs(fn)
-        return scope
-
-    def launch(self, *args, **kwargs):
-        state["patched"] = frozenset()
-        try:
-            return run_launch(self, *args, **kwargs)
-        finally:
-            state["patched"] = None
-
-    ti._patch_lang = patch_once
-    ti.GridExecutor.__call__ = launch
-    ti._qse_once_a_launch = True
-
-
 def pytest_collection_finish(session):
-    _patch_the_interpreter_once_a_launch()
+    """The interpreter's patching once a launch (triton_interpreter.py), once the tests are collected:
+    tests/kernels/conftest.py sets TRITON_INTERPRET first (triton.language must not be imported before it)."""
+    from triton_interpreter import patch_once_a_launch
+
+    patch_once_a_launch()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -234,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
                     + ", ".join(f"{k}:{o}" for k, ops in PERTURBABLE.items() for o in ops))
     from safetensors.torch import save_file
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the interpreter's patching once a launch
+    from triton_interpreter import patch_once_a_launch
+
+    patch_once_a_launch()  # the same interpreted ops, the same bytes, in half the time
     torch.set_num_threads(1)
     torch.backends.mkldnn.enabled = False  # no oneDNN path in the gate's ops, whatever the build routes to it
     out: dict = {}
