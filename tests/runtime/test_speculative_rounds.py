@@ -30,8 +30,9 @@ def fp64_engine(cache_dir):
 
 
 def _edited(out: list[int]) -> tuple[int, ...]:
-    """A prediction of `out` with an edit every 9 ids: drafts from it are kept up to the edit, then refused."""
-    return tuple(t if i % 9 != 8 else (t + 1) % 40_000 for i, t in enumerate(out))
+    """A prediction of `out` with an edit every 7 ids: drafts from it are kept up to the edit, then refused (7,
+    not a multiple of a full verify's 4 ids, so an edit falls among a verify's drafts, not only on its own pick)."""
+    return tuple(t if i % 7 != 6 else (t + 1) % 40_000 for i, t in enumerate(out))
 
 
 async def _together(rig, max_tokens, stop_ids=(), sampling=None, predictions=None):
