@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 
 
 def patch_once_a_launch() -> None:
@@ -13,8 +14,9 @@ def patch_once_a_launch() -> None:
     launch: about a third of an interpreted kernel test's time. Those repeats change nothing: within one launch a
     module already patched stays patched until the launch's end restores it (a device call's own patches are never
     restored). Here a device call re-patches only the modules this launch has not yet patched; the kernels run the
-    same interpreted ops, the same bits. Off where Triton's interpreter is not built as read here, and without
-    TRITON_INTERPRET; call it once TRITON_INTERPRET is set (triton.language must not be imported before it)."""
+    same interpreted ops, the same bits. Launches of two threads at once patch on every device call, as the
+    interpreter does, and a launch's end (which restores the modules for every thread) makes the others patch
+    afresh. Off where Triton's interpreter is not built as read here, and without TRITON_INTERPRET; call it once TRITON_INTERPRET is set (triton.language must not be imported before it)."""
     if os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes", "y"):
         return
     try:
@@ -31,7 +33,9 @@ def patch_once_a_launch() -> None:
     if not is_as_read or getattr(ti, "_qse_once_a_launch", False):
         return
     patch_lang, run_launch = ti._patch_lang, ti.GridExecutor.__call__
-    state: dict = {"patched": None}  # in a launch: the modules (ids) it has patched
+    state = threading.local()  # state.patched in a launch: the modules (ids) it has patched
+    in_flight = {"launches": 0, "ends": 0}  # launches running now; launches ended so far
+    lock = threading.Lock()
     langs_of: dict = {}
 
     def langs(fn) -> frozenset:
@@ -41,21 +45,29 @@ def patch_once_a_launch() -> None:
         return langs_of[fn]
 
     def patch_once(fn):
-        patched = state["patched"]
-        if patched is None:
+        patched = getattr(state, "patched", None)
+        if patched is None or in_flight["launches"] > 1:
             return patch_lang(fn)
+        if state.ends != in_flight["ends"]:  # another thread's launch ended (and restored) since: patch afresh
+            patched, state.ends = frozenset(), in_flight["ends"]
         if patched and langs(fn) <= patched:
             return ti._LangPatchScope()
         scope = patch_lang(fn)
-        state["patched"] = patched | langs(fn)
+        state.patched = patched | langs(fn)
         return scope
 
     def launch(self, *args, **kwargs):
-        state["patched"] = frozenset()
+        with lock:
+            in_flight["launches"] += 1
+            state.ends = in_flight["ends"]
+        state.patched = frozenset()
         try:
             return run_launch(self, *args, **kwargs)
         finally:
-            state["patched"] = None
+            state.patched = None
+            with lock:
+                in_flight["launches"] -= 1
+                in_flight["ends"] += 1
 
     ti._patch_lang = patch_once
     ti.GridExecutor.__call__ = launch
