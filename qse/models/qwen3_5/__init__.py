@@ -8,7 +8,7 @@ from ..family import FamilyParts
 from .chat import (ChatTemplate, HFTokenizer, TokenizerError, answer_grammar, load_tokenizer, parse_output,
                    question_prompt, read_generation_config, tool_calls_rules)
 from .config import ConfigError, TextConfig, load_config, parse_config
-from .layout import CheckpointError, expected_shapes, load_weights, weight_shapes
+from .layout import CheckpointError, load_weights, weight_shapes
 from .model import TAPS, InputError, Qwen35Model
 from .mtp import MTPCache, MTPHead
 from .presets import PRESET_ALIASES, PRESETS, ensure_embedded, preset_config_dict, random_weights
