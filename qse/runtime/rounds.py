@@ -212,11 +212,11 @@ class RoundLoop:
         # the MTP head drafts after the round for the next one: the widest draft where a turn looks now, else one
         # id where a turn will look next round (a head step reads the whole output head; a turn that stopped
         # looking tries again with one draft), else none (the head only reads the round's rows, for later drafts)
-        if speculating:
-            draft_k = None
+        if speculating or planner is None:
+            draft_k = None  # (without a planner there is no head either: follow_round does nothing)
         else:
             draft_k = int(any(e.sampler.verifies and e.spec is not None and planner.looks_next(e.spec, bucket)
-                              for e in batch)) if planner is not None else 1
+                              for e in batch))
         ahead = (not speculating and self.policy.launch_ahead and bool(batch)
                  and all(e.sampler.is_on_device for e in batch))
         spec = speculating and in_flight is None
