@@ -107,8 +107,8 @@ def rows_alike(ops: SimpleNamespace) -> None:
     projections (the one-row GEMV's rows too) and the fp32 head of a decode round (`head_rows`). A row's bits
     then depend on its values alone in any round of up to 32 rows (8 sequences verifying 4 rows each), so a
     plain round's row and a speculative verify's row of the same token round alike on the production kernels
-    (DecodeRounds asks for it where it verifies). Past 32 rows the calls go to cuBLAS as before. A one-row projection costs a little more than the
-    GEMV's (skinny_bench: 3.67 against 3.54 ms for the 9B's a forward)."""
+    (DecodeRounds asks for it where it verifies). Past 32 rows the calls go to cuBLAS as before. A one-row
+    projection costs a little more than the GEMV's (skinny_bench: 3.67 against 3.54 ms for the 9B's a forward)."""
     import torch
 
     skinny = importlib.import_module(f"{__name__}.skinny")

@@ -82,11 +82,10 @@ def _skinny_kernel(
         acc = tl.zeros((16, BN), tl.float32)
         acc2 = tl.zeros((16, BN), tl.float32)
     for k0 in range(k_lo, k_hi, BK):
+        m_k = (k0 + o_k) < depth  # (read where K is ragged: slices start on BK lines, so only K's own end is)
         if EVEN_K:
-            m_k = o_k < BK
             b_w = tl.load(p_w + k0)
-        else:  # slices start on BK lines, so only K's own end is ragged
-            m_k = (k0 + o_k) < depth
+        else:
             b_w = tl.load(p_w + k0, mask=m_k[None, :], other=0.0)
         if DOT_FP32:  # the interpreter multiplies 16-bit dot operands as raw integers
             b_w = b_w.to(tl.float32)
