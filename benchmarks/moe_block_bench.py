@@ -12,7 +12,7 @@ call streams its experts from memory as a decode step's 40 layers do.
 --old FILE: the old block's source (`git show 951dda5:qse_kernels/moe.py > FILE`); without it the script
 asks git itself, and where there is no git (the device machine) the old block is left out and says why.
 --sweep: the schedule knobs, which change no bits (moe.ROUTER_STAGES, moe.DIRECT_DOWN_STAGES,
-moe.DIRECT_GATE_UP_STAGES, moe.WIDE_TILES, moe.GROUP_WIDE_BLOCK_T, moe.USE_PDL), each at a few values on the
+moe.DIRECT_GATE_UP_STAGES, moe.WIDE_TILES, moe.GROUP_WIDE_BLOCK_T, pdl.ON: programmatic dependent launch), each at a few values on the
 path it moves, with its bits against the pinned value's (a value that fails to run records its error); and the
 pinned tiles (moe.ROUTER_BLOCK_K, GATE_UP_BLOCK_N, DOWN_BLOCK_N, NUM_WARPS), whose bit_equal says whether a
 row's bits survive a change of them on this device.
@@ -165,12 +165,14 @@ def _runs_at(name: str, module, num_tokens: int) -> bool:
 def _sweep(moe, impls, copies, gen, device, time_us, shape, calls, num_copies, tiny: bool) -> list:
     """Each schedule knob of moe (they change no bits) at a few values: the affected path timed at a few T,
     and its bits against the pinned value's (tiny: one small T each, the flow only)."""
+    from qse_kernels import pdl
+
     knobs = {"ROUTER_STAGES": (SWEEP_STAGES, "new_pairs", (1,) if tiny else SWEEP_TOKENS),
              "DIRECT_DOWN_STAGES": (SWEEP_STAGES, "new_direct", (2,) if tiny else SWEEP_TOKENS),
              "DIRECT_GATE_UP_STAGES": (SWEEP_STAGES, "new_pairs", (1,) if tiny else SWEEP_TOKENS),
              "WIDE_TILES": ((1, 2, 4, 8), "new_grouped", (17,) if tiny else (512, 4096)),
              "GROUP_WIDE_BLOCK_T": ((64, 128, 256, 512), "new_grouped", (17,) if tiny else (4096,)),
-             "USE_PDL": ((False, True), "new", (1,) if tiny else (1, 2, 4, 8, 32, 512)),
+             "pdl.ON": ((False, True), "new", (1,) if tiny else (1, 2, 4, 8, 32, 512)),
              # tile shapes: pinned for batch invariance, but a row's dot products may keep their bits across them
              # (the K loop's order is the same); bit_equal says whether they do on this device
              "ROUTER_BLOCK_K": ((128, 256, 512, 1024), "new_pairs", (1,) if tiny else SWEEP_TOKENS),
@@ -179,25 +181,26 @@ def _sweep(moe, impls, copies, gen, device, time_us, shape, calls, num_copies, t
              "NUM_WARPS": ((2, 4, 8), "new_pairs", (1,) if tiny else SWEEP_TOKENS)}
     sweep = []
     for knob, (values, name, tokens) in knobs.items():
-        pinned = getattr(moe, knob)
+        owner, attr = (pdl, knob[4:]) if knob.startswith("pdl.") else (moe, knob)
+        pinned = getattr(owner, attr)
         xs = {t: [torch.randn(t, shape["hidden"], generator=gen, device=device).to(torch.bfloat16)
                   for _ in range(calls)] for t in tokens}
         want = {}
         for t in tokens:
             want[t] = impls[name](xs[t][0], copies[0])
         for value in values:
-            setattr(moe, knob, value)
+            setattr(owner, attr, value)
             entry = {"knob": knob.lower(), "value": value, "pinned": value == pinned, "path": name}
             try:
                 for t in tokens:
                     fns = [lambda i=i, t=t: impls[name](xs[t][i], copies[i % num_copies]) for i in range(calls)]
                     entry[f"us_t{t}"] = round(time_us(fns), 2)
                     entry[f"bit_equal_t{t}"] = bool(torch.equal(impls[name](xs[t][0], copies[0]), want[t]))
-            except Exception as exc:  # a value this Triton or device cannot run (USE_PDL): say so, go on
+            except Exception as exc:  # a value this Triton or device cannot run (pdl.ON): say so, go on
                 entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             print(json.dumps(entry), flush=True)
             sweep.append(entry)
-        setattr(moe, knob, pinned)
+        setattr(owner, attr, pinned)
         if device == "cuda":
             torch.cuda.empty_cache()
     return sweep
@@ -209,7 +212,7 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="also time the schedule knobs (stages, tiles a program)")
     p.add_argument("--tokens", default="", help="comma-separated T (default: all)")
     args, device = kernel_bench_args(p, argv)
-    from qse_kernels import moe
+    from qse_kernels import moe, pdl
 
     old, old_missing = load_old(args.old)
     if old_missing:
@@ -290,7 +293,7 @@ def main(argv=None) -> int:
               "wide": {"min_tokens": moe.WIDE_MIN_TOKENS, "tiles": moe.WIDE_TILES,
                        "group_min_tokens": moe.GROUP_WIDE_MIN_TOKENS, "group_block_t": moe.GROUP_WIDE_BLOCK_T},
               "router_stages": moe.ROUTER_STAGES, "direct_down_stages": moe.DIRECT_DOWN_STAGES,
-              "direct_gate_up_stages": moe.DIRECT_GATE_UP_STAGES, "use_pdl": moe.USE_PDL,
+              "direct_gate_up_stages": moe.DIRECT_GATE_UP_STAGES, "pdl": pdl.active(),
               "weight_copies": num_copies, "calls_a_graph": calls, "tries": TRIES,
               "hbm_tbps": {"nominal": NOMINAL_HBM_TBPS, "measured": measured_tbps and round(measured_tbps, 3)},
               "rows": rows, "kernels_a_call": kernels,

@@ -110,6 +110,26 @@ def decode_rows(engine: Engine, batches: list[int], context: int, num_rounds: in
     return rows, ran
 
 
+PDL_MODES = ("on", "launch", "off")
+
+
+def set_pdl(mode: str) -> None:
+    """qse_kernels.pdl's switches for one of PDL_MODES (no-ops where Triton is absent)."""
+    try:
+        from qse_kernels import pdl
+    except ImportError:
+        return
+    pdl.ON, pdl.PREFETCH = mode != "off", mode == "on"
+
+
+def pdl_active() -> bool:
+    try:
+        from qse_kernels import pdl
+    except ImportError:
+        return False
+    return pdl.active()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen3.5-9b", help="preset, checkpoint dir, or embedded (the tiny model)")
@@ -123,16 +143,26 @@ def main(argv=None) -> int:
     p.add_argument("--blas", default="default", choices=["default", "cublas", "cublaslt"],
                    help="torch's preferred BLAS library for the rounds' 2-32-row GEMMs (an experiment: which one "
                         "reads the weights nearer the one-row GEMV's rate)")
+    p.add_argument("--pdl", default="on", help="programmatic dependent launch, comma separated for an A/B in one "
+                   "run: on (with the L2 prefetches), launch (without them), off")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
+    pdl_modes = args.pdl.split(",")
+    if not set(pdl_modes) <= set(PDL_MODES):
+        p.error(f"--pdl takes {', '.join(PDL_MODES)} (comma separated); got {args.pdl!r}")
     device, dtype, cache_dir = on_this_machine()
     if args.blas != "default" and device.type == "cuda":
         torch.backends.cuda.preferred_blas_library(args.blas)
     spec = "" if args.preset in ("", "embedded") else args.preset
     engine = Engine(resolve(spec, device, dtype, cache_dir), kernels=args.kernels)
-    rows, ran = decode_rows(engine, batches, args.context, args.rounds,
-                            graphs=None if args.graphs == "auto" else "static", profile=args.profile)
+    rows = []
+    for mode in pdl_modes:
+        set_pdl(mode)
+        mode_rows, ran = decode_rows(engine, batches, args.context, args.rounds,
+                                     graphs=None if args.graphs == "auto" else "static", profile=args.profile)
+        rows += [{"pdl": mode, "pdl_active": pdl_active(), **row} for row in mode_rows]
+    set_pdl("on")
     result = {**result_header("triton", device=None if device.type == "cuda" else "cpu"),
               "preset": args.preset, "blas": str(torch.backends.cuda.preferred_blas_library()) if device.type == "cuda"
               else None, "kernels": engine.kernels, "graphs": ran["graphs"], "context": args.context,

@@ -6,7 +6,7 @@
 # (weka_cc_sessions_dev.csv, hf_reader_baseline.py) and a pytest.ini without the asyncio plugin's
 # options. Results land in $OUT; copy them to benchmarks/results/ and commit.
 #
-#   bash benchmarks/run_h200.sh [tests|gemv|skinny|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abspec|abl|invariant|grammar|rounds|served|cache|load|memory|moves|pcie|sides|agents|spec|speccheck|tail|moeblock|moe ...]   (default: all, ~13 minutes)
+#   bash benchmarks/run_h200.sh [tests|gemv|skinny|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abspec|abl|invariant|grammar|rounds|served|cache|load|memory|moves|pcie|sides|agents|spec|speccheck|tail|moeblock|moe|pdl ...]   (default: all, ~13 minutes)
 #   PRESETS=qwen3.5-0.8b bash benchmarks/run_h200.sh measure                       (measure fewer presets)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -125,6 +125,12 @@ for step in $steps; do
     rounds)  # batched decode rounds of the served 9B: device ms a round at 1 to 32 sequences of 6k tokens (ROUND_PROFILE=10: per kernel;
              # ROUND_BLAS=cublaslt: torch's other BLAS for the 2-32-row GEMMs)
       timeout 300 python3 benchmarks/round_step.py --preset "${ROUND_PRESET:-qwen3.5-9b}" --batches "${ROUND_BATCHES:-1,2,4,8,16,32}" --profile "${ROUND_PROFILE:-0}" --blas "${ROUND_BLAS:-default}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-400 ;;
+    pdl)  # programmatic dependent launch: decode rounds with it off, launched only, and with the L2 prefetches, in one run
+          # a preset (PDL_PRESETS; PDL_PROFILE=10: per kernel)
+      for m in ${PDL_PRESETS:-qwen3.5-35b-a3b qwen3.5-9b}; do
+        timeout "${PDL_TIMEOUT:-240}" python3 benchmarks/round_step.py --preset $m --batches "${PDL_BATCHES:-1,8}" \
+          --pdl "${PDL_MODES:-off,launch,on}" --profile "${PDL_PROFILE:-0}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-300
+      done ;;
     memory)  # peak device memory of 16k, 64k and 128k prompts read from row 0: the served 9B's turn start, the 0.8B's question
       timeout 400 python3 benchmarks/prompt_memory.py --preset "${MEMORY_PRESET:-qwen3.5-9b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-600 ;;
     *) echo "unknown step $step"; exit 2 ;;

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 # The torch twins: what the naive op set runs (and every op set falls back on)
 NAIVE_MODULES = ("naive", "moe_naive")
 KERNEL_MODULES = ("norms", "fused", "conv1d", "gdn_chunk", "gdn_recurrent", "attention", "gemm", "gemv", "fp8", "moe",
-                  "skinny")
+                  "skinny", "pdl")
 
 # one-row projections (decode steps) through qse's GEMV instead of cuBLAS, and the logits head of one row;
 # pinned from benchmarks/gemv_bench.py on the H200 (see benchmarks/NOTES.md)

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from . import interpreting, pdl
 from .fused import _sigmoid_gated, check_page_table, check_page_tables
 
 # split-K sizing: at most this many programs (two waves of the H200's 132 SMs), with splits of at least
@@ -190,8 +190,9 @@ def _attn_kernel(
     G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     WANT: tl.constexpr, MIN_ROWS: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
     TMA: tl.constexpr, GATE: tl.constexpr, LAZY: tl.constexpr = 0, FUSED: tl.constexpr = False,
-    WS: tl.constexpr = False, BATCHED: tl.constexpr = False,
+    WS: tl.constexpr = False, BATCHED: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    pdl.start(PDL)
     i_m, i_hk, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     part_rows = num_q  # rows of the split parts' layout [splits, rows, H, D]
     if BATCHED:
@@ -279,23 +280,26 @@ def _attn_kernel(
 @triton.jit
 def _attn_combine_kernel(
     part_ptr, lse_ptr, o_ptr, gate_ptr, num_splits, num_q, num_heads, stride_ot, stride_oh, stride_gt, stride_gh,
-    D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr,
+    D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BS_ALL: tl.constexpr, GATE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
-    """out = sum_s 2^(lse_s - M) part_s / sum_s 2^(lse_s - M), splits in order 0..S-1 (empty splits
-    carry lse = -inf and part = 0: weight 0, exact zeros); GATE: times sigmoid(gate), as the split-free
-    epilogue."""
+    """out = sum_s 2^(lse_s - M) part_s / sum_s 2^(lse_s - M), splits in order 0..S-1 in blocks of BS (empty
+    splits carry lse = -inf and part = 0: weight 0, exact zeros); GATE: times sigmoid(gate), as the split-free
+    epilogue. A row's splits with keys are 0..n-1 (it sees keys 0..its position), so the blocks past split
+    n - 1 would add only exact zeros to sums that start at +0 and so are never -0: they are skipped, the same
+    bits. (A graph launches the splits of the longest context; a short one uses few of them.)"""
+    pdl.start(PDL)
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     o_d = tl.program_id(2) * BD + tl.arange(0, BD)
     m_d = o_d < D
-    b_max = tl.full((BS,), float("-inf"), tl.float32)
-    for s0 in range(0, num_splits, BS):
-        o_s = s0 + tl.arange(0, BS)
-        b_lse = tl.load(lse_ptr + (o_s * num_q + i_t) * num_heads + i_h, mask=o_s < num_splits, other=float("-inf"))
-        b_max = tl.maximum(b_max, b_lse)
-    b_top = tl.max(b_max, 0)  # finite: key 0 is in split 0 and every row sees it
+    o_all = tl.arange(0, BS_ALL)  # every split's lse in one load (BS_ALL >= num_splits)
+    b_lse_all = tl.load(lse_ptr + (o_all * num_q + i_t) * num_heads + i_h, mask=o_all < num_splits,
+                        other=float("-inf"))
+    b_top = tl.max(b_lse_all, 0)  # finite: key 0 is in split 0 and every row sees it
+    num_used = tl.max(tl.where(b_lse_all > float("-inf"), o_all, -1), 0) + 1
     b_acc = tl.zeros((BD,), tl.float32)
     b_den = tl.zeros((BS,), tl.float32)
-    for s0 in range(0, num_splits, BS):
+    for s0 in range(0, num_used, BS):
         o_s = s0 + tl.arange(0, BS)
         m_s = o_s < num_splits
         o_row = (o_s * num_q + i_t) * num_heads + i_h
@@ -436,7 +440,7 @@ def _launch(q, k, v, page_rows, k_strides, v_strides, page_table, start, num_spl
         G=group, D=head_dim, BD=block_d, BM=cfg["BM"], BN=cfg["BN"], WANT=want, MIN_ROWS=cfg["MIN_ROWS"],
         SPLIT=is_split, DOT_FP32=interpreting() and q.dtype != torch.float32, TMA=k_desc is not None,
         GATE=gate is not None, LAZY=LAZY_RESCALE_LOG2, FUSED=FUSED_SCALE, WS=WARP_SPECIALIZE and k_desc is not None,
-        BATCHED=batched, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BATCHED=batched, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.options()
     )
     if is_split:
         # chosen by the queries of one sequence, never by the batch: the column block sets the layout of the
@@ -445,7 +449,8 @@ def _launch(q, k, v, page_rows, k_strides, v_strides, page_table, start, num_spl
         combine_d = min(block_d, COMBINE_BLOCK_D) if num_q < COMBINE_SPLIT_D_BELOW_ROWS else block_d
         _attn_combine_kernel[(num_rows_q, num_heads, triton.cdiv(head_dim, combine_d))](
             part, lse, out, gate_args[0], splits, num_rows_q, num_heads, out.stride(0), out.stride(1), *gate_args[1:],
-            D=head_dim, BD=combine_d, BS=COMBINE_BLOCK_SPLITS, GATE=gate is not None, num_warps=4,
+            D=head_dim, BD=combine_d, BS=COMBINE_BLOCK_SPLITS, BS_ALL=max(16, triton.next_power_of_2(splits)),
+            GATE=gate is not None, num_warps=4, **pdl.options()
         )
     return out
 

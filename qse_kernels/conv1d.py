@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 CONV_BLOCK_T = 16
 CONV_BLOCK_C = 128
 CONV_NUM_WARPS = 4
@@ -62,8 +64,9 @@ def _conv_kernel(
     x_ptr, w_ptr, state_ptr, y_ptr, new_state_ptr,
     num_tokens, num_channels, stride_xt, stride_wc, stride_wk, stride_st, stride_yt, stride_nt,
     slots_ptr, stride_slot,
-    WIDTH: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, SLOTS: tl.constexpr = False,
+    WIDTH: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, SLOTS: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    pdl.start(PDL)
     i_t, i_c = tl.program_id(0), tl.program_id(1)
     if SLOTS:  # program row i_b: the one new input of sequence i_b (num_tokens == 1), its state in slot slots[i_b]
         i_b = i_t
@@ -96,8 +99,9 @@ def _conv_kernel(
 def _conv_window_kernel(
     x_ptr, w_ptr, state_ptr, y_ptr, num_rows, num_channels, stride_xt, stride_wc, stride_wk, stride_st, stride_yt,
     slots_ptr, stride_slots, scratch_ptr, stride_scratch_b, stride_scratch_t, stride_slot,
-    WIDTH: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr,
+    WIDTH: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.start(PDL)
     # program row i_b: the num_rows (T) rows of sequence i_b, x rows i_b * T .., from the state in slot slots[i_b]
     i_b, i_c = tl.program_id(0), tl.program_id(1)
     i_slot = tl.load(slots_ptr + i_b * stride_slots).to(tl.int64)
@@ -148,7 +152,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
         num_tokens, num_channels, x.stride(0), weight.stride(0), weight.stride(1), state.stride(0), y.stride(0),
         new_state.stride(0), y, 0,
         WIDTH=width, BT=CONV_BLOCK_T, BC=CONV_BLOCK_C, BS=triton.next_power_of_2(width - 1),
-        num_warps=CONV_NUM_WARPS,
+        num_warps=CONV_NUM_WARPS, **pdl.options()
     )
     return y, new_state
 
@@ -174,7 +178,7 @@ def causal_conv1d_slots(x: torch.Tensor, weight: torch.Tensor, states: torch.Ten
             1, num_channels, x.stride(0), weight.stride(0), weight.stride(1), states.stride(1), y.stride(0),
             states.stride(1), slots, states.stride(0),
             WIDTH=width, BT=CONV_BLOCK_T, BC=CONV_BLOCK_C, BS=triton.next_power_of_2(width - 1), SLOTS=True,
-            num_warps=CONV_NUM_WARPS,
+            num_warps=CONV_NUM_WARPS, **pdl.options()
         )
     return y
 
@@ -201,7 +205,7 @@ def causal_conv1d_window(x: torch.Tensor, weight: torch.Tensor, states: torch.Te
             states.stride(1), y.stride(0), slots, slots.stride(0), scratch, scratch.stride(0), scratch.stride(1),
             states.stride(0),
             WIDTH=width, BT=triton.next_power_of_2(num_rows), BC=CONV_BLOCK_C, BS=triton.next_power_of_2(width - 1),
-            num_warps=CONV_NUM_WARPS,
+            num_warps=CONV_NUM_WARPS, **pdl.options()
         )
     return y
 

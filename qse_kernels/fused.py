@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 from .norms import NORM_NUM_WARPS, _row_blocks, _rows, _store_rms_norm, _tl_dtype
 
 SILU_BLOCK_T = 8
@@ -26,8 +28,9 @@ SILU_BLOCK_N = 512
 @triton.jit
 def _add_rms_norm_kernel(
     x_ptr, h_ptr, w_ptr, s_ptr, y_ptr, num_rows, stride_x, stride_h, stride_s, stride_y, eps,
-    D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
+    D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.start(PDL)
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
     m = (o_r < num_rows)[:, None] & (o_d < D)[None, :]
@@ -42,8 +45,9 @@ def _add_rms_norm_kernel(
 @triton.jit
 def _silu_mul_kernel(
     gu_ptr, y_ptr, num_rows, width, stride_gu, stride_y,
-    BT: tl.constexpr, BN: tl.constexpr,
+    BT: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.start(PDL)
     o_t = tl.program_id(0) * BT + tl.arange(0, BT)
     o_n = tl.program_id(1) * BN + tl.arange(0, BN)
     m = (o_t < num_rows)[:, None] & (o_n < width)[None, :]
@@ -69,8 +73,9 @@ def _sigmoid_gated(b_x, p_gate, m):
 @triton.jit
 def _sigmoid_gate_kernel(
     x_ptr, gate_ptr, y_ptr, num_rows, num_heads, stride_xt, stride_xh, stride_gt, stride_gh,
-    D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
+    D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.start(PDL)
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
     m = (o_r < num_rows)[:, None] & (o_d < D)[None, :]
@@ -128,12 +133,13 @@ def _qk_norm_rotary_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_c, eps,
     stride_vt, stride_vh, stride_kpp, stride_kpr, stride_kph, stride_vpp, stride_vpr, stride_vph, stride_tb,
     D: tl.constexpr, BD: tl.constexpr, RD: tl.constexpr, BR: tl.constexpr, PAGED: tl.constexpr,
-    BATCHED: tl.constexpr = False,
+    BATCHED: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """The first programs take q's rows, the rest k's: one launch for both. PAGED: a k program stores its
     rows, and the same rows of v as they are, at sequence rows start.. of the paged KV (start read here,
     on the device, so a captured graph serves every position) instead of into ko. BATCHED: token t is the
     one new token of sequence t, at position start[t] of the pages in table row t (decode rounds)."""
+    pdl.start(PDL)
     pid = tl.program_id(0)
     q_programs = tl.cdiv(num_q_rows, BR)
     if pid < q_programs:
@@ -181,7 +187,7 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: fl
     if num_rows:
         _add_rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
             x2, h2, weight, s2, y2, num_rows, x2.stride(0), h2.stride(0), s2.stride(0), y2.stride(0), eps,
-            D=dim, BD=block_d, BR=block_r, num_warps=NORM_NUM_WARPS,
+            D=dim, BD=block_d, BR=block_r, num_warps=NORM_NUM_WARPS, **pdl.options()
         )
     return s, y
 
@@ -197,7 +203,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if num_rows:
         grid = (triton.cdiv(num_rows, SILU_BLOCK_T), triton.cdiv(width, SILU_BLOCK_N))
         _silu_mul_kernel[grid](gate_up, y, num_rows, width, gate_up.stride(0), y.stride(0),
-                               BT=SILU_BLOCK_T, BN=SILU_BLOCK_N, num_warps=NORM_NUM_WARPS)
+                               BT=SILU_BLOCK_T, BN=SILU_BLOCK_N, num_warps=NORM_NUM_WARPS, **pdl.options())
     return y
 
 
@@ -215,7 +221,7 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     if num_rows:
         _sigmoid_gate_kernel[(triton.cdiv(num_rows, block_r),)](
             x, gate, y, num_rows, num_heads, x.stride(0), x.stride(1), gate.stride(0), gate.stride(1),
-            D=dim, BD=block_d, BR=block_r, num_warps=NORM_NUM_WARPS,
+            D=dim, BD=block_d, BR=block_r, num_warps=NORM_NUM_WARPS, **pdl.options()
         )
     return y
 
@@ -337,7 +343,7 @@ def _launch_qk(q, k, q_weight, k_weight, cos, sin, eps, q_out, k_out, paged, bat
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), eps,
         *v_strides, *page_strides, page_table.stride(0) if batched else 0,
         D=dim, BD=block_d, RD=cos.shape[-1], BR=block_r, PAGED=paged is not None, BATCHED=batched,
-        num_warps=NORM_NUM_WARPS,
+        num_warps=NORM_NUM_WARPS, **pdl.options()
     )
 
 

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 from .gdn_chunk import _check_gates, _check_gdn_shapes, _last_dim_contiguous, _load_gates, _new_state_buffer
 
 RECURRENT_NUM_WARPS = 4
@@ -65,8 +67,9 @@ def _recurrent_kernel(
     num_tokens, heads_per_key, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, stride_oh,
-    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATES: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATES: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.start(PDL)
     i_h, i_v = tl.program_id(0), tl.program_id(1)
     i_kh = i_h // heads_per_key
     o_k = tl.arange(0, BK)
@@ -94,8 +97,9 @@ def _recurrent_window_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_at, stride_ah, stride_bt, stride_bh, stride_ot, stride_oh,
     slots_ptr, stride_slots, scratch_ptr, stride_scratch_b, stride_scratch_t, stride_slot,
-    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.start(PDL)
     # program i_b: the num_rows (T) rows of sequence i_b (rows i_b * T ..), from the state in slot slots[i_b]
     i_h, i_v, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_slot = tl.load(slots_ptr + i_b * stride_slots).to(tl.int64)
@@ -159,7 +163,7 @@ def _recurrent_rule(q, k, v, g, beta, gates, state, out_state, shapes):
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
         DK=dk, DV=dv, BK=block_k, BV=block_v, GATES=gates is not None,
-        num_warps=RECURRENT_NUM_WARPS,
+        num_warps=RECURRENT_NUM_WARPS, **pdl.options()
     )
     return out, new_state
 
@@ -222,5 +226,5 @@ def _launch_window(q, k, v, a, b, a_log, dt_bias, states, out, slots, scratch, n
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
         slots, slots.stride(0), scratch, scratch.stride(0), scratch.stride(1), states.stride(0),
         DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block_v,
-        num_warps=RECURRENT_NUM_WARPS,
+        num_warps=RECURRENT_NUM_WARPS, **pdl.options()
     )

@@ -31,8 +31,10 @@ Nothing waits on the host and nothing but Triton kernels runs (a CUDA graph hold
     combine  out_t = sum_r w_tr * y_tr + sigmoid(gate_t) * shared_t
              in fp32 in rank order, rounded once                          _combine_kernel, a program a token
 
-With USE_PDL (off by default) every launch above is a programmatic dependent launch: placed on the device while
-the one before it runs, each of its programs waiting for that one before its first load (_after_prior).
+Every launch above is a programmatic dependent launch where the device allows it (pdl.py): placed on the device
+while the one before it runs, each of its programs waiting for that one before its first load of an activation.
+Before that wait the router asks L2 for its weight rows; the direct gate_up, once it has routed (after its
+wait), asks L2 for its slice of its expert's down weights, which the down reads next.
 
 Pairs: routed pair t * k + r, and the shared expert (as expert E, whose weights are shared_gate_up /
 shared_down, its intermediate size may differ) pair T * k + t; h and y are indexed by pair on every path.
@@ -57,12 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
-
-try:  # grid dependency control (sm90+), for USE_PDL
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # a Triton without it: USE_PDL stays off
-    gdc_launch_dependents = gdc_wait = None
+from . import interpreting, pdl
 
 # pinned tiles, for every T and every path (see the docstring): a block of BLOCK_M (token, expert) rows of one expert
 BLOCK_M = 16  # a chunk of 512 tokens at top-8 over 256 experts is 16 rows an expert on average
@@ -87,10 +84,6 @@ PAIRS_MAX_TOKENS = 8
 # the route kernel's warps: one warp reduces without a barrier (it changes no bits: the ranks are exact maxima,
 # the weights lane by lane)
 ROUTE_WARPS = 1
-# programmatic dependent launch (sm90+): each launch of the block may be placed on the device while the one
-# before it runs, its programs waiting (_after_prior) before their first load; it changes no bits. Off until
-# benchmarks/moe_block_bench.py --sweep has timed it on the device (Triton's launch_pdl, CUDA graphs)
-USE_PDL = False
 GROUP_BLOCK_E, GROUP_BLOCK_T = 16, 64  # the counting sort: BE experts a program, BT tokens a step
 # past GROUP_WIDE_MIN_TOKENS tokens BT = GROUP_WIDE_BLOCK_T: a program's steps run one after another, 64 of them
 # at T = 4096 with BT = 64 (BT changes no bits: the sort is stable whatever its steps)
@@ -114,25 +107,16 @@ def _dot_acc(acc, b_a, b_b, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr):
         return tl.dot(b_a, tl.trans(b_b), acc)
 
 
-@triton.jit
-def _after_prior(PDL: tl.constexpr):
-    """With PDL (programmatic dependent launch, USE_PDL): wait here for the launch before this one to finish,
-    its writes visible, then let the next launch's programs start arriving. Every kernel calls it before its
-    first load, so no kernel reads anything early: what overlaps is only a launch's latency."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-
-
 @triton.jit(do_not_specialize=["num_rows"])
 def _dense_kernel(
     x_ptr, w_ptr, w_last_ptr, y_ptr, num_rows, num_cols, depth, stride_x, stride_w, stride_y,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_LAST: tl.constexpr, ROW_EXACT: tl.constexpr,
-    IEEE: tl.constexpr, PDL: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """y [M, N (+1)] = x [M, K] @ w [N, K]^T, one BM x BN tile a program (the router's logits); with HAS_LAST
-    one more column N from w_last [1, K] (the shared gate's logit)."""
-    _after_prior(PDL)
+    one more column N from w_last [1, K] (the shared gate's logit). PREFETCH: its weight rows asked of L2
+    before the wait for x."""
+    pdl.release(PDL)
     o_m = tl.program_id(0) * BM + tl.arange(0, BM)
     o_n = tl.program_id(1) * BN + tl.arange(0, BN)
     m_m, m_n = o_m < num_rows, o_n < num_cols
@@ -140,15 +124,23 @@ def _dense_kernel(
         is_last = o_n == num_cols
     else:
         is_last = o_n < 0
+    pdl.prefetch_rows(tl.where(is_last, w_last_ptr, w_ptr + o_n.to(tl.int64) * stride_w), m_n | is_last, w_ptr, depth,
+                      PREFETCH, 16)
+    pdl.wait(PDL)
     acc = tl.zeros((BM, BN), tl.float32)
     for k0 in range(0, depth, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < depth
         b_x = tl.load(x_ptr + o_m[:, None].to(tl.int64) * stride_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
                       other=0.0)
-        p_w = tl.where(is_last[:, None], w_last_ptr + o_n[:, None] * 0 + o_k[None, :],
-                       w_ptr + o_n[:, None].to(tl.int64) * stride_w + o_k[None, :])
-        b_w = tl.load(p_w, mask=(m_n | is_last)[:, None] & m_k[None, :], other=0.0)
+        # two loads and a select of values, not one load through selected pointers: the rows' addresses
+        # stay provably contiguous, so the loads are vectors (the same values, the same bits)
+        b_w = tl.load(w_ptr + o_n[:, None].to(tl.int64) * stride_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :],
+                      other=0.0)
+        if HAS_LAST:
+            b_last = tl.load(w_last_ptr + o_n[:, None] * 0 + o_k[None, :], mask=is_last[:, None] & m_k[None, :],
+                             other=0.0)
+            b_w = tl.where(is_last[:, None], b_last, b_w)
         acc = _dot_acc(acc, b_x, b_w, ROW_EXACT, IEEE)
     p_y = y_ptr + o_m[:, None].to(tl.int64) * stride_y + o_n[None, :]
     tl.store(p_y, acc.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & (m_n | is_last)[None, :])
@@ -200,7 +192,7 @@ def _fold(acc, w, y):
 def _route_kernel(logits_ptr, ids_ptr, w_ptr, num_experts, stride_l, TOP_K: tl.constexpr, BE: tl.constexpr,
                   BR: tl.constexpr, PDL: tl.constexpr):
     """One token: ids [T, TOP_K] (int64, or int32 for the group kernel's keys) and w [T, TOP_K] by rank."""
-    _after_prior(PDL)
+    pdl.start(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     b_ids, b_w = _top_k(logits_ptr, i_t, stride_l, num_experts, TOP_K, BE, BR)
     o_r = tl.arange(0, BR)
@@ -214,7 +206,7 @@ def _group_kernel(keys_ptr, order_ptr, counts_ptr, num_tokens, num_experts, cap,
     """Experts BE * program .. + BE: each one's pairs t * k + r (keys [T, k] int32 in 0..E-1, their experts)
     in pair order, order[e * cap + j] for j < counts[e]: a stable counting sort, each program owning its
     experts (no atomics). cap bounds an expert's pairs (T where a token's k experts differ)."""
-    _after_prior(PDL)
+    pdl.start(PDL)
     o_e = tl.program_id(0) * BE + tl.arange(0, BE)
     m_e = o_e < num_experts
     p_row = order_ptr + o_e.to(tl.int64) * cap
@@ -309,18 +301,31 @@ def _pair_rows(ids_ptr, num_tokens, num_experts, TOP_K: tl.constexpr, BM: tl.con
 
 @triton.jit(do_not_specialize=["num_tokens", "num_shared", "cap"])
 def _gate_up_kernel(
-    x_ptr, w_ptr, ws_ptr, h_ptr, logits_ptr, ids_ptr, wts_ptr, order_ptr, counts_ptr,
+    x_ptr, w_ptr, ws_ptr, h_ptr, logits_ptr, ids_ptr, wts_ptr, order_ptr, counts_ptr, wd_ptr, wds_ptr,
     num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap, stride_x, stride_we, stride_h, stride_l,
+    stride_wde,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr,
     NT: tl.constexpr, DIRECT: tl.constexpr, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """h[pair] = silu(x_t @ gate_e^T) * (x_t @ up_e^T) for a tile's rows, BN columns of each, for NT column
     tiles one after another (each tile's K loop the same as alone: NT changes no bits, only how many programs
-    share one finding of the rows); the rows from _direct_rows (DIRECT) or _grouped_rows."""
-    _after_prior(PDL)
+    share one finding of the rows); the rows from _direct_rows (DIRECT) or _grouped_rows. PREFETCH (DIRECT):
+    once routed, its column tile's share of its expert's down rows (wd [E, H, I], wds [H, Is]) asked of L2,
+    for the down that comes next."""
+    pdl.start(PDL)
     if DIRECT:
         e, m_m, pair, token = _direct_rows(logits_ptr, ids_ptr, wts_ptr, num_tokens, num_experts, stride_l, TOP_K,
                                            BM, BE, BR)
+        if PREFETCH:
+            p_down = tl.where(e == num_experts, wds_ptr, wd_ptr + e.to(tl.int64) * stride_wde)
+            depth_d = tl.where(e == num_experts, inter_s, inter)
+            share = tl.cdiv(hidden, tl.num_programs(1))
+            first = tl.program_id(1) * share
+            for r0 in range(0, share, 32):
+                o_r = first + r0 + tl.arange(0, 32)
+                m_r = (o_r < hidden) & (o_r < first + share)
+                pdl.prefetch_rows(p_down + o_r.to(tl.int64) * depth_d, m_r, wd_ptr, depth_d, PREFETCH, 8)
     else:
         e, m_m, pair, token = _grouped_rows(order_ptr, counts_ptr, num_experts, num_tokens * TOP_K, num_shared, cap,
                                             TOP_K, BM, BE)
@@ -369,7 +374,7 @@ def _down_kernel(
     """y[pair] = h[pair] @ down_e^T for a block's rows, BN of the H columns, for NT column tiles one after
     another (as _gate_up_kernel's); the rows from _pair_rows (PAIRS: order_ptr holds the pairs' experts) or
     _grouped_rows."""
-    _after_prior(PDL)
+    pdl.start(PDL)
     if PAIRS:
         e, m_m, pair, _ = _pair_rows(order_ptr, num_tokens, num_experts, TOP_K, BM)
     else:
@@ -408,7 +413,7 @@ def _combine_kernel(
 ):
     """Grouped, one token: out = sum_r w[t, r] * y[t * k + r] (+ sigmoid(logits[t, E]) * y[T * k + t]) in
     fp32, in rank order (fused multiply-adds, as _down_combine_kernel's), rounded once."""
-    _after_prior(PDL)
+    pdl.start(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     o_h = tl.arange(0, BH)
     m_h = o_h < hidden
@@ -436,7 +441,7 @@ def _down_combine_kernel(
     order, then the shared expert's the same way: _down_kernel and _combine_kernel in one pass, their bits.
     One K loop runs over all k experts (k * ceil(I / BK) steps), so the pipeline stays full across them: the
     token's experts and weights are read once, before it, so no load in the loop waits on another."""
-    _after_prior(PDL)
+    pdl.start(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     dt = out_ptr.dtype.element_ty
     o_m = tl.arange(0, BM)
@@ -484,9 +489,8 @@ def _dot_flags(dtype: torch.dtype) -> dict:
 
 
 def _pdl() -> dict:
-    """A launch's PDL options: USE_PDL on a GPU (the interpreter has no grid dependency control)."""
-    is_on = USE_PDL and gdc_wait is not None and not interpreting()
-    return dict(PDL=True, launch_pdl=True) if is_on else dict(PDL=False)
+    """A launch's PDL options (pdl.options)."""
+    return pdl.options()
 
 
 def _router(x: torch.Tensor, router_w: torch.Tensor, gate_w: torch.Tensor | None = None) -> torch.Tensor:
@@ -500,8 +504,8 @@ def _router(x: torch.Tensor, router_w: torch.Tensor, gate_w: torch.Tensor | None
         grid = (triton.cdiv(num_tokens, BLOCK_M), triton.cdiv(num_experts + has_last, ROUTER_BLOCK_N))
         _dense_kernel[grid](x, router_w, gate_w if has_last else router_w, logits, num_tokens, num_experts, hidden,
                             x.stride(0), router_w.stride(0), logits.stride(0), BM=BLOCK_M, BN=ROUTER_BLOCK_N,
-                            BK=ROUTER_BLOCK_K, HAS_LAST=has_last, **_dot_flags(x.dtype), num_warps=NUM_WARPS,
-                            num_stages=ROUTER_STAGES)
+                            BK=ROUTER_BLOCK_K, HAS_LAST=has_last, **_dot_flags(x.dtype), PREFETCH=pdl.prefetching(),
+                            num_warps=NUM_WARPS, num_stages=ROUTER_STAGES)
     return logits
 
 
@@ -586,9 +590,10 @@ def _grouped(x, keys, cap, weights, gate_up, down, shared=None, logits=None):
     sizes = dict(TOP_K=top_k, BM=BLOCK_M, BE=triton.next_power_of_2(num_experts), NT=tiles, **_dot_flags(x.dtype),
                  num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     _gate_up_kernel[(max_blocks, triton.cdiv(max(inter, inter_s), GATE_UP_BLOCK_N * tiles))](
-        x, gate_up, ws_gate_up, h, x, order, weights, order, counts, num_tokens, num_shared, num_experts, inter,
-        inter_s, hidden, cap, x.stride(0), gate_up.stride(0), h.stride(0), 0,
-        BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, BR=triton.next_power_of_2(top_k), DIRECT=False, **sizes)
+        x, gate_up, ws_gate_up, h, x, order, weights, order, counts, down, ws_down, num_tokens, num_shared,
+        num_experts, inter, inter_s, hidden, cap, x.stride(0), gate_up.stride(0), h.stride(0), 0, down.stride(0),
+        BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, BR=triton.next_power_of_2(top_k), DIRECT=False, PREFETCH=False,
+        **sizes)
     _down_kernel[(max_blocks, triton.cdiv(hidden, DOWN_BLOCK_N * tiles))](
         h, down, ws_down, y, order, counts, num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap,
         h.stride(0), down.stride(0), y.stride(0), BN=DOWN_BLOCK_N, BK=DOWN_BLOCK_K, PAIRS=False, **sizes)
@@ -608,22 +613,23 @@ def _combine(y, weights, logits, out, num_experts, has_shared):
     return out
 
 
-def _direct_gate_up(x, logits, gate_up, shared, top_k):
+def _direct_gate_up(x, logits, gate_up, down, shared, top_k):
     """The direct gate_up on x [T <= BLOCK_M, H] (the module docstring), logits [T, E + 1] -> (ids [T * k]
-    int32, weights [T * k] in x's dtype, h [T * k + T, max(I, Is)]): it routes as it goes."""
+    int32, weights [T * k] in x's dtype, h [T * k + T, max(I, Is)]): it routes as it goes, and asks L2 for
+    the down weights its pairs need next."""
     num_tokens, hidden = x.shape
     num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    ws_gate_up = shared[0]
+    ws_gate_up, ws_down = shared
     inter_s = ws_gate_up.shape[0] // 2
     num_routed = num_tokens * top_k
     ids = torch.empty(num_routed, dtype=torch.int32, device=x.device)
     weights = torch.empty(num_routed, dtype=x.dtype, device=x.device)
     h = torch.empty(num_routed + num_tokens, max(inter, inter_s), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(num_routed + 1, triton.cdiv(max(inter, inter_s), GATE_UP_BLOCK_N))](
-        x, gate_up, ws_gate_up, h, logits, ids, weights, ids, ids, num_tokens, num_tokens, num_experts, inter,
-        inter_s, hidden, 0, x.stride(0), gate_up.stride(0), h.stride(0), logits.stride(0),
+        x, gate_up, ws_gate_up, h, logits, ids, weights, ids, ids, down, ws_down, num_tokens, num_tokens, num_experts,
+        inter, inter_s, hidden, 0, x.stride(0), gate_up.stride(0), h.stride(0), logits.stride(0), down.stride(0),
         BM=BLOCK_M, BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, NT=1, DIRECT=True, num_stages=DIRECT_GATE_UP_STAGES,
-        **_route_sizes(num_experts, top_k), **_dot_flags(x.dtype), num_warps=NUM_WARPS)
+        PREFETCH=pdl.prefetching(), **_route_sizes(num_experts, top_k), **_dot_flags(x.dtype), num_warps=NUM_WARPS)
     return ids, weights, h
 
 
@@ -633,7 +639,7 @@ def _direct(x, logits, gate_up, down, shared, top_k):
     num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
     ws_down = shared[1]
     inter_s = shared[0].shape[0] // 2
-    ids, weights, h = _direct_gate_up(x, logits, gate_up, shared, top_k)
+    ids, weights, h = _direct_gate_up(x, logits, gate_up, down, shared, top_k)
     out = torch.empty_like(x)
     _down_combine_kernel[(num_tokens, triton.cdiv(hidden, DOWN_BLOCK_N))](
         h, down, ws_down, ids, weights, logits, out, num_tokens, num_experts, inter, inter_s, hidden, h.stride(0),
@@ -648,7 +654,7 @@ def _pairs(x, logits, gate_up, down, shared, top_k):
     num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
     ws_down = shared[1]
     inter_s = shared[0].shape[0] // 2
-    ids, weights, h = _direct_gate_up(x, logits, gate_up, shared, top_k)
+    ids, weights, h = _direct_gate_up(x, logits, gate_up, down, shared, top_k)
     num_routed = num_tokens * top_k
     y = torch.empty(num_routed + num_tokens, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(num_routed + 1, triton.cdiv(hidden, DOWN_BLOCK_N))](

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 # rows per program: about this many elements a tile
 NORM_TILE_ELEMENTS = 4096
 NORM_NUM_WARPS = 4
@@ -37,8 +39,9 @@ def _store_rms_norm(b_x, w_ptr, y_ptr, o_r, o_d, m, stride_y, eps, D: tl.constex
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, w_ptr, y_ptr, num_rows, stride_x, stride_y, eps,
-    D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
+    D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.start(PDL)
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
     m = (o_r < num_rows)[:, None] & (o_d < D)[None, :]
@@ -49,10 +52,11 @@ def _rms_norm_kernel(
 @triton.jit
 def _gated_rms_norm_kernel(
     x_ptr, gate_ptr, w_ptr, y_ptr, num_rows, stride_x, gate_heads, stride_gate_t, stride_gate_h, stride_y, eps,
-    D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, PRODUCT_DTYPE: tl.constexpr,
+    D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, PRODUCT_DTYPE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Row r of the gate is head r % gate_heads of token r // gate_heads: a gate sliced out of a fused
     projection [T, ...] is read where it lies."""
+    pdl.start(PDL)
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
     m = (o_r < num_rows)[:, None] & (o_d < D)[None, :]
@@ -90,8 +94,9 @@ def _gdn_gates(b_a, b_b, b_a_log, b_dt_bias):
 def _gdn_gating_kernel(
     a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr,
     num_tokens, stride_at, stride_bt,
-    HV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+    HV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.start(PDL)
     o_t = tl.program_id(0) * BT + tl.arange(0, BT)
     o_h = tl.arange(0, BH)
     m_h = o_h < HV
@@ -131,7 +136,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if num_rows:
         _rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
             x2, weight, y2, num_rows, x2.stride(0), y2.stride(0), eps,
-            D=dim, BD=block_d, BR=block_r, num_warps=NORM_NUM_WARPS,
+            D=dim, BD=block_d, BR=block_r, num_warps=NORM_NUM_WARPS, **pdl.options()
         )
     return y
 
@@ -157,7 +162,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     if num_rows:
         _gated_rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
             x2, gate2, weight, y2, num_rows, x2.stride(0), gate_heads, *gate_strides, y2.stride(0), eps,
-            D=dim, BD=block_d, BR=block_r, PRODUCT_DTYPE=product_dtype, num_warps=NORM_NUM_WARPS,
+            D=dim, BD=block_d, BR=block_r, PRODUCT_DTYPE=product_dtype, num_warps=NORM_NUM_WARPS, **pdl.options()
         )
     return y
 
@@ -177,6 +182,6 @@ def gdn_gating(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: t
     if num_tokens:
         _gdn_gating_kernel[(triton.cdiv(num_tokens, GATING_BLOCK_T),)](
             a, b, a_log, dt_bias, g, beta, num_tokens, a.stride(0), b.stride(0),
-            HV=num_heads, BT=GATING_BLOCK_T, BH=triton.next_power_of_2(num_heads), num_warps=NORM_NUM_WARPS,
+            HV=num_heads, BT=GATING_BLOCK_T, BH=triton.next_power_of_2(num_heads), num_warps=NORM_NUM_WARPS, **pdl.options()
         )
     return g, beta

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from . import interpreting, pdl
 
 TILE_ROWS = 16  # a tile product's rows: x is padded to them
 MAX_ROWS = 2 * TILE_ROWS  # two products a weight tile
@@ -59,8 +59,9 @@ def tiles(num_cols: int, depth: int) -> Tiles:
 def _skinny_kernel(
     x_ptr, w_ptr, y_ptr, num_rows, num_cols, depth, split_depth, stride_xm, stride_wn, stride_ys, stride_ym,
     BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
-    SWAP: tl.constexpr, TWO: tl.constexpr,
+    SWAP: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.start(PDL)
     i_n, i_s = tl.program_id(0), tl.program_id(1)
     o_m = tl.arange(0, 16)
     o_n = i_n * BN + tl.arange(0, BN)
@@ -137,8 +138,9 @@ def _store_rows(y_ptr, acc, o_m, o_n, m_m, num_cols, stride_ym, SWAP: tl.constex
 
 
 @triton.jit
-def _sum_slices_kernel(part_ptr, y_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_slices_kernel(part_ptr, y_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """y = part[0] + part[1] + ... in that order (part: [SPLITS, M, N] fp32, y: [M, N], both contiguous)."""
+    pdl.start(PDL)
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = o < numel
     acc = tl.load(part_ptr + o, mask=m, other=0.0)
@@ -189,11 +191,11 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | Non
         part.stride(0) if splits > 1 else 0, part.stride(-2),
         BN=cfg.block_n, BK=cfg.block_k, EVEN_K=depth % cfg.block_k == 0,
         DOT_FP32=interpreting() and x.dtype != torch.float32, IEEE=x.dtype == torch.float32, SWAP=cfg.swap_ab,
-        TWO=num_rows > TILE_ROWS, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TWO=num_rows > TILE_ROWS, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options()
     )
     if splits > 1:
         numel = num_rows * num_cols
-        _sum_slices_kernel[(triton.cdiv(numel, SUM_BLOCK),)](part, y, numel, SPLITS=splits, BLOCK=SUM_BLOCK)
+        _sum_slices_kernel[(triton.cdiv(numel, SUM_BLOCK),)](part, y, numel, SPLITS=splits, BLOCK=SUM_BLOCK, **pdl.options())
     return y.reshape(*lead, num_cols)
 
 

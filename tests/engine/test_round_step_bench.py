@@ -20,3 +20,17 @@ def test_round_step_writes_a_row_per_batch_size(tmp_path, cache_dir):
     assert result["buckets"] == [1, 2, 3] and result["graphs"] is False
     assert [(r["batch"], r["bucket"], r["rounds"]) for r in result["rows"]] == [(1, 1, 2), (2, 2, 2), (3, 3, 2)]
     assert all(r["device_ms_per_round"] > 0 and r["tokens_per_s"] > 0 for r in result["rows"])
+
+
+def test_round_step_runs_each_pdl_mode_it_is_asked_for(tmp_path, cache_dir):
+    """--pdl off,on: a row a batch size and mode, each naming its mode (PDL itself is never active on a CPU);
+    an unknown mode is refused by name."""
+    import pytest
+
+    assert round_step.main(["--preset", "embedded", "--batches", "1", "--context", "20", "--rounds", "1",
+                            "--kernels", "naive", "--graphs", "static", "--pdl", "off,on", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("round_step-*-cpu.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["pdl"], r["batch"], r["pdl_active"]) for r in rows] == [("off", 1, False), ("on", 1, False)]
+    with pytest.raises(SystemExit):
+        round_step.main(["--preset", "embedded", "--pdl", "sometimes", "--out", str(tmp_path)])

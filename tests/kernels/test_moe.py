@@ -273,14 +273,17 @@ def test_the_wide_schedule_gives_the_same_bits(device, monkeypatch):
 
 @needs_triton
 def test_pdl_is_off_under_the_interpreter(device, monkeypatch):
-    """USE_PDL asks for grid dependency control, which the interpreter has not: its launches stay plain, the
+    """PDL asks for grid dependency control, which the interpreter has not: its launches stay plain, the
     same bits."""
+    from qse_kernels import pdl
+
     w = _weights(dtype=torch.bfloat16, device=device)
     x = _tokens(2, w, 3, seed=31)
+    monkeypatch.setattr(pdl, "ON", False)
     want = moe.moe_block(x, **w, top_k=3)
-    monkeypatch.setattr(moe, "USE_PDL", True)
+    monkeypatch.setattr(pdl, "ON", True)
     if device == "cpu":
-        assert moe._pdl() == {"PDL": False}
+        assert moe._pdl() == {"PDL": False} and not pdl.prefetching()
     assert torch.equal(moe.moe_block(x, **w, top_k=3), want)
 
 
@@ -404,14 +407,17 @@ def test_qwen3_5_35b_a3b_shapes_on_the_gpu(rel, monkeypatch):
 @needs_triton
 @pytest.mark.gpu
 def test_pdl_launches_give_the_same_bits_on_the_gpu(monkeypatch):
-    """moe.USE_PDL (off by default): every path's launches with programmatic dependent launch, eager and in a
-    CUDA graph, give the same bits as without."""
+    """Every path's launches with programmatic dependent launch (pdl.ON, the L2 prefetches too), eager and in
+    a CUDA graph, give the same bits as without."""
+    from qse_kernels import pdl
+
     top_k = 8
     w, x = _qwen3_5_35b_a3b_block(40)
+    monkeypatch.setattr(pdl, "ON", False)
     want = {path: moe.moe_block(x[:4], **w, top_k=top_k, path=path) for path in moe.PATHS}
     whole = moe.moe_block(x, **w, top_k=top_k)
-    monkeypatch.setattr(moe, "USE_PDL", True)
-    assert moe._pdl()["PDL"]
+    monkeypatch.setattr(pdl, "ON", True)
+    assert moe._pdl()["PDL"] and pdl.prefetching()
     for path in moe.PATHS:
         assert torch.equal(moe.moe_block(x[:4], **w, top_k=top_k, path=path), want[path]), path
     assert torch.equal(moe.moe_block(x, **w, top_k=top_k), whole)

@@ -177,3 +177,25 @@ def test_round_kernels_at_the_9b_shapes(rel):
             out_state=one_states[slot])
         assert torch.equal(o[i:i + 1], alone)
     assert torch.equal(states, one_states)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_rows_keep_their_bits_with_many_empty_splits(device, dtype):
+    """A captured round launches the splits of the longest context the pool holds; a short row uses few of
+    them, and the combine skips the blocks of splits it does not use. The bits must be those of a launch
+    sized to the row (3 splits here, against 40: three blocks of 16 of which the short rows use one), and of
+    the launch whose splits all have keys (the longest row)."""
+    gen = torch.Generator().manual_seed(11)
+    heads, kv, dim, page_rows = 4, 2, 32, 64
+    positions = [5, 130, 70]
+    tables = _tables(positions + [40 * 64 - 1], page_rows, 160, gen, device)  # 40 pages a row
+    k_pages, v_pages = _pages(160, page_rows, kv, dim, dtype, device, gen)
+    q = torch.randn(len(positions), heads, dim, generator=gen).to(device, dtype)
+    pos = torch.tensor(positions, dtype=torch.int32, device=device)
+    wide = attention.paged_decode_attention(q, k_pages, v_pages, tables[:3], pos, 40 * 64, rows_per_split=64)
+    for b in range(len(positions)):
+        fitted = attention.paged_decode_attention(q[b:b + 1], k_pages, v_pages, tables[b:b + 1], pos[b:b + 1],
+                                                  positions[b] + 1, rows_per_split=64)
+        assert torch.equal(wide[b:b + 1], fitted), b
+    ref = naive.paged_decode_attention(q, k_pages, v_pages, tables[:3], pos)
+    assert (wide.float() - ref.float()).abs().max() < (3e-3 if dtype == torch.float32 else 2e-2) * 8

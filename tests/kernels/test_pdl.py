@@ -1,0 +1,83 @@
+"""Programmatic dependent launch (qse_kernels/pdl.py): off under the interpreter, which has no grid
+dependency control; on the GPU a whole model's prefill and decode rounds, captured in CUDA graphs, give the
+bits they give without it (dense and MoE: every kernel of a round launched with PDL, the GEMV's, router's
+and down's weights asked of L2 before their waits)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qse.engine.engine import Engine
+from qse.engine.kv import KVPool, PagedKV
+from qse.engine.rounds import DecodeRounds
+from qse.models import ResolvedModel
+from qse.models.qwen3_5 import Qwen35Model, parse_config
+from qse.models.qwen3_5.presets import random_weights, tiny_mtp_config_dict
+from qse.models.qwen3_5_moe import Qwen35MoeModel
+from qse.models.qwen3_5_moe import parse_config as parse_moe_config
+from qse.models.qwen3_5_moe import presets as moe_presets
+
+pdl = pytest.importorskip("qse_kernels.pdl", reason="needs Triton")
+
+PAGE_ROWS = 64
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's case")
+def test_pdl_is_off_under_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(pdl, "ON", True)
+    assert not pdl.active() and not pdl.prefetching()
+    assert pdl.options() == {"PDL": False}
+
+
+def _engine(family: str) -> Engine:
+    if family == "moe":
+        cfg = parse_moe_config(moe_presets.tiny_config_dict())
+        model = Qwen35MoeModel(cfg, moe_presets.random_weights(cfg, 0, "cuda", torch.bfloat16), "cuda", torch.bfloat16)
+    else:
+        cfg = parse_config(tiny_mtp_config_dict(linear_key_head_dim=32, linear_value_head_dim=32))
+        model = Qwen35Model(cfg, random_weights(cfg, 0, "cuda", torch.bfloat16), "cuda", torch.bfloat16)
+    return Engine(ResolvedModel(model, None, f"tiny-pdl-{family}", "random", model.family, "tiny-pdl-gpu"),
+                  kernels="triton")
+
+
+def _script(engine: Engine) -> list[torch.Tensor]:
+    """Three sequences (7, 60 and 130 rows: page lines crossed) prefilled, then eight captured rounds, one
+    sequence leaving after the fourth: every prefill's and round's logits."""
+    cfg = engine.cfg
+    pool = KVPool(16, PAGE_ROWS, len(cfg.attention_layers), cfg.num_key_value_heads, cfg.head_dim, engine.dtype,
+                  engine.device)
+    rounds = DecodeRounds(engine, pool, max_running=4, graphs=True)
+    rounds.warm()
+    out, live = [], []
+    for n in (7, 60, 130):
+        cache = engine.new_cache(kv=PagedKV(pool))
+        logits, _ = engine.forward(cache, engine.ids_tensor([(300 + i) % cfg.vocab_size for i in range(n)]), "last")
+        out.append(logits.clone())
+        live.append((rounds.admit(cache), logits[-1].argmax().view(1)))
+    for step in range(8):
+        if step == 4:
+            rounds.release(live.pop(1)[0]).kv.release_all()
+        logits = rounds.run([seq for seq, _ in live], torch.cat([ids for _, ids in live]))
+        out.append(logits.clone())
+        live = [(seq, logits[row].argmax().view(1)) for row, (seq, _) in enumerate(live)]
+    torch.cuda.synchronize()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["dense", "moe"])
+def test_rounds_with_pdl_give_the_bits_of_rounds_without(family, monkeypatch):
+    if not (torch.cuda.get_device_capability()[0] >= 9 and pdl.gdc_wait is not None):
+        pytest.skip("PDL needs sm90+ and a Triton with grid dependency control")
+    torch.manual_seed(0)
+    engine = _engine(family)
+    monkeypatch.setattr(pdl, "ON", False)
+    plain = _script(engine)
+    monkeypatch.setattr(pdl, "ON", True)
+    assert pdl.active() and pdl.prefetching()
+    launched = _script(engine)
+    assert len(plain) == len(launched) == 11
+    assert all(torch.equal(a, b) for a, b in zip(plain, launched))
