@@ -110,24 +110,30 @@ def decode_rows(engine: Engine, batches: list[int], context: int, num_rounds: in
     return rows, ran
 
 
-PDL_MODES = ("on", "launch", "off")
+def parse_pdl(mode: str) -> tuple[int, frozenset, int]:
+    """A --pdl mode, off or ORDER[+FAMILY...][+last] (ORDER release|wait; FAMILY gemv|moe|all: the kernels
+    that prefetch their weights; last: at L2's evict-last priority), as qse_kernels.pdl's (ORDER, PREFETCH,
+    EVICT) with ORDER 0 for off; "default": the module's pinned choice."""
+    from qse_kernels import pdl
+
+    if mode == "default":
+        return pdl.ORDER, pdl.PREFETCH, pdl.EVICT
+    order, *rest = mode.split("+")
+    orders = {"off": 0, "release": pdl.RELEASE_FIRST, "wait": pdl.WAIT_FIRST}
+    families = {"gemv": {"gemv"}, "moe": {"moe"}, "all": {"gemv", "moe"}}
+    if order not in orders or any(r not in families and r != "last" for r in rest) or (order == "off" and rest):
+        raise ValueError(f"--pdl modes are default, off or release|wait[+gemv|+moe|+all][+last]; got {mode!r}")
+    prefetch = frozenset().union(*(families[r] for r in rest if r in families))
+    return orders[order], prefetch, pdl.EVICT_LAST if "last" in rest else pdl.EVICT_NORMAL
 
 
 def set_pdl(mode: str) -> None:
-    """qse_kernels.pdl's switches for one of PDL_MODES (no-ops where Triton is absent)."""
-    try:
-        from qse_kernels import pdl
-    except ImportError:
-        return
-    pdl.ON, pdl.PREFETCH = mode != "off", mode == "on"
+    """qse_kernels.pdl's switches for a --pdl mode (parse_pdl)."""
+    from qse_kernels import pdl
 
-
-def pdl_active() -> bool:
-    try:
-        from qse_kernels import pdl
-    except ImportError:
-        return False
-    return pdl.active()
+    order, pdl.PREFETCH, pdl.EVICT = parse_pdl(mode)
+    pdl.ON = order != 0
+    pdl.ORDER = order or pdl.ORDER
 
 
 def main(argv=None) -> int:
@@ -143,14 +149,21 @@ def main(argv=None) -> int:
     p.add_argument("--blas", default="default", choices=["default", "cublas", "cublaslt"],
                    help="torch's preferred BLAS library for the rounds' 2-32-row GEMMs (an experiment: which one "
                         "reads the weights nearer the one-row GEMV's rate)")
-    p.add_argument("--pdl", default="on", help="programmatic dependent launch, comma separated for an A/B in one "
-                   "run: on (with the L2 prefetches), launch (without them), off")
+    p.add_argument("--pdl", default="default", help="programmatic dependent launch, comma separated for an A/B in "
+                   "one run (parse_pdl): default, off, or release|wait[+gemv|+moe|+all][+last]")
+    p.add_argument("--pdl-tag", default="", help="a word in the result's file name (several runs a day)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
+    from qse_kernels import pdl
+
     pdl_modes = args.pdl.split(",")
-    if not set(pdl_modes) <= set(PDL_MODES):
-        p.error(f"--pdl takes {', '.join(PDL_MODES)} (comma separated); got {args.pdl!r}")
+    pinned = parse_pdl("default")
+    try:
+        for mode in pdl_modes:
+            parse_pdl(mode)
+    except ValueError as exc:
+        p.error(str(exc))
     device, dtype, cache_dir = on_this_machine()
     if args.blas != "default" and device.type == "cuda":
         torch.backends.cuda.preferred_blas_library(args.blas)
@@ -161,13 +174,14 @@ def main(argv=None) -> int:
         set_pdl(mode)
         mode_rows, ran = decode_rows(engine, batches, args.context, args.rounds,
                                      graphs=None if args.graphs == "auto" else "static", profile=args.profile)
-        rows += [{"pdl": mode, "pdl_active": pdl_active(), **row} for row in mode_rows]
-    set_pdl("on")
+        rows += [{"pdl": mode, "pdl_active": pdl.active(), **row} for row in mode_rows]
+    pdl.ORDER, pdl.PREFETCH, pdl.EVICT = pinned
+    pdl.ON = True
     result = {**result_header("triton", device=None if device.type == "cuda" else "cpu"),
               "preset": args.preset, "blas": str(torch.backends.cuda.preferred_blas_library()) if device.type == "cuda"
               else None, "kernels": engine.kernels, "graphs": ran["graphs"], "context": args.context,
               "page_rows": PAGE_ROWS, "buckets": ran["buckets"], "warm_s": ran["warm_s"], "rows": rows}
-    write_result(result, args.out, "round_step")
+    write_result(result, args.out, f"round_step-{args.pdl_tag}" if args.pdl_tag else "round_step")
     return 0
 
 

@@ -190,7 +190,7 @@ def _attn_kernel(
     G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     WANT: tl.constexpr, MIN_ROWS: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
     TMA: tl.constexpr, GATE: tl.constexpr, LAZY: tl.constexpr = 0, FUSED: tl.constexpr = False,
-    WS: tl.constexpr = False, BATCHED: tl.constexpr = False, PDL: tl.constexpr = False,
+    WS: tl.constexpr = False, BATCHED: tl.constexpr = False, PDL: tl.constexpr = 0,
 ):
     pdl.start(PDL)
     i_m, i_hk, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -281,7 +281,7 @@ def _attn_kernel(
 def _attn_combine_kernel(
     part_ptr, lse_ptr, o_ptr, gate_ptr, num_splits, num_q, num_heads, stride_ot, stride_oh, stride_gt, stride_gh,
     D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BS_ALL: tl.constexpr, GATE: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """out = sum_s 2^(lse_s - M) part_s / sum_s 2^(lse_s - M), splits in order 0..S-1 in blocks of BS (empty
     splits carry lse = -inf and part = 0: weight 0, exact zeros); GATE: times sigmoid(gate), as the split-free

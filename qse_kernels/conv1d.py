@@ -64,7 +64,7 @@ def _conv_kernel(
     x_ptr, w_ptr, state_ptr, y_ptr, new_state_ptr,
     num_tokens, num_channels, stride_xt, stride_wc, stride_wk, stride_st, stride_yt, stride_nt,
     slots_ptr, stride_slot,
-    WIDTH: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, SLOTS: tl.constexpr = False, PDL: tl.constexpr = False,
+    WIDTH: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, SLOTS: tl.constexpr = False, PDL: tl.constexpr = 0,
 ):
     pdl.start(PDL)
     i_t, i_c = tl.program_id(0), tl.program_id(1)
@@ -99,7 +99,7 @@ def _conv_kernel(
 def _conv_window_kernel(
     x_ptr, w_ptr, state_ptr, y_ptr, num_rows, num_channels, stride_xt, stride_wc, stride_wk, stride_st, stride_yt,
     slots_ptr, stride_slots, scratch_ptr, stride_scratch_b, stride_scratch_t, stride_slot,
-    WIDTH: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr = False,
+    WIDTH: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     pdl.start(PDL)
     # program row i_b: the num_rows (T) rows of sequence i_b, x rows i_b * T .., from the state in slot slots[i_b]

@@ -28,7 +28,7 @@ SILU_BLOCK_N = 512
 @triton.jit
 def _add_rms_norm_kernel(
     x_ptr, h_ptr, w_ptr, s_ptr, y_ptr, num_rows, stride_x, stride_h, stride_s, stride_y, eps,
-    D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr = False,
+    D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     pdl.start(PDL)
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -45,7 +45,7 @@ def _add_rms_norm_kernel(
 @triton.jit
 def _silu_mul_kernel(
     gu_ptr, y_ptr, num_rows, width, stride_gu, stride_y,
-    BT: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr = False,
+    BT: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     pdl.start(PDL)
     o_t = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -73,7 +73,7 @@ def _sigmoid_gated(b_x, p_gate, m):
 @triton.jit
 def _sigmoid_gate_kernel(
     x_ptr, gate_ptr, y_ptr, num_rows, num_heads, stride_xt, stride_xh, stride_gt, stride_gh,
-    D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr = False,
+    D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     pdl.start(PDL)
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -133,7 +133,7 @@ def _qk_norm_rotary_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_c, eps,
     stride_vt, stride_vh, stride_kpp, stride_kpr, stride_kph, stride_vpp, stride_vpr, stride_vph, stride_tb,
     D: tl.constexpr, BD: tl.constexpr, RD: tl.constexpr, BR: tl.constexpr, PAGED: tl.constexpr,
-    BATCHED: tl.constexpr = False, PDL: tl.constexpr = False,
+    BATCHED: tl.constexpr = False, PDL: tl.constexpr = 0,
 ):
     """The first programs take q's rows, the rest k's: one launch for both. PAGED: a k program stores its
     rows, and the same rows of v as they are, at sequence rows start.. of the paged KV (start read here,

@@ -67,7 +67,7 @@ def _recurrent_kernel(
     num_tokens, heads_per_key, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, stride_oh,
-    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATES: tl.constexpr, PDL: tl.constexpr = False,
+    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATES: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     pdl.start(PDL)
     i_h, i_v = tl.program_id(0), tl.program_id(1)
@@ -97,7 +97,7 @@ def _recurrent_window_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_at, stride_ah, stride_bt, stride_bh, stride_ot, stride_oh,
     slots_ptr, stride_slots, scratch_ptr, stride_scratch_b, stride_scratch_t, stride_slot,
-    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False,
+    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     pdl.start(PDL)
     # program i_b: the num_rows (T) rows of sequence i_b (rows i_b * T ..), from the state in slot slots[i_b]

@@ -62,7 +62,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None)
     y = torch.empty(*x.shape[:-1], num_cols, dtype=out_dtype, device=x.device)
     block_n, block_k = tiles(num_cols)
     _gemv_kernel[(triton.cdiv(num_cols, block_n),)](x1, w, y, num_cols, depth, w.stride(0), BN=block_n, BK=block_k,
-                                                     PREFETCH=pdl.prefetching(), num_warps=NUM_WARPS, **pdl.options())
+                                                     PREFETCH=pdl.prefetching("gemv"), num_warps=NUM_WARPS, **pdl.options())
     return y
 
 

@@ -504,7 +504,7 @@ def _router(x: torch.Tensor, router_w: torch.Tensor, gate_w: torch.Tensor | None
         grid = (triton.cdiv(num_tokens, BLOCK_M), triton.cdiv(num_experts + has_last, ROUTER_BLOCK_N))
         _dense_kernel[grid](x, router_w, gate_w if has_last else router_w, logits, num_tokens, num_experts, hidden,
                             x.stride(0), router_w.stride(0), logits.stride(0), BM=BLOCK_M, BN=ROUTER_BLOCK_N,
-                            BK=ROUTER_BLOCK_K, HAS_LAST=has_last, **_dot_flags(x.dtype), PREFETCH=pdl.prefetching(),
+                            BK=ROUTER_BLOCK_K, HAS_LAST=has_last, **_dot_flags(x.dtype), PREFETCH=pdl.prefetching("moe"),
                             num_warps=NUM_WARPS, num_stages=ROUTER_STAGES)
     return logits
 
@@ -629,7 +629,7 @@ def _direct_gate_up(x, logits, gate_up, down, shared, top_k):
         x, gate_up, ws_gate_up, h, logits, ids, weights, ids, ids, down, ws_down, num_tokens, num_tokens, num_experts,
         inter, inter_s, hidden, 0, x.stride(0), gate_up.stride(0), h.stride(0), logits.stride(0), down.stride(0),
         BM=BLOCK_M, BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, NT=1, DIRECT=True, num_stages=DIRECT_GATE_UP_STAGES,
-        PREFETCH=pdl.prefetching(), **_route_sizes(num_experts, top_k), **_dot_flags(x.dtype), num_warps=NUM_WARPS)
+        PREFETCH=pdl.prefetching("moe"), **_route_sizes(num_experts, top_k), **_dot_flags(x.dtype), num_warps=NUM_WARPS)
     return ids, weights, h
 
 

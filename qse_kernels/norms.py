@@ -39,7 +39,7 @@ def _store_rms_norm(b_x, w_ptr, y_ptr, o_r, o_d, m, stride_y, eps, D: tl.constex
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, w_ptr, y_ptr, num_rows, stride_x, stride_y, eps,
-    D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr = False,
+    D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     pdl.start(PDL)
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -52,7 +52,7 @@ def _rms_norm_kernel(
 @triton.jit
 def _gated_rms_norm_kernel(
     x_ptr, gate_ptr, w_ptr, y_ptr, num_rows, stride_x, gate_heads, stride_gate_t, stride_gate_h, stride_y, eps,
-    D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, PRODUCT_DTYPE: tl.constexpr, PDL: tl.constexpr = False,
+    D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, PRODUCT_DTYPE: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """Row r of the gate is head r % gate_heads of token r // gate_heads: a gate sliced out of a fused
     projection [T, ...] is read where it lies."""
@@ -94,7 +94,7 @@ def _gdn_gates(b_a, b_b, b_a_log, b_dt_bias):
 def _gdn_gating_kernel(
     a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr,
     num_tokens, stride_at, stride_bt,
-    HV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr = False,
+    HV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     pdl.start(PDL)
     o_t = tl.program_id(0) * BT + tl.arange(0, BT)

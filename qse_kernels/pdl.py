@@ -14,7 +14,8 @@ correct is the same in every kernel here, in this order:
                     induction every earlier kernel of the stream has too
     ...             everything else: activations, state, caches, and every store
 
-A kernel that reads nothing before wait() (most of them) only hides its launch. PDL changes no arithmetic:
+With ORDER = WAIT_FIRST the release moves after the wait (the next launch comes in only once this one
+runs). A kernel that reads nothing before wait() (most of them) only hides its launch. PDL changes no arithmetic:
 a kernel's bits are the same on or off (the GPU tests run on, the interpreter off: it has no grid
 dependency control). A launch without PDL (a torch op, cuBLAS) waits for the whole kernel before it as
 always, and the kernel after it finds wait() already satisfied.
@@ -34,10 +35,16 @@ try:  # grid dependency control (sm90+)
 except ImportError:  # a Triton without it: PDL stays off
     gdc_launch_dependents = gdc_wait = None
 
-# on wherever the device and Triton allow it; PREFETCH: the kernels that can also ask L2 for their weights
-# before wait() do (benchmarks/round_step.py --pdl off|launch|prefetch times the three)
+# on wherever the device and Triton allow it. ORDER: where a kernel lets the next launch in, RELEASE_FIRST
+# (before its wait: launches cascade ahead) or WAIT_FIRST (after it: at most one launch waits ahead).
+# PREFETCH: the kernel families that ask L2 for their weights before their wait ("gemv", "moe"), and EVICT the
+# L2 priority those lines get. benchmarks/round_step.py --pdl times the choices against each other.
 ON = True
-PREFETCH = True
+RELEASE_FIRST, WAIT_FIRST = 1, 2
+ORDER = WAIT_FIRST
+PREFETCH = frozenset({"moe"})
+EVICT_NORMAL, EVICT_LAST = 1, 2
+EVICT = EVICT_NORMAL
 
 
 @functools.cache
@@ -54,35 +61,44 @@ def active() -> bool:
 
 
 def options() -> dict:
-    """A launch's keyword arguments: the kernel's PDL constexpr and, when active, Triton's launch_pdl."""
-    return dict(PDL=True, launch_pdl=True) if active() else dict(PDL=False)
+    """A launch's keyword arguments: the kernel's PDL constexpr (0: off, else ORDER) and, when active,
+    Triton's launch_pdl."""
+    return dict(PDL=ORDER, launch_pdl=True) if active() else dict(PDL=0)
 
 
-def prefetching() -> bool:
-    """The PREFETCH constexpr of a kernel that prefetches_l2 its weights before wait()."""
-    return PREFETCH and active()
+def prefetching(family: str) -> int:
+    """The PREFETCH constexpr of a kernel of `family` that can prefetch_l2 its weights before wait(): 0 (no),
+    else the lines' EVICT priority."""
+    return EVICT if active() and family in PREFETCH else 0
 
 
 @triton.jit
 def release(PDL: tl.constexpr):
-    """Let the next launch place its programs (the module docstring's first step)."""
-    if PDL:
+    """Let the next launch place its programs (the module docstring's first step; with WAIT_FIRST, wait()
+    does it instead)."""
+    if PDL == 1:
         gdc_launch_dependents()
 
 
 @triton.jit
 def wait(PDL: tl.constexpr):
     """Wait for the kernel before this one, its writes visible (the module docstring's third step)."""
-    if PDL:
+    if PDL != 0:
         gdc_wait()
+    if PDL == 2:
+        gdc_launch_dependents()
 
 
 @triton.jit
 def prefetch_l2(ptrs, PREFETCH: tl.constexpr):
     """Ask L2 for the 128-byte lines at ptrs (a tensor of addresses, one a line; pass only addresses that
-    are in bounds, clamped rather than masked): no registers held, no wait, nothing that changes a bit. The
-    step before wait() in which a kernel's weights start arriving."""
-    if PREFETCH:
+    are in bounds, clamped rather than masked), at priority PREFETCH (EVICT_NORMAL, EVICT_LAST; 0: nothing):
+    no registers held, no wait, nothing that changes a bit. The step before wait() in which a kernel's weights
+    start arriving."""
+    if PREFETCH == 1:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs.to(tl.int64)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    elif PREFETCH == 2:
         tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; // $0", "=r,l", [ptrs.to(tl.int64)],
                                   dtype=tl.int32, is_pure=False, pack=1)
 
@@ -97,7 +113,7 @@ def prefetch_rows(p_rows, m_rows, p_safe, num_cols, PREFETCH: tl.constexpr, LINE
     """prefetch_l2 of rows [R] of a matrix whose row r starts at p_rows[r] and holds num_cols elements, the
     rows where m_rows is false and the columns past num_cols asking for p_safe (any address in bounds)
     instead, LINES lines of every row a step."""
-    if PREFETCH:
+    if PREFETCH != 0:
         o_c = tl.arange(0, LINES) * LINE_ELEMENTS
         for c0 in range(0, num_cols, LINES * LINE_ELEMENTS):
             m = m_rows[:, None] & ((c0 + o_c) < num_cols)[None, :]
@@ -111,4 +127,4 @@ def start(PDL: tl.constexpr):
     wait(PDL)
 
 
-__all__ = ["ON", "active", "options", "prefetch_l2", "prefetch_rows", "prefetching", "release", "start", "wait"]
+__all__ = ["EVICT", "ON", "ORDER", "PREFETCH", "active", "options", "prefetch_l2", "prefetch_rows", "prefetching", "release", "start", "wait"]

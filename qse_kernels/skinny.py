@@ -59,7 +59,7 @@ def tiles(num_cols: int, depth: int) -> Tiles:
 def _skinny_kernel(
     x_ptr, w_ptr, y_ptr, num_rows, num_cols, depth, split_depth, stride_xm, stride_wn, stride_ys, stride_ym,
     BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
-    SWAP: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr = False,
+    SWAP: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     pdl.start(PDL)
     i_n, i_s = tl.program_id(0), tl.program_id(1)
@@ -138,7 +138,7 @@ def _store_rows(y_ptr, acc, o_m, o_n, m_m, num_cols, stride_ym, SWAP: tl.constex
 
 
 @triton.jit
-def _sum_slices_kernel(part_ptr, y_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _sum_slices_kernel(part_ptr, y_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
     """y = part[0] + part[1] + ... in that order (part: [SPLITS, M, N] fp32, y: [M, N], both contiguous)."""
     pdl.start(PDL)
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

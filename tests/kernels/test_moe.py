@@ -283,7 +283,7 @@ def test_pdl_is_off_under_the_interpreter(device, monkeypatch):
     want = moe.moe_block(x, **w, top_k=3)
     monkeypatch.setattr(pdl, "ON", True)
     if device == "cpu":
-        assert moe._pdl() == {"PDL": False} and not pdl.prefetching()
+        assert moe._pdl() == {"PDL": 0} and not pdl.prefetching("moe")
     assert torch.equal(moe.moe_block(x, **w, top_k=3), want)
 
 
@@ -417,7 +417,7 @@ def test_pdl_launches_give_the_same_bits_on_the_gpu(monkeypatch):
     want = {path: moe.moe_block(x[:4], **w, top_k=top_k, path=path) for path in moe.PATHS}
     whole = moe.moe_block(x, **w, top_k=top_k)
     monkeypatch.setattr(pdl, "ON", True)
-    assert moe._pdl()["PDL"] and pdl.prefetching()
+    assert moe._pdl()["PDL"] and pdl.prefetching("moe")
     for path in moe.PATHS:
         assert torch.equal(moe.moe_block(x[:4], **w, top_k=top_k, path=path), want[path]), path
     assert torch.equal(moe.moe_block(x, **w, top_k=top_k), whole)

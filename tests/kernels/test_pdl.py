@@ -27,8 +27,9 @@ PAGE_ROWS = 64
 def test_pdl_is_off_under_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(pdl, "ON", True)
-    assert not pdl.active() and not pdl.prefetching()
-    assert pdl.options() == {"PDL": False}
+    monkeypatch.setattr(pdl, "PREFETCH", frozenset({"gemv", "moe"}))
+    assert not pdl.active() and not pdl.prefetching("gemv") and not pdl.prefetching("moe")
+    assert pdl.options() == {"PDL": 0}
 
 
 def _engine(family: str) -> Engine:
@@ -68,8 +69,10 @@ def _script(engine: Engine) -> list[torch.Tensor]:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("order", ["release", "wait"])
 @pytest.mark.parametrize("family", ["dense", "moe"])
-def test_rounds_with_pdl_give_the_bits_of_rounds_without(family, monkeypatch):
+def test_rounds_with_pdl_give_the_bits_of_rounds_without(family, order, monkeypatch):
+    """Either order of a kernel's release and wait, every family's L2 prefetches on."""
     if not (torch.cuda.get_device_capability()[0] >= 9 and pdl.gdc_wait is not None):
         pytest.skip("PDL needs sm90+ and a Triton with grid dependency control")
     torch.manual_seed(0)
@@ -77,7 +80,9 @@ def test_rounds_with_pdl_give_the_bits_of_rounds_without(family, monkeypatch):
     monkeypatch.setattr(pdl, "ON", False)
     plain = _script(engine)
     monkeypatch.setattr(pdl, "ON", True)
-    assert pdl.active() and pdl.prefetching()
+    monkeypatch.setattr(pdl, "ORDER", pdl.RELEASE_FIRST if order == "release" else pdl.WAIT_FIRST)
+    monkeypatch.setattr(pdl, "PREFETCH", frozenset({"gemv", "moe"}))
+    assert pdl.active() and pdl.prefetching("gemv") and pdl.prefetching("moe")
     launched = _script(engine)
     assert len(plain) == len(launched) == 11
     assert all(torch.equal(a, b) for a, b in zip(plain, launched))
