@@ -110,30 +110,49 @@ def decode_rows(engine: Engine, batches: list[int], context: int, num_rounds: in
     return rows, ran
 
 
-def parse_pdl(mode: str) -> tuple[int, frozenset, int]:
-    """A --pdl mode, off or ORDER[+FAMILY...][+last] (ORDER release|wait; FAMILY gemv|moe|all: the kernels
-    that prefetch their weights; last: at L2's evict-last priority), as qse_kernels.pdl's (ORDER, PREFETCH,
-    EVICT) with ORDER 0 for off; "default": the module's pinned choice."""
+def parse_pdl(mode: str) -> int:
+    """A --pdl mode as qse_kernels.pdl's ORDER (0: off): off, release (RELEASE_FIRST), wait (WAIT_FIRST), or
+    default (the module's pinned ORDER)."""
     from qse_kernels import pdl
 
-    if mode == "default":
-        return pdl.ORDER, pdl.PREFETCH, pdl.EVICT
-    order, *rest = mode.split("+")
-    orders = {"off": 0, "release": pdl.RELEASE_FIRST, "wait": pdl.WAIT_FIRST}
-    families = {"gemv": {"gemv"}, "moe": {"moe"}, "all": {"gemv", "moe"}}
-    if order not in orders or any(r not in families and r != "last" for r in rest) or (order == "off" and rest):
-        raise ValueError(f"--pdl modes are default, off or release|wait[+gemv|+moe|+all][+last]; got {mode!r}")
-    prefetch = frozenset().union(*(families[r] for r in rest if r in families))
-    return orders[order], prefetch, pdl.EVICT_LAST if "last" in rest else pdl.EVICT_NORMAL
+    orders = {"off": 0, "release": pdl.RELEASE_FIRST, "wait": pdl.WAIT_FIRST, "default": pdl.ORDER}
+    if mode not in orders:
+        raise ValueError(f"--pdl modes are {', '.join(orders)}; got {mode!r}")
+    return orders[mode]
 
 
 def set_pdl(mode: str) -> None:
     """qse_kernels.pdl's switches for a --pdl mode (parse_pdl)."""
     from qse_kernels import pdl
 
-    order, pdl.PREFETCH, pdl.EVICT = parse_pdl(mode)
+    order = parse_pdl(mode)
     pdl.ON = order != 0
     pdl.ORDER = order or pdl.ORDER
+
+
+def set_knob(knob: str):
+    """MODULE.NAME=VALUE: qse_kernels.MODULE's constant NAME (which must exist) set to VALUE; returns VALUE."""
+    import importlib
+
+    name, _, raw = knob.partition("=")
+    module_name, _, attr = name.rpartition(".")
+    try:
+        module = importlib.import_module(f"qse_kernels.{module_name}")
+    except ImportError:
+        module = None
+    if module is None or not attr or not hasattr(module, attr) or not raw:
+        raise ValueError(f"--knob takes MODULE.NAME=VALUE for an existing qse_kernels constant; got {knob!r}")
+    value = {"True": True, "False": False}.get(raw)
+    if value is None:
+        try:
+            value = int(raw)
+        except ValueError:
+            try:
+                value = float(raw)
+            except ValueError:
+                raise ValueError(f"--knob's value must be an int, a float, True or False; got {raw!r}") from None
+    setattr(module, attr, value)
+    return value
 
 
 def main(argv=None) -> int:
@@ -150,13 +169,22 @@ def main(argv=None) -> int:
                    help="torch's preferred BLAS library for the rounds' 2-32-row GEMMs (an experiment: which one "
                         "reads the weights nearer the one-row GEMV's rate)")
     p.add_argument("--pdl", default="default", help="programmatic dependent launch, comma separated for an A/B in "
-                   "one run (parse_pdl): default, off, or release|wait[+gemv|+moe|+all][+last]")
+                   "one run: default, off, release (release first), wait (wait first)")
+    p.add_argument("--knob", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                   help="set a qse_kernels module constant before the rounds are built (an int, float or "
+                        "True/False; repeatable), e.g. attention.DECODE_MIN_SPLIT_ROWS=128")
     p.add_argument("--pdl-tag", default="", help="a word in the result's file name (several runs a day)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     from qse_kernels import pdl
 
+    knobs = {}
+    for knob in args.knob:
+        try:
+            knobs[knob.split("=")[0]] = set_knob(knob)
+        except ValueError as exc:
+            p.error(str(exc))
     pdl_modes = args.pdl.split(",")
     pinned = parse_pdl("default")
     try:
@@ -175,12 +203,11 @@ def main(argv=None) -> int:
         mode_rows, ran = decode_rows(engine, batches, args.context, args.rounds,
                                      graphs=None if args.graphs == "auto" else "static", profile=args.profile)
         rows += [{"pdl": mode, "pdl_active": pdl.active(), **row} for row in mode_rows]
-    pdl.ORDER, pdl.PREFETCH, pdl.EVICT = pinned
-    pdl.ON = True
+    pdl.ORDER, pdl.ON = pinned, True
     result = {**result_header("triton", device=None if device.type == "cuda" else "cpu"),
               "preset": args.preset, "blas": str(torch.backends.cuda.preferred_blas_library()) if device.type == "cuda"
               else None, "kernels": engine.kernels, "graphs": ran["graphs"], "context": args.context,
-              "page_rows": PAGE_ROWS, "buckets": ran["buckets"], "warm_s": ran["warm_s"], "rows": rows}
+              "page_rows": PAGE_ROWS, "knobs": knobs, "buckets": ran["buckets"], "warm_s": ran["warm_s"], "rows": rows}
     write_result(result, args.out, f"round_step-{args.pdl_tag}" if args.pdl_tag else "round_step")
     return 0
 

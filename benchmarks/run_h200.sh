@@ -129,7 +129,7 @@ for step in $steps; do
           # a preset (PDL_PRESETS; PDL_PROFILE=10: per kernel)
       for m in ${PDL_PRESETS:-qwen3.5-35b-a3b qwen3.5-9b}; do
         timeout "${PDL_TIMEOUT:-240}" python3 benchmarks/round_step.py --preset $m --batches "${PDL_BATCHES:-1,8}" \
-          --pdl "${PDL_MODES:-off,release,wait,wait+moe}" --pdl-tag "pdl-$m" --profile "${PDL_PROFILE:-0}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-300
+          --pdl "${PDL_MODES:-off,release,wait}" --pdl-tag "pdl-$m" --profile "${PDL_PROFILE:-0}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-300
       done ;;
     memory)  # peak device memory of 16k, 64k and 128k prompts read from row 0: the served 9B's turn start, the 0.8B's question
       timeout 400 python3 benchmarks/prompt_memory.py --preset "${MEMORY_PRESET:-qwen3.5-9b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-600 ;;

@@ -5,7 +5,8 @@ Grid (Hv, Dv / BV): the state's Dv columns never mix, so each program holds a sl
 registers and walks the tokens in order (T is 1 in decode; any T works):
     S <- e^g S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q
 q and k are L2-normalised in fp32 (q also scaled by Dk^-1/2) per token, as the twin does.
-recurrent_gated_delta_rule_from_gates gates the raw projections a, b in the same kernel (see gdn_chunk).
+recurrent_gated_delta_rule_from_gates gates the raw projections a, b in the same kernel (see gdn_chunk); it runs
+the window kernel below on a stack of its one state.
 
 recurrent_gated_delta_rule_slots steps B sequences by one token each in one launch, grid (Hv, Dv / BV, B):
 program b runs the one-token step of sequence b on its state, slot slots[b] of a slot stack (in place). It is
@@ -142,9 +143,27 @@ def recurrent_gated_delta_rule_from_gates(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of naive.recurrent_gated_delta_rule_from_gates: recurrent_gated_delta_rule of gdn_gating(a,
     b, a_log, dt_bias), the gating done in the same kernel (a, b [T, Hv], any strides; a_log, dt_bias [Hv])."""
-    shapes = _check_gdn_shapes(q, k, v, a, b, state, "a and b")
-    gates = _check_gates(a, b, a_log, dt_bias, shapes[2])
-    return _recurrent_rule(q, k, v, a, b, gates, state, out_state, shapes)
+    num_tokens, num_k_heads, num_v_heads, dk, dv = _check_gdn_shapes(q, k, v, a, b, state, "a and b")
+    a_log, dt_bias = _check_gates(a, b, a_log, dt_bias, num_v_heads)
+    # the window kernel on a stack of one state, its own slot the target of every row: the one compiled step
+    # a round's slot step and a verify run, so a sequence stepped here and in a round gets the same bits (the
+    # one-token _recurrent_kernel parted from the slot step in the states' last bits on the H200, outputs equal)
+    if out_state is None:
+        new_state = torch.empty(state.shape, dtype=torch.float32, device=state.device)
+    else:
+        new_state = _new_state_buffer(state, out_state)
+    if new_state.data_ptr() != state.data_ptr():
+        new_state.copy_(state)
+    if new_state.dtype != torch.float32 or not new_state.is_contiguous():
+        raise ValueError(f"the state stepped must be a contiguous float32 [Hv, Dk, Dv]; got {new_state.dtype} "
+                         f"{tuple(new_state.shape)}, strides {new_state.stride()}")
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    out = torch.empty(num_tokens, num_v_heads, dv, dtype=v.dtype, device=v.device)
+    if num_tokens:
+        slots = torch.zeros(1, 1 + num_tokens, dtype=torch.int32, device=v.device)  # slot 0, its rows' targets 0
+        _launch_window(q, k, v, a, b, a_log, dt_bias, new_state[None], out, slots[:, 0], slots[:, 1:], 1, num_tokens,
+                       num_k_heads, num_v_heads, dk, dv)
+    return out, new_state
 
 
 def _recurrent_rule(q, k, v, g, beta, gates, state, out_state, shapes):

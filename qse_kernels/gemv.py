@@ -6,7 +6,6 @@ M = 1 read the 0.8B's 1.5 GB at ~1.9 TB/s on the H200 (0.78 ms of the 1.79 ms fo
 Here each program owns BN whole rows of w and streams them in BK-column steps, accumulating x * w
 elementwise in fp32 and reducing once at the end, so a row's result depends only on x, that row and
 the pinned (BN, BK); no split-K, no atomics. Small N takes narrow programs so that enough of them run.
-Launched with PDL (pdl.py), a program asks L2 for its rows of w before it waits for the kernel that writes x.
 """
 
 from __future__ import annotations
@@ -25,13 +24,11 @@ NUM_WARPS = 4
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, num_cols, depth, stride_wn, BN: tl.constexpr, BK: tl.constexpr,
-                 PDL: tl.constexpr, PREFETCH: tl.constexpr):
-    pdl.release(PDL)
+                 PDL: tl.constexpr = 0):
+    pdl.start(PDL)
     o_n = tl.program_id(0) * BN + tl.arange(0, BN)
     m_n = o_n < num_cols
     o_k = tl.arange(0, BK)
-    pdl.prefetch_rows(w_ptr + o_n.to(tl.int64) * stride_wn, m_n, w_ptr, depth, PREFETCH, 16)
-    pdl.wait(PDL)
     p_w = w_ptr + o_n[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((BN, BK), tl.float32)
     for k0 in range(0, depth, BK):
@@ -62,7 +59,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None)
     y = torch.empty(*x.shape[:-1], num_cols, dtype=out_dtype, device=x.device)
     block_n, block_k = tiles(num_cols)
     _gemv_kernel[(triton.cdiv(num_cols, block_n),)](x1, w, y, num_cols, depth, w.stride(0), BN=block_n, BK=block_k,
-                                                     PREFETCH=pdl.prefetching("gemv"), num_warps=NUM_WARPS, **pdl.options())
+                                                     num_warps=NUM_WARPS, **pdl.options())
     return y
 
 

@@ -32,9 +32,7 @@ Nothing waits on the host and nothing but Triton kernels runs (a CUDA graph hold
              in fp32 in rank order, rounded once                          _combine_kernel, a program a token
 
 Every launch above is a programmatic dependent launch where the device allows it (pdl.py): placed on the device
-while the one before it runs, each of its programs waiting for that one before its first load of an activation.
-Before that wait the router asks L2 for its weight rows; the direct gate_up, once it has routed (after its
-wait), asks L2 for its slice of its expert's down weights, which the down reads next.
+while the one before it runs, each of its programs waiting for that one before its first load.
 
 Pairs: routed pair t * k + r, and the shared expert (as expert E, whose weights are shared_gate_up /
 shared_down, its intermediate size may differ) pair T * k + t; h and y are indexed by pair on every path.
@@ -111,12 +109,11 @@ def _dot_acc(acc, b_a, b_b, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr):
 def _dense_kernel(
     x_ptr, w_ptr, w_last_ptr, y_ptr, num_rows, num_cols, depth, stride_x, stride_w, stride_y,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_LAST: tl.constexpr, ROW_EXACT: tl.constexpr,
-    IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """y [M, N (+1)] = x [M, K] @ w [N, K]^T, one BM x BN tile a program (the router's logits); with HAS_LAST
-    one more column N from w_last [1, K] (the shared gate's logit). PREFETCH: its weight rows asked of L2
-    before the wait for x."""
-    pdl.release(PDL)
+    one more column N from w_last [1, K] (the shared gate's logit)."""
+    pdl.start(PDL)
     o_m = tl.program_id(0) * BM + tl.arange(0, BM)
     o_n = tl.program_id(1) * BN + tl.arange(0, BN)
     m_m, m_n = o_m < num_rows, o_n < num_cols
@@ -124,9 +121,6 @@ def _dense_kernel(
         is_last = o_n == num_cols
     else:
         is_last = o_n < 0
-    pdl.prefetch_rows(tl.where(is_last, w_last_ptr, w_ptr + o_n.to(tl.int64) * stride_w), m_n | is_last, w_ptr, depth,
-                      PREFETCH, 16)
-    pdl.wait(PDL)
     acc = tl.zeros((BM, BN), tl.float32)
     for k0 in range(0, depth, BK):
         o_k = k0 + tl.arange(0, BK)
@@ -301,31 +295,18 @@ def _pair_rows(ids_ptr, num_tokens, num_experts, TOP_K: tl.constexpr, BM: tl.con
 
 @triton.jit(do_not_specialize=["num_tokens", "num_shared", "cap"])
 def _gate_up_kernel(
-    x_ptr, w_ptr, ws_ptr, h_ptr, logits_ptr, ids_ptr, wts_ptr, order_ptr, counts_ptr, wd_ptr, wds_ptr,
+    x_ptr, w_ptr, ws_ptr, h_ptr, logits_ptr, ids_ptr, wts_ptr, order_ptr, counts_ptr,
     num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap, stride_x, stride_we, stride_h, stride_l,
-    stride_wde,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr,
     NT: tl.constexpr, DIRECT: tl.constexpr, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """h[pair] = silu(x_t @ gate_e^T) * (x_t @ up_e^T) for a tile's rows, BN columns of each, for NT column
     tiles one after another (each tile's K loop the same as alone: NT changes no bits, only how many programs
-    share one finding of the rows); the rows from _direct_rows (DIRECT) or _grouped_rows. PREFETCH (DIRECT):
-    once routed, its column tile's share of its expert's down rows (wd [E, H, I], wds [H, Is]) asked of L2,
-    for the down that comes next."""
+    share one finding of the rows); the rows from _direct_rows (DIRECT) or _grouped_rows."""
     pdl.start(PDL)
     if DIRECT:
         e, m_m, pair, token = _direct_rows(logits_ptr, ids_ptr, wts_ptr, num_tokens, num_experts, stride_l, TOP_K,
                                            BM, BE, BR)
-        if PREFETCH:
-            p_down = tl.where(e == num_experts, wds_ptr, wd_ptr + e.to(tl.int64) * stride_wde)
-            depth_d = tl.where(e == num_experts, inter_s, inter)
-            share = tl.cdiv(hidden, tl.num_programs(1))
-            first = tl.program_id(1) * share
-            for r0 in range(0, share, 32):
-                o_r = first + r0 + tl.arange(0, 32)
-                m_r = (o_r < hidden) & (o_r < first + share)
-                pdl.prefetch_rows(p_down + o_r.to(tl.int64) * depth_d, m_r, wd_ptr, depth_d, PREFETCH, 8)
     else:
         e, m_m, pair, token = _grouped_rows(order_ptr, counts_ptr, num_experts, num_tokens * TOP_K, num_shared, cap,
                                             TOP_K, BM, BE)
@@ -504,8 +485,8 @@ def _router(x: torch.Tensor, router_w: torch.Tensor, gate_w: torch.Tensor | None
         grid = (triton.cdiv(num_tokens, BLOCK_M), triton.cdiv(num_experts + has_last, ROUTER_BLOCK_N))
         _dense_kernel[grid](x, router_w, gate_w if has_last else router_w, logits, num_tokens, num_experts, hidden,
                             x.stride(0), router_w.stride(0), logits.stride(0), BM=BLOCK_M, BN=ROUTER_BLOCK_N,
-                            BK=ROUTER_BLOCK_K, HAS_LAST=has_last, **_dot_flags(x.dtype), PREFETCH=pdl.prefetching("moe"),
-                            num_warps=NUM_WARPS, num_stages=ROUTER_STAGES)
+                            BK=ROUTER_BLOCK_K, HAS_LAST=has_last, **_dot_flags(x.dtype), num_warps=NUM_WARPS,
+                            num_stages=ROUTER_STAGES)
     return logits
 
 
@@ -590,10 +571,9 @@ def _grouped(x, keys, cap, weights, gate_up, down, shared=None, logits=None):
     sizes = dict(TOP_K=top_k, BM=BLOCK_M, BE=triton.next_power_of_2(num_experts), NT=tiles, **_dot_flags(x.dtype),
                  num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     _gate_up_kernel[(max_blocks, triton.cdiv(max(inter, inter_s), GATE_UP_BLOCK_N * tiles))](
-        x, gate_up, ws_gate_up, h, x, order, weights, order, counts, down, ws_down, num_tokens, num_shared,
-        num_experts, inter, inter_s, hidden, cap, x.stride(0), gate_up.stride(0), h.stride(0), 0, down.stride(0),
-        BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, BR=triton.next_power_of_2(top_k), DIRECT=False, PREFETCH=False,
-        **sizes)
+        x, gate_up, ws_gate_up, h, x, order, weights, order, counts, num_tokens, num_shared, num_experts, inter,
+        inter_s, hidden, cap, x.stride(0), gate_up.stride(0), h.stride(0), 0,
+        BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, BR=triton.next_power_of_2(top_k), DIRECT=False, **sizes)
     _down_kernel[(max_blocks, triton.cdiv(hidden, DOWN_BLOCK_N * tiles))](
         h, down, ws_down, y, order, counts, num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap,
         h.stride(0), down.stride(0), y.stride(0), BN=DOWN_BLOCK_N, BK=DOWN_BLOCK_K, PAIRS=False, **sizes)
@@ -613,23 +593,22 @@ def _combine(y, weights, logits, out, num_experts, has_shared):
     return out
 
 
-def _direct_gate_up(x, logits, gate_up, down, shared, top_k):
+def _direct_gate_up(x, logits, gate_up, shared, top_k):
     """The direct gate_up on x [T <= BLOCK_M, H] (the module docstring), logits [T, E + 1] -> (ids [T * k]
-    int32, weights [T * k] in x's dtype, h [T * k + T, max(I, Is)]): it routes as it goes, and asks L2 for
-    the down weights its pairs need next."""
+    int32, weights [T * k] in x's dtype, h [T * k + T, max(I, Is)]): it routes as it goes."""
     num_tokens, hidden = x.shape
     num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    ws_gate_up, ws_down = shared
+    ws_gate_up = shared[0]
     inter_s = ws_gate_up.shape[0] // 2
     num_routed = num_tokens * top_k
     ids = torch.empty(num_routed, dtype=torch.int32, device=x.device)
     weights = torch.empty(num_routed, dtype=x.dtype, device=x.device)
     h = torch.empty(num_routed + num_tokens, max(inter, inter_s), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(num_routed + 1, triton.cdiv(max(inter, inter_s), GATE_UP_BLOCK_N))](
-        x, gate_up, ws_gate_up, h, logits, ids, weights, ids, ids, down, ws_down, num_tokens, num_tokens, num_experts,
-        inter, inter_s, hidden, 0, x.stride(0), gate_up.stride(0), h.stride(0), logits.stride(0), down.stride(0),
+        x, gate_up, ws_gate_up, h, logits, ids, weights, ids, ids, num_tokens, num_tokens, num_experts, inter,
+        inter_s, hidden, 0, x.stride(0), gate_up.stride(0), h.stride(0), logits.stride(0),
         BM=BLOCK_M, BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, NT=1, DIRECT=True, num_stages=DIRECT_GATE_UP_STAGES,
-        PREFETCH=pdl.prefetching("moe"), **_route_sizes(num_experts, top_k), **_dot_flags(x.dtype), num_warps=NUM_WARPS)
+        **_route_sizes(num_experts, top_k), **_dot_flags(x.dtype), num_warps=NUM_WARPS)
     return ids, weights, h
 
 
@@ -639,7 +618,7 @@ def _direct(x, logits, gate_up, down, shared, top_k):
     num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
     ws_down = shared[1]
     inter_s = shared[0].shape[0] // 2
-    ids, weights, h = _direct_gate_up(x, logits, gate_up, down, shared, top_k)
+    ids, weights, h = _direct_gate_up(x, logits, gate_up, shared, top_k)
     out = torch.empty_like(x)
     _down_combine_kernel[(num_tokens, triton.cdiv(hidden, DOWN_BLOCK_N))](
         h, down, ws_down, ids, weights, logits, out, num_tokens, num_experts, inter, inter_s, hidden, h.stride(0),
@@ -654,7 +633,7 @@ def _pairs(x, logits, gate_up, down, shared, top_k):
     num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
     ws_down = shared[1]
     inter_s = shared[0].shape[0] // 2
-    ids, weights, h = _direct_gate_up(x, logits, gate_up, down, shared, top_k)
+    ids, weights, h = _direct_gate_up(x, logits, gate_up, shared, top_k)
     num_routed = num_tokens * top_k
     y = torch.empty(num_routed + num_tokens, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(num_routed + 1, triton.cdiv(hidden, DOWN_BLOCK_N))](

@@ -23,18 +23,34 @@ def test_round_step_writes_a_row_per_batch_size(tmp_path, cache_dir):
 
 
 def test_round_step_runs_each_pdl_mode_it_is_asked_for(tmp_path, cache_dir):
-    """--pdl off,wait+all: a row a batch size and mode, each naming its mode (PDL itself is never active on a CPU);
+    """--pdl off,wait: a row a batch size and mode, each naming its mode (PDL itself is never active on a CPU);
     an unknown mode is refused by name."""
     import pytest
 
     assert round_step.main(["--preset", "embedded", "--batches", "1", "--context", "20", "--rounds", "1",
-                            "--kernels", "naive", "--graphs", "static", "--pdl", "off,wait+all", "--out", str(tmp_path)]) == 0
+                            "--kernels", "naive", "--graphs", "static", "--pdl", "off,wait", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("round_step-*-cpu.json")
     rows = json.loads(path.read_text())["rows"]
-    assert [(r["pdl"], r["batch"], r["pdl_active"]) for r in rows] == [("off", 1, False), ("wait+all", 1, False)]
+    assert [(r["pdl"], r["batch"], r["pdl_active"]) for r in rows] == [("off", 1, False), ("wait", 1, False)]
     with pytest.raises(SystemExit):
         round_step.main(["--preset", "embedded", "--pdl", "wait+sometimes", "--out", str(tmp_path)])
     from qse_kernels import pdl
 
-    assert round_step.parse_pdl("release+gemv+last") == (pdl.RELEASE_FIRST, frozenset({"gemv"}), pdl.EVICT_LAST)
-    assert round_step.parse_pdl("wait+all") == (pdl.WAIT_FIRST, frozenset({"gemv", "moe"}), pdl.EVICT_NORMAL)
+    assert (round_step.parse_pdl("release"), round_step.parse_pdl("default")) == (pdl.RELEASE_FIRST, pdl.ORDER)
+
+
+def test_round_step_sets_the_knobs_it_is_given_and_refuses_unknown_ones(tmp_path, cache_dir, monkeypatch):
+    from qse_kernels import attention
+
+    monkeypatch.setattr(attention, "DECODE_MIN_SPLIT_ROWS", attention.DECODE_MIN_SPLIT_ROWS)
+    assert round_step.main(["--preset", "embedded", "--batches", "1", "--context", "20", "--rounds", "1",
+                            "--kernels", "naive", "--graphs", "static", "--knob", "attention.DECODE_MIN_SPLIT_ROWS=128",
+                            "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("round_step-*-cpu.json")
+    assert json.loads(path.read_text())["knobs"] == {"attention.DECODE_MIN_SPLIT_ROWS": 128}
+    assert attention.DECODE_MIN_SPLIT_ROWS == 128
+    import pytest
+
+    for bad in ("attention.NO_SUCH_KNOB=1", "nomodule.X=1", "attention.DECODE_MIN_SPLIT_ROWS=lots"):
+        with pytest.raises(SystemExit):
+            round_step.main(["--preset", "embedded", "--knob", bad, "--out", str(tmp_path)])

@@ -1,7 +1,6 @@
 """Programmatic dependent launch (qse_kernels/pdl.py): off under the interpreter, which has no grid
 dependency control; on the GPU a whole model's prefill and decode rounds, captured in CUDA graphs, give the
-bits they give without it (dense and MoE: every kernel of a round launched with PDL, the GEMV's, router's
-and down's weights asked of L2 before their waits)."""
+bits they give without it (dense and MoE: every kernel of a round launched with PDL)."""
 
 from __future__ import annotations
 
@@ -27,9 +26,7 @@ PAGE_ROWS = 64
 def test_pdl_is_off_under_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(pdl, "ON", True)
-    monkeypatch.setattr(pdl, "PREFETCH", frozenset({"gemv", "moe"}))
-    assert not pdl.active() and not pdl.prefetching("gemv") and not pdl.prefetching("moe")
-    assert pdl.options() == {"PDL": 0}
+    assert not pdl.active() and pdl.options() == {"PDL": 0}
 
 
 def _engine(family: str) -> Engine:
@@ -72,7 +69,7 @@ def _script(engine: Engine) -> list[torch.Tensor]:
 @pytest.mark.parametrize("order", ["release", "wait"])
 @pytest.mark.parametrize("family", ["dense", "moe"])
 def test_rounds_with_pdl_give_the_bits_of_rounds_without(family, order, monkeypatch):
-    """Either order of a kernel's release and wait, every family's L2 prefetches on."""
+    """Either order of a kernel's wait and its release of the next launch."""
     if not (torch.cuda.get_device_capability()[0] >= 9 and pdl.gdc_wait is not None):
         pytest.skip("PDL needs sm90+ and a Triton with grid dependency control")
     torch.manual_seed(0)
@@ -81,8 +78,7 @@ def test_rounds_with_pdl_give_the_bits_of_rounds_without(family, order, monkeypa
     plain = _script(engine)
     monkeypatch.setattr(pdl, "ON", True)
     monkeypatch.setattr(pdl, "ORDER", pdl.RELEASE_FIRST if order == "release" else pdl.WAIT_FIRST)
-    monkeypatch.setattr(pdl, "PREFETCH", frozenset({"gemv", "moe"}))
-    assert pdl.active() and pdl.prefetching("gemv") and pdl.prefetching("moe")
+    assert pdl.active()
     launched = _script(engine)
     assert len(plain) == len(launched) == 11
     assert all(torch.equal(a, b) for a, b in zip(plain, launched))
