@@ -44,7 +44,9 @@ TARGET_PROGRAMS = 264
 # two ranges, 8.25 -> 8.11 at three: chunk_groups-*)
 PREFILL_TARGET_PROGRAMS = 132
 PREFILL_MIN_SPLIT_ROWS = 1024
-DECODE_MIN_SPLIT_ROWS = 256
+# decode: splits of at least this many rows; 128 rather than 256 doubles the programs a short context gets (a
+# 35B-A3B round at 6k: 48 -> 94 of 264, round_step-split*-2026-12-04-h200.json)
+DECODE_MIN_SPLIT_ROWS = 128
 COMBINE_BLOCK_SPLITS = 16
 # a combine of few query rows (decode) splits D into blocks of this many columns. The block width sets the
 # tile layout of the sum over the splits, and on a GPU its order (a batched row differed from the row alone

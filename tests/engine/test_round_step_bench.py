@@ -44,11 +44,11 @@ def test_round_step_sets_the_knobs_it_is_given_and_refuses_unknown_ones(tmp_path
 
     monkeypatch.setattr(attention, "DECODE_MIN_SPLIT_ROWS", attention.DECODE_MIN_SPLIT_ROWS)
     assert round_step.main(["--preset", "embedded", "--batches", "1", "--context", "20", "--rounds", "1",
-                            "--kernels", "naive", "--graphs", "static", "--knob", "attention.DECODE_MIN_SPLIT_ROWS=128",
+                            "--kernels", "naive", "--graphs", "static", "--knob", "attention.DECODE_MIN_SPLIT_ROWS=64",
                             "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("round_step-*-cpu.json")
-    assert json.loads(path.read_text())["knobs"] == {"attention.DECODE_MIN_SPLIT_ROWS": 128}
-    assert attention.DECODE_MIN_SPLIT_ROWS == 128
+    assert json.loads(path.read_text())["knobs"] == {"attention.DECODE_MIN_SPLIT_ROWS": 64}
+    assert attention.DECODE_MIN_SPLIT_ROWS == 64
     import pytest
 
     for bad in ("attention.NO_SUCH_KNOB=1", "nomodule.X=1", "attention.DECODE_MIN_SPLIT_ROWS=lots"):
