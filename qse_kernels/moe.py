@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting, pdl
+from .norms import NORM_NUM_WARPS, _row_blocks, _store_rms_norm
 
 # pinned tiles, for every T and every path (see the docstring): a block of BLOCK_M (token, expert) rows of one expert
 BLOCK_M = 16  # a chunk of 512 tokens at top-8 over 256 experts is 16 rows an expert on average
@@ -411,6 +412,38 @@ def _combine_kernel(
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
+def _combine_add_rms_norm_kernel(
+    y_ptr, w_ptr, logits_ptr, x_ptr, nw_ptr, s_ptr, out_ptr, num_tokens, num_experts, stride_y, stride_l, stride_x,
+    stride_s, stride_out, eps, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+    BR: tl.constexpr, PDL: tl.constexpr = 0,
+):
+    """_combine_kernel's sum for BR tokens, then fused.add_rms_norm's step on it: s = x + the block's output
+    (rounded as the combine rounds it), out = rms_norm(s), the tile [BR, BD] and arithmetic of
+    fused._add_rms_norm_kernel (the sum over a row's columns in the same layout, so the same bits)."""
+    pdl.start(PDL)
+    o_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    o_d = tl.arange(0, BD)
+    m_r = o_r < num_tokens
+    m = m_r[:, None] & (o_d < D)[None, :]
+    acc = tl.zeros((BR, BD), tl.float32)
+    for r in tl.static_range(TOP_K):
+        b_w = tl.load(w_ptr + o_r * TOP_K + r, mask=m_r, other=0.0).to(tl.float32)
+        b_y = tl.load(y_ptr + (o_r * TOP_K + r)[:, None].to(tl.int64) * stride_y + o_d[None, :], mask=m,
+                      other=0.0).to(tl.float32)
+        acc = _fold(acc, b_w[:, None], b_y)
+    if HAS_SHARED:
+        gate = tl.sigmoid(tl.load(logits_ptr + o_r * stride_l + num_experts, mask=m_r, other=0.0).to(tl.float32))
+        b_sh = tl.load(y_ptr + (num_tokens * TOP_K + o_r)[:, None].to(tl.int64) * stride_y + o_d[None, :], mask=m,
+                       other=0.0).to(tl.float32)
+        acc = _fold(acc, gate[:, None], b_sh)
+    b_h = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+    b_x = tl.load(x_ptr + o_r[:, None] * stride_x + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    b_s = (b_x + b_h).to(s_ptr.dtype.element_ty)
+    tl.store(s_ptr + o_r[:, None] * stride_s + o_d[None, :], b_s, mask=m)
+    _store_rms_norm(b_s.to(tl.float32), nw_ptr, out_ptr, o_r, o_d, m, stride_out, eps, D)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
 def _down_combine_kernel(
     h_ptr, w_ptr, ws_ptr, ids_ptr, wts_ptr, logits_ptr, out_ptr,
     num_tokens, num_experts, inter, inter_s, hidden, stride_h, stride_we, stride_l, stride_out,
@@ -549,10 +582,11 @@ def _tiles_a_program(num_tokens: int) -> int:
     return WIDE_TILES if num_tokens >= WIDE_MIN_TOKENS else 1
 
 
-def _grouped(x, keys, cap, weights, gate_up, down, shared=None, logits=None):
+def _grouped(x, keys, cap, weights, gate_up, down, shared=None, logits=None, finish=None):
     """The grouped path's experts on x [T, H] -> [T, H]: keys [T * k] int32 the routed pairs' experts (an
     expert at most cap times), weights [T, k]; with shared = (shared_gate_up, shared_down) the shared expert
-    too, its gate logit read from logits[:, E]."""
+    too, its gate logit read from logits[:, E]. finish(y, weights, logits, num_experts, has_shared), where
+    given, takes the combine's place (T >= 1)."""
     num_tokens, hidden = x.shape
     num_experts, top_k, inter = gate_up.shape[0], weights.shape[1], gate_up.shape[1] // 2
     out = torch.empty_like(x)
@@ -577,6 +611,8 @@ def _grouped(x, keys, cap, weights, gate_up, down, shared=None, logits=None):
     _down_kernel[(max_blocks, triton.cdiv(hidden, DOWN_BLOCK_N * tiles))](
         h, down, ws_down, y, order, counts, num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap,
         h.stride(0), down.stride(0), y.stride(0), BN=DOWN_BLOCK_N, BK=DOWN_BLOCK_K, PAIRS=False, **sizes)
+    if finish is not None:
+        return finish(y, weights, logits, num_experts, shared is not None)
     return _combine(y, weights, logits, out, num_experts, shared is not None)
 
 
@@ -627,8 +663,9 @@ def _direct(x, logits, gate_up, down, shared, top_k):
     return out
 
 
-def _pairs(x, logits, gate_up, down, shared, top_k):
-    """The pairs path on x [T <= BLOCK_M, H] -> [T, H] (the module docstring); logits [T, E + 1]."""
+def _pairs(x, logits, gate_up, down, shared, top_k, finish=None):
+    """The pairs path on x [T <= BLOCK_M, H] -> [T, H] (the module docstring); logits [T, E + 1]; finish: as
+    _grouped's."""
     num_tokens, hidden = x.shape
     num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
     ws_down = shared[1]
@@ -641,6 +678,8 @@ def _pairs(x, logits, gate_up, down, shared, top_k):
         h.stride(0), down.stride(0), y.stride(0), TOP_K=top_k, BM=BLOCK_M, BN=DOWN_BLOCK_N, BK=DOWN_BLOCK_K,
         BE=triton.next_power_of_2(num_experts), NT=1, PAIRS=True, **_dot_flags(x.dtype), num_warps=NUM_WARPS,
         num_stages=NUM_STAGES)
+    if finish is not None:
+        return finish(y, weights, logits, num_experts, True)
     return _combine(y, weights, logits, torch.empty_like(x), num_experts, True)
 
 
@@ -674,6 +713,43 @@ def moe_block(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Tensor, do
     gate_up [E, 2I, H], down [E, H, I], shared_gate_up [2Is, H], shared_down [H, Is], shared_gate_w [1, H].
     path: "direct" or "pairs" (T <= BLOCK_M), or "grouped"; None picks by T alone (path_for). All give the
     same bits (the module docstring), so the choice is one of speed."""
+    return _block(x, router_w, gate_up, down, shared_gate_up, shared_down, shared_gate_w, top_k, path)
+
+
+def moe_block_add_rms_norm(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                           shared_gate_up: torch.Tensor, shared_down: torch.Tensor, shared_gate_w: torch.Tensor,
+                           top_k: int, residual: torch.Tensor, norm_w: torch.Tensor, eps: float, *,
+                           path: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused.add_rms_norm(residual, moe_block(x, ...), norm_w, eps) -> (s, y), the same bits, with the block's
+    combine and the residual add and norm in one launch (_combine_add_rms_norm_kernel) where the path has a
+    combine (pairs, grouped): a decode layer's launch fewer."""
+    from .fused import add_rms_norm
+
+    if residual.shape != x.shape or residual.dtype != x.dtype or norm_w.shape != (x.shape[-1],):
+        raise ValueError(f"residual must match x {tuple(x.shape)} {x.dtype} and norm_w be [{x.shape[-1]}]; got "
+                         f"{tuple(residual.shape)} {residual.dtype}, {tuple(norm_w.shape)}")
+
+    def finish(y, weights, logits, num_experts, has_shared):
+        num_tokens, dim = residual.shape
+        res = residual if residual.stride(-1) == 1 else residual.contiguous()
+        s, out = torch.empty_like(res), torch.empty_like(res)
+        block_d, block_r = _row_blocks(dim)
+        weights = weights if weights.is_contiguous() else weights.contiguous()
+        _combine_add_rms_norm_kernel[(triton.cdiv(num_tokens, block_r),)](
+            y, weights, logits, res, norm_w.contiguous(), s, out, num_tokens, num_experts, y.stride(0), logits.stride(0),
+            res.stride(0), s.stride(0), out.stride(0), eps, TOP_K=top_k, HAS_SHARED=has_shared, D=dim, BD=block_d,
+            BR=block_r, num_warps=NORM_NUM_WARPS, **_pdl())
+        return s, out
+
+    path = path_for(x.shape[0]) if path is None else path
+    if path == "direct" or x.shape[0] == 0:  # the direct down combines as it goes: the add and norm after it
+        out = _block(x, router_w, gate_up, down, shared_gate_up, shared_down, shared_gate_w, top_k, path)
+        return add_rms_norm(residual, out, norm_w, eps)
+    return _block(x, router_w, gate_up, down, shared_gate_up, shared_down, shared_gate_w, top_k, path, finish)
+
+
+def _block(x, router_w, gate_up, down, shared_gate_up, shared_down, shared_gate_w, top_k, path, finish=None):
+    """moe_block's checks and launches; finish: as _grouped's (not on the direct path)."""
     _check_experts(x, gate_up, down)
     num_tokens, hidden = x.shape
     inter_s = shared_gate_up.shape[0] // 2
@@ -697,10 +773,10 @@ def moe_block(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Tensor, do
     if path == "direct":
         return _direct(x, logits, gate_up, down, shared, top_k)
     if path == "pairs":
-        return _pairs(x, logits, gate_up, down, shared, top_k)
+        return _pairs(x, logits, gate_up, down, shared, top_k, finish)
     keys, weights = _route(logits, num_experts, top_k, torch.int32)
-    return _grouped(x, keys.reshape(-1), num_tokens, weights, gate_up, down, shared, logits)
+    return _grouped(x, keys.reshape(-1), num_tokens, weights, gate_up, down, shared, logits, finish)
 
 
-__all__ = ["PAIRS_MAX_TOKENS", "PATHS", "moe_block", "moe_experts",
+__all__ = ["PAIRS_MAX_TOKENS", "PATHS", "moe_block", "moe_block_add_rms_norm", "moe_experts",
            "moe_route", "path_for", "router_logits"]

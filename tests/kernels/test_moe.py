@@ -343,6 +343,36 @@ def test_bad_shapes_say_what_was_wrong(device):
             moe.moe_block(_tokens(17, w, 3), **w, top_k=3, path=path)
 
 
+# --- the block fused with the residual add and norm after it ----------------------------------------------
+
+
+def _add_norm_case(num_tokens: int, w: dict, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = w["router_w"].shape[1]
+    dev, dt = w["router_w"].device, w["router_w"].dtype
+    residual = torch.randn(num_tokens, hidden, generator=gen).to(dev, dt)
+    norm_w = (torch.randn(hidden, generator=gen) * 0.1).to(dev, dt)
+    return residual, norm_w
+
+
+@needs_triton
+@pytest.mark.parametrize("num_tokens", [1, 3, 17])
+def test_block_with_add_and_norm_is_the_block_then_add_rms_norm(device, num_tokens):
+    """moe_block_add_rms_norm(x, ..., residual, w) is fused.add_rms_norm(residual, moe_block(x, ...), w) bit for
+    bit, on every path the token count allows (pairs and grouped fuse the combine into the norm's launch)."""
+    from qse_kernels import fused
+
+    w = _weights(dtype=torch.bfloat16, device=device)
+    x = _tokens(num_tokens, w, 3, seed=41)
+    residual, norm_w = _add_norm_case(num_tokens, w, 5)
+    for path in moe.PATHS if num_tokens <= moe.BLOCK_M else ("grouped",):
+        want = fused.add_rms_norm(residual, moe.moe_block(x, **w, top_k=3, path=path), norm_w, 1e-6)
+        got = moe.moe_block_add_rms_norm(x, **w, top_k=3, residual=residual, norm_w=norm_w, eps=1e-6, path=path)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), path
+    with pytest.raises(ValueError, match="residual must match x"):
+        moe.moe_block_add_rms_norm(x, **w, top_k=3, residual=residual[:, :8], norm_w=norm_w, eps=1e-6)
+
+
 # --- the real shapes, on a GPU -------------------------------------------------------------------------------
 
 
@@ -402,6 +432,35 @@ def test_qwen3_5_35b_a3b_shapes_on_the_gpu(rel, monkeypatch):
             static_x.copy_(x[t:t + rows])
             graph.replay()
             assert torch.equal(static_out, whole[t:t + rows]), (t, path)
+
+
+@needs_triton
+@pytest.mark.gpu
+def test_block_with_add_and_norm_at_the_real_shapes_on_the_gpu():
+    """The fused launch's sum over a row's columns must run in the add_rms_norm kernel's layout: the same bits
+    as the block then add_rms_norm at decode, verify and chunk sizes, eager and in a graph."""
+    from qse_kernels import fused
+
+    top_k = 8
+    w, x = _qwen3_5_35b_a3b_block(512)
+    residual = torch.randn(512, x.shape[1], device="cuda").to(torch.bfloat16)
+    norm_w = (torch.randn(x.shape[1], device="cuda") * 0.1).to(torch.bfloat16)
+    for rows in (1, 2, 8, 32, 512):
+        want = fused.add_rms_norm(residual[:rows], moe.moe_block(x[:rows], **w, top_k=top_k), norm_w, 1e-6)
+        got = moe.moe_block_add_rms_norm(x[:rows], **w, top_k=top_k, residual=residual[:rows], norm_w=norm_w,
+                                         eps=1e-6)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), rows
+    static = x[3:4].clone(), residual[3:4].clone()
+    moe.moe_block_add_rms_norm(static[0], **w, top_k=top_k, residual=static[1], norm_w=norm_w, eps=1e-6)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe.moe_block_add_rms_norm(static[0], **w, top_k=top_k, residual=static[1], norm_w=norm_w, eps=1e-6)
+    for t in (9, 200):
+        static[0].copy_(x[t:t + 1])
+        static[1].copy_(residual[t:t + 1])
+        graph.replay()
+        want = fused.add_rms_norm(residual[t:t + 1], moe.moe_block(x[t:t + 1], **w, top_k=top_k), norm_w, 1e-6)
+        assert all(torch.equal(a, b) for a, b in zip(out, want)), t
 
 
 @needs_triton

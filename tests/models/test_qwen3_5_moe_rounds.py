@@ -65,6 +65,8 @@ def _same_state(a, b) -> bool:
 def test_moe_rounds_give_every_row_the_bits_it_gets_alone(wide_tiles):
     engine = _engine("invariant")
     assert engine.model.moe_block.__module__ == "qse_kernels.moe"
+    # the block's combine fused with the add and norm after it: every row below runs through that launch
+    assert engine.model.moe_block_add_norm.__name__ == "moe_block_add_rms_norm"
     twin = _engine("naive")  # the same weights (same seed) on the torch twins: the prompts, and the agreement
     starts = []
     for prompt in PROMPTS:

@@ -296,9 +296,8 @@ class Qwen35Model:
                 if only is not None:
                     x = x.index_select(0, only)
             x, h = self.ops.add_rms_norm(x, h, self.w[p + "post_attention_layernorm.weight"], eps)
-            m = self._mlp(p, h)
             next_norm = f"layers.{layer + 1}.input_layernorm.weight" if layer < last else "norm.weight"
-            x, h = self.ops.add_rms_norm(x, m, self.w[next_norm], eps)
+            x, h = self._mlp_add_norm(p, x, h, self.w[next_norm], eps)
         if stop < num_layers:
             return x, h, cos, sin
         if taps is not None:
@@ -340,9 +339,8 @@ class Qwen35Model:
             else:
                 h = self._gdn_rows(layer, h, states, batch.slots, window)
             x, h = self.ops.add_rms_norm(x, h, self.w[p + "post_attention_layernorm.weight"], eps)
-            m = self._mlp(p, h)
             next_norm = f"layers.{layer + 1}.input_layernorm.weight" if layer < last else "norm.weight"
-            x, h = self.ops.add_rms_norm(x, m, self.w[next_norm], eps)
+            x, h = self._mlp_add_norm(p, x, h, self.w[next_norm], eps)
         if taps is not None:
             _fill_taps(taps, h)
         head_rows = getattr(self.ops, "head_rows", None)  # the op set's row-invariant fp32 head, where it has one
@@ -443,6 +441,12 @@ class Qwen35Model:
         if isinstance(lin, DenseLinear):
             return self.ops.dense_matmul(x, lin.weight)
         return lin.matmul(x, self.ops)
+
+    def _mlp_add_norm(self, p: str, x: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer prefix p's MLP on its normed rows h, added to the residual stream x, and the next norm (weight
+        norm_w): (x + mlp(h), its norm). One method so that a family may fuse the MLP's end with the add."""
+        return self.ops.add_rms_norm(x, self._mlp(p, h), norm_w, eps)
 
     def _mlp(self, p: str, h: torch.Tensor) -> torch.Tensor:
         fused = self.fused.get(p + "mlp.gate_up_proj")

@@ -192,7 +192,7 @@ class MTPHead:
         x = model._mm("mtp.fc.weight", u)  # [T, H]: the layer's residual stream
         h = ops.rms_norm(x, w[p + "input_layernorm.weight"], eps)
         x, h = ops.add_rms_norm(x, attention(h), w[p + "post_attention_layernorm.weight"], eps)
-        _, g = ops.add_rms_norm(x, model._mlp(p, h), w["mtp.norm.weight"], eps)
+        _, g = model._mlp_add_norm(p, x, h, w["mtp.norm.weight"], eps)
         return g
 
     def _qkv(self, h: torch.Tensor):

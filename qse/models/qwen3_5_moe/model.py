@@ -50,6 +50,18 @@ def moe_block_of(ops: SimpleNamespace):
     return moe.moe_block
 
 
+def moe_block_add_norm_of(ops: SimpleNamespace):
+    """The block fused with the residual add and norm after it (qse_kernels.moe.moe_block_add_rms_norm), where
+    op set `ops` has it: its own, else the Triton one where its add_rms_norm is the Triton kernel whose
+    arithmetic the fused launch repeats; None (the block, then the op set's add_rms_norm) elsewhere."""
+    own = getattr(ops, "moe_block_add_rms_norm", None)
+    if own is not None or ops.rms_norm is naive_ops.rms_norm:
+        return own
+    from qse_kernels import fused, moe
+
+    return moe.moe_block_add_rms_norm if ops.add_rms_norm is fused.add_rms_norm else None
+
+
 class Qwen35MoeModel(Qwen35Model):
     family = "qwen3_5_moe"
     # the MTP head's tensors, as MTPHead checks them: its layer's MLP is the sparse block
@@ -87,6 +99,7 @@ class Qwen35MoeModel(Qwen35Model):
     def ops(self, ops: SimpleNamespace) -> None:
         self._ops = ops
         self.moe_block = moe_block_of(ops)
+        self.moe_block_add_norm = moe_block_add_norm_of(ops)
 
     def _fuse_projections(self) -> None:
         """The dense groups (attention, GDN), then each layer's shared expert's gate and up projections into one
@@ -110,5 +123,13 @@ class Qwen35MoeModel(Qwen35Model):
         [T, H]."""
         return self.moe_block(h, *self.moe_args[p], self.cfg.num_experts_per_tok)
 
+    def _mlp_add_norm(self, p: str, x: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dense family's _mlp_add_norm, in one launch fewer where the op set fuses the block's combine with
+        the add and norm (moe_block_add_norm_of): the same bits."""
+        if self.moe_block_add_norm is None:
+            return super()._mlp_add_norm(p, x, h, norm_w, eps)
+        return self.moe_block_add_norm(h, *self.moe_args[p], self.cfg.num_experts_per_tok, x, norm_w, eps)
 
-__all__ = ["Qwen35MoeModel", "moe_block_of"]
+
+__all__ = ["Qwen35MoeModel", "moe_block_add_norm_of", "moe_block_of"]
