@@ -8,7 +8,12 @@ import torch
 from qse.engine.engine import Engine
 from qse.engine.kv import KVPool, PagedKV
 from qse.engine.rounds import DecodeRounds
-from qse.models import resolve
+from qse.models import ResolvedModel, resolve
+from qse.models.qwen3_5 import Qwen35Model, parse_config
+from qse.models.qwen3_5.presets import random_weights, tiny_mtp_config_dict
+from qse.models.qwen3_5_moe import Qwen35MoeModel
+from qse.models.qwen3_5_moe import parse_config as parse_moe_config
+from qse.models.qwen3_5_moe import presets as moe_presets
 from qse.models.state import ModelState
 
 PAGE_ROWS = 64  # the attention kernels' key block divides a page
@@ -28,6 +33,19 @@ def make_engine(kernels: str, model_dir, cache_dir) -> Engine:
     engine = Engine(resolve(str(model_dir), torch.device(device), dtype, cache_dir), kernels=kernels)
     assert engine.kernels == kernels
     return engine
+
+
+def tiny_mtp_engine(kernels: str, family: str = "dense") -> Engine:
+    """A tiny random Qwen3.5 with an MTP head (presets.tiny_mtp_config_dict, the embedded model's GDN head dims),
+    or a tiny Qwen3.5-MoE with its MoE head (family "moe"), in bf16 on the GPU."""
+    if family == "moe":
+        cfg = parse_moe_config(moe_presets.tiny_config_dict())
+        model = Qwen35MoeModel(cfg, moe_presets.random_weights(cfg, 0, "cuda", torch.bfloat16), "cuda", torch.bfloat16)
+    else:
+        cfg = parse_config(tiny_mtp_config_dict(linear_key_head_dim=32, linear_value_head_dim=32))
+        model = Qwen35Model(cfg, random_weights(cfg, 0, "cuda", torch.bfloat16), "cuda", torch.bfloat16)
+    return Engine(ResolvedModel(model, None, f"tiny-mtp-{family}", "random", model.family, "tiny-mtp-gpu"),
+                  kernels=kernels)
 
 
 def make_pool(engine) -> KVPool:

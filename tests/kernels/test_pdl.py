@@ -10,12 +10,7 @@ import torch
 from qse.engine.engine import Engine
 from qse.engine.kv import KVPool, PagedKV
 from qse.engine.rounds import DecodeRounds
-from qse.models import ResolvedModel
-from qse.models.qwen3_5 import Qwen35Model, parse_config
-from qse.models.qwen3_5.presets import random_weights, tiny_mtp_config_dict
-from qse.models.qwen3_5_moe import Qwen35MoeModel
-from qse.models.qwen3_5_moe import parse_config as parse_moe_config
-from qse.models.qwen3_5_moe import presets as moe_presets
+from rounds_rig import tiny_mtp_engine
 
 pdl = pytest.importorskip("qse_kernels.pdl", reason="needs Triton")
 
@@ -27,17 +22,6 @@ def test_pdl_is_off_under_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(pdl, "ON", True)
     assert not pdl.active() and pdl.options() == {"PDL": 0}
-
-
-def _engine(family: str) -> Engine:
-    if family == "moe":
-        cfg = parse_moe_config(moe_presets.tiny_config_dict())
-        model = Qwen35MoeModel(cfg, moe_presets.random_weights(cfg, 0, "cuda", torch.bfloat16), "cuda", torch.bfloat16)
-    else:
-        cfg = parse_config(tiny_mtp_config_dict(linear_key_head_dim=32, linear_value_head_dim=32))
-        model = Qwen35Model(cfg, random_weights(cfg, 0, "cuda", torch.bfloat16), "cuda", torch.bfloat16)
-    return Engine(ResolvedModel(model, None, f"tiny-pdl-{family}", "random", model.family, "tiny-pdl-gpu"),
-                  kernels="triton")
 
 
 def _script(engine: Engine) -> list[torch.Tensor]:
@@ -73,7 +57,7 @@ def test_rounds_with_pdl_give_the_bits_of_rounds_without(family, order, monkeypa
     if not (torch.cuda.get_device_capability()[0] >= 9 and pdl.gdc_wait is not None):
         pytest.skip("PDL needs sm90+ and a Triton with grid dependency control")
     torch.manual_seed(0)
-    engine = _engine(family)
+    engine = tiny_mtp_engine("triton", family)
     monkeypatch.setattr(pdl, "ON", False)
     plain = _script(engine)
     monkeypatch.setattr(pdl, "ON", True)

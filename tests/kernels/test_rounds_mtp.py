@@ -9,28 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qse.engine.engine import Engine
 from qse.engine.kv import KVPool, PagedKV
 from qse.engine.rounds import DecodeRounds, mtp_kv_slot, pool_slots_for
-from qse.models import ResolvedModel
-from qse.models.qwen3_5 import Qwen35Model, parse_config
-from qse.models.qwen3_5.presets import random_weights, tiny_mtp_config_dict
-from qse.models.qwen3_5_moe import Qwen35MoeModel
-from qse.models.qwen3_5_moe import parse_config as parse_moe_config
-from qse.models.qwen3_5_moe import presets as moe_presets
+from rounds_rig import tiny_mtp_engine
 
 PAGE_ROWS = 64  # the attention kernels' key block divides a page
-
-
-def _engine(kernels: str, family: str = "dense") -> Engine:
-    if family == "moe":
-        cfg = parse_moe_config(moe_presets.tiny_config_dict())
-        model = Qwen35MoeModel(cfg, moe_presets.random_weights(cfg, 0, "cuda", torch.bfloat16), "cuda", torch.bfloat16)
-    else:
-        cfg = parse_config(tiny_mtp_config_dict(linear_key_head_dim=32, linear_value_head_dim=32))
-        model = Qwen35Model(cfg, random_weights(cfg, 0, "cuda", torch.bfloat16), "cuda", torch.bfloat16)
-    return Engine(ResolvedModel(model, None, f"tiny-mtp-{family}", "random", model.family, "tiny-mtp-gpu"),
-                  kernels=kernels)
 
 
 @pytest.mark.gpu
@@ -42,7 +25,7 @@ def test_mtp_drafts_under_cuda_graphs_equal_the_static_flow(kernels, family):
     drafts, head rows and GDN states bit for bit. The allocator is churned between rounds, so a graph that
     kept the address of a tensor it does not own reads garbage and fails here."""
     torch.manual_seed(0)
-    engine = _engine(kernels, family)
+    engine = tiny_mtp_engine(kernels, family)
     cfg = engine.cfg
     prompts = [[(300 + i) % cfg.vocab_size for i in range(n)] for n in (60, 130)]  # (the MoE vocabulary: 328)
     # (accepted counts of this verify or None: a plain round, then the next draft's length k; k = 0: the head
