@@ -30,7 +30,8 @@ def _load(spec: str, device: str, dtype: str, kernels: str = ""):
 
     dev = pick_device(device)
     resolved = resolve(spec, dev, pick_dtype(dtype, dev), SETTINGS.cache_dir())
-    return Engine(resolved, kernels=kernels or _policy().kernels)
+    policy = _policy()
+    return Engine(resolved, kernels=kernels or policy.kernels, pdl=policy.pdl)
 
 
 def _policy() -> Policy:

@@ -54,6 +54,7 @@ class Policy:
     chunk_group: int = _from("QSE_SHADOW_CHUNK_GROUP")  # bulk reads (shadow-check, fresh prefills)
     # the served model
     kernels: str = _from("QSE_KERNELS")
+    pdl: bool = _from("QSE_PDL")  # programmatic dependent launch of the Triton kernels (qse_kernels/pdl.py)
     served_graphs: bool = _from("QSE_SERVED_GRAPHS")
     served_kv_gb: float = _from("QSE_SERVED_KV_GB")  # 0 (auto): FIXED_KV_POOL_GB unless sized (__post_init__)
     served_grid: int = _from("QSE_SERVED_GRID")

@@ -82,6 +82,7 @@ _DECLARED: list[Setting] = [
     Setting("QSE_SHADOW_DISK", str, "auto", "disk tier dir; auto: <cache>/shadow-disk; off: no disk tier"),
     Setting("QSE_SHADOW_DISK_GB", float, 64.0, "cap on the disk tier, GiB"),
     Setting("QSE_SHADOW_DISK_TTL_S", float, 48 * 3600.0, "time-to-live of a parked session file, seconds"),
+    Setting("QSE_PDL", bool, True, "launch qse's Triton kernels with programmatic dependent launch on sm90+ GPUs, each overlapping the end of the one before (off: a CUDA older than 12.3, whose graphs cannot hold such launches)"),
     Setting("QSE_KERNELS", str, "auto", "op set of the engines: naive (torch twins), triton (qse_kernels), invariant (qse_kernels and GEMM: states equal across grids), auto (triton on cuda)"),
     Setting("QSE_SHADOW_RECENT_CHECKPOINTS", int, 4, "also keep the state at the newest N grid lines read (19.5 MB each on the 0.8B)"),
     Setting("QSE_SHADOW_DIVERGENCE_CHECKPOINTS", int, 0, "also keep the state at the lines of the newest N places a prompt re-rendered"),

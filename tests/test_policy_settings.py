@@ -20,9 +20,9 @@ def test_each_field_s_default_is_its_setting_s_default():
 
 def test_the_switches_reach_the_policy_and_overrides_win_where_given(tmp_path):
     env = {"QSE_SHADOW_RATION_AFTER_S": "2.5", "QSE_NARRATOR_SHARE": "0.05", "QSE_SHADOW_DIVERGENCE_CHECKPOINTS": "3",
-           "QSE_KERNELS": "naive", "QSE_CACHE_DIR": str(tmp_path)}
+           "QSE_KERNELS": "naive", "QSE_PDL": "off", "QSE_CACHE_DIR": str(tmp_path)}
     policy = Policy.from_settings(EngineSettings(env), ration=0.04, slice_ms=None)
-    assert (policy.ration_after_s, policy.narrator_share, policy.kernels) == (2.5, 0.05, "naive")
+    assert (policy.ration_after_s, policy.narrator_share, policy.kernels, policy.pdl) == (2.5, 0.05, "naive", False)
     assert (policy.ration, policy.slice_ms) == (0.04, 150.0)  # None: a flag not given
     assert policy.reader_checkpoints() == dict(max_checkpoints=6, recent_checkpoints=4, divergence_checkpoints=3)
     assert policy.journal_dir == tmp_path / "shadow"

@@ -72,7 +72,7 @@ class DeviceClock:
 
 
 class Engine:
-    def __init__(self, resolved: ResolvedModel, kernels: str | None = None):
+    def __init__(self, resolved: ResolvedModel, kernels: str | None = None, pdl: bool | None = None):
         self.resolved = resolved
         self.model = resolved.model
         self.chat = resolved.chat
@@ -81,6 +81,11 @@ class Engine:
         self.dtype = self.model.dtype
         self.name = resolved.name
         self.kernels = self._pick_kernels(kernels or "auto")
+        if pdl is not None and self.kernels != "naive":
+            # a switch of the process's launches (every engine of a server gets the same policy's value)
+            from qse_kernels import pdl as launches
+
+            launches.ON = pdl
         self._manifest = self.model.manifest()
 
     def _pick_kernels(self, requested: str) -> str:

@@ -125,7 +125,8 @@ def build_service(model: str = "", shadow_model: str | None = None, profile: str
     cache = settings.cache_dir()
     memory = DeviceMemory(dev, int(settings.get("QSE_DEVICE_MEMORY_GB") * GIB))
     at_start = memory.total_and_free()  # before the served weights load: what is in use without them (None: a CPU)
-    served = Engine(resolve(model, dev, dt, cache, chat_template=chat_template), kernels=policy.kernels)
+    served = Engine(resolve(model, dev, dt, cache, chat_template=chat_template), kernels=policy.kernels,
+                    pdl=policy.pdl)
     wants_reader = prof.shadow.mode == "on" and shadow_model != ""
     s = prof.shadow
     options = ShadowOptions(mode=s.mode if wants_reader else "off", narrator=s.narrator, router=s.router,
@@ -232,7 +233,8 @@ def reader_loader(settings: EngineSettings, policy, shadow_model: str, shared_en
                   (("kv_pool", pool_nbytes), ("session_cache", pool_nbytes)))
 
     def build():
-        engine = shared_engine or Engine(resolve(shadow_model, dev, dt, settings.cache_dir()), kernels=policy.kernels)
+        engine = shared_engine or Engine(resolve(shadow_model, dev, dt, settings.cache_dir()), kernels=policy.kernels,
+                                         pdl=policy.pdl)
         store = ShadowStore.from_settings(settings)
         reader = ShadowReader(engine, grid=grid or policy.grid, pool_bytes=pool_nbytes, residency=store,
                               chunk_group=policy.idle_group, graphs=None if policy.reader_graphs else False,

@@ -24,6 +24,19 @@ def test_pdl_is_off_under_the_interpreter(monkeypatch):
     assert not pdl.active() and pdl.options() == {"PDL": 0}
 
 
+def test_the_engine_hands_the_policys_switch_to_the_launches(small_model_dir, cache_dir, monkeypatch):
+    """Engine(pdl=...) (the policy's QSE_PDL) sets the process's launches; None leaves them as they are."""
+    from qse.models import resolve
+
+    monkeypatch.setattr(pdl, "ON", True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    Engine(resolve(str(small_model_dir), device, dtype, cache_dir), kernels="triton")
+    assert pdl.ON is True
+    Engine(resolve(str(small_model_dir), device, dtype, cache_dir), kernels="triton", pdl=False)
+    assert pdl.ON is False and not pdl.active() and pdl.options() == {"PDL": 0}
+
+
 def _script(engine: Engine) -> list[torch.Tensor]:
     """Three sequences (7, 60 and 130 rows: page lines crossed) prefilled, then eight captured rounds, one
     sequence leaving after the fourth: every prefill's and round's logits."""
