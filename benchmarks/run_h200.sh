@@ -19,9 +19,10 @@ session() {  # a 57k-token agent session shaped from the weka trace (10 turns, 5
 }
 for step in $steps; do
   case $step in
-    tests)  # every kernel and model-path test on the GPU (the CPU suite runs them interpreted, small); TESTS picks files
+    tests)  # every kernel and model-path test on the GPU (the CPU suite runs them interpreted, small); TESTS picks files;
+            # TESTS_WORKERS=N: N pytest workers sharing the GPU (the whole tests/kernels took over 420 s in one on 12-04)
       timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -c .devcarry/pytest.ini -p no:asyncio -p no:cacheprovider \
-        ${TESTS:-tests/kernels} -q 2>&1 | tail -8 | tee "$OUT/gpu-tests.txt" ;;
+        ${TESTS_WORKERS:+-n $TESTS_WORKERS} ${TESTS:-tests/kernels} -q -rfE 2>&1 | tee "$OUT/gpu-tests.txt" | tail -8 ;;
     gemv)  # one-row projections and head: cuBLAS against qse's GEMV, 0.8B and 9B shapes
       timeout 120 python3 benchmarks/gemv_bench.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-300 ;;
     skinny)  # 1 to 32 rows (verify rounds): cuBLAS against qse's skinny GEMM at the 9B's shapes, rows' bits whatever M
