@@ -12,7 +12,8 @@ call streams its experts from memory as a decode step's 40 layers do.
 --old FILE: the old block's source (`git show 951dda5:qse_kernels/moe.py > FILE`); without it the script
 asks git itself, and where there is no git (the device machine) the old block is left out and says why.
 --sweep: the schedule knobs, which change no bits (moe.ROUTER_STAGES, moe.DIRECT_DOWN_STAGES,
-moe.DIRECT_GATE_UP_STAGES, moe.WIDE_TILES, moe.GROUP_WIDE_BLOCK_T, pdl.ON: programmatic dependent launch), each at a few values on the
+moe.DIRECT_GATE_UP_STAGES, moe.WIDE_TILES, moe.GROUP_WIDE_BLOCK_T, pdl.ON: programmatic dependent launch), each at a
+few values on the
 path it moves, with its bits against the pinned value's (a value that fails to run records its error); and the
 pinned tiles (moe.ROUTER_BLOCK_K, GATE_UP_BLOCK_N, DOWN_BLOCK_N, NUM_WARPS), whose bit_equal says whether a
 row's bits survive a change of them on this device.

@@ -38,7 +38,8 @@ def main(argv=None) -> int:
 
     device, dtype, cache_dir = on_this_machine()
     engine = Engine(resolve(args.preset, device, dtype, cache_dir, seed=0), kernels="auto")
-    prompt = torch.randint(0, engine.cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, engine.cfg.vocab_size, (args.prompt,), generator=gen).tolist()
     fused = getattr(engine.model, "moe_block_add_norm", None)
     rows = []
     for name, on, fuse in CONFIGS:

@@ -64,7 +64,8 @@ def _conv_kernel(
     x_ptr, w_ptr, state_ptr, y_ptr, new_state_ptr,
     num_tokens, num_channels, stride_xt, stride_wc, stride_wk, stride_st, stride_yt, stride_nt,
     slots_ptr, stride_slot,
-    WIDTH: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, SLOTS: tl.constexpr = False, PDL: tl.constexpr = 0,
+    WIDTH: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, SLOTS: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     pdl.start(PDL)
     i_t, i_c = tl.program_id(0), tl.program_id(1)

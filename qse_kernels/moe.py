@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting, pdl
+from .fused import add_rms_norm
 from .norms import NORM_NUM_WARPS, _row_blocks, _store_rms_norm
 
 # pinned tiles, for every T and every path (see the docstring): a block of BLOCK_M (token, expert) rows of one expert
@@ -499,12 +500,7 @@ def _down_combine_kernel(
 
 
 def _dot_flags(dtype: torch.dtype) -> dict:
-    return dict(ROW_EXACT=interpreting(), IEEE=dtype == torch.float32, **_pdl())
-
-
-def _pdl() -> dict:
-    """A launch's PDL options (pdl.options)."""
-    return pdl.options()
+    return dict(ROW_EXACT=interpreting(), IEEE=dtype == torch.float32, **pdl.options())
 
 
 def _router(x: torch.Tensor, router_w: torch.Tensor, gate_w: torch.Tensor | None = None) -> torch.Tensor:
@@ -544,7 +540,7 @@ def _route(logits: torch.Tensor, num_experts: int, top_k: int, ids_dtype: torch.
     weights = torch.empty(num_tokens, top_k, dtype=logits.dtype, device=logits.device)
     if num_tokens:
         _route_kernel[(num_tokens,)](logits, ids, weights, num_experts, logits.stride(0), **sizes,
-                                     num_warps=ROUTE_WARPS, **_pdl())
+                                     num_warps=ROUTE_WARPS, **pdl.options())
     return ids, weights
 
 
@@ -573,7 +569,7 @@ def _group(keys: torch.Tensor, num_tokens: int, top_k: int, num_experts: int, ca
     counts = torch.empty(num_experts, dtype=torch.int32, device=keys.device)
     block_t = GROUP_BLOCK_T if num_tokens <= GROUP_WIDE_MIN_TOKENS else GROUP_WIDE_BLOCK_T
     _group_kernel[(triton.cdiv(num_experts, GROUP_BLOCK_E),)](keys, order, counts, num_tokens, num_experts, cap,
-                                                             TOP_K=top_k, BE=GROUP_BLOCK_E, BT=block_t, **_pdl())
+                                                             TOP_K=top_k, BE=GROUP_BLOCK_E, BT=block_t, **pdl.options())
     return order, counts
 
 
@@ -625,7 +621,7 @@ def _combine(y, weights, logits, out, num_experts, has_shared):
     _combine_kernel[(num_tokens,)](y, weights, logits if logits is not None else y, out, num_tokens, num_experts,
                                    hidden, y.stride(0), logits.stride(0) if logits is not None else 0, out.stride(0),
                                    TOP_K=top_k, HAS_SHARED=has_shared, BH=triton.next_power_of_2(hidden),
-                                   num_warps=NUM_WARPS, **_pdl())
+                                   num_warps=NUM_WARPS, **pdl.options())
     return out
 
 
@@ -723,8 +719,6 @@ def moe_block_add_rms_norm(x: torch.Tensor, router_w: torch.Tensor, gate_up: tor
     """fused.add_rms_norm(residual, moe_block(x, ...), norm_w, eps) -> (s, y), the same bits, with the block's
     combine and the residual add and norm in one launch (_combine_add_rms_norm_kernel) where the path has a
     combine (pairs, grouped): a decode layer's launch fewer."""
-    from .fused import add_rms_norm
-
     if residual.shape != x.shape or residual.dtype != x.dtype or norm_w.shape != (x.shape[-1],):
         raise ValueError(f"residual must match x {tuple(x.shape)} {x.dtype} and norm_w be [{x.shape[-1]}]; got "
                          f"{tuple(residual.shape)} {residual.dtype}, {tuple(norm_w.shape)}")
@@ -736,9 +730,9 @@ def moe_block_add_rms_norm(x: torch.Tensor, router_w: torch.Tensor, gate_up: tor
         block_d, block_r = _row_blocks(dim)
         weights = weights if weights.is_contiguous() else weights.contiguous()
         _combine_add_rms_norm_kernel[(triton.cdiv(num_tokens, block_r),)](
-            y, weights, logits, res, norm_w.contiguous(), s, out, num_tokens, num_experts, y.stride(0), logits.stride(0),
-            res.stride(0), s.stride(0), out.stride(0), eps, TOP_K=top_k, HAS_SHARED=has_shared, D=dim, BD=block_d,
-            BR=block_r, num_warps=NORM_NUM_WARPS, **_pdl())
+            y, weights, logits, res, norm_w.contiguous(), s, out, num_tokens, num_experts, y.stride(0),
+            logits.stride(0), res.stride(0), s.stride(0), out.stride(0), eps, TOP_K=top_k, HAS_SHARED=has_shared,
+            D=dim, BD=block_d, BR=block_r, num_warps=NORM_NUM_WARPS, **pdl.options())
         return s, out
 
     path = path_for(x.shape[0]) if path is None else path

@@ -182,6 +182,7 @@ def gdn_gating(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: t
     if num_tokens:
         _gdn_gating_kernel[(triton.cdiv(num_tokens, GATING_BLOCK_T),)](
             a, b, a_log, dt_bias, g, beta, num_tokens, a.stride(0), b.stride(0),
-            HV=num_heads, BT=GATING_BLOCK_T, BH=triton.next_power_of_2(num_heads), num_warps=NORM_NUM_WARPS, **pdl.options()
+            HV=num_heads, BT=GATING_BLOCK_T, BH=triton.next_power_of_2(num_heads), num_warps=NORM_NUM_WARPS,
+            **pdl.options()
         )
     return g, beta

@@ -4,16 +4,17 @@ of the kernel before them.
 A decode round at batch 1 is some 450 small launches, most of them bound by latency rather than by bandwidth:
 each one's programs reach the device, issue their first loads and wait for them while the device has little
 else to do. Launched with PDL (Triton's launch_pdl), a kernel's programs may be placed on the device as soon as
-every program of the kernel before it has let them in, and the contract that keeps that correct is the same in
-every kernel here: at its start, before any load or store,
+every program of the kernel before it has let them in. The contract that keeps that correct is one call,
+start(PDL), the first statement of every kernel launched with options(), before any load or store:
 
-    wait(PDL)       until the kernel before this one has finished and its writes are visible (by induction
-                    every earlier kernel of the stream has too); then let the next launch place its programs,
-                    which wait in turn
+    wait            until the kernel before this one has finished and its writes are visible (by induction
+                    every earlier kernel of the stream has too)
+    let in          the next launch may place its programs, which wait in turn (before the wait instead
+                    with ORDER = RELEASE_FIRST)
 
-(start(PDL); with ORDER = RELEASE_FIRST the next launch is let in before the wait instead). PDL changes no arithmetic: a kernel's bits are the same on or off (the GPU tests run it on, the
-interpreter off: it has no grid dependency control). A launch without PDL (a torch op, cuBLAS) waits for the
-whole kernel before it as always, and the kernel after it finds wait() already satisfied.
+PDL changes no arithmetic: a kernel's bits are the same on or off (the GPU tests run it on, the interpreter off:
+it has no grid dependency control). A launch without PDL (a torch op, cuBLAS) waits for the whole kernel before
+it as always, and the kernel after it finds its wait already satisfied.
 """
 
 from __future__ import annotations

@@ -195,7 +195,8 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | Non
     )
     if splits > 1:
         numel = num_rows * num_cols
-        _sum_slices_kernel[(triton.cdiv(numel, SUM_BLOCK),)](part, y, numel, SPLITS=splits, BLOCK=SUM_BLOCK, **pdl.options())
+        _sum_slices_kernel[(triton.cdiv(numel, SUM_BLOCK),)](part, y, numel, SPLITS=splits, BLOCK=SUM_BLOCK,
+                                                             **pdl.options())
     return y.reshape(*lead, num_cols)
 
 

@@ -28,7 +28,8 @@ def test_round_step_runs_each_pdl_mode_it_is_asked_for(tmp_path, cache_dir):
     import pytest
 
     assert round_step.main(["--preset", "embedded", "--batches", "1", "--context", "20", "--rounds", "1",
-                            "--kernels", "naive", "--graphs", "static", "--pdl", "off,wait", "--out", str(tmp_path)]) == 0
+                            "--kernels", "naive", "--graphs", "static", "--pdl", "off,wait",
+                            "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("round_step-*-cpu.json")
     rows = json.loads(path.read_text())["rows"]
     assert [(r["pdl"], r["batch"], r["pdl_active"]) for r in rows] == [("off", 1, False), ("wait", 1, False)]
@@ -44,8 +45,8 @@ def test_round_step_sets_the_knobs_it_is_given_and_refuses_unknown_ones(tmp_path
 
     monkeypatch.setattr(attention, "DECODE_MIN_SPLIT_ROWS", attention.DECODE_MIN_SPLIT_ROWS)
     assert round_step.main(["--preset", "embedded", "--batches", "1", "--context", "20", "--rounds", "1",
-                            "--kernels", "naive", "--graphs", "static", "--knob", "attention.DECODE_MIN_SPLIT_ROWS=64",
-                            "--out", str(tmp_path)]) == 0
+                            "--kernels", "naive", "--graphs", "static",
+                            "--knob", "attention.DECODE_MIN_SPLIT_ROWS=64", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("round_step-*-cpu.json")
     assert json.loads(path.read_text())["knobs"] == {"attention.DECODE_MIN_SPLIT_ROWS": 64}
     assert attention.DECODE_MIN_SPLIT_ROWS == 64

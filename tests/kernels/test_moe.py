@@ -283,7 +283,7 @@ def test_pdl_is_off_under_the_interpreter(device, monkeypatch):
     want = moe.moe_block(x, **w, top_k=3)
     monkeypatch.setattr(pdl, "ON", True)
     if device == "cpu":
-        assert moe._pdl() == {"PDL": 0}
+        assert pdl.options() == {"PDL": 0}
     assert torch.equal(moe.moe_block(x, **w, top_k=3), want)
 
 
@@ -476,7 +476,7 @@ def test_pdl_launches_give_the_same_bits_on_the_gpu(monkeypatch):
     want = {path: moe.moe_block(x[:4], **w, top_k=top_k, path=path) for path in moe.PATHS}
     whole = moe.moe_block(x, **w, top_k=top_k)
     monkeypatch.setattr(pdl, "ON", True)
-    assert moe._pdl()["PDL"]
+    assert pdl.options()["PDL"]
     for path in moe.PATHS:
         assert torch.equal(moe.moe_block(x[:4], **w, top_k=top_k, path=path), want[path]), path
     assert torch.equal(moe.moe_block(x, **w, top_k=top_k), whole)
