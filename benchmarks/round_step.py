@@ -130,8 +130,9 @@ def set_pdl(mode: str) -> None:
     pdl.ORDER = order or pdl.ORDER
 
 
-def set_knob(knob: str):
-    """MODULE.NAME=VALUE: qse_kernels.MODULE's constant NAME (which must exist) set to VALUE; returns VALUE."""
+def set_knob(knob: str) -> tuple[str, object]:
+    """MODULE.NAME=VALUE: qse_kernels.MODULE's constant NAME (which must exist) set to VALUE; returns
+    (MODULE.NAME, VALUE)."""
     import importlib
 
     name, _, raw = knob.partition("=")
@@ -152,7 +153,7 @@ def set_knob(knob: str):
             except ValueError:
                 raise ValueError(f"--knob's value must be an int, a float, True or False; got {raw!r}") from None
     setattr(module, attr, value)
-    return value
+    return name, value
 
 
 def main(argv=None) -> int:
@@ -179,14 +180,12 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     from qse_kernels import pdl
 
-    knobs = {}
-    for knob in args.knob:
-        try:
-            knobs[knob.split("=")[0]] = set_knob(knob)
-        except ValueError as exc:
-            p.error(str(exc))
+    try:
+        knobs = dict(set_knob(knob) for knob in args.knob)
+    except ValueError as exc:
+        p.error(str(exc))
     pdl_modes = args.pdl.split(",")
-    pinned = parse_pdl("default")
+    before = pdl.ON, pdl.ORDER
     try:
         for mode in pdl_modes:
             parse_pdl(mode)
@@ -203,7 +202,7 @@ def main(argv=None) -> int:
         mode_rows, ran = decode_rows(engine, batches, args.context, args.rounds,
                                      graphs=None if args.graphs == "auto" else "static", profile=args.profile)
         rows += [{"pdl": mode, "pdl_active": pdl.active(), **row} for row in mode_rows]
-    pdl.ORDER, pdl.ON = pinned, True
+    pdl.ON, pdl.ORDER = before
     result = {**result_header("triton", device=None if device.type == "cuda" else "cpu"),
               "preset": args.preset, "blas": str(torch.backends.cuda.preferred_blas_library()) if device.type == "cuda"
               else None, "kernels": engine.kernels, "graphs": ran["graphs"], "context": args.context,
