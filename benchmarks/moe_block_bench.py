@@ -6,7 +6,7 @@ against the byte floor. Times are CUDA events over a CUDA graph of back-to-back 
 copies of the weights and among inputs (the copies' touched experts together several times the L2), so every
 call streams its experts from memory as a decode step's 40 layers do.
 
-    python benchmarks/moe_block_bench.py [--out DIR] [--old FILE] [--sweep [--knobs A,B+C]] [--tokens 1,2,4]
+    python benchmarks/moe_block_bench.py [--out DIR] [--old FILE] [--sweep [--knobs A,B]] [--tokens 1,2,4]
     python benchmarks/moe_block_bench.py --tiny --out DIR     (CPU, interpreted kernels, small shapes: the flow only)
 
 --old FILE: the old block's source (`git show 951dda5:qse_kernels/moe.py > FILE`); without it the script
@@ -16,8 +16,7 @@ moe.DIRECT_GATE_UP_STAGES, moe.WIDE_TILES, moe.GROUP_WIDE_BLOCK_T, pdl.ON: progr
 few values on the
 path it moves, with its bits against the pinned value's (a value that fails to run records its error); and the
 pinned tiles (moe.ROUTER_BLOCK_K, GATE_UP_BLOCK_N, DOWN_BLOCK_N, NUM_WARPS), whose bit_equal says whether a
-row's bits survive a change of them on this device; and pdl.EARLY with the tiles the early loads hold before
-their wait (knobs joined by "+" move together). --knobs: only those (their names as in _sweep).
+row's bits survive a change of them on this device. --knobs: only those (named as in _sweep).
 
 The floor: the bytes a call must read at least, over the bandwidth of a device copy measured here (and the
 H200's nominal 4.8 TB/s): the router and shared gate rows, every distinct expert the call's tokens route to
@@ -180,18 +179,7 @@ def _sweep(moe, impls, copies, gen, device, time_us, shape, calls, num_copies, t
              "ROUTER_BLOCK_K": ((128, 256, 512, 1024), "new_pairs", (1,) if tiny else SWEEP_TOKENS),
              "GATE_UP_BLOCK_N": ((16, 32, 64), "new_pairs", (1,) if tiny else SWEEP_TOKENS),
              "DOWN_BLOCK_N": ((16, 32, 64), "new_pairs", (1,) if tiny else SWEEP_TOKENS),
-             "NUM_WARPS": ((2, 4, 8), "new_pairs", (1,) if tiny else SWEEP_TOKENS),
-             # the early loads (pdl.early) and the tiles they hold before the wait; knobs joined by "+" move
-             # together, each value a tuple
-             "pdl.EARLY": ((False, True), "new", (1,) if tiny else (1, 2, 4, 8, 32, 512)),
-             "DOWN_BLOCK_K+PAIRS_DOWN_WARPS": (((16, 4), (32, 8)) if tiny else
-                                               ((128, 4), (256, 4), (256, 8), (512, 4), (512, 8)),
-                                               "new_pairs", (1,) if tiny else SWEEP_TOKENS),
-             "DOWN_BLOCK_K": ((16, 32) if tiny else (128, 256, 512), "new_grouped",
-                              (17,) if tiny else (32, 512, 4096)),
-             "ROUTER_BLOCK_K+ROUTER_WARPS+ROUTER_STAGES": (((16, 4, 2), (32, 8, 2)) if tiny else
-                                                           ((256, 4, 4), (512, 4, 3), (512, 8, 3), (1024, 8, 2),
-                                                            (2048, 8, 1)), "new_pairs", (1,) if tiny else (1, 4))}
+             "NUM_WARPS": ((2, 4, 8), "new_pairs", (1,) if tiny else SWEEP_TOKENS)}
     if only:
         unknown = set(only) - set(knobs)
         if unknown:
@@ -199,17 +187,15 @@ def _sweep(moe, impls, copies, gen, device, time_us, shape, calls, num_copies, t
         knobs = {k: v for k, v in knobs.items() if k in only}
     sweep = []
     for knob, (values, name, tokens) in knobs.items():
-        owners = [(pdl, one[4:]) if one.startswith("pdl.") else (moe, one) for one in knob.split("+")]
-        pinned = tuple(getattr(owner, attr) for owner, attr in owners)
-        pinned = pinned[0] if len(owners) == 1 else pinned
+        owner, attr = (pdl, knob[4:]) if knob.startswith("pdl.") else (moe, knob)
+        pinned = getattr(owner, attr)
         xs = {t: [torch.randn(t, shape["hidden"], generator=gen, device=device).to(torch.bfloat16)
                   for _ in range(calls)] for t in tokens}
         want = {}
         for t in tokens:
             want[t] = impls[name](xs[t][0], copies[0])
         for value in values:
-            for (owner, attr), one in zip(owners, value if len(owners) > 1 else (value,)):
-                setattr(owner, attr, one)
+            setattr(owner, attr, value)
             entry = {"knob": knob.lower(), "value": value, "pinned": value == pinned, "path": name}
             try:
                 for t in tokens:
@@ -220,8 +206,7 @@ def _sweep(moe, impls, copies, gen, device, time_us, shape, calls, num_copies, t
                 entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             print(json.dumps(entry), flush=True)
             sweep.append(entry)
-        for (owner, attr), one in zip(owners, pinned if len(owners) > 1 else (pinned,)):
-            setattr(owner, attr, one)
+        setattr(owner, attr, pinned)
         if device == "cuda":
             torch.cuda.empty_cache()
     return sweep

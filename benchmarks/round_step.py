@@ -111,25 +111,23 @@ def decode_rows(engine: Engine, batches: list[int], context: int, num_rounds: in
 
 
 def parse_pdl(mode: str) -> int:
-    """A --pdl mode as qse_kernels.pdl's ORDER (0: off): off, release (RELEASE_FIRST), wait (WAIT_FIRST), late
-    (WAIT_FIRST without the early loads, pdl.EARLY off), or default (the module's pinned ORDER)."""
+    """A --pdl mode as qse_kernels.pdl's ORDER (0: off): off, release (RELEASE_FIRST), wait (WAIT_FIRST), or
+    default (the module's pinned ORDER)."""
     from qse_kernels import pdl
 
-    orders = {"off": 0, "release": pdl.RELEASE_FIRST, "wait": pdl.WAIT_FIRST, "late": pdl.WAIT_FIRST,
-              "default": pdl.ORDER}
+    orders = {"off": 0, "release": pdl.RELEASE_FIRST, "wait": pdl.WAIT_FIRST, "default": pdl.ORDER}
     if mode not in orders:
         raise ValueError(f"--pdl modes are {', '.join(orders)}; got {mode!r}")
     return orders[mode]
 
 
-def set_pdl(mode: str, early: bool) -> None:
-    """qse_kernels.pdl's switches for a --pdl mode (parse_pdl); early: pdl.EARLY for every mode but late."""
+def set_pdl(mode: str) -> None:
+    """qse_kernels.pdl's switches for a --pdl mode (parse_pdl)."""
     from qse_kernels import pdl
 
     order = parse_pdl(mode)
     pdl.ON = order != 0
     pdl.ORDER = order or pdl.ORDER
-    pdl.EARLY = early and mode != "late"
 
 
 def set_knob(knob: str) -> tuple[str, object]:
@@ -172,8 +170,7 @@ def main(argv=None) -> int:
                    help="torch's preferred BLAS library for the rounds' 2-32-row GEMMs (an experiment: which one "
                         "reads the weights nearer the one-row GEMV's rate)")
     p.add_argument("--pdl", default="default", help="programmatic dependent launch, comma separated for an A/B in "
-                   "one run: default, off, release (release first), wait (wait first), late (wait first, no "
-                   "early loads)")
+                   "one run: default, off, release (release first), wait (wait first)")
     p.add_argument("--knob", action="append", default=[], metavar="MODULE.NAME=VALUE",
                    help="set a qse_kernels module constant before the rounds are built (an int, float or "
                         "True/False; repeatable), e.g. attention.DECODE_MIN_SPLIT_ROWS=128")
@@ -188,7 +185,7 @@ def main(argv=None) -> int:
     except ValueError as exc:
         p.error(str(exc))
     pdl_modes = args.pdl.split(",")
-    before = pdl.ON, pdl.ORDER, pdl.EARLY
+    before = pdl.ON, pdl.ORDER
     try:
         for mode in pdl_modes:
             parse_pdl(mode)
@@ -201,11 +198,11 @@ def main(argv=None) -> int:
     engine = Engine(resolve(spec, device, dtype, cache_dir), kernels=args.kernels)
     rows = []
     for mode in pdl_modes:
-        set_pdl(mode, before[2])
+        set_pdl(mode)
         mode_rows, ran = decode_rows(engine, batches, args.context, args.rounds,
                                      graphs=None if args.graphs == "auto" else "static", profile=args.profile)
-        rows += [{"pdl": mode, "pdl_active": pdl.active(), "early": pdl.early(), **row} for row in mode_rows]
-    pdl.ON, pdl.ORDER, pdl.EARLY = before
+        rows += [{"pdl": mode, "pdl_active": pdl.active(), **row} for row in mode_rows]
+    pdl.ON, pdl.ORDER = before
     result = {**result_header("triton", device=None if device.type == "cuda" else "cpu"),
               "preset": args.preset, "blas": str(torch.backends.cuda.preferred_blas_library()) if device.type == "cuda"
               else None, "kernels": engine.kernels, "graphs": ran["graphs"], "context": args.context,

@@ -6,7 +6,7 @@
 # (weka_cc_sessions_dev.csv, hf_reader_baseline.py) and a pytest.ini without the asyncio plugin's
 # options. Results land in $OUT; copy them to benchmarks/results/ and commit.
 #
-#   bash benchmarks/run_h200.sh [tests|gemv|skinny|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abspec|abl|invariant|grammar|rounds|served|cache|load|memory|moves|pcie|sides|agents|spec|speccheck|tail|moeblock|moe|pdl|early ...]   (default: all, ~13 minutes)
+#   bash benchmarks/run_h200.sh [tests|gemv|skinny|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abspec|abl|invariant|grammar|rounds|served|cache|load|memory|moves|pcie|sides|agents|spec|speccheck|tail|moeblock|moe|pdl ...]   (default: all, ~13 minutes)
 #   PRESETS=qwen3.5-0.8b bash benchmarks/run_h200.sh measure                       (measure fewer presets)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -99,7 +99,7 @@ for step in $steps; do
     moeblock)  # the MoE block alone, old (MOE_OLD: a copy of an older qse_kernels/moe.py in .devcarry) against new, every path
                # and knob bit-checked (moe_block_bench.py --sweep)
       timeout 200 python3 benchmarks/moe_block_bench.py --old "${MOE_OLD:-.devcarry/moe_old_951dda5.py}" \
-        --tokens "${MOE_TOKENS:-1,2,4,8,32,512,4096}" --sweep --out "$OUT" 2>&1 | grep -v '"knob"' | tail -12 | cut -c1-600 ;;
+        --tokens "${MOE_TOKENS:-1,2,4,8,32,512,4096}" --sweep --knobs "${MOE_KNOBS:-}" --out "$OUT" 2>&1 | grep -v '"knob"' | tail -12 | cut -c1-600 ;;
     moe)  # Qwen3.5-35B-A3B (random weights): decode at batch 1/8/32 and prefill against the floor and transformers
       timeout "${MOE_TIMEOUT:-420}" python3 benchmarks/moe_measure.py --preset "${MOE_PRESET:-qwen3.5-35b-a3b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-600 ;;
     sides)  # the reader's chunks beside batch-8 decode rounds on streams of their own, by stream priority: decode loss, reader rate
@@ -131,15 +131,6 @@ for step in $steps; do
       for m in ${PDL_PRESETS:-qwen3.5-35b-a3b qwen3.5-9b}; do
         timeout "${PDL_TIMEOUT:-240}" python3 benchmarks/round_step.py --preset $m --batches "${PDL_BATCHES:-1,8}" \
           --pdl "${PDL_MODES:-off,release,wait}" --pdl-tag "pdl-$m" --profile "${PDL_PROFILE:-0}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-300
-      done ;;
-    early)  # the early loads (qse_kernels/pdl.py: early): the MoE block's knobs swept with their bits (EARLY_KNOBS), then
-            # decode rounds with them off (late) and on (wait) in one run a preset (EARLY_PRESETS, EARLY_BATCHES)
-      timeout "${EARLY_BLOCK_TIMEOUT:-200}" python3 benchmarks/moe_block_bench.py --tokens "${MOE_TOKENS:-1,2,4,8,32,512,4096}" --sweep \
-        --knobs "${EARLY_KNOBS:-pdl.EARLY,DOWN_BLOCK_K+PAIRS_DOWN_WARPS,DOWN_BLOCK_K,ROUTER_BLOCK_K+ROUTER_WARPS+ROUTER_STAGES}" \
-        --out "$OUT" 2>&1 | grep '^{' | cut -c1-400
-      for m in ${EARLY_PRESETS:-qwen3.5-35b-a3b qwen3.5-9b}; do
-        timeout "${PDL_TIMEOUT:-240}" python3 benchmarks/round_step.py --preset $m --batches "${EARLY_BATCHES:-1,8}" \
-          --pdl late,wait --pdl-tag "early-$m" --out "$OUT" 2>&1 | grep '^{' | cut -c1-300
       done ;;
     memory)  # peak device memory of 16k, 64k and 128k prompts read from row 0: the served 9B's turn start, the 0.8B's question
       timeout 400 python3 benchmarks/prompt_memory.py --preset "${MEMORY_PRESET:-qwen3.5-9b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-600 ;;

@@ -24,23 +24,14 @@ NUM_WARPS = 4
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, num_cols, depth, stride_wn, BN: tl.constexpr, BK: tl.constexpr,
-                 PDL: tl.constexpr = 0, EARLY: tl.constexpr = 0):
+                 PDL: tl.constexpr = 0):
+    pdl.start(PDL)
     o_n = tl.program_id(0) * BN + tl.arange(0, BN)
     m_n = o_n < num_cols
     o_k = tl.arange(0, BK)
     p_w = w_ptr + o_n[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((BN, BK), tl.float32)
-    k_start = 0
-    if EARLY:  # the first step's weights before the wait (no kernel writes them), its x after: the same sum
-        m_k = o_k < depth
-        b_w = tl.load(p_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
-        pdl.start(PDL)
-        b_x = tl.load(x_ptr + o_k, mask=m_k, other=0.0)
-        acc += b_w.to(tl.float32) * b_x.to(tl.float32)[None, :]
-        k_start = BK
-    else:
-        pdl.start(PDL)
-    for k0 in range(k_start, depth, BK):
+    for k0 in range(0, depth, BK):
         m_k = (k0 + o_k) < depth
         b_w = tl.load(p_w + (k0 + o_k)[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
         b_x = tl.load(x_ptr + k0 + o_k, mask=m_k, other=0.0)
@@ -68,8 +59,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None)
     y = torch.empty(*x.shape[:-1], num_cols, dtype=out_dtype, device=x.device)
     block_n, block_k = tiles(num_cols)
     _gemv_kernel[(triton.cdiv(num_cols, block_n),)](x1, w, y, num_cols, depth, w.stride(0), BN=block_n, BK=block_k,
-                                                     num_warps=NUM_WARPS, EARLY=pdl.early(),
-                                                     **pdl.options())
+                                                     num_warps=NUM_WARPS, **pdl.options())
     return y
 
 

@@ -16,9 +16,8 @@ Nothing waits on the host and nothing but Triton kernels runs (a CUDA graph hold
              rank order, then the shared expert's, rounded once           _down_combine_kernel
   pairs (small decode batches, PAIRS_MAX_TOKENS; T <= BLOCK_M), four launches: the direct gate_up, then
     down     a program a pair and BN columns (the shared block: one more
-             program), y [P, H] at the pair's row; it routes its pair
-             from the logits itself (early) or reads the ids the gate_up
-             stored                                                       _down_kernel, PAIRS
+             program), y [P, H] at the pair's row, its expert read from
+             the ids the gate_up stored                                   _down_kernel, PAIRS
     combine  as the grouped path's                                        _combine_kernel
   grouped (chunks), six launches:
     route    top-k and weights [T, k] (_top_k), the pairs' experts        _route_kernel, a program a token
@@ -33,10 +32,7 @@ Nothing waits on the host and nothing but Triton kernels runs (a CUDA graph hold
              in fp32 in rank order, rounded once                          _combine_kernel, a program a token
 
 Every launch above is a programmatic dependent launch where the device allows it (pdl.py): placed on the device
-while the one before it runs, each of its programs waiting for that one before its first load of what that one
-writes. Early (pdl.early): the router loads its first weight tile before its wait; the pairs down routes its
-pair from the router's logits (written two launches back) and loads its first weight tile (all of it at the
-35B-A3B's shapes) before its wait, so its weights stream in while the gate_up runs.
+while the one before it runs, each of its programs waiting for that one before its first load.
 
 Pairs: routed pair t * k + r, and the shared expert (as expert E, whose weights are shared_gate_up /
 shared_down, its intermediate size may differ) pair T * k + t; h and y are indexed by pair on every path.
@@ -68,10 +64,7 @@ from .norms import NORM_NUM_WARPS, _row_blocks, _store_rms_norm
 # pinned tiles, for every T and every path (see the docstring): a block of BLOCK_M (token, expert) rows of one expert
 BLOCK_M = 16  # a chunk of 512 tokens at top-8 over 256 experts is 16 rows an expert on average
 GATE_UP_BLOCK_N, GATE_UP_BLOCK_K = 32, 128  # gate and up: 2 x 32 columns a program
-# 64 programs for one decode token's down (H = 2048); the early down (pdl.early) holds its first BK columns
-# of weights before its wait: half its expert's slice at the 35B-A3B's shapes (at BK = I = 512 a program
-# needs 255 registers and spills at 4 warps: an sm90 compile's count)
-DOWN_BLOCK_N, DOWN_BLOCK_K = 32, 256
+DOWN_BLOCK_N, DOWN_BLOCK_K = 32, 128  # 64 programs for one decode token's down (H = 2048)
 ROUTER_BLOCK_N, ROUTER_BLOCK_K = 16, 256  # 17 programs for one token: its 1 MB of router weight in parallel
 NUM_WARPS, NUM_STAGES = 4, 3
 # pipeline depths (they change no bits): the router has 17 programs for a decode token and the direct down
@@ -80,8 +73,6 @@ NUM_WARPS, NUM_STAGES = 4, 3
 # the direct down read its ids and weights ahead of its K loop, Triton's pipeliner kept only 2 of its 6 stages
 # in flight, behind the expert id's load, with a plain load of the weight in every step; now 5.)
 ROUTER_STAGES = 4
-ROUTER_WARPS = 4  # (warps change no bits: the sweep's bit_equal)
-PAIRS_DOWN_WARPS = 4
 DIRECT_DOWN_STAGES = 6
 DIRECT_GATE_UP_STAGES = 3  # the direct gate_up (direct and pairs paths): (k + 1) * I / GATE_UP_BLOCK_N programs
 # the pairs path for 1..PAIRS_MAX_TOKENS tokens, the grouped one past them; the direct path only when asked (all
@@ -116,30 +107,15 @@ def _dot_acc(acc, b_a, b_b, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr):
         return tl.dot(b_a, tl.trans(b_b), acc)
 
 
-@triton.jit
-def _router_rows(w_ptr, w_last_ptr, o_n, o_k, m_n, is_last, depth, stride_w, HAS_LAST: tl.constexpr):
-    """The router's weight tile [BN, BK] at columns o_k: rows o_n of w, the one past them from w_last."""
-    m_k = o_k < depth
-    # two loads and a select of values, not one load through selected pointers: the rows' addresses
-    # stay provably contiguous, so the loads are vectors (the same values, the same bits)
-    b_w = tl.load(w_ptr + o_n[:, None].to(tl.int64) * stride_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :],
-                  other=0.0)
-    if HAS_LAST:
-        b_last = tl.load(w_last_ptr + o_n[:, None] * 0 + o_k[None, :], mask=is_last[:, None] & m_k[None, :],
-                         other=0.0)
-        b_w = tl.where(is_last[:, None], b_last, b_w)
-    return b_w
-
-
 @triton.jit(do_not_specialize=["num_rows"])
 def _dense_kernel(
     x_ptr, w_ptr, w_last_ptr, y_ptr, num_rows, num_cols, depth, stride_x, stride_w, stride_y,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_LAST: tl.constexpr, ROW_EXACT: tl.constexpr,
-    IEEE: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = 0,
+    IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """y [M, N (+1)] = x [M, K] @ w [N, K]^T, one BM x BN tile a program (the router's logits); with HAS_LAST
-    one more column N from w_last [1, K] (the shared gate's logit). EARLY: the first K step's weights are
-    loaded before the wait (pdl.early), its x after it; the same steps in the same order."""
+    one more column N from w_last [1, K] (the shared gate's logit)."""
+    pdl.start(PDL)
     o_m = tl.program_id(0) * BM + tl.arange(0, BM)
     o_n = tl.program_id(1) * BN + tl.arange(0, BN)
     m_m, m_n = o_m < num_rows, o_n < num_cols
@@ -148,23 +124,19 @@ def _dense_kernel(
     else:
         is_last = o_n < 0
     acc = tl.zeros((BM, BN), tl.float32)
-    k_start = 0
-    if EARLY:
-        b_w = _router_rows(w_ptr, w_last_ptr, o_n, tl.arange(0, BK), m_n, is_last, depth, stride_w, HAS_LAST)
-        pdl.start(PDL)
-        o_k = tl.arange(0, BK)
-        b_x = tl.load(x_ptr + o_m[:, None].to(tl.int64) * stride_x + o_k[None, :],
-                      mask=m_m[:, None] & (o_k < depth)[None, :], other=0.0)
-        acc = _dot_acc(acc, b_x, b_w, ROW_EXACT, IEEE)
-        k_start = BK
-    else:
-        pdl.start(PDL)
-    for k0 in range(k_start, depth, BK):
+    for k0 in range(0, depth, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < depth
         b_x = tl.load(x_ptr + o_m[:, None].to(tl.int64) * stride_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
                       other=0.0)
-        b_w = _router_rows(w_ptr, w_last_ptr, o_n, o_k, m_n, is_last, depth, stride_w, HAS_LAST)
+        # two loads and a select of values, not one load through selected pointers: the rows' addresses
+        # stay provably contiguous, so the loads are vectors (the same values, the same bits)
+        b_w = tl.load(w_ptr + o_n[:, None].to(tl.int64) * stride_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :],
+                      other=0.0)
+        if HAS_LAST:
+            b_last = tl.load(w_last_ptr + o_n[:, None] * 0 + o_k[None, :], mask=is_last[:, None] & m_k[None, :],
+                             other=0.0)
+            b_w = tl.where(is_last[:, None], b_last, b_w)
         acc = _dot_acc(acc, b_x, b_w, ROW_EXACT, IEEE)
     p_y = y_ptr + o_m[:, None].to(tl.int64) * stride_y + o_n[None, :]
     tl.store(p_y, acc.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & (m_n | is_last)[None, :])
@@ -182,9 +154,7 @@ def _top_k(logits_ptr, i_t, stride_l, num_experts, TOP_K: tl.constexpr, BE: tl.c
     and the key decodes back to both."""
     o_e = tl.arange(0, BE)
     m_e = o_e < num_experts
-    # at L2 (.cg): the early down reads the logits before its wait, and an SM's L1 may hold an older layer's
-    b_l = tl.load(logits_ptr + i_t * stride_l + o_e, mask=m_e, other=float("-inf"), cache_modifier=".cg")
-    b_l = b_l.to(tl.float32)
+    b_l = tl.load(logits_ptr + i_t * stride_l + o_e, mask=m_e, other=float("-inf")).to(tl.float32)
     b_l = tl.where(b_l == b_l, b_l, float("-inf"))  # NaN counts as -inf: every rank gets an expert in range
     b_l = tl.where(b_l == 0.0, 0.0, b_l)
     bits = b_l.to(tl.int32, bitcast=True)
@@ -286,18 +256,18 @@ def _grouped_rows(order_ptr, counts_ptr, num_experts, num_routed, num_shared, ca
 
 @triton.jit
 def _direct_rows(logits_ptr, ids_ptr, w_ptr, num_tokens, num_experts, stride_l, TOP_K: tl.constexpr,
-                 BM: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr, WRITE: tl.constexpr = True):
+                 BM: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr):
     """Direct: program p < T * k is pair p alone (token p // k, rank p % k, at row 0 of its tile), its
     expert read off the token's routing here; program T * k is the shared expert's block, all T <= BM tokens
-    in token order. With WRITE each token's rank-0 program of column tile 0 stores its routing (ids, weights)
-    for the down and the combine. Returns as _grouped_rows."""
+    in token order. Each token's rank-0 program of column tile 0 stores its routing (ids, weights) for the
+    down. Returns as _grouped_rows."""
     i_p = tl.program_id(0)
     num_routed = num_tokens * TOP_K
     is_routed = i_p < num_routed
     i_t = tl.minimum(i_p // TOP_K, num_tokens - 1)  # (the shared block's program routes a token it does not use)
     b_ids, b_w = _top_k(logits_ptr, i_t.to(tl.int64), stride_l, num_experts, TOP_K, BE, BR)
     o_r = tl.arange(0, BR)
-    is_writer = WRITE & (i_p < num_routed) & (i_p % TOP_K == 0) & (tl.program_id(1) == 0)
+    is_writer = (i_p < num_routed) & (i_p % TOP_K == 0) & (tl.program_id(1) == 0)
     if is_writer:
         tl.store(ids_ptr + i_t * TOP_K + o_r, b_ids, mask=o_r < TOP_K)
         tl.store(w_ptr + i_t * TOP_K + o_r, b_w.to(w_ptr.dtype.element_ty), mask=o_r < TOP_K)
@@ -379,28 +349,20 @@ def _gate_up_kernel(
 
 @triton.jit(do_not_specialize=["num_tokens", "num_shared", "cap"])
 def _down_kernel(
-    h_ptr, w_ptr, ws_ptr, y_ptr, order_ptr, counts_ptr, logits_ptr,
-    num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap, stride_h, stride_we, stride_y, stride_l,
-    TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr,
+    h_ptr, w_ptr, ws_ptr, y_ptr, order_ptr, counts_ptr,
+    num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap, stride_h, stride_we, stride_y,
+    TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr,
     NT: tl.constexpr, PAIRS: tl.constexpr, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    EARLY: tl.constexpr = 0,
 ):
     """y[pair] = h[pair] @ down_e^T for a block's rows, BN of the H columns, for NT column tiles one after
     another (as _gate_up_kernel's); the rows from _pair_rows (PAIRS: order_ptr holds the pairs' experts) or
-    _grouped_rows. EARLY (PAIRS, NT = 1): the pair's expert routed here from the router's logits (pdl.early:
-    written two launches back), and the first K step's weights loaded, before the wait, so the down's weights
-    stream while the gate_up runs; h after it. The same rows, steps and order."""
-    if EARLY:
-        tl.static_assert(PAIRS and NT == 1, "the early down is the pairs path's")
-        e, m_m, pair, _ = _direct_rows(logits_ptr, order_ptr, order_ptr, num_tokens, num_experts, stride_l, TOP_K,
-                                       BM, BE, BR, WRITE=False)
+    _grouped_rows."""
+    pdl.start(PDL)
+    if PAIRS:
+        e, m_m, pair, _ = _pair_rows(order_ptr, num_tokens, num_experts, TOP_K, BM)
     else:
-        pdl.start(PDL)
-        if PAIRS:
-            e, m_m, pair, _ = _pair_rows(order_ptr, num_tokens, num_experts, TOP_K, BM)
-        else:
-            e, m_m, pair, _ = _grouped_rows(order_ptr, counts_ptr, num_experts, num_tokens * TOP_K, num_shared,
-                                            cap, TOP_K, BM, BE)
+        e, m_m, pair, _ = _grouped_rows(order_ptr, counts_ptr, num_experts, num_tokens * TOP_K, num_shared, cap,
+                                        TOP_K, BM, BE)
     if e > num_experts:
         return
     if e == num_experts:  # the shared expert: [H, Is]
@@ -415,18 +377,7 @@ def _down_kernel(
             o_n = n0 + tl.arange(0, BN)
             m_n = o_n < hidden
             acc = tl.zeros((BM, BN), tl.float32)
-            k_start = 0
-            if EARLY:
-                o_k = tl.arange(0, BK)
-                m_k = o_k < depth
-                b_w = tl.load(p_w + o_n[:, None].to(tl.int64) * depth + o_k[None, :],
-                              mask=m_n[:, None] & m_k[None, :], other=0.0)
-                pdl.start(PDL)
-                b_h = tl.load(h_ptr + pair[:, None].to(tl.int64) * stride_h + o_k[None, :],
-                              mask=m_m[:, None] & m_k[None, :], other=0.0)
-                acc = _dot_acc(acc, b_h, b_w, ROW_EXACT, IEEE)
-                k_start = BK
-            for k0 in range(k_start, depth, BK):
+            for k0 in range(0, depth, BK):
                 o_k = k0 + tl.arange(0, BK)
                 m_k = o_k < depth
                 b_h = tl.load(h_ptr + pair[:, None].to(tl.int64) * stride_h + o_k[None, :],
@@ -563,8 +514,8 @@ def _router(x: torch.Tensor, router_w: torch.Tensor, gate_w: torch.Tensor | None
         grid = (triton.cdiv(num_tokens, BLOCK_M), triton.cdiv(num_experts + has_last, ROUTER_BLOCK_N))
         _dense_kernel[grid](x, router_w, gate_w if has_last else router_w, logits, num_tokens, num_experts, hidden,
                             x.stride(0), router_w.stride(0), logits.stride(0), BM=BLOCK_M, BN=ROUTER_BLOCK_N,
-                            BK=ROUTER_BLOCK_K, HAS_LAST=has_last, EARLY=pdl.early(), **_dot_flags(x.dtype),
-                            num_warps=ROUTER_WARPS, num_stages=ROUTER_STAGES)
+                            BK=ROUTER_BLOCK_K, HAS_LAST=has_last, **_dot_flags(x.dtype), num_warps=NUM_WARPS,
+                            num_stages=ROUTER_STAGES)
     return logits
 
 
@@ -654,9 +605,8 @@ def _grouped(x, keys, cap, weights, gate_up, down, shared=None, logits=None, fin
         inter_s, hidden, cap, x.stride(0), gate_up.stride(0), h.stride(0), 0,
         BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, BR=triton.next_power_of_2(top_k), DIRECT=False, **sizes)
     _down_kernel[(max_blocks, triton.cdiv(hidden, DOWN_BLOCK_N * tiles))](
-        h, down, ws_down, y, order, counts, x, num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap,
-        h.stride(0), down.stride(0), y.stride(0), 0, BN=DOWN_BLOCK_N, BK=DOWN_BLOCK_K, BR=triton.next_power_of_2(top_k),
-        PAIRS=False, **sizes)
+        h, down, ws_down, y, order, counts, num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap,
+        h.stride(0), down.stride(0), y.stride(0), BN=DOWN_BLOCK_N, BK=DOWN_BLOCK_K, PAIRS=False, **sizes)
     if finish is not None:
         return finish(y, weights, logits, num_experts, shared is not None)
     return _combine(y, weights, logits, out, num_experts, shared is not None)
@@ -720,10 +670,10 @@ def _pairs(x, logits, gate_up, down, shared, top_k, finish=None):
     num_routed = num_tokens * top_k
     y = torch.empty(num_routed + num_tokens, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(num_routed + 1, triton.cdiv(hidden, DOWN_BLOCK_N))](
-        h, down, ws_down, y, ids, ids, logits, num_tokens, num_tokens, num_experts, inter, inter_s, hidden, 0,
-        h.stride(0), down.stride(0), y.stride(0), logits.stride(0), BM=BLOCK_M, BN=DOWN_BLOCK_N, BK=DOWN_BLOCK_K,
-        NT=1, PAIRS=True, EARLY=pdl.early(), **_route_sizes(num_experts, top_k), **_dot_flags(x.dtype),
-        num_warps=PAIRS_DOWN_WARPS, num_stages=NUM_STAGES)
+        h, down, ws_down, y, ids, ids, num_tokens, num_tokens, num_experts, inter, inter_s, hidden, 0,
+        h.stride(0), down.stride(0), y.stride(0), TOP_K=top_k, BM=BLOCK_M, BN=DOWN_BLOCK_N, BK=DOWN_BLOCK_K,
+        BE=triton.next_power_of_2(num_experts), NT=1, PAIRS=True, **_dot_flags(x.dtype), num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES)
     if finish is not None:
         return finish(y, weights, logits, num_experts, True)
     return _combine(y, weights, logits, torch.empty_like(x), num_experts, True)

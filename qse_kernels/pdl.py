@@ -12,11 +12,6 @@ start(PDL), the first statement of every kernel launched with options(), before 
     let in          the next launch may place its programs, which wait in turn (before the wait instead
                     with ORDER = RELEASE_FIRST)
 
-Some kernels also load, before their wait, what the kernel before them cannot be writing (early(), EARLY
-constexpr): their weights' first tile, and the MoE down the router's logits, written two launches back. Under
-WAIT_FIRST the launch two back has finished before this one is placed: the one between waited for it before
-letting this one in. The loads move, not the arithmetic: the same bits, early or not.
-
 PDL changes no arithmetic: a kernel's bits are the same on or off (the GPU tests run it on, the interpreter off:
 it has no grid dependency control). A launch without PDL (a torch op, cuBLAS) waits for the whole kernel before
 it as always, and the kernel after it finds its wait already satisfied.
@@ -43,8 +38,6 @@ except ImportError:  # a Triton without it: PDL stays off
 ON = True
 RELEASE_FIRST, WAIT_FIRST = 1, 2
 ORDER = WAIT_FIRST
-# whether kernels load before their wait what the kernel before them cannot be writing (early())
-EARLY = True
 
 
 @functools.cache
@@ -66,12 +59,6 @@ def options() -> dict:
     return dict(PDL=ORDER, launch_pdl=True) if active() else dict(PDL=0)
 
 
-def early() -> int:
-    """An early-loading kernel's EARLY constexpr: 1 with EARLY set, unless PDL launches in RELEASE_FIRST order
-    (a launch is then let in before the one before it waits: what two launches back wrote may not be there)."""
-    return int(EARLY and not (active() and ORDER == RELEASE_FIRST))
-
-
 @triton.jit
 def start(PDL: tl.constexpr):
     """The first statement of every kernel launched with options(): its wait, and the next launch let in
@@ -84,4 +71,4 @@ def start(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-__all__ = ["EARLY", "ON", "ORDER", "RELEASE_FIRST", "WAIT_FIRST", "active", "early", "options", "start"]
+__all__ = ["ON", "ORDER", "RELEASE_FIRST", "WAIT_FIRST", "active", "options", "start"]

@@ -23,23 +23,20 @@ def test_round_step_writes_a_row_per_batch_size(tmp_path, cache_dir):
 
 
 def test_round_step_runs_each_pdl_mode_it_is_asked_for(tmp_path, cache_dir):
-    """--pdl off,late,wait: a row a batch size and mode, each naming its mode and whether the early loads were
-    on (PDL itself is never active on a CPU); the switches are put back; an unknown mode is refused by name."""
+    """--pdl off,wait: a row a batch size and mode, each naming its mode (PDL itself is never active on a CPU);
+    an unknown mode is refused by name."""
     import pytest
 
-    from qse_kernels import pdl
-
-    before = pdl.ON, pdl.ORDER, pdl.EARLY
     assert round_step.main(["--preset", "embedded", "--batches", "1", "--context", "20", "--rounds", "1",
-                            "--kernels", "naive", "--graphs", "static", "--pdl", "off,late,wait",
+                            "--kernels", "naive", "--graphs", "static", "--pdl", "off,wait",
                             "--out", str(tmp_path)]) == 0
-    assert (pdl.ON, pdl.ORDER, pdl.EARLY) == before
     (path,) = tmp_path.glob("round_step-*-cpu.json")
     rows = json.loads(path.read_text())["rows"]
-    assert [(r["pdl"], r["batch"], r["pdl_active"], r["early"]) for r in rows] == [
-        ("off", 1, False, 1), ("late", 1, False, 0), ("wait", 1, False, 1)]
+    assert [(r["pdl"], r["batch"], r["pdl_active"]) for r in rows] == [("off", 1, False), ("wait", 1, False)]
     with pytest.raises(SystemExit):
         round_step.main(["--preset", "embedded", "--pdl", "wait+sometimes", "--out", str(tmp_path)])
+    from qse_kernels import pdl
+
     assert (round_step.parse_pdl("release"), round_step.parse_pdl("default")) == (pdl.RELEASE_FIRST, pdl.ORDER)
 
 

@@ -66,22 +66,6 @@ def test_gemv_matches_twin(device, rel, num_cols, depth, dtype, out_dtype, monke
     assert rel(out, ref) < (1e-5 if out.dtype == torch.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("num_cols,depth", [(70, 300), (33, 129), (9, 20)])
-def test_gemv_with_its_first_step_before_the_wait_keeps_its_bits(device, num_cols, depth, monkeypatch):
-    """pdl.early: the first K step's weights loaded before the launch's wait, then the rest of the loop (one,
-    several, or no more steps, and a step past K's end): the same sum as every step after the wait."""
-    from qse_kernels import gemv, pdl
-
-    gen = torch.Generator().manual_seed(13)
-    x = torch.randn(1, depth, generator=gen).to(device, torch.bfloat16)
-    w = torch.randn(num_cols, depth, generator=gen).to(device, torch.bfloat16)
-    monkeypatch.setattr(pdl, "EARLY", False)
-    late = gemv.gemv(x, w, torch.float32)
-    monkeypatch.setattr(pdl, "EARLY", True)
-    assert pdl.early() == 1
-    assert torch.equal(gemv.gemv(x, w, torch.float32), late)
-
-
 def test_gemv_rejects_more_than_one_row(device):
     from qse_kernels import gemv
 

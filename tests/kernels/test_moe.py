@@ -271,29 +271,6 @@ def test_the_wide_schedule_gives_the_same_bits(device, monkeypatch):
     assert torch.equal(moe.moe_block(x, **w, top_k=3, path="grouped"), narrow)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 3])
-@needs_triton
-def test_the_early_loads_give_the_same_bits(device, monkeypatch, num_tokens):
-    """pdl.early: the router's first weight tile loaded before its wait, and the pairs down routing its pair
-    from the logits and loading its first weight tile before its wait, against every load after the wait, on
-    every path, bit for bit. K steps of 16 so that the step before the wait and the loop after it both run
-    (the router's 4 steps, the down's 2, the shared expert's 3)."""
-    from qse_kernels import pdl
-
-    monkeypatch.setattr(moe, "ROUTER_BLOCK_K", 16)
-    monkeypatch.setattr(moe, "DOWN_BLOCK_K", 16)
-    w = _weights(dtype=torch.bfloat16, device=device, inter_s=I_SHARED)
-    x = _tokens(num_tokens, w, 3, seed=37)
-    monkeypatch.setattr(pdl, "EARLY", False)
-    assert pdl.early() == 0
-    late = {path: moe.moe_block(x, **w, top_k=3, path=path) for path in moe.PATHS}
-    assert torch.equal(late["pairs"], late["grouped"])
-    monkeypatch.setattr(pdl, "EARLY", True)
-    assert pdl.early() == 1
-    for path in moe.PATHS:
-        assert torch.equal(moe.moe_block(x, **w, top_k=3, path=path), late[path]), path
-
-
 @needs_triton
 def test_pdl_is_off_under_the_interpreter(device, monkeypatch):
     """PDL asks for grid dependency control, which the interpreter has not: its launches stay plain, the
@@ -399,10 +376,10 @@ def test_block_with_add_and_norm_is_the_block_then_add_rms_norm(device, num_toke
 # --- the real shapes, on a GPU -------------------------------------------------------------------------------
 
 
-def _qwen3_5_35b_a3b_block(num_tokens: int, seed: int = 0):
+def _qwen3_5_35b_a3b_block(num_tokens: int):
     """Hidden 2048, 256 experts, top-8, I = Is = 512, bf16, random weights on the GPU; and x [num_tokens, H]."""
     hidden, num_experts, inter = 2048, 256, 512
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device="cuda").manual_seed(0)
 
     def draw(*shape):
         return (torch.randn(*shape, generator=gen, device="cuda") * shape[-1] ** -0.5).to(torch.bfloat16)
@@ -489,19 +466,17 @@ def test_block_with_add_and_norm_at_the_real_shapes_on_the_gpu():
 @needs_triton
 @pytest.mark.gpu
 def test_pdl_launches_give_the_same_bits_on_the_gpu(monkeypatch):
-    """Every path's launches with programmatic dependent launch (pdl.ON) and their early loads (pdl.EARLY),
-    eager and in a CUDA graph, give the same bits as with neither."""
+    """Every path's launches with programmatic dependent launch (pdl.ON), eager and in a CUDA graph, give the
+    same bits as without."""
     from qse_kernels import pdl
 
     top_k = 8
     w, x = _qwen3_5_35b_a3b_block(40)
     monkeypatch.setattr(pdl, "ON", False)
-    monkeypatch.setattr(pdl, "EARLY", False)
     want = {path: moe.moe_block(x[:4], **w, top_k=top_k, path=path) for path in moe.PATHS}
     whole = moe.moe_block(x, **w, top_k=top_k)
     monkeypatch.setattr(pdl, "ON", True)
-    monkeypatch.setattr(pdl, "EARLY", True)
-    assert pdl.options()["PDL"] == pdl.WAIT_FIRST and pdl.early()
+    assert pdl.options()["PDL"]
     for path in moe.PATHS:
         assert torch.equal(moe.moe_block(x[:4], **w, top_k=top_k, path=path), want[path]), path
     assert torch.equal(moe.moe_block(x, **w, top_k=top_k), whole)
@@ -514,43 +489,6 @@ def test_pdl_launches_give_the_same_bits_on_the_gpu(monkeypatch):
         static_x.copy_(x[t:t + 1])
         graph.replay()
         assert torch.equal(static_out, whole[t:t + 1]), t
-
-
-@needs_triton
-@pytest.mark.gpu
-def test_early_downs_read_each_layers_own_logits_in_a_graph(monkeypatch):
-    """A decode step's blocks back to back, two weight sets alternating (so each layer routes elsewhere), one
-    graph with PDL and the early loads: the pairs down routes from logits it reads before its wait, in buffers
-    every layer reuses; each layer's output must be the one the plain launches give."""
-    from qse_kernels import pdl
-
-    top_k, layers = 8, 6
-    sets = [_qwen3_5_35b_a3b_block(4, seed=seed) for seed in (0, 1)]
-
-    def step(x):
-        outs = []
-        for i in range(layers):
-            w = sets[i % 2][0]
-            x = moe.moe_block(x, **w, top_k=top_k) * 8 + x
-            outs.append(x)
-        return outs
-
-    x0 = sets[0][1][:1]
-    monkeypatch.setattr(pdl, "ON", False)
-    monkeypatch.setattr(pdl, "EARLY", False)
-    want = step(x0)
-    monkeypatch.setattr(pdl, "ON", True)
-    monkeypatch.setattr(pdl, "EARLY", True)
-    static_x = x0.clone()
-    step(static_x)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = step(static_x)
-    for _ in range(3):
-        graph.replay()
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert len({tuple(moe.moe_route(moe.router_logits(o, sets[0][0]["router_w"]), top_k)[0][0].tolist())
-                for o in want}) > 1  # the layers route apart
 
 
 # --- the benchmark's flow ------------------------------------------------------------------------------------
@@ -578,23 +516,21 @@ def test_the_block_benchmark_flow_on_the_cpu(tmp_path):
 
 @needs_triton
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the tiny flow check runs the interpreter on the CPU")
-def test_the_block_benchmark_sweeps_joined_knobs_and_puts_them_back(tmp_path):
-    """--sweep --knobs: only the named knobs; a "+"-joined knob sets its parts together, each value timed with
-    its bits against the pinned value's, and every part is put back afterwards. An unknown knob is refused."""
+def test_the_block_benchmark_sweeps_only_the_knobs_it_is_given(tmp_path):
+    """--sweep --knobs: only the named knobs, each value timed with its bits against the pinned value's, and
+    the knob put back afterwards; an unknown knob is refused by name."""
     import json
 
     from benchmarks import moe_block_bench
-    from qse_kernels import pdl
 
-    before = (moe.DOWN_BLOCK_K, moe.PAIRS_DOWN_WARPS, pdl.EARLY)
+    before = moe.NUM_WARPS
     assert moe_block_bench.main(["--tiny", "--out", str(tmp_path), "--tokens", "1", "--sweep",
-                                 "--knobs", "DOWN_BLOCK_K+PAIRS_DOWN_WARPS,pdl.EARLY"]) == 0
-    assert (moe.DOWN_BLOCK_K, moe.PAIRS_DOWN_WARPS, pdl.EARLY) == before
+                                 "--knobs", "NUM_WARPS"]) == 0
+    assert moe.NUM_WARPS == before
     (path,) = tmp_path.glob("moe_block_bench-*-cpu.json")
     sweep = json.loads(path.read_text())["sweep"]
-    assert {entry["knob"] for entry in sweep} == {"down_block_k+pairs_down_warps", "pdl.early"}
-    joined = [entry for entry in sweep if entry["knob"] == "down_block_k+pairs_down_warps"]
-    assert [tuple(entry["value"]) for entry in joined] == [(16, 4), (32, 8)]
+    assert [(entry["knob"], entry["value"]) for entry in sweep] == [("num_warps", 2), ("num_warps", 4),
+                                                                    ("num_warps", 8)]
     assert all(entry["bit_equal_t1"] and "us_t1" in entry and "error" not in entry for entry in sweep)
     with pytest.raises(ValueError, match="unknown.*NO_SUCH"):
         moe_block_bench.main(["--tiny", "--out", str(tmp_path), "--tokens", "1", "--sweep", "--knobs", "NO_SUCH"])

@@ -24,22 +24,6 @@ def test_pdl_is_off_under_the_interpreter(monkeypatch):
     assert not pdl.active() and pdl.options() == {"PDL": 0}
 
 
-def test_early_loads_stay_after_the_wait_when_launches_cascade(monkeypatch):
-    """pdl.early: with RELEASE_FIRST a launch is let in before the one before it waits, so what two launches
-    back wrote may not be there yet: the early loads are off then, and on in WAIT_FIRST order or without PDL."""
-    monkeypatch.setattr(pdl, "EARLY", True)
-    monkeypatch.setattr(pdl, "active", lambda: True)
-    monkeypatch.setattr(pdl, "ORDER", pdl.RELEASE_FIRST)
-    assert pdl.early() == 0
-    monkeypatch.setattr(pdl, "ORDER", pdl.WAIT_FIRST)
-    assert pdl.early() == 1
-    monkeypatch.setattr(pdl, "active", lambda: False)
-    monkeypatch.setattr(pdl, "ORDER", pdl.RELEASE_FIRST)
-    assert pdl.early() == 1
-    monkeypatch.setattr(pdl, "EARLY", False)
-    assert pdl.early() == 0
-
-
 def test_the_engine_hands_the_policys_switch_to_the_launches(small_model_dir, cache_dir, monkeypatch):
     """Engine(pdl=...) (the policy's QSE_PDL) sets the process's launches; None leaves them as they are."""
     from qse.models import resolve
