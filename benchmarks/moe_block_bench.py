@@ -11,11 +11,11 @@ call streams its experts from memory as a decode step's 40 layers do.
 
 --old FILE: the old block's source (`git show 951dda5:qse_kernels/moe.py > FILE`); without it the script
 asks git itself, and where there is no git (the device machine) the old block is left out and says why.
---sweep: the schedule knobs, which change no bits (moe.DIRECT_DOWN_STAGES,
+--sweep: the schedule knobs, which change no bits (moe.ROUTER_STAGES, moe.DIRECT_DOWN_STAGES,
 moe.DIRECT_GATE_UP_STAGES, moe.WIDE_TILES, moe.GROUP_WIDE_BLOCK_T, pdl.ON: programmatic dependent launch), each at a
 few values on the
 path it moves, with its bits against the pinned value's (a value that fails to run records its error); and the
-pinned tiles (moe.ROUTER_BLOCK_K, ROUTER_BLOCK_N, ROUTER_BLOCK_T, GATE_UP_BLOCK_N, DOWN_BLOCK_N, NUM_WARPS), whose bit_equal says whether a
+pinned tiles (moe.ROUTER_BLOCK_K, GATE_UP_BLOCK_N, DOWN_BLOCK_N, NUM_WARPS), whose bit_equal says whether a
 row's bits survive a change of them on this device. --knobs: only those (named as in _sweep).
 
 The floor: the bytes a call must read at least, over the bandwidth of a device copy measured here (and the
@@ -168,16 +168,15 @@ def _sweep(moe, impls, copies, gen, device, time_us, shape, calls, num_copies, t
     and its bits against the pinned value's (tiny: one small T each, the flow only)."""
     from qse_kernels import pdl
 
-    knobs = {"DIRECT_DOWN_STAGES": (SWEEP_STAGES, "new_direct", (2,) if tiny else SWEEP_TOKENS),
+    knobs = {"ROUTER_STAGES": (SWEEP_STAGES, "new_pairs", (1,) if tiny else SWEEP_TOKENS),
+             "DIRECT_DOWN_STAGES": (SWEEP_STAGES, "new_direct", (2,) if tiny else SWEEP_TOKENS),
              "DIRECT_GATE_UP_STAGES": (SWEEP_STAGES, "new_pairs", (1,) if tiny else SWEEP_TOKENS),
              "WIDE_TILES": ((1, 2, 4, 8), "new_grouped", (17,) if tiny else (512, 4096)),
              "GROUP_WIDE_BLOCK_T": ((64, 128, 256, 512), "new_grouped", (17,) if tiny else (4096,)),
              "pdl.ON": ((False, True), "new", (1,) if tiny else (1, 2, 4, 8, 32, 512)),
              # tile shapes: pinned for batch invariance, but a row's dot products may keep their bits across them
              # (the K loop's order is the same); bit_equal says whether they do on this device
-             "ROUTER_BLOCK_K": ((512, 1024, 2048), "new_pairs", (1,) if tiny else SWEEP_TOKENS),
-             "ROUTER_BLOCK_N": ((1, 2), "new_pairs", (1,) if tiny else SWEEP_TOKENS),
-             "ROUTER_BLOCK_T": ((2, 4, 8), "new", (1,) if tiny else (1, 8, 512)),
+             "ROUTER_BLOCK_K": ((128, 256, 512, 1024), "new_pairs", (1,) if tiny else SWEEP_TOKENS),
              "GATE_UP_BLOCK_N": ((16, 32, 64), "new_pairs", (1,) if tiny else SWEEP_TOKENS),
              "DOWN_BLOCK_N": ((16, 32, 64), "new_pairs", (1,) if tiny else SWEEP_TOKENS),
              "NUM_WARPS": ((2, 4, 8), "new_pairs", (1,) if tiny else SWEEP_TOKENS)}
@@ -302,7 +301,7 @@ def main(argv=None) -> int:
               "pairs_max_tokens": moe.PAIRS_MAX_TOKENS,
               "wide": {"min_tokens": moe.WIDE_MIN_TOKENS, "tiles": moe.WIDE_TILES,
                        "group_min_tokens": moe.GROUP_WIDE_MIN_TOKENS, "group_block_t": moe.GROUP_WIDE_BLOCK_T},
-              "direct_down_stages": moe.DIRECT_DOWN_STAGES,
+              "router_stages": moe.ROUTER_STAGES, "direct_down_stages": moe.DIRECT_DOWN_STAGES,
               "direct_gate_up_stages": moe.DIRECT_GATE_UP_STAGES, "pdl": pdl.active(),
               "weight_copies": num_copies, "calls_a_graph": calls, "tries": TRIES,
               "hbm_tbps": {"nominal": NOMINAL_HBM_TBPS, "measured": measured_tbps and round(measured_tbps, 3)},

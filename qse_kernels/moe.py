@@ -5,7 +5,7 @@ A block takes one of three paths, chosen by T alone (path_for); all give the sam
 Nothing waits on the host and nothing but Triton kernels runs (a CUDA graph holds the block):
 
     router   logits [T, E + 1] = x @ [router_w; shared_gate_w]^T: column E
-             is the shared expert's gate logit                           _router_kernel
+             is the shared expert's gate logit                           _dense_kernel
   direct (when asked; T <= BLOCK_M), three launches:
     gate_up  a program a pair (token t, rank r): it routes t from the
              logits (_top_k), and its tile's row 0 is x_t through expert
@@ -48,9 +48,7 @@ and with T. On a GPU that does not change its bits (a tile product's row is that
 tests check it bit for bit at the real shapes, across T and across the paths). Under Triton's
 interpreter it would: tile products go through numpy's BLAS, whose result for a row depends on its place in
 the tile; there (ROW_EXACT) the kernels multiply by broadcasting and sum over K instead, which is exact per
-row, so the interpreted tests can check invariance, and the paths' equality, bit for bit. The router uses no
-tile products: every logit is its own lanes' fp32 products summed once, the same steps at every place in its
-program's tile, on the GPU and under the interpreter alike.
+row, so the interpreted tests can check invariance, and the paths' equality, bit for bit.
 """
 
 from __future__ import annotations
@@ -67,16 +65,14 @@ from .norms import NORM_NUM_WARPS, _row_blocks, _store_rms_norm
 BLOCK_M = 16  # a chunk of 512 tokens at top-8 over 256 experts is 16 rows an expert on average
 GATE_UP_BLOCK_N, GATE_UP_BLOCK_K = 32, 128  # gate and up: 2 x 32 columns a program
 DOWN_BLOCK_N, DOWN_BLOCK_K = 32, 128  # 64 programs for one decode token's down (H = 2048)
-# the router: BT tokens x BN columns a program, K steps of BK: 257 programs of one step each for a decode
-# token's 1 MB of router weight at the 35B-A3B's shapes (at 16 x 256 MMA tiles it had 17 programs of 8 steps,
-# bound by latency: benchmarks/NOTES.md). Its loads feed no dot, so Triton does not pipeline them: one step a
-# program keeps them from waiting on each other
-ROUTER_BLOCK_T, ROUTER_BLOCK_N, ROUTER_BLOCK_K = 4, 1, 2048
+ROUTER_BLOCK_N, ROUTER_BLOCK_K = 16, 256  # 17 programs for one token: its 1 MB of router weight in parallel
 NUM_WARPS, NUM_STAGES = 4, 3
-# pipeline depths (they change no bits): the direct down has H / DOWN_BLOCK_N programs, whose K loop runs over
-# all k experts of the token; with few programs the bytes in flight come from depth. Reckoned, not yet measured: benchmarks/moe_block_bench.py --sweep times the others. (Before
+# pipeline depths (they change no bits): the router has 17 programs for a decode token and the direct down
+# H / DOWN_BLOCK_N, whose K loop runs over all k experts of the token; with few programs the bytes in flight
+# come from depth. Reckoned, not yet measured: benchmarks/moe_block_bench.py --sweep times the others. (Before
 # the direct down read its ids and weights ahead of its K loop, Triton's pipeliner kept only 2 of its 6 stages
 # in flight, behind the expert id's load, with a plain load of the weight in every step; now 5.)
+ROUTER_STAGES = 4
 DIRECT_DOWN_STAGES = 6
 DIRECT_GATE_UP_STAGES = 3  # the direct gate_up (direct and pairs paths): (k + 1) * I / GATE_UP_BLOCK_N programs
 # the pairs path for 1..PAIRS_MAX_TOKENS tokens, the grouped one past them; the direct path only when asked (all
@@ -112,28 +108,26 @@ def _dot_acc(acc, b_a, b_b, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["num_rows"])
-def _router_kernel(
+def _dense_kernel(
     x_ptr, w_ptr, w_last_ptr, y_ptr, num_rows, num_cols, depth, stride_x, stride_w, stride_y,
-    BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_LAST: tl.constexpr, PDL: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_LAST: tl.constexpr, ROW_EXACT: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
-    """y [T, N (+1)] = x [T, K] @ w [N, K]^T for BT tokens and BN columns a program (the router's logits); with
-    HAS_LAST one more column N from w_last [1, K] (the shared gate's logit). Each logit is accumulated lane by
-    lane in fp32 over K steps of BK (products, no tensor cores), then summed across its BK lanes once: the
-    same operations for every token whatever its place in the tile, so a row's logits never depend on T or
-    on the other rows, and no MMA tile's rows need filling (a decode token's 1 MB over many programs)."""
+    """y [M, N (+1)] = x [M, K] @ w [N, K]^T, one BM x BN tile a program (the router's logits); with HAS_LAST
+    one more column N from w_last [1, K] (the shared gate's logit)."""
     pdl.start(PDL)
-    o_t = tl.program_id(1) * BT + tl.arange(0, BT)
-    o_n = tl.program_id(0) * BN + tl.arange(0, BN)
-    m_t, m_n = o_t < num_rows, o_n < num_cols
+    o_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    o_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    m_m, m_n = o_m < num_rows, o_n < num_cols
     if HAS_LAST:
         is_last = o_n == num_cols
     else:
         is_last = o_n < 0
-    acc = tl.zeros((BT, BN, BK), tl.float32)
+    acc = tl.zeros((BM, BN), tl.float32)
     for k0 in range(0, depth, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < depth
-        b_x = tl.load(x_ptr + o_t[:, None].to(tl.int64) * stride_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+        b_x = tl.load(x_ptr + o_m[:, None].to(tl.int64) * stride_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
                       other=0.0)
         # two loads and a select of values, not one load through selected pointers: the rows' addresses
         # stay provably contiguous, so the loads are vectors (the same values, the same bits)
@@ -143,9 +137,9 @@ def _router_kernel(
             b_last = tl.load(w_last_ptr + o_n[:, None] * 0 + o_k[None, :], mask=is_last[:, None] & m_k[None, :],
                              other=0.0)
             b_w = tl.where(is_last[:, None], b_last, b_w)
-        acc += b_x.to(tl.float32)[:, None, :] * b_w.to(tl.float32)[None, :, :]
-    p_y = y_ptr + o_t[:, None].to(tl.int64) * stride_y + o_n[None, :]
-    tl.store(p_y, tl.sum(acc, 2).to(y_ptr.dtype.element_ty), mask=m_t[:, None] & (m_n | is_last)[None, :])
+        acc = _dot_acc(acc, b_x, b_w, ROW_EXACT, IEEE)
+    p_y = y_ptr + o_m[:, None].to(tl.int64) * stride_y + o_n[None, :]
+    tl.store(p_y, acc.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & (m_n | is_last)[None, :])
 
 
 @triton.jit
@@ -517,10 +511,11 @@ def _router(x: torch.Tensor, router_w: torch.Tensor, gate_w: torch.Tensor | None
     has_last = gate_w is not None
     logits = torch.empty(num_tokens, num_experts + has_last, dtype=x.dtype, device=x.device)
     if num_tokens:
-        grid = (triton.cdiv(num_experts + has_last, ROUTER_BLOCK_N), triton.cdiv(num_tokens, ROUTER_BLOCK_T))
-        _router_kernel[grid](x, router_w, gate_w if has_last else router_w, logits, num_tokens, num_experts, hidden,
-                             x.stride(0), router_w.stride(0), logits.stride(0), BT=ROUTER_BLOCK_T, BN=ROUTER_BLOCK_N,
-                             BK=ROUTER_BLOCK_K, HAS_LAST=has_last, num_warps=NUM_WARPS, **pdl.options())
+        grid = (triton.cdiv(num_tokens, BLOCK_M), triton.cdiv(num_experts + has_last, ROUTER_BLOCK_N))
+        _dense_kernel[grid](x, router_w, gate_w if has_last else router_w, logits, num_tokens, num_experts, hidden,
+                            x.stride(0), router_w.stride(0), logits.stride(0), BM=BLOCK_M, BN=ROUTER_BLOCK_N,
+                            BK=ROUTER_BLOCK_K, HAS_LAST=has_last, **_dot_flags(x.dtype), num_warps=NUM_WARPS,
+                            num_stages=ROUTER_STAGES)
     return logits
 
 

@@ -190,23 +190,6 @@ def test_a_row_is_the_same_whatever_rows_come_with_it(device, dtype):
     assert torch.equal(moe.moe_block(x[shuffled], **w, top_k=3), whole[shuffled])
 
 
-@needs_triton
-def test_router_logits_of_a_row_are_the_same_in_any_company(device, monkeypatch):
-    """The router's logits (K steps of 16 here, so the loop runs 4 of them; 4-token tiles): a row's logits, the
-    shared gate's column too, are the same bits alone, in other company and at another place in a tile, and
-    near the fp64 product."""
-    monkeypatch.setattr(moe, "ROUTER_BLOCK_K", 16)
-    monkeypatch.setattr(moe, "ROUTER_BLOCK_T", 4)
-    w = _weights(dtype=torch.bfloat16, device=device)
-    x = _tokens(10, w, 3, seed=41)
-    whole = moe._router(x, w["router_w"], w["shared_gate_w"])
-    ref = x.double() @ torch.cat([w["router_w"], w["shared_gate_w"]]).double().T
-    assert whole.shape == (10, E + 1) and torch.allclose(whole.double(), ref, rtol=2e-2, atol=2e-2)
-    for lo, hi in ((0, 1), (4, 5), (9, 10), (2, 9)):
-        assert torch.equal(moe._router(x[lo:hi], w["router_w"], w["shared_gate_w"]), whole[lo:hi]), (lo, hi)
-    assert torch.equal(moe.router_logits(x, w["router_w"]), whole[:, :E])
-
-
 PATHS_CASES = {"fp32-T1": (torch.float32, 1), "fp32-T16": (torch.float32, 16), "bf16-T5": (torch.bfloat16, 5)}
 
 
