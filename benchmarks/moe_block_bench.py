@@ -163,12 +163,9 @@ def _runs_at(name: str, module, num_tokens: int) -> bool:
     return path in (None, "grouped") or num_tokens <= module.BLOCK_M
 
 
-def _sweep(moe, impls, copies, gen, device, time_us, shape, calls, num_copies, tiny: bool, only=()) -> list:
-    """Each schedule knob of moe (they change no bits) at a few values: the affected path timed at a few T,
-    and its bits against the pinned value's (tiny: one small T each, the flow only)."""
-    from qse_kernels import pdl
-
-    knobs = {"ROUTER_STAGES": (SWEEP_STAGES, "new_pairs", (1,) if tiny else SWEEP_TOKENS),
+def sweep_knobs(tiny: bool) -> dict:
+    """The sweep's knobs: name -> (values, the path it moves, the T it is timed at)."""
+    return {"ROUTER_STAGES": (SWEEP_STAGES, "new_pairs", (1,) if tiny else SWEEP_TOKENS),
              "DIRECT_DOWN_STAGES": (SWEEP_STAGES, "new_direct", (2,) if tiny else SWEEP_TOKENS),
              "DIRECT_GATE_UP_STAGES": (SWEEP_STAGES, "new_pairs", (1,) if tiny else SWEEP_TOKENS),
              "WIDE_TILES": ((1, 2, 4, 8), "new_grouped", (17,) if tiny else (512, 4096)),
@@ -180,11 +177,14 @@ def _sweep(moe, impls, copies, gen, device, time_us, shape, calls, num_copies, t
              "GATE_UP_BLOCK_N": ((16, 32, 64), "new_pairs", (1,) if tiny else SWEEP_TOKENS),
              "DOWN_BLOCK_N": ((16, 32, 64), "new_pairs", (1,) if tiny else SWEEP_TOKENS),
              "NUM_WARPS": ((2, 4, 8), "new_pairs", (1,) if tiny else SWEEP_TOKENS)}
-    if only:
-        unknown = set(only) - set(knobs)
-        if unknown:
-            raise ValueError(f"--knobs: unknown {sorted(unknown)}; the sweep's knobs are {sorted(knobs)}")
-        knobs = {k: v for k, v in knobs.items() if k in only}
+
+
+def _sweep(moe, impls, copies, gen, device, time_us, shape, calls, num_copies, tiny: bool, only=()) -> list:
+    """Each schedule knob of moe (they change no bits) at a few values: the affected path timed at a few T,
+    and its bits against the pinned value's (tiny: one small T each, the flow only); only: those knobs."""
+    from qse_kernels import pdl
+
+    knobs = {k: v for k, v in sweep_knobs(tiny).items() if not only or k in only}
     sweep = []
     for knob, (values, name, tokens) in knobs.items():
         owner, attr = (pdl, knob[4:]) if knob.startswith("pdl.") else (moe, knob)
@@ -219,6 +219,10 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", default="", help="comma-separated T (default: all)")
     p.add_argument("--knobs", default="", help="with --sweep: comma-separated knobs to sweep (default: all)")
     args, device = kernel_bench_args(p, argv)
+    only = tuple(k for k in args.knobs.split(",") if k)
+    unknown = sorted(set(only) - set(sweep_knobs(args.tiny)))
+    if unknown:  # before any timing: a device run should not spend its minutes to learn of a typo
+        p.error(f"--knobs: unknown {unknown}; the sweep's knobs are {sorted(sweep_knobs(args.tiny))}")
     from qse_kernels import moe, pdl
 
     old, old_missing = load_old(args.old)
@@ -286,7 +290,6 @@ def main(argv=None) -> int:
         kernels[str(num_tokens)] = {name: count_kernels(lambda impl=impls[name]: impl(x, copies[0]))
                                     for name in impls if _runs_at(name, owner[name], num_tokens)}
     print(json.dumps({"kernels_a_call": kernels}), flush=True)
-    only = tuple(k for k in args.knobs.split(",") if k)
     sweep = (_sweep(moe, impls, copies, gen, device, time_us, shape, calls, num_copies, args.tiny, only)
              if args.sweep else [])
     # a 35B-A3B decode step at batch 1 runs LAYERS_35B blocks of T = 1

@@ -516,9 +516,9 @@ def test_the_block_benchmark_flow_on_the_cpu(tmp_path):
 
 @needs_triton
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the tiny flow check runs the interpreter on the CPU")
-def test_the_block_benchmark_sweeps_only_the_knobs_it_is_given(tmp_path):
+def test_the_block_benchmark_sweeps_only_the_knobs_it_is_given(tmp_path, capsys):
     """--sweep --knobs: only the named knobs, each value timed with its bits against the pinned value's, and
-    the knob put back afterwards; an unknown knob is refused by name."""
+    the knob put back afterwards; an unknown knob is refused by name before anything is timed."""
     import json
 
     from benchmarks import moe_block_bench
@@ -532,5 +532,7 @@ def test_the_block_benchmark_sweeps_only_the_knobs_it_is_given(tmp_path):
     assert [(entry["knob"], entry["value"]) for entry in sweep] == [("num_warps", 2), ("num_warps", 4),
                                                                     ("num_warps", 8)]
     assert all(entry["bit_equal_t1"] and "us_t1" in entry and "error" not in entry for entry in sweep)
-    with pytest.raises(ValueError, match="unknown.*NO_SUCH"):
-        moe_block_bench.main(["--tiny", "--out", str(tmp_path), "--tokens", "1", "--sweep", "--knobs", "NO_SUCH"])
+    with pytest.raises(SystemExit):
+        moe_block_bench.main(["--tiny", "--out", str(tmp_path / "refused"), "--tokens", "1", "--sweep",
+                              "--knobs", "NO_SUCH"])
+    assert "unknown ['NO_SUCH']" in capsys.readouterr().err and not (tmp_path / "refused").exists()
