@@ -110,7 +110,9 @@ for step in $steps; do
       timeout 240 python3 benchmarks/side_stream.py --out "$OUT" ${SIDE_ARGS:-} 2>&1 | grep '^{' | cut -c1-900 ;;
     agents)  # N coding agents (weka trace) through `qse serve` and the openai client, 9B + 0.8B, no memory switch; solo, cold, reader-off A/B (AGENTS_AB=' ': none)
       timeout "${AGENTS_TIMEOUT:-540}" python3 benchmarks/agents_live.py --serve --model qwen3.5-9b --shadow-model qwen3.5-0.8b ${AGENTS_AB:---ab} \
-        --agents "${AGENTS:-8}" --trace .devcarry/weka_cc_sessions_dev.csv --out "$OUT" ${AGENTS_ARGS:-} 2>&1 | grep '^{' | cut -c1-1800
+        --agents "${AGENTS:-8}" --trace .devcarry/weka_cc_sessions_dev.csv --out "$OUT" ${AGENTS_ARGS:-} 2>&1 \
+        | tee "$OUT/agents_live-client.txt" | grep '^{' | cut -c1-1800
+      grep -q '^Traceback' "$OUT/agents_live-client.txt" && tail -5 "$OUT/agents_live-client.txt"  # the client's failure, shown
       gzip -f "$OUT"/agents_live-server*.log ;;
     pcie)  # what the host link carries, pinned and pageable, one tensor and many: the host tier's ceiling
       timeout 120 python3 benchmarks/host_copy.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-200
