@@ -41,16 +41,20 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, engine.cfg.vocab_size, (args.prompt,), generator=gen).tolist()
     fused = getattr(engine.model, "moe_block_add_norm", None)
+    before = pdl.ON
     rows = []
-    for name, on, fuse in CONFIGS:
-        pdl.ON = on
+    try:
+        for name, on, fuse in CONFIGS:
+            pdl.ON = on
+            if fused is not None:
+                engine.model.moe_block_add_norm = fused if fuse else None
+            for row in prefill_rows(engine, prompt, [int(c) for c in args.chunks.split(",")]):
+                rows.append({"config": name, "pdl_active": pdl.active(), **row})
+                print(json.dumps(rows[-1]), flush=True)
+    finally:  # the switches as they were found, whatever a configuration raised
+        pdl.ON = before
         if fused is not None:
-            engine.model.moe_block_add_norm = fused if fuse else None
-        for row in prefill_rows(engine, prompt, [int(c) for c in args.chunks.split(",")]):
-            rows.append({"config": name, "pdl_active": pdl.active(), **row})
-            print(json.dumps(rows[-1]), flush=True)
-    pdl.ON = True
-    engine.model.moe_block_add_norm = fused
+            engine.model.moe_block_add_norm = fused
     write_result({**result_header("triton", device=None if device.type == "cuda" else "cpu"), "preset": args.preset,
                   "kernels": engine.kernels, "rows": rows}, args.out, "prefill_ab")
     return 0

@@ -35,3 +35,33 @@ def test_moe_measure_tiny_writes_every_figure(tmp_path):
     assert set(goals) == {"decode_b1_x_floor_nominal", "decode_b1_ge_0.5_floor", "decode_b1_x_transformers",
                           "decode_b1_ge_10x_transformers"}
     assert goals["decode_b1_x_transformers"] > 0 and isinstance(goals["decode_b1_ge_10x_transformers"], bool)
+
+
+def test_prefill_ab_runs_each_configuration_and_puts_the_switches_back(tmp_path, monkeypatch):
+    """benchmarks/prefill_ab.py on the tiny MoE: a row a configuration and chunk size; PDL's switch and the
+    model's fused block are as they were found afterwards, also when a configuration raises."""
+    from benchmarks import prefill_ab
+    from qse_kernels import pdl
+
+    monkeypatch.setattr(prefill_ab, "resolve", lambda spec, device, dtype, cache_dir, seed: moe_measure.tiny_model(
+        cache_dir))
+    monkeypatch.setattr(pdl, "ON", False)
+    assert prefill_ab.main(["tiny", "--prompt", "40", "--chunks", "16,40", "--out", str(tmp_path)]) == 0
+    assert pdl.ON is False
+    (path,) = tmp_path.glob("prefill_ab-*-cpu.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["config"], r["chunk"]) for r in rows] == [(name, c) for name, _, _ in prefill_ab.CONFIGS
+                                                          for c in (16, 40)]
+    assert all(r["prompt"] == 40 and r["tokens_per_s"] > 0 and r["pdl_active"] is False for r in rows)
+    calls = []
+
+    def second_fails(engine, prompt, chunks):
+        calls.append(pdl.ON)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return []
+
+    monkeypatch.setattr(prefill_ab, "prefill_rows", second_fails)
+    with pytest.raises(RuntimeError):
+        prefill_ab.main(["tiny", "--out", str(tmp_path / "failed")])
+    assert calls == [False, True] and pdl.ON is False
