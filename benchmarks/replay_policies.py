@@ -36,7 +36,7 @@ TRACES = {"weka": "weka_cc_sessions_dev.csv", "mooncake": "mooncake_conversation
 
 # the runtime's policy of 2026-11-29, before the ration delay: every row below but "runtime" starts from it
 RUNTIME_2026_11_29 = dict(ration=0.02, ration_after_s=0.0, ration_from="first_token", checkpoints=6,
-                          checkpoint_at_line=True, recent_checkpoints=0, divergence_checkpoints=0)
+                          checkpoint_at_line=True, recent_checkpoints=0, divergence_checkpoints=0, idle_wake=False)
 CKPT_PLUS = dict(RUNTIME_2026_11_29, recent_checkpoints=4, divergence_checkpoints=4)
 RECENT_2_DIV_2 = dict(RUNTIME_2026_11_29, recent_checkpoints=2, divergence_checkpoints=2)
 RECENT_4 = dict(RUNTIME_2026_11_29, recent_checkpoints=4)
@@ -74,14 +74,14 @@ POLICIES: list[tuple[str, str, dict, bool]] = [
     ("recent_2_div_2", "checkpoint_at_line + recent 2 + divergence 2 (10 checkpoints a session at most)",
      RECENT_2_DIV_2, True),
     ("ckpt_plus", "checkpoint_at_line + recent 4 + divergence 4 (14 checkpoints a session at most)", CKPT_PLUS, True),
-    ("wake_on_end", "the idle window looks the moment a turn ends", _old(wake_on_end=True), False),
+    ("wake_on_end", "the idle window looks the moment a turn ends", _old(idle_wake=True), False),
     ("prefill_2pct", "read during the served prefill, 2 % of it (delays the first token)", _old(prefill_share=0.02),
      False),
     ("prefill_5pct", "read during the served prefill, 5 % of it (delays the first token)", _old(prefill_share=0.05),
      False),
     ("ckpt_plus_ration_1pct", "ckpt_plus with a 1 % ration", dict(CKPT_PLUS, ration=0.01), True),
     ("ckpt_plus_wake_prefill_2pct", "ckpt_plus + wake_on_end + prefill 2 %",
-     dict(CKPT_PLUS, wake_on_end=True, prefill_share=0.02), False),
+     dict(CKPT_PLUS, idle_wake=True, prefill_share=0.02), False),
     ("idle_only_ckpt_plus", "ckpt_plus with no ration: the idle window alone", dict(CKPT_PLUS, ration=0.0), True),
     *[(f"ckpt_plus_after_{d:g}s", f"ckpt_plus; the ration counts from {d:g} s after the first token",
        dict(CKPT_PLUS, ration_after_s=float(d)), True) for d in (1, 2, 5, 10)],

@@ -40,6 +40,7 @@ class Policy:
     narrator_share: float = _from("QSE_NARRATOR_SHARE")  # the narrator's share, from the first token
     idle_poll_s: float = _from("QSE_SHADOW_IDLE_POLL_S")
     idle_burst_s: float = _from("QSE_SHADOW_IDLE_BURST_S")
+    idle_wake: bool = _from("QSE_SHADOW_IDLE_WAKE")  # the idle window looks when the engine comes free
     chunk_prior_ms: float = _from("QSE_SHADOW_CHUNK_PRIOR_MS")  # a chunk's cost before one was measured
     idle_group: int = _from("QSE_SHADOW_IDLE_GROUP")  # chunks one idle launch may read
     reader_lookahead: int = _from("QSE_SHADOW_LOOKAHEAD")  # chunks launched ahead of the one read back

@@ -100,12 +100,13 @@ _DECLARED: list[Setting] = [
     Setting("QSE_GC_FREEZE", bool, True, "move what exists at start out of Python's collector (no 80 ms full collections mid-turn)"),
     # the conductor
     Setting("QSE_SHADOW_RATION", float, 0.02, "reader share of the served model's time from QSE_SHADOW_RATION_AFTER_S past its first token"),
-    Setting("QSE_SHADOW_BUSY_SHARE", float, 0.0, "the reader's share of all of the served model's device time (every turn's prefill and decode), spent between two rounds, a shortest slice at a time, on the session with no open turn whose unread chunk is oldest (under many agents each turn is too short for its own ration and the idle window seldom opens); the turns' rations count against it. 0 (off): on the H200 with 8 agents it cost every decoder about 2 % for no steady gain in freshness (benchmarks/NOTES.md)"),
+    Setting("QSE_SHADOW_BUSY_SHARE", float, 0.0, "the reader's share of all of the served model's device time (every turn's prefill and decode), spent between two rounds, a shortest slice at a time, on the session with no open turn that the reader's order puts first (under many agents each turn is too short for its own ration and the idle window seldom opens); the turns' rations count against it. 0 (off): on the H200 with 8 agents it cost every decoder about 2 % for no steady gain in freshness (benchmarks/NOTES.md)"),
     Setting("QSE_SHADOW_RATION_AFTER_S", float, 5.0, "the reader's share counts from this many seconds after the first token (a short turn's decode loses nothing; the narrator's is not delayed)"),
     Setting("QSE_SHADOW_SLICE_MS", float, 150.0, "longest reader slice between two decode rounds, ms"),
     Setting("QSE_SHADOW_MIN_SLICE_MS", float, 10.0, "a reader slice opens once this much is earned, ms (each slice costs the decode a fixed host overhead; at most QSE_SHADOW_SLICE_MS)"),
     Setting("QSE_SHADOW_IDLE_POLL_S", float, 0.2, "how often the idle window looks for work, seconds"),
     Setting("QSE_SHADOW_IDLE_BURST_S", float, 2.0, "longest idle-window read burst, seconds"),
+    Setting("QSE_SHADOW_IDLE_WAKE", bool, True, "the idle window looks the moment the served model's last turn ends, not at its next poll (under many agents the gaps between their turns are short: a poll of 0.2 s lost half a poll of each); off: on its poll only"),
     Setting("QSE_SHADOW_CHUNK_PRIOR_MS", float, 50.0, "reader chunk cost assumed before the first measurement, ms"),
     Setting("QSE_NARRATOR_SHARE", float, 0.03, "narrator share of the served model's time since its first token"),
     # the server

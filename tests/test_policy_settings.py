@@ -38,8 +38,9 @@ def test_a_policy_is_frozen():
 def test_the_replay_runs_the_conductor_s_policy_object():
     from qse.replay.simulator import SimOptions
 
-    opt = SimOptions.of(ration_after_s=0.0, wake_on_end=True)
-    assert opt.policy == dataclasses.replace(Policy(), ration_after_s=0.0) and opt.wake_on_end is True
+    opt = SimOptions.of(ration_after_s=0.0, idle_wake=False, prefill_share=0.02)
+    assert opt.policy == dataclasses.replace(Policy(), ration_after_s=0.0, idle_wake=False)
+    assert opt.prefill_share == 0.02
     assert SimOptions().policy == Policy()
     with pytest.raises(TypeError, match="'rations'"):
         SimOptions.of(rations=0.1)

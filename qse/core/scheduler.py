@@ -82,7 +82,7 @@ class RoundDue:
 @dataclass(frozen=True)
 class RoundEnded:
     """A round ended: the reader's slice of the turn that got its first token first may open, else the busy
-    share's slice of the session in `backlogs` whose unread chunk is oldest: the sessions with no turn open (the
+    share's slice of the session in `backlogs` that comes first in `idle_read_order`: the sessions with no turn open (the
     caller gathers them only when `Scheduler.busy_may_open` says a slice is earned: a walk over the sessions)."""
 
     now: float
@@ -168,11 +168,11 @@ class Scheduler:
     charges them as chunks are read); the scheduler only reads them."""
 
     def __init__(self, policy, estimator: ChunkCostEstimator, ledger: GpuLedger, *, max_running: int | None = None,
-                 served_grid: int | None = None, reader_grid: int | None = None, wake_on_end: bool = False):
+                 served_grid: int | None = None, reader_grid: int | None = None):
         """policy: qse.policy.Policy (or anything with its fields). max_running/served_grid: the served rounds'
         (default the policy's); reader_grid: the reader's (default the policy's; the caller sets `reader_grid`
-        when another reader comes). wake_on_end: the idle window looks the moment a turn ends (the replay's switch;
-        the runtime looks on its lattice)."""
+        when another reader comes). The policy's idle_wake: the idle window looks the moment a turn ends (the
+        runtime's when its round loop ends), else at the next look of its lattice."""
         self.idle = IdleWindow.of(policy)
         self.rations = {Window.RATION: TurnRation.reader(policy), Window.NARRATOR: TurnRation.narrator(policy)}
         self.busy = BusyShare.reader(policy)
@@ -182,7 +182,7 @@ class Scheduler:
         self.estimator = estimator
         self.ledger = ledger
         self.reader_grid = policy.grid if reader_grid is None else reader_grid
-        self.wake_on_end = wake_on_end
+        self.wake_on_end = bool(policy.idle_wake)
         self.burst: IdleBurst | None = None  # the idle window's burst while it is open
         self.next_look_s: float | None = None  # the idle window's next look (its lattice)
         # (turn, window) -> ((session, spent us, next chunk's estimate), the first moment a slice could open)
@@ -208,7 +208,7 @@ class Scheduler:
 
     def _round_ended(self, ev: RoundEnded) -> Action:
         """The reader's slice between two rounds goes to the running turn that got its first token first, when
-        its ration opens one; else to the busy share (BusyShare), on the session whose unread chunk is oldest."""
+        its ration opens one; else to the busy share (BusyShare), on the session first in `idle_read_order`."""
         started = [t for t in ev.turns if t.first_token_s is not None]
         action: Action = Nothing()
         if started:
@@ -230,7 +230,7 @@ class Scheduler:
         return self.busy.share > 0 and self.busy.may_open(*self._served_and_spent_us())
 
     def _busy_slice(self, now: float, backlogs: Mapping[str, SessionBacklog]) -> ReadPlan | Nothing:
-        sid = pick_idle_session(backlogs)
+        sid = pick_idle_session(backlogs, now)
         if sid is None:
             return Nothing()
         served_us, spent_us = self._served_and_spent_us()
@@ -308,7 +308,7 @@ class Scheduler:
         return self._close_burst(ev.now)  # a request waits, the burst is spent, or a chunk was not recorded
 
     def _next_idle_read(self, now: float, backlogs: Mapping[str, SessionBacklog]) -> Action:
-        sid = pick_idle_session(backlogs)
+        sid = pick_idle_session(backlogs, now)
         if sid is None:
             return self._close_burst(now)
         assert self.burst is not None

@@ -5,7 +5,7 @@
                       [--out DIR] [--json-out REPORT.json] [--chart REPLAY.png]
                       [--ration 0.02] [--ration-after-s 0] [--slice-ms 150] [--idle-poll-s 0.2] [--idle-burst-s 2]
                       [--grid 512] [--decode-tok-s 36] [--prefill-tok-s 936] [--max-sessions N]
-                      [--prefill-share 0] [--wake-on-end] [--ration-from first_token|turn_start]
+                      [--prefill-share 0] [--idle-wake on|off] [--ration-from first_token|turn_start]
                       [--no-checkpoint-at-line] [--recent-checkpoints N] [--pin-first-checkpoint]
                       [--divergence-checkpoints N]
     qse replay convert TRACE [--format ...] -o LEDGER.jsonl     (writes LEDGER.jsonl and LEDGER.jsonl.meta.json)
@@ -71,7 +71,8 @@ def replay_parser() -> argparse.ArgumentParser:
     p.add_argument("--grid", type=int, default=None, help="rows per chunk (QSE_SHADOW_GRID)")
     p.add_argument("--checkpoints", type=int, default=None, help="checkpoints per session (QSE_SHADOW_CHECKPOINTS)")
     p.add_argument("--prefill-share", type=float, default=0.0, help="exploratory: read during the served prefill, this share of it")
-    p.add_argument("--wake-on-end", action="store_true", help="exploratory: the idle window looks as soon as a turn ends")
+    p.add_argument("--idle-wake", choices=("on", "off"), default=None,
+                   help="the idle window looks as soon as a turn ends, or at its next poll only (QSE_SHADOW_IDLE_WAKE)")
     p.add_argument("--ration-from", choices=RATION_FROM, default="first_token",
                    help="count the ration from the first token (the rule) or the turn start (the seed's first build)")
     p.add_argument("--no-checkpoint-at-line", dest="checkpoint_at_line", action="store_false",
@@ -145,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             Policy.from_settings(SETTINGS), ration=args.ration, ration_after_s=args.ration_after_s,
             slice_ms=args.slice_ms, min_slice_ms=args.min_slice_ms, slice_overhead_ms=args.slice_overhead_ms,
             idle_poll_s=args.idle_poll_s, idle_burst_s=args.idle_burst_s, grid=args.grid,
-            checkpoints=args.checkpoints, prefill_share=args.prefill_share, wake_on_end=args.wake_on_end,
+            checkpoints=args.checkpoints, prefill_share=args.prefill_share,
+            idle_wake=None if args.idle_wake is None else args.idle_wake == "on",
             ration_from=args.ration_from, checkpoint_at_line=args.checkpoint_at_line,
             recent_checkpoints=args.recent_checkpoints, pin_first_checkpoint=args.pin_first_checkpoint,
             divergence_checkpoints=args.divergence_checkpoints, idle_group=args.idle_group,

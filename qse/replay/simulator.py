@@ -35,8 +35,9 @@ Policy switches: `ration_after_s` (the ration counts from that many seconds afte
 as the runtime's QSE_SHADOW_RATION_AFTER_S: a shorter turn's decode loses nothing and its backlog
 waits for the idle window; 0 counts from the first token), `ration_from="turn_start"` (the seed's
 first build, to show its decode loss), `prefill_share` (read during the served prefill, this share
-of its time: the first token comes later, the decode is untouched), `wake_on_end` (the idle window
-looks the moment a turn ends instead of at its next poll); the last three are off by default.
+of its time: the first token comes later, the decode is untouched); the last two are off by default.
+The policy's `idle_wake` (QSE_SHADOW_IDLE_WAKE, on) has the idle window look the moment a turn ends instead
+of at its next poll, as the runtime's does when its round loop ends.
 
 Checkpoint switches: `checkpoint_at_line` (take the prompt end's checkpoint at once when the reader
 already stands on that line, not only when a chunk ends there; on, as the runtime's reader does),
@@ -98,7 +99,7 @@ MISS_CAUSES = {
 class SimOptions:
     """The runtime's policy (the conductor's own object, with its defaults) and the replay's modelling switches.
 
-    `SimOptions.of(ration_after_s=0.0, wake_on_end=True)` sorts keyword values between the two."""
+    `SimOptions.of(ration_after_s=0.0, prefill_share=0.02)` sorts keyword values between the two."""
 
     policy: Policy = field(default_factory=Policy)  # ration, windows, grid, checkpoints: what the runtime runs
     # the estimator's prior: the read model's cost at context 0 (True), or the policy's chunk_prior_ms
@@ -112,7 +113,6 @@ class SimOptions:
     # policy switches the runtime does not have (off by default)
     ration_from: str = "first_token"
     prefill_share: float = 0.0
-    wake_on_end: bool = False
     # checkpoint switches (as the runtime's reader by default)
     checkpoint_at_line: bool = True  # the runtime's reader does this since 2026-11-29
     pin_first_checkpoint: bool = False
@@ -460,7 +460,7 @@ class _SessionReplay:
         self.served_line = 0
         self.served_book = CheckpointBook(CheckpointRules.counted(self.grid, **policy.served_checkpoints()))
         # the conductor's own scheduler, on this session's engine (the estimator and ledger are the replay's)
-        self.sched = Scheduler(policy, sim.estimator, sim.result.ledger, wake_on_end=self.opt.wake_on_end)
+        self.sched = Scheduler(policy, sim.estimator, sim.result.ledger)
         self.next_look_s = 0.0  # the idle window's first look after the last turn's end
         self.now = 0.0
         self.turn = 0

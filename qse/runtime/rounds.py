@@ -126,6 +126,7 @@ class RoundLoop:
                         break
                 # no await between the last look at the queues and this: a turn that arrives now starts a loop
                 self._round_task = None
+            self._engine_freed()
         finally:
             self._round_task = None
             for entry in list(self._waiting) + self._reading + self._running:  # the loop died: nobody waits forever

@@ -1,8 +1,8 @@
 """The reader's side of the conductor: the slices between two rounds and the idle window.
 
 Between two rounds the scheduler may open the oldest running turn's ration, the busy share's slice (a session
-with no turn open) or the narrator's; when nothing runs or waits, the idle window reads bursts of the oldest
-unread chunks. Each is carried out chunk by chunk on the reader's thread (`ChunkRunner`), every chunk charged to
+with no turn open) or the narrator's; when nothing runs or waits, the idle window reads bursts of the sessions'
+unread chunks, the shortest backlog first (qse/core/idle.py: idle_read_order). Each is carried out chunk by chunk on the reader's thread (`ChunkRunner`), every chunk charged to
 the ledger. A mixin of `Conductor`: the sessions and the ledger are the conductor's.
 """
 
@@ -30,7 +30,7 @@ class ReaderWindows:
     """The reader's slices between rounds and its idle window."""
 
     def _note_backlog(self, session_id: str) -> None:
-        """Keep when each session's oldest unread chunk became known (the idle window reads the oldest first)."""
+        """Keep when each session's oldest unread chunk became known (the reader's order ages backlogs by it)."""
         session = self.reader.sessions.get(session_id) if self.reader is not None else None
         if session is not None and session.backlog >= self.reader.grid:
             self._unread_since.setdefault(session_id, self.clock())
@@ -39,7 +39,7 @@ class ReaderWindows:
 
     async def _between_rounds(self) -> None:
         """The reader's slice where the scheduler opens one: the oldest running turn's ration (its prompt first,
-        then the output so far), else the busy share's (the session whose unread chunk is oldest, gathered only
+        then the output so far), else the busy share's (the session first in idle_read_order, gathered only
         when a slice is earned); then the narrator's for the turns it follows."""
         if self.reader is None or not (self._running or self._reading):
             return
@@ -155,6 +155,12 @@ class ReaderWindows:
         poll, next_s = self.scheduler.idle.poll_s, self.scheduler.next_look_s
         return poll if next_s is None else min(poll, max(1e-3, next_s - self.clock()))
 
+    def _engine_freed(self) -> None:
+        """The round loop let the engine go (its last turn ended): with the policy's idle_wake the idle window
+        looks now, not at its next poll (the scheduler's TurnEnded says the same to the replay)."""
+        if self.scheduler.wake_on_end and self._wake is not None:
+            self._wake.set()
+
     async def _idle_loop(self) -> None:
         assert self._wake is not None
         while not self._stopping:
@@ -164,6 +170,7 @@ class ReaderWindows:
                 pass
             if self._stopping:
                 break
+            self._wake.clear()  # a wake is one look (stop sets it for good, after _stopping)
             try:
                 await self.idle_once()
             except asyncio.CancelledError:
@@ -231,7 +238,7 @@ class ReaderWindows:
 
     async def _idle_burst(self) -> int:
         """Ask, read, report: the router's questions the reader stands at first, then the sessions the scheduler
-        picks (the oldest unread chunk first) until it closes the burst."""
+        picks (the shortest backlog first, idle_read_order) until it closes the burst."""
         for sid in self.router.sessions_ready(self._committed):
             if self.runner.is_ready(sid):
                 await self._answer_router(sid)  # the reader already stands where these were asked

@@ -4,7 +4,7 @@ import pytest
 
 from qse.core.chunk_cost import ChunkCostEstimator
 from qse.core.drive import PlanDriver, ReadEach, Stop
-from qse.core.idle import IdleWindow, SessionBacklog, pick_idle_session
+from qse.core.idle import READ_OVERDUE_S, IdleWindow, SessionBacklog, idle_read_order, pick_idle_session
 from qse.core.ledger import GpuLedger, Role
 from qse.core.plan import Window, plan_read
 
@@ -111,9 +111,25 @@ def test_the_window_of_a_policy():
     assert (window.poll_s, window.burst_s) == (0.2, 1.5)
 
 
-def test_pick_idle_session_oldest_unread_first():
-    assert pick_idle_session({}) is None
-    assert pick_idle_session({"a": SessionBacklog(5.0, 0)}) is None
-    backlogs = {"b": SessionBacklog(3.0, 2), "a": SessionBacklog(3.0, 1), "c": SessionBacklog(1.0, 0),
-                "d": SessionBacklog(4.0, 9)}
-    assert pick_idle_session(backlogs) == "a"
+def test_pick_idle_session_shortest_backlog_first_ties_oldest_then_by_id():
+    assert pick_idle_session({}, 5.0) is None
+    assert pick_idle_session({"a": SessionBacklog(5.0, 0)}, 5.0) is None
+    # "c" has nothing whole to read; "d" is the oldest but the longest
+    backlogs = {"b": SessionBacklog(3.0, 2), "a": SessionBacklog(4.0, 1), "c": SessionBacklog(1.0, 0),
+                "d": SessionBacklog(2.0, 9)}
+    assert pick_idle_session(backlogs, 5.0) == "a"
+    assert pick_idle_session({k: v for k, v in backlogs.items() if k != "a"}, 5.0) == "b"
+    assert pick_idle_session({"y": SessionBacklog(3.0, 2), "x": SessionBacklog(3.0, 2)}, 5.0) == "x"
+    assert pick_idle_session({"y": SessionBacklog(2.0, 2), "x": SessionBacklog(3.0, 2)}, 5.0) == "y"
+
+
+def test_a_backlog_waiting_past_the_overdue_bound_goes_first_oldest_first():
+    """Short backlogs that keep coming never starve a long one: once its oldest unread chunk has waited
+    READ_OVERDUE_S it is read before every backlog that has not, however short."""
+    long_one, short = SessionBacklog(0.0, 40), SessionBacklog(9.0, 1)
+    just_before = READ_OVERDUE_S - 1e-6
+    assert pick_idle_session({"long": long_one, "short": short}, just_before) == "short"
+    assert pick_idle_session({"long": long_one, "short": short}, READ_OVERDUE_S) == "long"
+    older = SessionBacklog(-1.0, 80)  # two overdue: the oldest first, whatever their lengths
+    assert pick_idle_session({"long": long_one, "older": older, "short": short}, READ_OVERDUE_S) == "older"
+    assert idle_read_order(short, READ_OVERDUE_S) > idle_read_order(long_one, READ_OVERDUE_S)

@@ -1,5 +1,6 @@
 """The scheduler on a scripted clock: events in, actions out."""
 
+import dataclasses
 import math
 
 import pytest
@@ -38,12 +39,12 @@ def test_the_idle_window_never_opens_while_a_sequence_runs_or_waits(busy):
     assert s.on(IdlePoll(10.4, Busy(), has_work=True)) == OpenIdle(10.4)
 
 
-def test_an_idle_burst_reads_the_oldest_backlog_first_then_the_next_then_closes():
+def test_an_idle_burst_reads_the_shortest_backlog_first_then_the_next_then_closes():
     s = scheduler()
-    first = s.on(IdleOpened(10.0, backlog(b=(5.0, 2), a=(3.0, 1), c=(1.0, 0))))
+    first = s.on(IdleOpened(10.0, backlog(b=(3.0, 2), a=(5.0, 1), c=(1.0, 0))))  # "a": the younger, shorter
     assert isinstance(first, ReadPlan) and (first.window, first.session_id, first.turn_id) == (Window.IDLE, "a", None)
     assert isinstance(first.decision, IdleBurst) and first.budget_ms(10.0) == 2000.0
-    second = s.on(ReadEnded(10.1, Stop.BACKLOG, backlog(b=(5.0, 2))))
+    second = s.on(ReadEnded(10.1, Stop.BACKLOG, backlog(b=(3.0, 2))))
     assert second.session_id == "b" and second.decision is first.decision  # the same burst goes on
     assert second.budget_ms(10.1) == pytest.approx(1900.0)
     assert s.on(ReadEnded(10.5, Stop.BACKLOG, {})) == Nothing(10.7)  # nothing left: the next look, poll_s on
@@ -113,14 +114,16 @@ def test_a_share_of_zero_never_opens_a_slice():
     assert s.on(RoundEnded(1e6, (SliceView("k", "t", "a", 0.0, 0, GRID),))) == Nothing(math.inf)
 
 
-def test_a_turn_end_drops_its_skip_and_the_idle_window_looks_on_its_lattice():
-    s = scheduler()
+def test_a_turn_end_drops_its_skip_and_the_idle_window_looks_at_once_or_on_its_lattice():
+    s = scheduler(dataclasses.replace(POLICY, idle_wake=False))
     assert s.on(Arrived(10.0)) == Nothing(10.0)  # the lattice starts with the first request
     turn = SliceView("k", "t1", "a", 10.0, 0, 4 * GRID)
     assert s.on(RoundEnded(10.5, (turn,))) == Nothing(12.0)
     assert s.on(TurnEnded(10.75, "t1")) == Nothing(pytest.approx(10.8))  # the first look at or after 10.75
     assert s._not_before == {}
-    assert scheduler(wake_on_end=True).on(TurnEnded(10.75, "t1")) == Nothing(10.75)
+    woken = scheduler()  # the default: QSE_SHADOW_IDLE_WAKE on
+    assert woken.on(Arrived(10.0)) == Nothing(10.0)
+    assert woken.on(TurnEnded(10.75, "t1")) == Nothing(10.75)
 
 
 def test_rounds_open_admitted_turns_one_at_a_time_then_run_and_end():
@@ -154,12 +157,12 @@ def test_a_summary_is_earned_by_the_narrators_share_and_spent_from_it():
     assert not s.summary_earned(99.0, turn._replace(first_token_s=None), est_ms=1.0)  # no first token, no summary
 
 
-def test_the_busy_share_reads_the_oldest_backlog_between_rounds_whatever_turns_run():
+def test_the_busy_share_reads_the_shortest_backlog_between_rounds_whatever_turns_run():
     """Under many short turns no turn's ration opens: the busy share earns 1 % of all served device time and
-    spends it between rounds on the session whose unread chunk has waited longest (no turn is charged)."""
+    spends it between rounds on the session the reader's order puts first (no turn is charged)."""
     s = scheduler(Policy(**{**POLICY.__dict__, "busy_share": 0.01, "ration_after_s": 60.0}))
     turn = SliceView("k", "t1", "running", first_token_s=10.0, committed_rows=0, known_tokens=4 * GRID)
-    waiting = {"a": SessionBacklog(5.0, 3, 0), "b": SessionBacklog(2.0, 1, GRID), "c": SessionBacklog(1.0, 0, 0)}
+    waiting = {"a": SessionBacklog(2.0, 3, 0), "b": SessionBacklog(5.0, 1, GRID), "c": SessionBacklog(1.0, 0, 0)}
     s.ledger.record(Role.SERVED_PREFILL, 1500.0)
     s.ledger.record(Role.SERVED_DECODE, 1500.0)  # 3 s served: 30 ms earned, a 40 ms chunk is not
     assert s.busy_may_open()  # a shortest slice (10 ms) is earned, so the caller gathers the backlogs
@@ -168,7 +171,8 @@ def test_the_busy_share_reads_the_oldest_backlog_between_rounds_whatever_turns_r
     s.ledger.record(Role.SERVED_DECODE, 1000.0)  # 4 s: 40 ms earned
     assert s.busy_may_open()
     got = s.on(RoundEnded(11.1, (turn,), waiting))
-    # "b" waited longest among those with a whole chunk ("c" has none); the turn's ration (60 s off) is not open
+    # "b" has the fewest chunks of those with a whole one ("c" has none; "a" is older, but neither overdue nor
+    # shorter); the turn's ration (60 s off) is not open
     assert isinstance(got, ReadPlan) and (got.window, got.session_id, got.turn_id, got.key) == (
         Window.RATION, "b", None, None)
     assert isinstance(got.decision, RationSlice) and got.decision.budget_us == 40_000

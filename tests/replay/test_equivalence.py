@@ -45,7 +45,8 @@ def reference(recs, model: ReadModel, opt: SimOptions):
         return t
 
     def idle_between(turn, free, arrival, next_poll):
-        t = idle.first_poll_at_or_after(next_poll, free)
+        # the idle window looks the moment the turn ends (QSE_SHADOW_IDLE_WAKE), else at its lattice's next look
+        t = free if opt.policy.idle_wake else idle.first_poll_at_or_after(next_poll, free)
         start = arrival
         while t < arrival and st_["committed"] + grid <= st_["known"]:
             t_end = read(turn, Window.IDLE, idle.open(t), t, None, arrival)
@@ -113,11 +114,12 @@ def _session(turns, prefill_s):
     return recs
 
 
+@pytest.mark.parametrize("wake", [True, False], ids=["wake", "lattice"])
 @pytest.mark.parametrize("after_s", [0.0, 5.0, 30.0], ids=["undelayed", "after-5s", "after-30s"])
-def test_same_decisions_on_a_long_decoding_turn(after_s):
+def test_same_decisions_on_a_long_decoding_turn(after_s, wake):
     # decodes of 83, 22 and 100 s: a 30 s delay leaves the middle turn no ration, the others some
     recs = _session([(30_000, 3000, 36.0, 1.0), (2000, 800, 36.0, 0.3), (700, 5000, 50.0, 0.0)], prefill_s=2.0)
-    got = _compare(recs, ReadModel.flat(87.0), SimOptions.of(ration_after_s=after_s))
+    got = _compare(recs, ReadModel.flat(87.0), SimOptions.of(ration_after_s=after_s, idle_wake=wake))
     assert any(w[1] is Window.RATION for w in got) and any(w[1] is Window.IDLE for w in got)
     ration_turns = {w[0] for w in got if w[1] is Window.RATION}
     assert ration_turns == ({0, 2} if after_s == 30.0 else {0, 1, 2})
@@ -135,11 +137,12 @@ def test_same_decisions_on_a_long_decoding_turn(after_s):
     poll_s=st.sampled_from([0.1, 0.2]),
     burst_s=st.sampled_from([0.5, 2.0]),
     grid=st.sampled_from([256, 512]),
+    wake=st.booleans(),
     model=st.sampled_from([ReadModel.flat(87.0), ReadModel.flat(8.0), ReadModel(((0, 20.0), (8192, 60.0)))]),
 )
 def test_same_decisions_as_the_core_step_by_step(turns, prefill_s, ration, after_s, slice_ms, poll_s, burst_s,
-                                                 grid, model):
+                                                 grid, wake, model):
     recs = _session(turns, prefill_s)
     opt = SimOptions.of(ration=ration, ration_after_s=after_s, slice_ms=slice_ms, idle_poll_s=poll_s,
-                     idle_burst_s=burst_s, grid=grid, estimator_bucket_tokens=1024)
+                     idle_burst_s=burst_s, grid=grid, idle_wake=wake, estimator_bucket_tokens=1024)
     _compare(recs, model, opt)

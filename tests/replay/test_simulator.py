@@ -123,7 +123,9 @@ def test_a_short_turn_spends_no_ration_with_a_delay_and_the_idle_window_reads_it
 
     res = simulate(recs, SEED, SimOptions.of(ration_after_s=5.0), record_decisions=True)
     assert [(d.turn, d.window, d.opened_s, d.start_row, d.num_chunks, d.stop) for d in res.decisions] == [
-        (1, Window.IDLE, 21.6, 0, 4, Stop.BACKLOG)]  # the first poll after the turn's end (polls every 0.2 s)
+        (1, Window.IDLE, 21.5, 0, 4, Stop.BACKLOG)]  # the moment the turn ends (QSE_SHADOW_IDLE_WAKE)
+    polled = simulate(recs, SEED, SimOptions.of(ration_after_s=5.0, idle_wake=False), record_decisions=True)
+    assert [(d.opened_s, d.num_chunks) for d in polled.decisions] == [(21.6, 4)]  # its first poll after (0.2 s)
     assert res.ledger.balance().gpu_us == {Role.SERVED_PREFILL: 17_500_000, Role.SERVED_DECODE: 5_000_000,
                                            Role.READER_IDLE: 4 * 44_544}
     assert res.report()["decode_loss"] == 0.0

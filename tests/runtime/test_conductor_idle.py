@@ -91,6 +91,34 @@ async def test_the_burst_reads_the_oldest_backlog_first_and_stops_at_its_end(mak
     assert await c.idle_once() == 0  # nothing left
 
 
+async def test_the_idle_window_looks_when_the_last_turn_ends_not_at_its_next_poll(make_rig):
+    """QSE_SHADOW_IDLE_WAKE (on): the round loop letting the engine go wakes the idle loop, which reads the
+    backlog at once though its next poll is an hour off."""
+    rig = make_rig(idle_poll_s=3600.0)
+    c, reader, probe = rig.conductor, rig.reader, rig.probe
+    await c.start()
+    reader.feed("old", prompt_ids(3 * GRID, start=9000))
+    c._note_backlog("old")
+    first_chunk = probe.hold("chunk", 1)
+    assert len(await rig.turn(prompt_ids(10, start=5000), 3, session="new")) == 3
+    await first_chunk.entered  # the idle loop woke and reads: no poll came
+    first_chunk.release.set()
+    await c.stop()
+    assert probe.kinds()[:2] == ["prefill", "decode"] and "chunk" in probe.kinds()
+    assert reader.sessions["old"].committed >= GRID
+
+
+async def test_without_the_wake_the_round_loop_leaves_the_idle_loop_asleep(make_rig):
+    rig = make_rig(idle_poll_s=3600.0, idle_wake=False)
+    c = rig.conductor
+    await c.start()
+    assert len(await rig.turn(prompt_ids(10, start=5000), 3, session="new")) == 3
+    await c.rounds_ended()
+    assert not c._wake.is_set()
+    await c.stop()
+    assert "chunk" not in rig.probe.kinds()
+
+
 async def test_the_idle_loop_stops_with_the_conductor(make_rig):
     rig = make_rig(idle_poll_s=3600.0)
     c = rig.conductor
