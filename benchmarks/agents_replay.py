@@ -29,10 +29,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.agents_live import agent_shapes  # noqa: E402
 from benchmarks.stats import nearest_rank  # noqa: E402
 from qse.policy import Policy  # noqa: E402
 from qse.replay.read_model import ReadModel  # noqa: E402
-from qse.replay.rounds import DecodeCost, simulate_rounds  # noqa: E402
+from qse.replay.rounds import DecodeCost, ReaderCost, simulate_rounds  # noqa: E402
 from qse.replay.usage import UsageRecord  # noqa: E402
 from qse.settings import SETTINGS  # noqa: E402
 
@@ -49,16 +50,50 @@ POLICIES: list[tuple[str, str, dict]] = [
 ]
 
 
-def records_of(run: dict, phase: str) -> list[UsageRecord]:
+def kept_prefixes(run: dict, trace: Path | None = None) -> dict[tuple[int, int], int]:
+    """(agent, turn) -> the ids its prompt keeps of its session's before it (the trace's shared head: the client
+    builds each prompt from it, agents_live.prompts_of), from the run's trace and options; {} without the trace."""
+    opt = run.get("options", {})
+    path = trace or Path(opt.get("trace", ""))
+    if not path.is_file():
+        return {}
+    wanted, shapes, count = set(run["agents_sessions"]), {}, len(run["agents_sessions"])
+    while not wanted <= shapes.keys():  # the sessions the client picked, however many it passed over first
+        try:
+            shapes = dict(agent_shapes(path, count, opt["max_turns"], opt["max_prompt_tokens"], opt["think_cap_s"],
+                                       opt["out_cap"], opt["scale"], 0))
+        except SystemExit:  # fewer sessions in the trace than asked: those the run names are not all there
+            return {}
+        count *= 2
+    return {(agent, no): shape.shared_tokens for agent, sid in enumerate(run["agents_sessions"])
+            for no, shape in enumerate(shapes[sid])}
+
+
+def records_of(run: dict, phase: str, kept: dict[tuple[int, int], int] | None = None) -> list[UsageRecord]:
+    """The phase's turns as usage records; shared_prefix_tokens: the ids each keeps of its session's (from
+    `kept`; without it the ids the served cache reused)."""
     out = []
     for t in run[phase]["turns_detail"]:
         if t.get("error") or t.get("ttft_s") is None:
             continue
+        shared = (kept or {}).get((t["agent"], t["turn"]), t["cached_tokens"])
         out.append(UsageRecord(session=f"agent-{t['agent']}", arrival_s=t["sent_s"],
                                first_token_s=t["sent_s"] + t["ttft_s"], end_s=t["end_s"],
-                               prompt_tokens=t["prompt_tokens"], shared_prefix_tokens=t["cached_tokens"],
+                               prompt_tokens=t["prompt_tokens"], shared_prefix_tokens=shared,
                                output_tokens=t["output_tokens"], cached_tokens=t["cached_tokens"]))
     return out
+
+
+# (name, what it changes, Policy overrides): the reader's idle window beside the rounds (the run's round policy)
+READER_POLICIES: list[tuple[str, str, dict]] = [
+    ("reader_oldest_polled", "the reader before 2026-12-04: the oldest unread chunk first, the idle window on its "
+                             "0.2 s poll", {"read_order": "oldest", "idle_wake": False}),
+    ("reader_oldest_woken", "the oldest first; the window looks the moment the engine is free",
+     {"read_order": "oldest", "idle_wake": True}),
+    ("reader_shortest_polled", "the shortest backlog first; on its poll", {"read_order": "shortest", "idle_wake": False}),
+    ("reader_shortest_woken", "the shortest backlog first, woken (the defaults since 2026-12-04)",
+     {"read_order": "shortest", "idle_wake": True}),
+]
 
 
 def figures(ttfts: list[tuple[bool, float]]) -> dict:
@@ -73,14 +108,33 @@ def figures(ttfts: list[tuple[bool, float]]) -> dict:
 
 
 def replay(records: list[UsageRecord], policy: Policy, model: ReadModel, decode: DecodeCost,
-           tail_ms: float) -> dict:
-    sim = simulate_rounds(records, policy, model, decode, keep_plans=False, tail_ms=tail_ms)
+           tail_ms: float, reader: ReaderCost | None = None) -> dict:
+    sim = simulate_rounds(records, policy, model, decode, keep_plans=False, tail_ms=tail_ms, reader=reader)
     ttfts = [(t.record.cached_tokens > 0 or t.record.shared_prefix_tokens > 0, t.ttft_s)
              for t in sim.turns if t.ttft_s is not None]
     out = figures(ttfts)
     span = max(t.end_s for t in sim.turns) - min(t.record.arrival_s for t in sim.turns)
     out.update(num_rounds=sim.num_rounds, output_tokens_per_s=round(sum(t.ids for t in sim.turns) / span, 1))
+    if reader is not None:
+        out.update(freshness([(t.record.session, t.reader_behind_tokens) for t in sim.turns], policy.grid),
+                   reader_chunks=sim.reader_chunks, reader_device_s=round(sim.reader_device_ms / 1000, 3))
     return out
+
+
+def freshness(behinds: list[tuple[str, int | None]], grid: int) -> dict:
+    """Follow-up starts with the reader less than a grid chunk behind (the server's qse_shadow_turn_starts rule),
+    and the stale ones by session and turn."""
+    counted, stale, seen = 0, [], {}
+    for session, behind in behinds:
+        no = seen.get(session, 0)
+        seen[session] = no + 1
+        if behind is None:
+            continue
+        counted += 1
+        if behind >= grid:
+            stale.append(f"{session}/t{no}")
+    return {"fresh_share": round(1 - len(stale) / counted, 4) if counted else None, "turn_starts": counted,
+            "stale": sorted(stale)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,10 +148,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-scales", default="0.9,0.8,0.7,0.6",
                    help="the live policy again with every chunk's cost times each of these: the prefill rate the "
                         "goals need")
+    p.add_argument("--reader-points", default="0:3.65,65536:6.85",
+                   help="the reader's chunk: context:ms pairs (H200, 0.8B, fitted to the idle chunks of "
+                        "agents_live-pdl-2026-12-04-h200's server log)")
+    p.add_argument("--reader-host-ms", type=float, default=1.13,
+                   help="the host's ms around each reader chunk (the same log: idle bursts' wall less device time)")
+    p.add_argument("--trace", type=Path, default=None,
+                   help="the run's trace (default: its options' path): the ids each prompt keeps of its session's")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="a dir, or a file ending .json")
     args = p.parse_args(argv)
     run = json.loads(args.run.read_text())
-    records = records_of(run, args.phase)
+    kept = kept_prefixes(run, args.trace)
+    if not kept:  # the reader's rows then take the served cache's reuse for what a prompt keeps (a grid line lower)
+        print(json.dumps({"warning": f"the run's trace ({args.trace or run.get('options', {}).get('trace')}) is not "
+                                     "here or lacks its sessions: the ids a prompt keeps are taken as those the served "
+                                     "cache reused (give --trace: the weka dev half lies in ../shared/data/traces/)"}))
+    records = records_of(run, args.phase, kept)
     points = tuple((int(c), float(ms)) for c, ms in (pair.split(":") for pair in args.chunk_points.split(",")))
     model = ReadModel(points, grid=512, source=f"--chunk-points {args.chunk_points}")
     base, per = (float(v) for v in args.decode_ms.split(","))
@@ -126,11 +192,22 @@ def main(argv: list[str] | None = None) -> int:
     rows.append({"policy": "each_session_alone", "what": "each agent's turns on the device alone (no other agent)",
                  "changes": {}, **figures(alone)})
     print(json.dumps(rows[-1]))
+    reader_points = tuple((int(c), float(ms)) for c, ms in (pair.split(":") for pair in args.reader_points.split(",")))
+    reader = ReaderCost(ReadModel(reader_points, grid=default.grid, source=f"--reader-points {args.reader_points}"),
+                        args.reader_host_ms)
+    for name, what, changes in READER_POLICIES:
+        rows.append({"policy": name, "what": what, "changes": changes,
+                     **replay(records, dataclasses.replace(default, **changes), model, decode, args.tail_ms, reader)})
+        print(json.dumps(rows[-1]))
+    turns = run[args.phase]["turns_detail"]
+    live_fresh = freshness([(f"agent-{t['agent']}", t.get("reader_behind_tokens")) for t in
+                            sorted(turns, key=lambda t: (t["agent"], t["turn"]))], default.grid)
     result = {"command": shlex.join([sys.executable, *sys.argv]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
               "device": "cpu (a replay: no timing of this machine enters the figures)",
               "versions": {"python": platform.python_version()}, "run": str(args.run), "phase": args.phase,
-              "turns": len(records), "costs": {"chunk_points": points, "decode_ms": [base, per], "tail_ms": args.tail_ms},
-              "live_measured": {"client": measured, "server": server}, "policies": rows}
+              "turns": len(records), "kept_from": "trace" if kept else "cached_tokens", "costs": {"chunk_points": points, "decode_ms": [base, per], "tail_ms": args.tail_ms,
+                                               "reader_points": reader_points, "reader_host_ms": args.reader_host_ms},
+              "live_measured": {"client": measured, "server": server, "reader": live_fresh}, "policies": rows}
     out = Path(args.out)
     if out.suffix != ".json":
         out.mkdir(parents=True, exist_ok=True)

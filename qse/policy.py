@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .core.idle import READ_ORDERS
 from .core.sizing import FIXED_KV_POOL_GB
 from .settings import REGISTRY, EngineSettings
 
@@ -41,6 +42,7 @@ class Policy:
     idle_poll_s: float = _from("QSE_SHADOW_IDLE_POLL_S")
     idle_burst_s: float = _from("QSE_SHADOW_IDLE_BURST_S")
     idle_wake: bool = _from("QSE_SHADOW_IDLE_WAKE")  # the idle window looks when the engine comes free
+    read_order: str = _from("QSE_SHADOW_READ_ORDER")  # shortest | oldest (qse/core/idle.py: READ_ORDERS)
     chunk_prior_ms: float = _from("QSE_SHADOW_CHUNK_PRIOR_MS")  # a chunk's cost before one was measured
     idle_group: int = _from("QSE_SHADOW_IDLE_GROUP")  # chunks one idle launch may read
     reader_lookahead: int = _from("QSE_SHADOW_LOOKAHEAD")  # chunks launched ahead of the one read back
@@ -79,6 +81,8 @@ class Policy:
         # unsized (a CPU, a benchmark, a test) holds the fixed size
         if self.served_kv_gb == 0:
             object.__setattr__(self, "served_kv_gb", FIXED_KV_POOL_GB)
+        if self.read_order not in READ_ORDERS:
+            raise ValueError(f"QSE_SHADOW_READ_ORDER={self.read_order!r} is not one of {READ_ORDERS}")
         if self.speculate not in SPECULATE_MODES:
             raise ValueError(f"QSE_SPECULATE={self.speculate!r} is not one of {SPECULATE_MODES}")
         if not (isinstance(self.spec_draft, int) and 1 <= self.spec_draft <= MAX_SPEC_DRAFT):

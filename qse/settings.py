@@ -106,6 +106,7 @@ _DECLARED: list[Setting] = [
     Setting("QSE_SHADOW_MIN_SLICE_MS", float, 10.0, "a reader slice opens once this much is earned, ms (each slice costs the decode a fixed host overhead; at most QSE_SHADOW_SLICE_MS)"),
     Setting("QSE_SHADOW_IDLE_POLL_S", float, 0.2, "how often the idle window looks for work, seconds"),
     Setting("QSE_SHADOW_IDLE_BURST_S", float, 2.0, "longest idle-window read burst, seconds"),
+    Setting("QSE_SHADOW_READ_ORDER", str, "shortest", "which session the reader reads next, in the idle window and the busy share: shortest (the fewest unread chunks first, a backlog waiting 10 s first of all: the most sessions fresh at every moment) or oldest (the oldest unread chunk first, the order before 2026-12-04)"),
     Setting("QSE_SHADOW_IDLE_WAKE", bool, True, "the idle window looks the moment the served model's last turn ends, not at its next poll (under many agents the gaps between their turns are short: a poll of 0.2 s lost half a poll of each); off: on its poll only"),
     Setting("QSE_SHADOW_CHUNK_PRIOR_MS", float, 50.0, "reader chunk cost assumed before the first measurement, ms"),
     Setting("QSE_NARRATOR_SHARE", float, 0.03, "narrator share of the served model's time since its first token"),

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def turn(agent, no, sent, prompt, cached, out=8):
     return {"agent": agent, "turn": no, "sent_s": sent, "ttft_s": 0.1, "end_s": sent + 0.5, "prompt_tokens": prompt,
-            "cached_tokens": cached, "output_tokens": out, "server_ttft_s": 0.09, "error": None}
+            "cached_tokens": cached, "output_tokens": out, "server_ttft_s": 0.09, "error": None,
+            "reader_behind_tokens": None if no == 0 else 600 * (agent == 2)}
 
 
 def test_replays_an_agents_run_under_each_policy(tmp_path):
@@ -37,3 +38,11 @@ def test_replays_an_agents_run_under_each_policy(tmp_path):
     assert rows["live_chunks_x0.5"]["followup_p90_s"] <= live["followup_p90_s"]
     assert rows["each_session_alone"]["followup_p50_s"] <= live["followup_p50_s"]
     assert result["live_measured"]["client"]["followups"] == 6
+    # the reader's rows: its idle window between the turns under each order, fresh shares of the 6 follow-ups
+    assert result["kept_from"] == "cached_tokens"  # no trace in this run: the served cache's reuse stands in
+    assert result["live_measured"]["reader"] == {"fresh_share": round(4 / 6, 4), "turn_starts": 6,
+                                                 "stale": ["agent-2/t1", "agent-2/t2"]}
+    for name in ("reader_oldest_polled", "reader_shortest_woken"):
+        row = rows[name]
+        assert row["turn_starts"] == 6 and 0 <= row["fresh_share"] <= 1 and row["reader_chunks"] > 0
+        assert len(row["stale"]) == round((1 - row["fresh_share"]) * 6)

@@ -183,6 +183,7 @@ class Scheduler:
         self.ledger = ledger
         self.reader_grid = policy.grid if reader_grid is None else reader_grid
         self.wake_on_end = bool(policy.idle_wake)
+        self.read_order = policy.read_order  # whom the idle window and the busy share read next
         self.burst: IdleBurst | None = None  # the idle window's burst while it is open
         self.next_look_s: float | None = None  # the idle window's next look (its lattice)
         # (turn, window) -> ((session, spent us, next chunk's estimate), the first moment a slice could open)
@@ -230,7 +231,7 @@ class Scheduler:
         return self.busy.share > 0 and self.busy.may_open(*self._served_and_spent_us())
 
     def _busy_slice(self, now: float, backlogs: Mapping[str, SessionBacklog]) -> ReadPlan | Nothing:
-        sid = pick_idle_session(backlogs, now)
+        sid = pick_idle_session(backlogs, now, self.read_order)
         if sid is None:
             return Nothing()
         served_us, spent_us = self._served_and_spent_us()
@@ -308,7 +309,7 @@ class Scheduler:
         return self._close_burst(ev.now)  # a request waits, the burst is spent, or a chunk was not recorded
 
     def _next_idle_read(self, now: float, backlogs: Mapping[str, SessionBacklog]) -> Action:
-        sid = pick_idle_session(backlogs, now)
+        sid = pick_idle_session(backlogs, now, self.read_order)
         if sid is None:
             return self._close_burst(now)
         assert self.burst is not None

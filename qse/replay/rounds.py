@@ -5,8 +5,16 @@ waiting turns up to `max_running`, and each round decodes every running turn in 
 `round_token_budget` ids of the opened prompts in whole grid chunks and tails. A round costs the decode at its
 batch size (`DecodeCost`) plus its pieces at the read model's cost (a chunk at its context, a tail as its share
 of a chunk), and a turn's tokens come at the ends of its rounds. A session's next turn waits for the one before
-(one turn a session at a time, as the conductor's session lock). Not modelled here: the reader's slices between
-rounds (the per-session replay in simulator.py has them). With `launch_ahead` (the conductor's, where every
+(one turn a session at a time, as the conductor's session lock).
+
+With a `ReaderCost` the reader is there too, in its idle window: each turn's start teaches it the prompt (rolled
+back to the grid line at or below the ids the prompt keeps of the session's, as the reader's checkpoints allow
+at best), each turn's end the output, and while no turn waits, reads or runs the scheduler's idle window reads
+the sessions' whole chunks in its order (QSE_SHADOW_READ_ORDER), from its first look (the moment the engine
+comes free with QSE_SHADOW_IDLE_WAKE, else its poll lattice) until a turn joins; that turn waits for the chunk in
+flight. Each follow-up's start says how far behind the reader was (its freshness). Not modelled: the reader's
+slices between rounds (the per-session replay in simulator.py has them; under many agents' short turns they
+are a small share). With `launch_ahead` (the conductor's, where every
 running turn samples on the device) a round's ids come back with the next round, so a turn holds its slot one
 round past its last decode, as in the server.
 
@@ -22,9 +30,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
 from qse.core.chunk_cost import ChunkCostEstimator
+from qse.core.drive import Stop
+from qse.core.idle import SessionBacklog
 from qse.core.ledger import GpuLedger
 from qse.core.rounds import Prompt, RoundPlan, Running, chunks_before_tail
-from qse.core.scheduler import Nothing, OpenTurn, RoundDue, Scheduler
+from qse.core.scheduler import (Arrived, Busy, IdleOpened, IdlePoll, Nothing, OpenIdle, OpenTurn, ReadEnded, ReadPlan,
+                                RoundDue, Scheduler, TurnEnded)
 from qse.replay.read_model import ReadModel
 from qse.replay.usage import UsageRecord
 
@@ -38,6 +49,92 @@ class DecodeCost:
 
     def ms(self, batch: int) -> float:
         return self.base_ms + self.per_sequence_ms * batch
+
+
+@dataclass(frozen=True)
+class ReaderCost:
+    """The reader's chunk in the idle window: its device ms by context (`model`, at the reader's grid) and the
+    host's ms around each chunk (the launch, the readback: wall time the device does not see)."""
+
+    model: ReadModel
+    host_ms: float = 0.0
+
+
+class _Reader:
+    """The reader's sessions on the virtual clock, read in the scheduler's idle window."""
+
+    def __init__(self, cost: ReaderCost, sched: Scheduler, grid: int):
+        self.cost, self.sched, self.grid = cost, sched, grid
+        self.estimator = ChunkCostEstimator(cost.model.ms_per_chunk(0, grid))
+        self.sessions: dict[str, list[int]] = {}  # session -> [ids known, rows read]
+        self.unread_since: dict[str, float] = {}
+        self.first_look_s: float | None = None  # the idle window's first look once the engine is free
+        self.chunks = 0
+        self.device_ms = 0.0
+
+    def _note(self, sid: str, now: float) -> None:
+        known, read = self.sessions[sid]
+        if known - read >= self.grid:
+            self.unread_since.setdefault(sid, now)
+        else:
+            self.unread_since.pop(sid, None)
+
+    def backlogs(self) -> dict[str, SessionBacklog]:
+        return {sid: SessionBacklog(self.unread_since[sid], (k - r) // self.grid, r)
+                for sid, (k, r) in self.sessions.items() if sid in self.unread_since}
+
+    def turn_start(self, rec: UsageRecord, now: float) -> int | None:
+        """The prompt is known: ids behind at the start (None: the session's first turn)."""
+        held = self.sessions.get(rec.session)
+        behind, read = None, 0
+        if held is not None:
+            kept = min(rec.shared_prefix_tokens, held[0])
+            read = held[1] if held[1] <= kept else (kept // self.grid) * self.grid
+            behind = kept - read
+        self.sessions[rec.session] = [rec.prompt_tokens, read]
+        self._note(rec.session, now)
+        return behind
+
+    def turn_end(self, rec: UsageRecord, turn_no: int, now: float) -> None:
+        self.sessions[rec.session][0] += rec.output_tokens
+        self._note(rec.session, now)
+        action = self.sched.on(TurnEnded(now, f"t{turn_no}"))
+        self.first_look_s = action.until if isinstance(action, Nothing) else now
+
+    def idle(self, free_s: float, until_s: float) -> float:
+        """Read from the window's first look after `free_s` while no turn joins (`until_s`, inf: none will);
+        returns when the engine is free again (the chunk in flight at `until_s` ends first)."""
+        t = free_s if self.first_look_s is None else max(free_s, self.first_look_s)
+        held = free_s
+        while t < until_s:
+            backlogs = self.backlogs()
+            action = self.sched.on(IdlePoll(t, Busy(), bool(backlogs)))
+            if not isinstance(action, OpenIdle):
+                break  # nothing to read: nothing changes before a turn joins
+            action = self.sched.on(IdleOpened(t, backlogs))
+            while isinstance(action, ReadPlan):
+                sid, decision = action.session_id, action.decision
+                known, read = self.sessions[sid]
+                stop = Stop.BACKLOG
+                while read + self.grid <= known:
+                    waiting = t >= until_s
+                    if not decision.may_read_next(t, waiting, self.estimator.estimate_ms(read)):
+                        stop = Stop.WAITING if waiting else Stop.BUDGET
+                        break
+                    ms = self.cost.model.ms_per_chunk(read, self.grid)
+                    t += (ms + self.cost.host_ms) / 1000
+                    decision.note_chunk(ms)
+                    self.estimator.observe(read, ms)
+                    read += self.grid
+                    self.chunks += 1
+                    self.device_ms += ms
+                self.sessions[sid][1] = read
+                self._note(sid, t)
+                held = max(held, t)
+                action = self.sched.on(ReadEnded(t, stop, self.backlogs()))
+            t = action.until if isinstance(action, Nothing) and action.until is not None else until_s
+        self.first_look_s = None
+        return held
 
 
 @dataclass
@@ -56,6 +153,7 @@ class ServedTurn:
     ids: int = 0  # ids it has
     in_flight: int = 0  # ids of a round launched ahead, not back yet
     last_round_s: float = float("-inf")  # its last round's start, or its first token (the decode yield)
+    reader_behind_tokens: int | None = None  # with a reader: its ids unread at the turn's start (None: a first turn)
 
     @property
     def ttft_s(self) -> float | None:
@@ -84,6 +182,8 @@ class RoundsResult:
     # (round start s, plan), keys: turn index; only where simulate_rounds was asked to keep them
     plans: list[tuple[float, RoundPlan]] = field(default_factory=list)
     num_rounds: int = 0
+    reader_chunks: int = 0  # with a reader: the chunks its idle windows read, and their device ms
+    reader_device_ms: float = 0.0
 
     def report(self) -> dict:
         return {"num_rounds": self.num_rounds,
@@ -116,12 +216,14 @@ class _Views:
 
 
 def simulate_rounds(records: Iterable[UsageRecord], policy, read_model: ReadModel, decode: DecodeCost,
-                    keep_plans: bool = True, tail_ms: float = 0.0) -> RoundsResult:
+                    keep_plans: bool = True, tail_ms: float = 0.0, reader: ReaderCost | None = None) -> RoundsResult:
     """Replay `records` (in arrival order; a record's `cached_tokens` whole grid chunks are taken as reused)
     through the scheduler's rounds as `policy` (qse.policy.Policy: max_running, round_token_budget, served_grid,
     launch_ahead, decode_yield_ms) sets them. Turn keys in the plans are the records' indices in arrival order.
     tail_ms: a tail's fixed cost on top of its rows' share of a chunk (the served model reads its tail outside
-    the chunks' graphs, so a tail of a few ids costs about as much as one of a few hundred)."""
+    the chunks' graphs, so a tail of a few ids costs about as much as one of a few hundred). reader: the reader's
+    idle window too (the module's docstring; the policy's grid, read_order, idle_wake, idle_poll_s, idle_burst_s);
+    a record's shared_prefix_tokens are the ids it keeps of its session's before it."""
     # the rounds need neither the estimator nor the ledger (they are the reader's)
     sched = Scheduler(policy, ChunkCostEstimator(policy.chunk_prior_ms), GpuLedger())
     planner, grid, launch_ahead = sched.rounds, policy.served_grid, policy.launch_ahead
@@ -145,6 +247,9 @@ def simulate_rounds(records: Iterable[UsageRecord], policy, read_model: ReadMode
     running: list[int] = []
     result = RoundsResult(turns)
     now = 0.0 if not turns else turns[0].ready_s
+    shadow = _Reader(reader, sched, policy.grid) if reader is not None else None
+    if shadow is not None and turns:
+        sched.on(Arrived(turns[0].record.arrival_s))  # the idle window's lattice starts with the first request
 
     def prompt(i: int) -> Prompt:
         t = turns[i]
@@ -162,6 +267,8 @@ def simulate_rounds(records: Iterable[UsageRecord], policy, read_model: ReadMode
         while ready and ready[0][0] <= now:
             waiting.append(heapq.heappop(ready)[1])
         if not (waiting or reading or running):  # idle until the next turn can join
+            if shadow is not None:
+                now = shadow.idle(now, ready[0][0])
             now = max(now, ready[0][0])
             continue
         action = sched.on(RoundDue(now, _Views(waiting, prompt), [prompt(i) for i in reading],
@@ -170,6 +277,8 @@ def simulate_rounds(records: Iterable[UsageRecord], policy, read_model: ReadMode
         if isinstance(action, OpenTurn):
             i = action.key
             waiting.remove(i)
+            if shadow is not None:
+                turns[i].reader_behind_tokens = shadow.turn_start(turns[i].record, now)
             turns[i].chunks_left = chunks_before_tail(turns[i].unread_tokens, grid)
             reading.append(i)
             continue
@@ -230,9 +339,14 @@ def simulate_rounds(records: Iterable[UsageRecord], policy, read_model: ReadMode
                 ended.append(i)
         for i in ended:
             turns[i].end_s = now
+            if shadow is not None:
+                shadow.turn_end(turns[i].record, i, now)
             if i in after:
                 j = after[i]
                 turns[j].ready_s = max(turns[j].ready_s, now)
                 heapq.heappush(ready, (turns[j].ready_s, j))
+    if shadow is not None:
+        shadow.idle(now, float("inf"))  # after the last turn: the backlogs read (nothing waits for them)
+        result.reader_chunks, result.reader_device_ms = shadow.chunks, shadow.device_ms
     return result
 

@@ -123,6 +123,19 @@ def test_pick_idle_session_shortest_backlog_first_ties_oldest_then_by_id():
     assert pick_idle_session({"y": SessionBacklog(2.0, 2), "x": SessionBacklog(3.0, 2)}, 5.0) == "y"
 
 
+def test_the_oldest_order_reads_the_oldest_unread_chunk_first_whatever_its_length():
+    backlogs = {"long": SessionBacklog(1.0, 40), "short": SessionBacklog(2.0, 1)}
+    assert pick_idle_session(backlogs, 3.0, "oldest") == "long"
+    assert pick_idle_session(backlogs, 3.0) == "short"
+
+
+def test_a_bad_read_order_is_named():
+    from qse.policy import Policy
+
+    with pytest.raises(ValueError, match=r"QSE_SHADOW_READ_ORDER='newest' is not one of \('shortest', 'oldest'\)"):
+        Policy(read_order="newest")
+
+
 def test_a_backlog_waiting_past_the_overdue_bound_goes_first_oldest_first():
     """Short backlogs that keep coming never starve a long one: once its oldest unread chunk has waited
     READ_OVERDUE_S it is read before every backlog that has not, however short."""

@@ -4,7 +4,7 @@ import pytest
 
 from qse.policy import Policy
 from qse.replay.read_model import ReadModel
-from qse.replay.rounds import DecodeCost, simulate_rounds
+from qse.replay.rounds import DecodeCost, ReaderCost, simulate_rounds
 from qse.replay.usage import UsageRecord
 
 GRID = 10
@@ -158,3 +158,38 @@ def test_a_tails_fixed_cost_is_charged_once_a_tail():
     fixed = simulate_rounds([rec("x", 0.0, 2 * GRID + 1, 1)], policy(), model, DecodeCost(5.0), tail_ms=7.0)
     assert plain.turns[0].ttft_s == pytest.approx(0.021)
     assert fixed.turns[0].ttft_s == pytest.approx(0.028)
+
+
+def _reader_run(order: str, wake: bool):
+    """Two sessions' first turns end together at 51 ms (long: 4 chunks of prompt, short: 1), and both come back
+    25 ms later: the idle window has room for two and a half of the reader's 10 ms chunks."""
+    first = [rec("long", 0.0, 4 * GRID, 1), rec("short", 0.001, GRID + 1, 1)]
+    back = 0.051 + 0.025
+    follow = [UsageRecord(session=s, arrival_s=back, first_token_s=None, end_s=back, prompt_tokens=p,
+                          shared_prefix_tokens=kept, output_tokens=1)
+              for s, p, kept in (("long", 4 * GRID + 5, 4 * GRID), ("short", GRID + 5, GRID + 1))]
+    pol = Policy(max_running=2, round_token_budget=GRID, served_grid=GRID, grid=GRID, launch_ahead=False,
+                 read_order=order, idle_wake=wake)
+    model = ReadModel.flat(1000.0, grid=GRID)
+    return simulate_rounds(first + follow, pol, model, DecodeCost(5.0), reader=ReaderCost(model))
+
+
+def test_the_reader_reads_the_shortest_backlog_first_in_the_idle_window_and_a_turn_waits_for_its_chunk():
+    shortest, oldest = _reader_run("shortest", True), _reader_run("oldest", True)
+    assert max(t.end_s for t in shortest.turns[:2]) == pytest.approx(0.051)
+    behind = {o: [(t.record.session, t.reader_behind_tokens) for t in sim.turns] for o, sim in
+              (("shortest", shortest), ("oldest", oldest))}
+    # first turns have none; the short session read first is fresh (1 id behind), the long one two chunks in
+    assert behind["shortest"] == [("long", None), ("short", None), ("long", 2 * GRID), ("short", 1)]
+    # oldest first: the long session's three chunks (the third in flight when both came back), the short unread
+    assert behind["oldest"] == [("long", None), ("short", None), ("long", GRID), ("short", GRID + 1)]
+    # the follow-ups joined when the chunk in flight ended, 5 ms after they came
+    polled = _reader_run("shortest", False)
+    assert shortest.turns[2].ttft_s == pytest.approx(polled.turns[2].ttft_s + 0.005)
+    assert shortest.reader_chunks == oldest.reader_chunks == 5  # what is left is read after the last turn
+
+
+def test_on_its_poll_the_idle_window_reads_nothing_between_turns_that_come_back_before_it():
+    polled = _reader_run("shortest", False)  # the lattice: looks at 0.0, 0.2, ...; the gap is 51-76 ms
+    assert [t.reader_behind_tokens for t in polled.turns[2:]] == [4 * GRID, GRID + 1]
+    assert polled.reader_device_ms == pytest.approx(5 * 10.0)  # all of it after the last turn
