@@ -176,6 +176,10 @@ def sweep_knobs(tiny: bool) -> dict:
              "ROUTER_BLOCK_K": ((128, 256, 512, 1024), "new_pairs", (1,) if tiny else SWEEP_TOKENS),
              "GATE_UP_BLOCK_N": ((16, 32, 64), "new_pairs", (1,) if tiny else SWEEP_TOKENS),
              "DOWN_BLOCK_N": ((16, 32, 64), "new_pairs", (1,) if tiny else SWEEP_TOKENS),
+             # the K step: fewer, larger steps a program (16 of 128 for the gate_up's 2048-wide rows) shorten a
+             # decode program's chain of dependent loads if that, not the bytes, bounds it
+             "GATE_UP_BLOCK_K": ((64, 128, 256), "new_pairs", (1,) if tiny else SWEEP_TOKENS),
+             "DOWN_BLOCK_K": ((64, 128, 256), "new_pairs", (1,) if tiny else SWEEP_TOKENS),
              "NUM_WARPS": ((2, 4, 8), "new_pairs", (1,) if tiny else SWEEP_TOKENS)}
 
 
