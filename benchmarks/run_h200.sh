@@ -109,11 +109,13 @@ for step in $steps; do
     sides)  # the reader's chunks beside batch-8 decode rounds on streams of their own, by stream priority: decode loss, reader rate
       timeout 240 python3 benchmarks/side_stream.py --out "$OUT" ${SIDE_ARGS:-} 2>&1 | grep '^{' | cut -c1-900 ;;
     agents)  # N coding agents (weka trace) through `qse serve` and the openai client, 9B + 0.8B, no memory switch; solo, cold, reader-off A/B (AGENTS_AB=' ': none)
+      # each run of the step in one $OUT keeps its own client text and server logs (-1, -2, ...: several A/B arms)
+      n=1; while [ -e "$OUT/agents_live-client-$n.txt" ]; do n=$((n + 1)); done
       timeout "${AGENTS_TIMEOUT:-540}" python3 benchmarks/agents_live.py --serve --model qwen3.5-9b --shadow-model qwen3.5-0.8b ${AGENTS_AB:---ab} \
         --agents "${AGENTS:-8}" --trace .devcarry/weka_cc_sessions_dev.csv --out "$OUT" ${AGENTS_ARGS:-} 2>&1 \
-        | tee "$OUT/agents_live-client.txt" | grep '^{' | cut -c1-1800
-      grep -q '^Traceback' "$OUT/agents_live-client.txt" && tail -5 "$OUT/agents_live-client.txt"  # the client's failure, shown
-      gzip -f "$OUT"/agents_live-server*.log ;;
+        | tee "$OUT/agents_live-client-$n.txt" | grep '^{' | cut -c1-1800
+      grep -q '^Traceback' "$OUT/agents_live-client-$n.txt" && tail -5 "$OUT/agents_live-client-$n.txt"  # the client's failure, shown
+      for f in "$OUT"/agents_live-server*.log; do [ -e "$f" ] && mv "$f" "${f%.log}-$n.log" && gzip -f "${f%.log}-$n.log"; done ;;
     pcie)  # what the host link carries, pinned and pageable, one tensor and many: the host tier's ceiling
       timeout 120 python3 benchmarks/host_copy.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-200
       # and what a launching thread sees while another pins, reads or copies (a fresh pinned allocation stalls it)
