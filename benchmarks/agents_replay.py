@@ -10,9 +10,15 @@ conductor's own scheduler (qse/core/rounds.py) under each policy below. The cost
 elsewhere on the same build, not this machine's: the served 9B's chunk by context (`--chunk-points`, from
 `served_sessions-tiers-9b-*`), a decode round at batch B (`--decode-ms` base,per sequence, from `round_step-*`),
 and the tail's fixed cost (`--tail-ms`, served_sessions' tail_ms less its rows' share). The replay leaves out
-the reader, HTTP and the host's work between rounds, and a turn's arrival is the live one (a faster policy would
-bring the next turn sooner): read its rows against each other and against the "live" row's calibration, not as
-a forecast of the server's figures. CPU only.
+the reader's slices between rounds, HTTP and the host's work between rounds (round_step's device time ends the
+turns early; benchmarks/NOTES.md gives the --decode-ms that matches a run's ends), and a turn's
+arrival is the live one (a faster policy would bring the next turn sooner): read its rows against each other
+and against the "live" row's calibration, not as a forecast of the server's figures.
+
+The reader rows add the reader's idle window (`ReaderCost`: its chunk by context, `--reader-points`, and the
+host's time around each, `--reader-host-ms`) under each order and wake (READER_POLICIES), with the ids each
+prompt keeps of its session's taken from the run's trace (`--trace`), and say which follow-ups found it stale
+beside the run's own (live_measured.reader). CPU only.
 """
 
 from __future__ import annotations
