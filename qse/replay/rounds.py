@@ -33,6 +33,7 @@ from qse.core.chunk_cost import ChunkCostEstimator
 from qse.core.drive import Stop
 from qse.core.idle import SessionBacklog
 from qse.core.ledger import GpuLedger
+from qse.core.plan import group_size
 from qse.core.rounds import Prompt, RoundPlan, Running, chunks_before_tail
 from qse.core.scheduler import (Arrived, Busy, IdleOpened, IdlePoll, Nothing, OpenIdle, OpenTurn, ReadEnded, ReadPlan,
                                 RoundDue, Scheduler, TurnEnded)
@@ -53,20 +54,23 @@ class DecodeCost:
 
 @dataclass(frozen=True)
 class ReaderCost:
-    """The reader's chunk in the idle window: its device ms by context (`model`, at the reader's grid) and the
-    host's ms around each chunk (the launch, the readback: wall time the device does not see)."""
+    """The reader's chunk in the idle window: its device ms by context (`model`, at the reader's grid), the
+    host's ms around each launch (the launch, the readback: wall time the device does not see), and the share
+    of a chunk's device time a chunk group of several saves (the policy's idle_group; its chunks overlap)."""
 
     model: ReadModel
     host_ms: float = 0.0
+    group_saving: float = 0.0
 
 
 class _Reader:
     """The reader's sessions on the virtual clock, read in the scheduler's idle window."""
 
-    def __init__(self, cost: ReaderCost, sched: Scheduler, grid: int):
-        self.cost, self.sched, self.grid = cost, sched, grid
+    def __init__(self, cost: ReaderCost, sched: Scheduler, grid: int, group: int = 1):
+        self.cost, self.sched, self.grid, self.group = cost, sched, grid, max(1, group)
         self.estimator = ChunkCostEstimator(cost.model.ms_per_chunk(0, grid))
         self.sessions: dict[str, list[int]] = {}  # session -> [ids known, rows read]
+        self.prompt_lines: dict[str, int] = {}  # session -> its prompt end's grid line (a group ends there)
         self.unread_since: dict[str, float] = {}
         self.first_look_s: float | None = None  # the idle window's first look once the engine is free
         self.chunks = 0
@@ -92,6 +96,7 @@ class _Reader:
             read = held[1] if held[1] <= kept else (kept // self.grid) * self.grid
             behind = kept - read
         self.sessions[rec.session] = [rec.prompt_tokens, read]
+        self.prompt_lines[rec.session] = (rec.prompt_tokens // self.grid) * self.grid
         self._note(rec.session, now)
         return behind
 
@@ -118,15 +123,23 @@ class _Reader:
                 stop = Stop.BACKLOG
                 while read + self.grid <= known:
                     waiting = t >= until_s
-                    if not decision.may_read_next(t, waiting, self.estimator.estimate_ms(read)):
+                    # a launch: a chunk group as the reader forms it (a power of two, ending at the prompt's line),
+                    # admitted at the sum of its chunks' estimates, as the driver admits one
+                    count = group_size(read, min(self.group, (known - read) // self.grid), self.grid,
+                                       {self.prompt_lines.get(sid, 0)})
+                    est = sum(self.estimator.estimate_ms(read + i * self.grid) for i in range(count))
+                    if not decision.may_read_next(t, waiting, est):
                         stop = Stop.WAITING if waiting else Stop.BUDGET
                         break
-                    ms = self.cost.model.ms_per_chunk(read, self.grid)
+                    ms = sum(self.cost.model.ms_per_chunk(read + i * self.grid, self.grid) for i in range(count))
+                    if count > 1:
+                        ms *= 1.0 - self.cost.group_saving
+                    else:  # (a group's time teaches the estimator nothing: its unit is a chunk alone)
+                        self.estimator.observe(read, ms)
                     t += (ms + self.cost.host_ms) / 1000
                     decision.note_chunk(ms)
-                    self.estimator.observe(read, ms)
-                    read += self.grid
-                    self.chunks += 1
+                    read += count * self.grid
+                    self.chunks += count
                     self.device_ms += ms
                 self.sessions[sid][1] = read
                 self._note(sid, t)
@@ -222,7 +235,8 @@ def simulate_rounds(records: Iterable[UsageRecord], policy, read_model: ReadMode
     launch_ahead, decode_yield_ms) sets them. Turn keys in the plans are the records' indices in arrival order.
     tail_ms: a tail's fixed cost on top of its rows' share of a chunk (the served model reads its tail outside
     the chunks' graphs, so a tail of a few ids costs about as much as one of a few hundred). reader: the reader's
-    idle window too (the module's docstring; the policy's grid, read_order, idle_wake, idle_poll_s, idle_burst_s);
+    idle window too (the module's docstring; the policy's grid, read_order, idle_wake, idle_poll_s, idle_burst_s,
+    idle_group);
     a record's shared_prefix_tokens are the ids it keeps of its session's before it."""
     # the rounds need neither the estimator nor the ledger (they are the reader's)
     sched = Scheduler(policy, ChunkCostEstimator(policy.chunk_prior_ms), GpuLedger())
@@ -247,7 +261,7 @@ def simulate_rounds(records: Iterable[UsageRecord], policy, read_model: ReadMode
     running: list[int] = []
     result = RoundsResult(turns)
     now = 0.0 if not turns else turns[0].ready_s
-    shadow = _Reader(reader, sched, policy.grid) if reader is not None else None
+    shadow = _Reader(reader, sched, policy.grid, policy.idle_group) if reader is not None else None
     if shadow is not None and turns:
         sched.on(Arrived(turns[0].record.arrival_s))  # the idle window's lattice starts with the first request
 

@@ -160,7 +160,7 @@ def test_a_tails_fixed_cost_is_charged_once_a_tail():
     assert fixed.turns[0].ttft_s == pytest.approx(0.028)
 
 
-def _reader_run(order: str, wake: bool):
+def _reader_run(order: str, wake: bool, group: int = 1, saving: float = 0.0):
     """Two sessions' first turns end together at 51 ms (long: 4 chunks of prompt, short: 1), and both come back
     25 ms later: the idle window has room for two and a half of the reader's 10 ms chunks."""
     first = [rec("long", 0.0, 4 * GRID, 1), rec("short", 0.001, GRID + 1, 1)]
@@ -169,9 +169,9 @@ def _reader_run(order: str, wake: bool):
                           shared_prefix_tokens=kept, output_tokens=1)
               for s, p, kept in (("long", 4 * GRID + 5, 4 * GRID), ("short", GRID + 5, GRID + 1))]
     pol = Policy(max_running=2, round_token_budget=GRID, served_grid=GRID, grid=GRID, launch_ahead=False,
-                 read_order=order, idle_wake=wake)
+                 read_order=order, idle_wake=wake, idle_group=group)
     model = ReadModel.flat(1000.0, grid=GRID)
-    return simulate_rounds(first + follow, pol, model, DecodeCost(5.0), reader=ReaderCost(model))
+    return simulate_rounds(first + follow, pol, model, DecodeCost(5.0), reader=ReaderCost(model, group_saving=saving))
 
 
 def test_the_reader_reads_the_shortest_backlog_first_in_the_idle_window_and_a_turn_waits_for_its_chunk():
@@ -193,3 +193,13 @@ def test_on_its_poll_the_idle_window_reads_nothing_between_turns_that_come_back_
     polled = _reader_run("shortest", False)  # the lattice: looks at 0.0, 0.2, ...; the gap is 51-76 ms
     assert [t.reader_behind_tokens for t in polled.turns[2:]] == [4 * GRID, GRID + 1]
     assert polled.reader_device_ms == pytest.approx(5 * 10.0)  # all of it after the last turn
+
+
+def test_chunk_groups_read_more_of_the_window_and_a_joining_turn_waits_for_the_group_in_flight():
+    """Groups of 2 at half the device time a chunk: the short session's one chunk (10 ms, alone), then the long
+    one's four in two groups of 10 ms; the second was in flight when both came back (76 ms), so they join at 81."""
+    grouped = _reader_run("shortest", True, group=2, saving=0.5)
+    assert [t.reader_behind_tokens for t in grouped.turns[2:]] == [0, 1]
+    polled = _reader_run("shortest", False)  # nothing read in the gap: the turns join when they come
+    assert grouped.turns[2].ttft_s == pytest.approx(polled.turns[2].ttft_s + 0.005)
+    assert grouped.reader_chunks == 5 and grouped.reader_device_ms == pytest.approx(10.0 + 2 * 10.0)
