@@ -103,7 +103,7 @@ READER_POLICIES: list[tuple[str, str, dict]] = [
     ("reader_shortest_woken", "the shortest backlog first, woken (the defaults since 2026-12-04)",
      {"read_order": "shortest", "idle_wake": True}),
     ("reader_shortest_woken_group4", "the defaults, the idle window reading chunk groups of up to 4 "
-                                     "(QSE_SHADOW_IDLE_GROUP=4; --reader-group-saving)",
+                                     "(QSE_SHADOW_IDLE_GROUP=4; a chunk's share in a group: read_model.group_share)",
      {"read_order": "shortest", "idle_wake": True, "idle_group": 4}),
 ]
 
@@ -165,9 +165,6 @@ def main(argv: list[str] | None = None) -> int:
                         "agents_live-pdl-2026-12-04-h200's server log)")
     p.add_argument("--reader-host-ms", type=float, default=1.13,
                    help="the host's ms around each reader chunk (the same log: idle bursts' wall less device time)")
-    p.add_argument("--reader-group-saving", type=float, default=0.10,
-                   help="the share of a chunk's device time a group of several saves (an assumption: the bulk reads' "
-                        "groups measured 12-17 %% on the 0.8B, 2026-11-29; groups of 4 in the idle window not measured)")
     p.add_argument("--trace", type=Path, default=None,
                    help="the run's trace (default: its options' path): the ids each prompt keeps of its session's")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="a dir, or a file ending .json")
@@ -209,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(rows[-1]))
     reader_points = tuple((int(c), float(ms)) for c, ms in (pair.split(":") for pair in args.reader_points.split(",")))
     reader = ReaderCost(ReadModel(reader_points, grid=default.grid, source=f"--reader-points {args.reader_points}"),
-                        args.reader_host_ms, args.reader_group_saving)
+                        args.reader_host_ms)
     for name, what, changes in READER_POLICIES:
         rows.append({"policy": name, "what": what, "changes": changes,
                      **replay(records, dataclasses.replace(default, **changes), model, decode, args.tail_ms, reader)})
@@ -221,8 +218,7 @@ def main(argv: list[str] | None = None) -> int:
               "device": "cpu (a replay: no timing of this machine enters the figures)",
               "versions": {"python": platform.python_version()}, "run": str(args.run), "phase": args.phase,
               "turns": len(records), "kept_from": "trace" if kept else "cached_tokens", "costs": {"chunk_points": points, "decode_ms": [base, per], "tail_ms": args.tail_ms,
-                                               "reader_points": reader_points, "reader_host_ms": args.reader_host_ms,
-                                               "reader_group_saving": args.reader_group_saving},
+                                               "reader_points": reader_points, "reader_host_ms": args.reader_host_ms},
               "live_measured": {"client": measured, "server": server, "reader": live_fresh}, "policies": rows}
     out = Path(args.out)
     if out.suffix != ".json":

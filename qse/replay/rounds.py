@@ -30,14 +30,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
 from qse.core.chunk_cost import ChunkCostEstimator
-from qse.core.drive import Stop
+from qse.core.drive import PlanDriver, Stop
 from qse.core.idle import SessionBacklog
 from qse.core.ledger import GpuLedger
-from qse.core.plan import group_size
+from qse.core.plan import Window, group_size, plan_read
 from qse.core.rounds import Prompt, RoundPlan, Running, chunks_before_tail
 from qse.core.scheduler import (Arrived, Busy, IdleOpened, IdlePoll, Nothing, OpenIdle, OpenTurn, ReadEnded, ReadPlan,
                                 RoundDue, Scheduler, TurnEnded)
-from qse.replay.read_model import ReadModel
+from qse.replay.read_model import ReadModel, group_share
 from qse.replay.usage import UsageRecord
 
 
@@ -54,25 +54,26 @@ class DecodeCost:
 
 @dataclass(frozen=True)
 class ReaderCost:
-    """The reader's chunk in the idle window: its device ms by context (`model`, at the reader's grid), the
-    host's ms around each launch (the launch, the readback: wall time the device does not see), and the share
-    of a chunk's device time a chunk group of several saves (the policy's idle_group; its chunks overlap)."""
+    """The reader's chunk in the idle window: its device ms by context (`model`, at the reader's grid; inside a
+    chunk group, the policy's idle_group, its share by read_model.group_share) and the host's ms around each
+    launch (the launch, the readback: wall time the device does not see)."""
 
     model: ReadModel
     host_ms: float = 0.0
-    group_saving: float = 0.0
 
 
 class _Reader:
-    """The reader's sessions on the virtual clock, read in the scheduler's idle window."""
+    """The reader's sessions on the virtual clock, read in the scheduler's idle window through the runtime's own
+    PlanDriver (as simulator.py reads one session)."""
 
     def __init__(self, cost: ReaderCost, sched: Scheduler, grid: int, group: int = 1):
-        self.cost, self.sched, self.grid, self.group = cost, sched, grid, max(1, group)
+        self.cost, self.sched, self.grid, self.group = cost, sched, grid, group
         self.estimator = ChunkCostEstimator(cost.model.ms_per_chunk(0, grid))
         self.sessions: dict[str, list[int]] = {}  # session -> [ids known, rows read]
         self.prompt_lines: dict[str, int] = {}  # session -> its prompt end's grid line (a group ends there)
         self.unread_since: dict[str, float] = {}
         self.first_look_s: float | None = None  # the idle window's first look once the engine is free
+        self.now = 0.0  # the virtual clock while the window reads
         self.chunks = 0
         self.device_ms = 0.0
 
@@ -106,48 +107,63 @@ class _Reader:
         action = self.sched.on(TurnEnded(now, f"t{turn_no}"))
         self.first_look_s = action.until if isinstance(action, Nothing) else now
 
+    def launch(self, sid: str, row: int, chunks: int) -> tuple[float, int]:
+        """One launch of `sid` from `row` (the pipe's): a chunk, or a group as the reader forms it (a power of
+        two up to `chunks`, ending at the prompt's line); the clock moves by its device and host time."""
+        count = group_size(row, chunks, self.grid, {self.prompt_lines[sid]}) if chunks > 1 else 1
+        share = group_share(count)
+        ms = sum(self.cost.model.ms_per_chunk(row + i * self.grid, self.grid) * share for i in range(count))
+        self.now += (ms + self.cost.host_ms) / 1000
+        self.chunks += count
+        self.device_ms += ms
+        return ms, count
+
     def idle(self, free_s: float, until_s: float) -> float:
         """Read from the window's first look after `free_s` while no turn joins (`until_s`, inf: none will);
-        returns when the engine is free again (the chunk in flight at `until_s` ends first)."""
-        t = free_s if self.first_look_s is None else max(free_s, self.first_look_s)
+        returns when the engine is free again (the launch in flight at `until_s` ends first)."""
+        self.now = free_s if self.first_look_s is None else max(free_s, self.first_look_s)
         held = free_s
-        while t < until_s:
+        driver = PlanDriver(estimator=self.estimator, ledger=self.sched.ledger, clock=lambda: self.now)
+        while self.now < until_s:
             backlogs = self.backlogs()
-            action = self.sched.on(IdlePoll(t, Busy(), bool(backlogs)))
+            action = self.sched.on(IdlePoll(self.now, Busy(), bool(backlogs)))
             if not isinstance(action, OpenIdle):
                 break  # nothing to read: nothing changes before a turn joins
-            action = self.sched.on(IdleOpened(t, backlogs))
+            action = self.sched.on(IdleOpened(self.now, backlogs))
             while isinstance(action, ReadPlan):
-                sid, decision = action.session_id, action.decision
+                sid = action.session_id
                 known, read = self.sessions[sid]
+                plan = plan_read(Window.IDLE, session_id=sid, turn_id=None, committed_rows=read,
+                                 prompt_tokens=self.prompt_lines[sid], known_tokens=known, grid=self.grid,
+                                 budget_ms=action.budget_ms(self.now), first_chunk_est_ms=self.estimator.estimate_ms(read),
+                                 group=self.group)
                 stop = Stop.BACKLOG
-                while read + self.grid <= known:
-                    waiting = t >= until_s
-                    # a launch: a chunk group as the reader forms it (a power of two, ending at the prompt's line),
-                    # admitted at the sum of its chunks' estimates, as the driver admits one
-                    count = group_size(read, min(self.group, (known - read) // self.grid), self.grid,
-                                       {self.prompt_lines.get(sid, 0)})
-                    est = sum(self.estimator.estimate_ms(read + i * self.grid) for i in range(count))
-                    if not decision.may_read_next(t, waiting, est):
-                        stop = Stop.WAITING if waiting else Stop.BUDGET
-                        break
-                    ms = sum(self.cost.model.ms_per_chunk(read + i * self.grid, self.grid) for i in range(count))
-                    if count > 1:
-                        ms *= 1.0 - self.cost.group_saving
-                    else:  # (a group's time teaches the estimator nothing: its unit is a chunk alone)
-                        self.estimator.observe(read, ms)
-                    t += (ms + self.cost.host_ms) / 1000
-                    decision.note_chunk(ms)
-                    read += count * self.grid
-                    self.chunks += count
-                    self.device_ms += ms
-                self.sessions[sid][1] = read
-                self._note(sid, t)
-                held = max(held, t)
-                action = self.sched.on(ReadEnded(t, stop, self.backlogs()))
-            t = action.until if isinstance(action, Nothing) and action.until is not None else until_s
+                if plan is not None:
+                    res = driver.run(plan, action.decision, _ReaderPipe(self, sid),
+                                     request_waiting=lambda: self.now >= until_s)
+                    self.sessions[sid][1], stop = res.end_row, res.stop
+                self._note(sid, self.now)
+                held = max(held, self.now)
+                action = self.sched.on(ReadEnded(self.now, stop, self.backlogs()))
+            self.now = action.until if isinstance(action, Nothing) and action.until is not None else until_s
         self.first_look_s = None
         return held
+
+
+class _ReaderPipe:
+    """PlanDriver's chunks of one session on the virtual clock (each launch read, and timed, at once)."""
+
+    can_group = True
+    reads_at_launch = True
+
+    def __init__(self, reader: _Reader, session_id: str):
+        self.reader, self.session_id = reader, session_id
+
+    def launch(self, row: int, chunks: int) -> tuple[float, int]:
+        return self.reader.launch(self.session_id, row, chunks)
+
+    def finish(self, handle: float) -> float:
+        return handle
 
 
 @dataclass

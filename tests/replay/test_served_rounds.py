@@ -3,7 +3,7 @@
 import pytest
 
 from qse.policy import Policy
-from qse.replay.read_model import ReadModel
+from qse.replay.read_model import ReadModel, group_share
 from qse.replay.rounds import DecodeCost, ReaderCost, simulate_rounds
 from qse.replay.usage import UsageRecord
 
@@ -160,7 +160,7 @@ def test_a_tails_fixed_cost_is_charged_once_a_tail():
     assert fixed.turns[0].ttft_s == pytest.approx(0.028)
 
 
-def _reader_run(order: str, wake: bool, group: int = 1, saving: float = 0.0):
+def _reader_run(order: str, wake: bool, group: int = 1):
     """Two sessions' first turns end together at 51 ms (long: 4 chunks of prompt, short: 1), and both come back
     25 ms later: the idle window has room for two and a half of the reader's 10 ms chunks."""
     first = [rec("long", 0.0, 4 * GRID, 1), rec("short", 0.001, GRID + 1, 1)]
@@ -171,7 +171,7 @@ def _reader_run(order: str, wake: bool, group: int = 1, saving: float = 0.0):
     pol = Policy(max_running=2, round_token_budget=GRID, served_grid=GRID, grid=GRID, launch_ahead=False,
                  read_order=order, idle_wake=wake, idle_group=group)
     model = ReadModel.flat(1000.0, grid=GRID)
-    return simulate_rounds(first + follow, pol, model, DecodeCost(5.0), reader=ReaderCost(model, group_saving=saving))
+    return simulate_rounds(first + follow, pol, model, DecodeCost(5.0), reader=ReaderCost(model))
 
 
 def test_the_reader_reads_the_shortest_backlog_first_in_the_idle_window_and_a_turn_waits_for_its_chunk():
@@ -195,11 +195,14 @@ def test_on_its_poll_the_idle_window_reads_nothing_between_turns_that_come_back_
     assert polled.reader_device_ms == pytest.approx(5 * 10.0)  # all of it after the last turn
 
 
-def test_chunk_groups_read_more_of_the_window_and_a_joining_turn_waits_for_the_group_in_flight():
-    """Groups of 2 at half the device time a chunk: the short session's one chunk (10 ms, alone), then the long
-    one's four in two groups of 10 ms; the second was in flight when both came back (76 ms), so they join at 81."""
-    grouped = _reader_run("shortest", True, group=2, saving=0.5)
-    assert [t.reader_behind_tokens for t in grouped.turns[2:]] == [0, 1]
-    polled = _reader_run("shortest", False)  # nothing read in the gap: the turns join when they come
-    assert grouped.turns[2].ttft_s == pytest.approx(polled.turns[2].ttft_s + 0.005)
-    assert grouped.reader_chunks == 5 and grouped.reader_device_ms == pytest.approx(10.0 + 2 * 10.0)
+def test_chunk_groups_read_as_the_reader_forms_them_and_a_joining_turn_waits_for_the_group_in_flight():
+    """Groups of 2 (a chunk's share in a group: group_share(2)): the short session's one chunk (10 ms, alone), then
+    a group of the long one's first two, in flight when both sessions come back (76 ms): they join at its end,
+    before the second of two single chunks would have ended (81 ms); what is left is read after the last turn."""
+    grouped, single = _reader_run("shortest", True, group=2), _reader_run("shortest", True)
+    pair_ms = 2 * 10.0 * group_share(2)
+    assert [t.reader_behind_tokens for t in grouped.turns[2:]] == [2 * GRID, 1] == \
+        [t.reader_behind_tokens for t in single.turns[2:]]
+    joined = 0.051 + (10.0 + pair_ms) / 1000
+    assert grouped.turns[2].ttft_s == pytest.approx(single.turns[2].ttft_s - (0.081 - joined))
+    assert grouped.reader_chunks == 5 and grouped.reader_device_ms == pytest.approx(10.0 + 2 * pair_ms)
