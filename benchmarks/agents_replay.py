@@ -99,7 +99,8 @@ READER_POLICIES: list[tuple[str, str, dict]] = [
                              "0.2 s poll", {"read_order": "oldest", "idle_wake": False}),
     ("reader_oldest_woken", "the oldest first; the window looks the moment the engine is free",
      {"read_order": "oldest", "idle_wake": True}),
-    ("reader_shortest_polled", "the shortest backlog first; on its poll", {"read_order": "shortest", "idle_wake": False}),
+    ("reader_shortest_polled", "the shortest backlog first; on its poll",
+     {"read_order": "shortest", "idle_wake": False}),
     ("reader_shortest_woken", "the shortest backlog first, woken (the defaults since 2026-12-04)",
      {"read_order": "shortest", "idle_wake": True}),
     ("reader_shortest_woken_group4", "the defaults, the idle window reading chunk groups of up to 4 "
@@ -217,8 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": shlex.join([sys.executable, *sys.argv]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
               "device": "cpu (a replay: no timing of this machine enters the figures)",
               "versions": {"python": platform.python_version()}, "run": str(args.run), "phase": args.phase,
-              "turns": len(records), "kept_from": "trace" if kept else "cached_tokens", "costs": {"chunk_points": points, "decode_ms": [base, per], "tail_ms": args.tail_ms,
-                                               "reader_points": reader_points, "reader_host_ms": args.reader_host_ms},
+              "turns": len(records), "kept_from": "trace" if kept else "cached_tokens",
+              "costs": {"chunk_points": points, "decode_ms": [base, per], "tail_ms": args.tail_ms,
+                        "reader_points": reader_points, "reader_host_ms": args.reader_host_ms},
               "live_measured": {"client": measured, "server": server, "reader": live_fresh}, "policies": rows}
     out = Path(args.out)
     if out.suffix != ".json":

@@ -90,12 +90,13 @@ READ_ORDERS = ("shortest", "oldest")  # QSE_SHADOW_READ_ORDER
 def idle_read_order(backlog: SessionBacklog, now: float, order: str = "shortest") -> tuple:
     """Sort key of the sessions the reader may read next (the idle window's and the busy share's).
 
-    "oldest" (the order until 2026-12-04): the oldest unread chunk first. "shortest": fewest unread chunks first, ties oldest first (then by id, in the caller's key): a turn start finds its
-    session fresh or not, so reading the shortest backlog first makes the most sessions fresh at every moment
-    (oldest first, a short idle window after a burst of first prompts read one long session while shorter ones
-    went stale, benchmarks/NOTES.md). A session whose oldest unread chunk has waited READ_OVERDUE_S goes before every
-    one that has not (overdue ones oldest first), so short backlogs that keep coming never starve a long one.
-    Both use only what is known now; ordering sessions by when they will be asked is not a policy qse may use.
+    "oldest" (the order until 2026-12-04): the oldest unread chunk first. "shortest": the fewest unread chunks
+    first, ties oldest first (then by id, in the caller's key). A turn start finds its session fresh or not, so
+    reading the shortest backlog first makes the most sessions fresh at every moment (oldest first, a short idle
+    window after a burst of first prompts read one long session while shorter ones went stale,
+    benchmarks/NOTES.md). A session whose oldest unread chunk has waited READ_OVERDUE_S goes before every one
+    that has not (overdue ones oldest first), so short backlogs that keep coming never starve a long one. Both
+    use only what is known now; ordering sessions by when they will be asked is not a policy qse may use.
     """
     if order == "oldest" or now - backlog.unread_since_s >= READ_OVERDUE_S:
         return (0, backlog.unread_since_s, 0)

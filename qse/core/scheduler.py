@@ -82,8 +82,9 @@ class RoundDue:
 @dataclass(frozen=True)
 class RoundEnded:
     """A round ended: the reader's slice of the turn that got its first token first may open, else the busy
-    share's slice of the session in `backlogs` that comes first in `idle_read_order`: the sessions with no turn open (the
-    caller gathers them only when `Scheduler.busy_may_open` says a slice is earned: a walk over the sessions)."""
+    share's slice of the session in `backlogs` that comes first in `idle_read_order`: the sessions with no turn
+    open (the caller gathers them only when `Scheduler.busy_may_open` says a slice is earned: a walk over the
+    sessions)."""
 
     now: float
     turns: Sequence[SliceView]

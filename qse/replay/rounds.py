@@ -14,9 +14,10 @@ the sessions' whole chunks in its order (QSE_SHADOW_READ_ORDER), from its first 
 comes free with QSE_SHADOW_IDLE_WAKE, else its poll lattice) until a turn joins; that turn waits for the chunk in
 flight. Each follow-up's start says how far behind the reader was (its freshness). Not modelled: the reader's
 slices between rounds (the per-session replay in simulator.py has them; under many agents' short turns they
-are a small share). With `launch_ahead` (the conductor's, where every
-running turn samples on the device) a round's ids come back with the next round, so a turn holds its slot one
-round past its last decode, as in the server.
+are a small share).
+
+With `launch_ahead` (the conductor's, where every running turn samples on the device) a round's ids come back
+with the next round, so a turn holds its slot one round past its last decode, as in the server.
 
 Rounds that only decode the same turns, with nothing waiting or being read, are the same decision each time:
 they are run as one stretch up to the next arrival or the first turn's last id (a replay of a day of traffic has
@@ -135,8 +136,8 @@ class _Reader:
                 known, read = self.sessions[sid]
                 plan = plan_read(Window.IDLE, session_id=sid, turn_id=None, committed_rows=read,
                                  prompt_tokens=self.prompt_lines[sid], known_tokens=known, grid=self.grid,
-                                 budget_ms=action.budget_ms(self.now), first_chunk_est_ms=self.estimator.estimate_ms(read),
-                                 group=self.group)
+                                 budget_ms=action.budget_ms(self.now),
+                                 first_chunk_est_ms=self.estimator.estimate_ms(read), group=self.group)
                 stop = Stop.BACKLOG
                 if plan is not None:
                     res = driver.run(plan, action.decision, _ReaderPipe(self, sid),
@@ -252,8 +253,7 @@ def simulate_rounds(records: Iterable[UsageRecord], policy, read_model: ReadMode
     tail_ms: a tail's fixed cost on top of its rows' share of a chunk (the served model reads its tail outside
     the chunks' graphs, so a tail of a few ids costs about as much as one of a few hundred). reader: the reader's
     idle window too (the module's docstring; the policy's grid, read_order, idle_wake, idle_poll_s, idle_burst_s,
-    idle_group);
-    a record's shared_prefix_tokens are the ids it keeps of its session's before it."""
+    idle_group); a record's shared_prefix_tokens are then the ids it keeps of its session's before it."""
     # the rounds need neither the estimator nor the ledger (they are the reader's)
     sched = Scheduler(policy, ChunkCostEstimator(policy.chunk_prior_ms), GpuLedger())
     planner, grid, launch_ahead = sched.rounds, policy.served_grid, policy.launch_ahead

@@ -2,8 +2,9 @@
 
 Between two rounds the scheduler may open the oldest running turn's ration, the busy share's slice (a session
 with no turn open) or the narrator's; when nothing runs or waits, the idle window reads bursts of the sessions'
-unread chunks, the shortest backlog first (qse/core/idle.py: idle_read_order). Each is carried out chunk by chunk on the reader's thread (`ChunkRunner`), every chunk charged to
-the ledger. A mixin of `Conductor`: the sessions and the ledger are the conductor's.
+unread chunks, the shortest backlog first (qse/core/idle.py: idle_read_order). Each is carried out chunk by
+chunk on the reader's thread (`ChunkRunner`), every chunk charged to the ledger. A mixin of `Conductor`: the
+sessions and the ledger are the conductor's.
 """
 
 from __future__ import annotations
