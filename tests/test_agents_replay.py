@@ -46,3 +46,25 @@ def test_replays_an_agents_run_under_each_policy(tmp_path):
         row = rows[name]
         assert row["turn_starts"] == 6 and 0 <= row["fresh_share"] <= 1 and row["reader_chunks"] > 0
         assert len(row["stale"]) == round((1 - row["fresh_share"]) * 6)
+
+
+def test_the_ids_each_prompt_keeps_come_from_the_runs_own_trace():
+    """kept_prefixes rebuilds the client's plan from the trace the run names: each follow-up keeps its previous
+    prompt (its output ids are not the trace's), and where the trace re-renders a session the prompt keeps only
+    its head. The 12-04 run's server measured agent 5's turn 1 14,656 ids behind a reader that had read nothing
+    of it: the head the trace keeps there."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.agents_replay import kept_prefixes, records_of
+    from conftest import shared_path
+
+    run = json.loads((ROOT / "benchmarks/results/agents_live-pdl-2026-12-04-h200.json").read_text())
+    kept = kept_prefixes(run, shared_path("data", "traces", "weka_cc_sessions_dev.csv"))
+    detail = {(t["agent"], t["turn"]): t for t in run["agents"]["turns_detail"]}
+    assert set(kept) == set(detail)
+    assert all(kept[(a, 0)] == 0 for a in range(8))
+    assert kept[(0, 1)] == detail[(0, 0)]["prompt_tokens"] == 15161
+    assert kept[(5, 1)] == detail[(5, 1)]["reader_behind_tokens"] == 14656
+    records = records_of(run, "agents", kept)
+    assert [r.shared_prefix_tokens for r in records] == [kept[(t["agent"], t["turn"])] for t in
+                                                         run["agents"]["turns_detail"]]
+    assert kept_prefixes(run, ROOT / "no-such-trace.csv") == {}
