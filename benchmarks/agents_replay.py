@@ -122,12 +122,16 @@ def figures(ttfts: list[tuple[bool, float]]) -> dict:
 
 def replay(records: list[UsageRecord], policy: Policy, model: ReadModel, decode: DecodeCost,
            tail_ms: float, reader: ReaderCost | None = None) -> dict:
-    sim = simulate_rounds(records, policy, model, decode, keep_plans=False, tail_ms=tail_ms, reader=reader)
+    sim = simulate_rounds(records, policy, model, decode, keep_plans=False, tail_ms=tail_ms, reader=reader,
+                          keep_gaps=True)
     ttfts = [(t.record.cached_tokens > 0 or t.record.shared_prefix_tokens > 0, t.ttft_s)
              for t in sim.turns if t.ttft_s is not None]
     out = figures(ttfts)
     span = max(t.end_s for t in sim.turns) - min(t.record.arrival_s for t in sim.turns)
-    out.update(num_rounds=sim.num_rounds, output_tokens_per_s=round(sum(t.ids for t in sim.turns) / span, 1))
+    gaps = sorted(sim.itl_s)
+    out.update(num_rounds=sim.num_rounds, output_tokens_per_s=round(sum(t.ids for t in sim.turns) / span, 1),
+               itl_ms={f"p{round(q * 100)}": round(nearest_rank(gaps, q) * 1e3, 1) for q in (0.5, 0.9, 0.99)}
+               | {"max": round(gaps[-1] * 1e3, 1)} if gaps else None)
     if reader is not None:
         out.update(freshness([(t.record.session, t.reader_behind_tokens) for t in sim.turns], policy.grid),
                    reader_chunks=sim.reader_chunks, reader_device_s=round(sim.reader_device_ms / 1000, 3))

@@ -184,6 +184,7 @@ class ServedTurn:
     in_flight: int = 0  # ids of a round launched ahead, not back yet
     last_round_s: float = float("-inf")  # its last round's start, or its first token (the decode yield)
     reader_behind_tokens: int | None = None  # with a reader: its ids unread at the turn's start (None: a first turn)
+    last_id_s: float | None = None  # when its last id came back (the inter-token gaps)
 
     @property
     def ttft_s(self) -> float | None:
@@ -214,6 +215,8 @@ class RoundsResult:
     num_rounds: int = 0
     reader_chunks: int = 0  # with a reader: the chunks its idle windows read, and their device ms
     reader_device_ms: float = 0.0
+    # with keep_gaps: every gap between two ids of a turn (s), its first token's to its second's included
+    itl_s: list[float] = field(default_factory=list)
 
     def report(self) -> dict:
         return {"num_rounds": self.num_rounds,
@@ -246,14 +249,16 @@ class _Views:
 
 
 def simulate_rounds(records: Iterable[UsageRecord], policy, read_model: ReadModel, decode: DecodeCost,
-                    keep_plans: bool = True, tail_ms: float = 0.0, reader: ReaderCost | None = None) -> RoundsResult:
+                    keep_plans: bool = True, tail_ms: float = 0.0, reader: ReaderCost | None = None,
+                    keep_gaps: bool = False) -> RoundsResult:
     """Replay `records` (in arrival order; a record's `cached_tokens` whole grid chunks are taken as reused)
     through the scheduler's rounds as `policy` (qse.policy.Policy: max_running, round_token_budget, served_grid,
     launch_ahead, decode_yield_ms) sets them. Turn keys in the plans are the records' indices in arrival order.
     tail_ms: a tail's fixed cost on top of its rows' share of a chunk (the served model reads its tail outside
     the chunks' graphs, so a tail of a few ids costs about as much as one of a few hundred). reader: the reader's
     idle window too (the module's docstring; the policy's grid, read_order, idle_wake, idle_poll_s, idle_burst_s,
-    idle_group); a record's shared_prefix_tokens are then the ids it keeps of its session's before it."""
+    idle_group); a record's shared_prefix_tokens are then the ids it keeps of its session's before it. keep_gaps:
+    the inter-token gaps too (RoundsResult.itl_s: what a decode yield costs the streams)."""
     # the rounds need neither the estimator nor the ledger (they are the reader's)
     sched = Scheduler(policy, ChunkCostEstimator(policy.chunk_prior_ms), GpuLedger())
     planner, grid, launch_ahead = sched.rounds, policy.served_grid, policy.launch_ahead
@@ -293,6 +298,17 @@ def simulate_rounds(records: Iterable[UsageRecord], policy, read_model: ReadMode
         if keep_plans:
             result.plans.append((now, plan))
 
+    def came(i: int, at: float, count: int = 1, every_s: float = 0.0) -> None:
+        """`count` ids of turn i were decoded, the last by `at`, `every_s` apart (a stretch of equal rounds): a
+        launched-ahead round's ids are read back as the next one runs, so they reach the stream at its end too."""
+        t = turns[i]
+        if keep_gaps and t.last_id_s is not None and count > 0:
+            first = at - (count - 1) * every_s
+            result.itl_s.append(first - t.last_id_s)
+            result.itl_s.extend([every_s] * (count - 1))
+        if count > 0:
+            t.last_id_s = at
+
     while ready or waiting or reading or running:  # (a turn with an id in flight is still running)
         while ready and ready[0][0] <= now:
             waiting.append(heapq.heappop(ready)[1])
@@ -331,6 +347,7 @@ def simulate_rounds(records: Iterable[UsageRecord], policy, read_model: ReadMode
                     t.ids, t.in_flight = t.ids + t.in_flight + done - 1, 1
                 else:
                     t.ids += done
+                came(i, now, done, cost_ms / 1000)
             continue
         for i in plan.decode:
             turns[i].last_round_s = now
@@ -350,7 +367,7 @@ def simulate_rounds(records: Iterable[UsageRecord], policy, read_model: ReadMode
             t.chunks_left -= read.chunks
             if read.tail:
                 t.first_token_s, t.ids, t.unread_tokens = now, 1, 0
-                t.last_round_s = now
+                t.last_round_s, t.last_id_s = now, now
                 reading.remove(read.key)
                 running.append(read.key)
                 for j in planner.overtaken(prompt(read.key), _Views(waiting + reading, prompt)):
@@ -359,6 +376,7 @@ def simulate_rounds(records: Iterable[UsageRecord], policy, read_model: ReadMode
             turns[i].ids += turns[i].in_flight
             turns[i].in_flight = 0
         for i in plan.decode:
+            came(i, now)
             if launch_ahead:
                 turns[i].in_flight = 1
             else:

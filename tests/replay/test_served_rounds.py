@@ -206,3 +206,21 @@ def test_chunk_groups_read_as_the_reader_forms_them_and_a_joining_turn_waits_for
     joined = 0.051 + (10.0 + pair_ms) / 1000
     assert grouped.turns[2].ttft_s == pytest.approx(single.turns[2].ttft_s - (0.081 - joined))
     assert grouped.reader_chunks == 5 and grouped.reader_device_ms == pytest.approx(10.0 + 2 * pair_ms)
+
+
+@pytest.mark.parametrize("launch_ahead", [False, True], ids=["plain", "ahead"])
+def test_the_gaps_between_a_streams_ids_show_what_a_decode_yield_costs_it(launch_ahead):
+    """a decodes 20 ids (5 ms rounds); b's prompt (3 chunks of 10 ms and a 1-id tail) comes at 30 ms. Every round
+    decodes a: its gaps are 15 ms while b's chunks are read beside it, 6 ms at the tail. With a yield a sits out
+    b's prompt rounds: one 36 ms gap, and b's first token comes 20 ms sooner. Either way a has 19 gaps."""
+    recs, model = [rec("a", 0.0, 5, 20), rec("b", 0.03, 3 * GRID + 1, 1)], ReadModel.flat(1000.0, grid=GRID)
+    runs = {y: simulate_rounds(recs, Policy(max_running=2, round_token_budget=GRID, served_grid=GRID,
+                                            launch_ahead=launch_ahead, decode_yield_ms=y),
+                               model, DecodeCost(5.0), keep_gaps=True) for y in (0.0, 1000.0)}
+    plain, yielded = runs[0.0], runs[1000.0]
+    assert len(plain.itl_s) == len(yielded.itl_s) == 19
+    assert plain.itl_s[5:9] == pytest.approx([0.015, 0.015, 0.015, 0.006])
+    assert max(yielded.itl_s) == pytest.approx(0.036) and sorted(yielded.itl_s)[:-1] == pytest.approx([0.005] * 18)
+    assert plain.turns[1].ttft_s == pytest.approx(0.051) and yielded.turns[1].ttft_s == pytest.approx(0.031)
+    assert simulate_rounds(recs, Policy(max_running=2, round_token_budget=GRID, served_grid=GRID), model,
+                           DecodeCost(5.0)).itl_s == []  # kept only when asked
