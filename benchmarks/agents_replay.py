@@ -53,9 +53,9 @@ POLICIES: list[tuple[str, str, dict]] = [
     ("yield_50ms", "the same within 50 ms", {"decode_yield_ms": 50.0}),
     ("yield_100ms", "the same within 100 ms", {"decode_yield_ms": 100.0}),
     ("budget_4096_yield_50ms", "both", {"round_token_budget": 4096, "decode_yield_ms": 50.0}),
-    *[(f"budget_1024_yield_{y}ms", f"a round reads 2 pieces; running turns sit out prompt rounds while each decoded "
-                                   f"within {y} ms", {"round_token_budget": 1024, "decode_yield_ms": float(y)})
-      for y in (100, 200, 400)],
+    *[(f"budget_{b}_yield_{y}ms", f"a round reads {b // 512} piece(s); running turns sit out prompt rounds while each "
+                                  f"decoded within {y} ms", {"round_token_budget": b, "decode_yield_ms": float(y)})
+      for b, y in ((512, 50), (512, 100), (512, 150), (1024, 100), (1024, 200), (1024, 400))],
 ]
 
 
