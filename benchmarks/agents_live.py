@@ -258,6 +258,33 @@ def server_timeline(log_path: Path) -> dict[str, dict]:
     return out
 
 
+def reader_reads(log_path: Path) -> dict | None:
+    """The reader's idle-window reads on the server (its reader_read events): how many, their chunks and device
+    time, and the host's time around them (hop to its thread and back, before the first launch, after the last
+    readback), the fixed cost a session switch pays while the device idles; None when the log has none."""
+    import json as _json
+
+    reads = []
+    for line in log_path.read_text().splitlines():
+        if line.startswith("{") and '"reader_read"' in line:
+            try:
+                ev = _json.loads(line)
+            except ValueError:
+                continue
+            if ev.get("event") == "reader_read" and ev.get("window") == "idle":
+                reads.append(ev)
+    if not reads:
+        return None
+    fixed = [r["hop_ms"] + r["setup_ms"] + r["drain_ms"] + r["back_ms"] for r in reads]
+    chunks = sum(r["chunks"] for r in reads)
+    device = sum(r["gpu_ms"] for r in reads)
+    between = sum(r["chunks_ms"] for r in reads) - device  # the host's gaps between a read's own chunks
+    return {"reads": len(reads), "chunks": chunks, "device_ms": round(device, 1),
+            "fixed_ms_a_read": dist(fixed), "setup_ms": dist([r["setup_ms"] for r in reads]),
+            "drain_ms": dist([r["drain_ms"] for r in reads]), "hop_ms": dist([r["hop_ms"] for r in reads]),
+            "gaps_ms_a_chunk": round(between / chunks, 3) if chunks else None}
+
+
 def timeline_summary(turns: list[dict]) -> dict:
     """Where the follow-ups' TTFT went, p50 / p90 of each station (s): the client's send to the conductor's
     arrival (HTTP, render, session), waiting to open, open to the first token."""
@@ -551,6 +578,7 @@ def run_once(args: argparse.Namespace, out_dir: Path, log_name: str = "agents_li
                 for t in result[name]["turns_detail"]:
                     t.update(stations.get(t["request_id"], {}))
                 result[name]["followup_stations"] = timeline_summary(result[name]["turns_detail"])
+        result["reader_reads"] = reader_reads(Path(log_file))
     return result, rc, log_path
 
 

@@ -142,6 +142,10 @@ def test_agents_live_drives_a_real_server_through_the_openai_client(tmp_path, ca
         assert server["prefix_cache_query_tokens"] == sum(t["prompt_tokens"] for t in detail), name
         assert server["prefix_cache_hit_tokens"] == sum(t["cached_tokens"] for t in detail), name
         assert server["device_ms"]["served_prefill"] > 0 and server["device_ms"]["served_decode"] >= 0
+    # the reader's idle reads, from the server's log: each a session's chunks, and the host's time around them
+    reads = result["reader_reads"]
+    assert reads is not None and reads["reads"] >= 1 and reads["chunks"] >= reads["reads"] and reads["device_ms"] > 0
+    assert reads["fixed_ms_a_read"]["n"] == reads["reads"] and reads["gaps_ms_a_chunk"] is not None
     cold = result["cold"]
     assert cold["turns"] == 2 and cold["failed"] == [] and cold["cached_tokens"] == 0
     assert cold["server"]["prefix_cache_hit_tokens"] == 0

@@ -111,11 +111,32 @@ class QuestionGate:
 
 
 @dataclass
+class HostTimes:
+    """Where one read's host time went, on the reader's thread (perf_counter s): its entry, its first launch,
+    its last chunk read back, its exit. Between the first launch and the last readback the device works (less
+    the gaps the host leaves); before and after it does not: a read's fixed cost, paid at every session switch."""
+
+    entered: float
+    first_launch: float | None = None
+    last_finish: float | None = None
+    left: float | None = None
+
+    def ms(self) -> dict[str, float]:
+        """setup (entry to first launch), chunks (first launch to last readback), drain (last readback to exit)."""
+        left = self.left if self.left is not None else self.entered
+        first = self.first_launch if self.first_launch is not None else left
+        last = self.last_finish if self.last_finish is not None else first
+        return {"setup_ms": round((first - self.entered) * 1e3, 3), "chunks_ms": round((last - first) * 1e3, 3),
+                "drain_ms": round((left - last) * 1e3, 3)}
+
+
+@dataclass
 class ReadOutcome:
     plan: ReaderPlan
     result: DriveResult
     reports: list[ChunkReport] = field(default_factory=list)  # one a chunk read, in order
     is_at_question: bool = False  # stopped before the chunk that passes a pending question
+    host: HostTimes | None = None
 
 
 class ChunkRunner:
@@ -168,6 +189,7 @@ class ChunkRunner:
         `known`: a running turn's ids; what the session does not hold yet (the served output so far) is learnt
         first (`learn`). `prompt_tokens` marks where the prompt ends (prompt chunks first, then output; logs only).
         """
+        host = HostTimes(time.perf_counter())
         reader = self.reader
         session = reader.get(session_id)
         if known is not None:
@@ -190,8 +212,10 @@ class ChunkRunner:
         gate = QuestionGate(decision, plan.start_row, plan.grid, question_rows)
         reports: list[ChunkReport] = []
 
-        result = self.driver.run(plan, gate, _SessionPipe(reader, session_id, reports), request_waiting=request_waiting)
-        return ReadOutcome(plan, result, reports, gate.is_at_question)
+        result = self.driver.run(plan, gate, _SessionPipe(reader, session_id, reports, host),
+                                 request_waiting=request_waiting)
+        host.left = time.perf_counter()
+        return ReadOutcome(plan, result, reports, gate.is_at_question, host)
 
 
 class _SessionPipe:
@@ -201,13 +225,17 @@ class _SessionPipe:
     can_group = True
     reads_at_launch = False
 
-    def __init__(self, reader: ShadowReader, session_id: str, reports: list[ChunkReport]):
+    def __init__(self, reader: ShadowReader, session_id: str, reports: list[ChunkReport],
+                 host: HostTimes | None = None):
         self.reader = reader
         self.session_id = session_id
         self.reports = reports
+        self.host = host
 
     def launch(self, row: int, chunks: int) -> tuple[PendingChunk, int]:
         """Up to `chunks` chunks from `row` in one launch (the reader's chunk group); (handle, chunks read)."""
+        if self.host is not None and self.host.first_launch is None:
+            self.host.first_launch = time.perf_counter()
         pending = self.reader.launch_step(self.session_id, chunks)
         if pending is None or pending.start != row:
             got = None if pending is None else pending.start
@@ -219,4 +247,6 @@ class _SessionPipe:
     def finish(self, pending: PendingChunk) -> float:
         report = self.reader.finish_step(pending)
         self.reports.append(report)
+        if self.host is not None:
+            self.host.last_finish = time.perf_counter()
         return report.gpu_ms

@@ -10,6 +10,7 @@ sessions and the ledger are the conductor's.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import structlog
 
@@ -126,10 +127,12 @@ class ReaderWindows:
         while True:
             now = self.clock()
             left_us = decision.left_us(now) if isinstance(decision, IdleBurst) else decision.left_us
+            called = time.perf_counter()
             outcome: ReadOutcome | None = await self.reader_exec.run(
                 self.runner.run, window, session_id, turn_id, decision, budget_ms=left_us / 1000,
                 prompt_tokens=len(self._session_prompts.get(session_id, ())) or None, known=known,
                 question_rows=self.router.stop_rows(session_id), request_waiting=self._request_waiting)
+            back = time.perf_counter()
             if outcome is None:
                 self._note_backlog(session_id)
                 return num_chunks, None
@@ -138,6 +141,13 @@ class ReaderWindows:
             for report in outcome.reports:
                 log.info("chunk", window=window.value, session=session_id, position=report.position,
                          backlog=report.backlog, gpu_ms=round(report.gpu_ms, 3), chunks=report.chunks)
+            if outcome.host is not None and outcome.host.left is not None:
+                # one read's host time: the hop to the reader's thread and back, and what it did before its first
+                # launch and after its last readback (the device idles then: a session switch's cost)
+                log.info("reader_read", window=window.value, session=session_id, chunks=outcome.result.num_chunks,
+                         gpu_ms=round(outcome.result.gpu_us / 1000, 3),
+                         hop_ms=round((outcome.host.entered - called) * 1e3, 3),
+                         back_ms=round((back - outcome.host.left) * 1e3, 3), **outcome.host.ms())
             if outcome.result.stop is Stop.REFUSED:
                 log.error("chunk_not_recorded", window=window.value, session=session_id,
                           gpu_ms=outcome.reports[-1].gpu_ms if outcome.reports else None)

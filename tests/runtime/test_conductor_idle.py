@@ -119,6 +119,29 @@ async def test_without_the_wake_the_round_loop_leaves_the_idle_loop_asleep(make_
     assert "chunk" not in rig.probe.kinds()
 
 
+async def test_each_read_logs_where_its_host_time_went(make_rig):
+    """One reader_read event a session read: its chunks and device ms (the chunks' own), and its host time in
+    parts (the hop to the reader's thread and back, before the first launch, the chunks, after the last
+    readback): what a session switch costs the idle window."""
+    import structlog
+
+    rig = make_rig()
+    c, reader = rig.conductor, rig.reader
+    reader.feed("a", prompt_ids(GRID + 5))
+    c._note_backlog("a")
+    reader.feed("b", prompt_ids(2 * GRID, start=9000))
+    c._note_backlog("b")
+    with structlog.testing.capture_logs() as logs:
+        assert await c.idle_once() == 3
+    reads = [e for e in logs if e["event"] == "reader_read"]
+    chunks = [e for e in logs if e["event"] == "chunk"]
+    assert [(e["session"], e["chunks"]) for e in reads] == [("a", 1), ("b", 2)]
+    for read in reads:
+        assert read["gpu_ms"] == pytest.approx(sum(e["gpu_ms"] for e in chunks if e["session"] == read["session"]),
+                                               abs=1e-3)
+        assert all(read[k] >= 0 for k in ("hop_ms", "back_ms", "setup_ms", "chunks_ms", "drain_ms"))
+
+
 async def test_the_idle_loop_stops_with_the_conductor(make_rig):
     rig = make_rig(idle_poll_s=3600.0)
     c = rig.conductor
