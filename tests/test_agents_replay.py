@@ -55,10 +55,11 @@ def test_the_ids_each_prompt_keeps_come_from_the_runs_own_trace():
     of it: the head the trace keeps there."""
     sys.path.insert(0, str(ROOT))
     from benchmarks.agents_replay import kept_prefixes, records_of
-    from conftest import shared_path
 
+    trace = ROOT.parent / "shared" / "data" / "traces" / "weka_cc_sessions_dev.csv"
+    assert trace.is_file(), f"{trace} is not present (../shared is laid beside the checkout in CI)"
     run = json.loads((ROOT / "benchmarks/results/agents_live-pdl-2026-12-04-h200.json").read_text())
-    kept = kept_prefixes(run, shared_path("data", "traces", "weka_cc_sessions_dev.csv"))
+    kept = kept_prefixes(run, trace)
     detail = {(t["agent"], t["turn"]): t for t in run["agents"]["turns_detail"]}
     assert set(kept) == set(detail)
     assert all(kept[(a, 0)] == 0 for a in range(8))
