@@ -178,8 +178,9 @@ def sweep_knobs(tiny: bool) -> dict:
              "DOWN_BLOCK_N": ((16, 32, 64), "new_pairs", (1,) if tiny else SWEEP_TOKENS),
              # the K step: fewer, larger steps a program (16 of 128 for the gate_up's 2048-wide rows) shorten a
              # decode program's chain of dependent loads if that, not the bytes, bounds it
-             "GATE_UP_BLOCK_K": ((64, 128, 256), "new_pairs", (1,) if tiny else SWEEP_TOKENS),
-             "DOWN_BLOCK_K": ((64, 128, 256), "new_pairs", (1,) if tiny else SWEEP_TOKENS),
+             # (every path reads them: "new" picks pairs up to 8 tokens and the grouped path for a chunk)
+             "GATE_UP_BLOCK_K": ((64, 128, 256), "new", (1,) if tiny else (1, 8, 512)),
+             "DOWN_BLOCK_K": ((64, 128, 256), "new", (1,) if tiny else (1, 8, 512)),
              "NUM_WARPS": ((2, 4, 8), "new_pairs", (1,) if tiny else SWEEP_TOKENS)}
 
 
