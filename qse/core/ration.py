@@ -131,7 +131,7 @@ class BusyShare:
     that, while the idle window opens only when nothing runs or waits: a reader beside eight agents then reads
     almost nothing between their turns and is behind at their next ones. This share earns `share` of every
     microsecond of served device time (each turn's prefill and decode, from the ledger, with no delay) and is
-    spent between two rounds, a shortest slice at a time, on the session whose unread chunk has waited longest
+    spent between two rounds, a shortest slice at a time, on the session the reader's order puts first
     (`pick_idle_session`: usually one whose agent is thinking, and whose next turn wants it read). What the
     turns' rations spend between rounds counts against it too, so the two never add up: between rounds the
     reader spends at most the larger of the two.
