@@ -14,7 +14,8 @@ Nothing waits on the host and nothing but Triton kernels runs (a CUDA graph hold
     down     a program a token and BN columns: for r = 0..k-1 the pair's
              row through down_e, rounded, weighted and summed in fp32 in
              rank order, then the shared expert's, rounded once           _down_combine_kernel
-  pairs (small decode batches, PAIRS_MAX_TOKENS; T <= BLOCK_M), four launches: the direct gate_up, then
+  pairs (small decode batches, PAIRS_MAX_TOKENS; T <= BLOCK_M), four launches: the direct gate_up (or, with
+  PAIRS_ROUTE_FIRST, the route kernel and then a gate_up reading each pair's expert: five), then
     down     a program a pair and BN columns (the shared block: one more
              program), y [P, H] at the pair's row, its expert read from
              the ids the gate_up stored                                   _down_kernel, PAIRS
@@ -81,6 +82,10 @@ DIRECT_GATE_UP_STAGES = 3  # the direct gate_up (direct and pairs paths): (k + 1
 # 4 and 8 (grouped first from T = 32); the pairs down has (T * k + 1) * H / DOWN_BLOCK_N programs where the direct
 # one has T * H / DOWN_BLOCK_N
 PAIRS_MAX_TOKENS = 8
+# the pairs path's routing: inside the gate_up (each program routes its token from the logits before its first
+# weight load: one launch fewer), or first, by the route kernel (its programs then only load their pair's
+# expert id). The same bits; not yet measured (moe_block_bench --sweep --knobs PAIRS_ROUTE_FIRST)
+PAIRS_ROUTE_FIRST = False
 # the route kernel's warps: one warp reduces without a barrier (it changes no bits: the ranks are exact maxima,
 # the weights lane by lane)
 ROUTE_WARPS = 1
@@ -301,14 +306,18 @@ def _gate_up_kernel(
     num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap, stride_x, stride_we, stride_h, stride_l,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr,
     NT: tl.constexpr, DIRECT: tl.constexpr, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    PAIRS: tl.constexpr = 0,
 ):
     """h[pair] = silu(x_t @ gate_e^T) * (x_t @ up_e^T) for a tile's rows, BN columns of each, for NT column
     tiles one after another (each tile's K loop the same as alone: NT changes no bits, only how many programs
-    share one finding of the rows); the rows from _direct_rows (DIRECT) or _grouped_rows."""
+    share one finding of the rows); the rows from _direct_rows (DIRECT), _pair_rows (PAIRS: the pairs' experts
+    routed before, in ids_ptr) or _grouped_rows."""
     pdl.start(PDL)
     if DIRECT:
         e, m_m, pair, token = _direct_rows(logits_ptr, ids_ptr, wts_ptr, num_tokens, num_experts, stride_l, TOP_K,
                                            BM, BE, BR)
+    elif PAIRS:
+        e, m_m, pair, token = _pair_rows(ids_ptr, num_tokens, num_experts, TOP_K, BM)
     else:
         e, m_m, pair, token = _grouped_rows(order_ptr, counts_ptr, num_experts, num_tokens * TOP_K, num_shared, cap,
                                             TOP_K, BM, BE)
@@ -644,6 +653,27 @@ def _direct_gate_up(x, logits, gate_up, shared, top_k):
     return ids, weights, h
 
 
+def _routed_gate_up(x, logits, gate_up, shared, top_k):
+    """_direct_gate_up's results, routed first by _route_kernel (a program a token, the same _top_k) and then
+    read by a gate_up whose programs only load their pair's expert (PAIRS_ROUTE_FIRST): one launch more, and
+    no program waits on the routing's reductions before its first weight load."""
+    num_tokens, hidden = x.shape
+    num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    ws_gate_up = shared[0]
+    inter_s = ws_gate_up.shape[0] // 2
+    num_routed = num_tokens * top_k
+    ids, weights = _route(logits, num_experts, top_k, torch.int32)
+    ids, weights = ids.reshape(-1), weights.reshape(-1)
+    h = torch.empty(num_routed + num_tokens, max(inter, inter_s), dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(num_routed + 1, triton.cdiv(max(inter, inter_s), GATE_UP_BLOCK_N))](
+        x, gate_up, ws_gate_up, h, logits, ids, weights, ids, ids, num_tokens, num_tokens, num_experts, inter,
+        inter_s, hidden, 0, x.stride(0), gate_up.stride(0), h.stride(0), logits.stride(0),
+        BM=BLOCK_M, BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, NT=1, DIRECT=False, PAIRS=True,
+        num_stages=DIRECT_GATE_UP_STAGES, **_route_sizes(num_experts, top_k), **_dot_flags(x.dtype),
+        num_warps=NUM_WARPS)
+    return ids, weights, h
+
+
 def _direct(x, logits, gate_up, down, shared, top_k):
     """The direct path on x [T <= BLOCK_M, H] -> [T, H] (the module docstring); logits [T, E + 1]."""
     num_tokens, hidden = x.shape
@@ -666,7 +696,7 @@ def _pairs(x, logits, gate_up, down, shared, top_k, finish=None):
     num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
     ws_down = shared[1]
     inter_s = shared[0].shape[0] // 2
-    ids, weights, h = _direct_gate_up(x, logits, gate_up, shared, top_k)
+    ids, weights, h = (_routed_gate_up if PAIRS_ROUTE_FIRST else _direct_gate_up)(x, logits, gate_up, shared, top_k)
     num_routed = num_tokens * top_k
     y = torch.empty(num_routed + num_tokens, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(num_routed + 1, triton.cdiv(hidden, DOWN_BLOCK_N))](

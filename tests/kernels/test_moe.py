@@ -210,6 +210,19 @@ def test_the_three_paths_give_the_same_bits(device, dtype, num_tokens):
             assert torch.equal(moe.moe_block(x[t:t + 1], **w, top_k=3), direct[t:t + 1]), t
 
 
+@pytest.mark.parametrize("dtype,num_tokens", [(torch.float32, 1), (torch.bfloat16, 5)], ids=["fp32-T1", "bf16-T5"])
+@needs_triton
+def test_the_pairs_path_routed_first_gives_the_same_bits(device, monkeypatch, dtype, num_tokens):
+    """PAIRS_ROUTE_FIRST: the route kernel ahead of a gate_up that reads each pair's expert, against the
+    routing inside the gate_up, bit for bit (the same _top_k; the rows the same tiles), with a shared expert."""
+    w = _weights(dtype=dtype, device=device, inter_s=I_SHARED)
+    x = _tokens(num_tokens, w, 3, seed=23)
+    inside = moe.moe_block(x, **w, top_k=3, path="pairs")
+    monkeypatch.setattr(moe, "PAIRS_ROUTE_FIRST", True)
+    assert torch.equal(moe.moe_block(x, **w, top_k=3, path="pairs"), inside)
+    assert torch.equal(moe.moe_block(x, **w, top_k=3, path="grouped"), inside)
+
+
 @needs_triton
 def test_experts_with_several_blocks_and_group_steps(device, rel):
     """70 tokens, top-3 of 8 experts: some 26 rows an expert (two blocks each), the shared expert's 70 rows in
@@ -421,6 +434,12 @@ def test_qwen3_5_35b_a3b_shapes_on_the_gpu(rel, monkeypatch):
         for knob in ("WIDE_MIN_TOKENS", "GROUP_WIDE_MIN_TOKENS"):
             patch.setattr(moe, knob, 1)
         assert torch.equal(moe.moe_block(x, **w, top_k=top_k), whole)
+    # the pairs path routed first (PAIRS_ROUTE_FIRST): the same bits at decode sizes
+    with monkeypatch.context() as patch:
+        patch.setattr(moe, "PAIRS_ROUTE_FIRST", True)
+        for num_tokens in (1, 2, 8):
+            assert torch.equal(moe.moe_block(x[7:7 + num_tokens], **w, top_k=top_k, path="pairs"),
+                               whole[7:7 + num_tokens]), num_tokens
     # the decode step's block inside a graph: nothing waits on the host, the same bits
     for path, rows in (("pairs", 1), ("direct", 2)):
         static_x = x[5:5 + rows].clone()
