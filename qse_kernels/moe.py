@@ -634,41 +634,27 @@ def _combine(y, weights, logits, out, num_experts, has_shared):
     return out
 
 
-def _direct_gate_up(x, logits, gate_up, shared, top_k):
+def _direct_gate_up(x, logits, gate_up, shared, top_k, route_first: bool = False):
     """The direct gate_up on x [T <= BLOCK_M, H] (the module docstring), logits [T, E + 1] -> (ids [T * k]
-    int32, weights [T * k] in x's dtype, h [T * k + T, max(I, Is)]): it routes as it goes."""
+    int32, weights [T * k] in x's dtype, h [T * k + T, max(I, Is)]): it routes as it goes. route_first (the
+    pairs path's PAIRS_ROUTE_FIRST): _route_kernel routes first (a program a token, the same _top_k) and the
+    gate_up's programs only load their pair's expert: one launch more, no program waiting on the routing's
+    reductions before its first weight load."""
     num_tokens, hidden = x.shape
     num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
     ws_gate_up = shared[0]
     inter_s = ws_gate_up.shape[0] // 2
     num_routed = num_tokens * top_k
-    ids = torch.empty(num_routed, dtype=torch.int32, device=x.device)
-    weights = torch.empty(num_routed, dtype=x.dtype, device=x.device)
+    if route_first:
+        ids, weights = (t.reshape(-1) for t in _route(logits, num_experts, top_k, torch.int32))
+    else:
+        ids = torch.empty(num_routed, dtype=torch.int32, device=x.device)
+        weights = torch.empty(num_routed, dtype=x.dtype, device=x.device)
     h = torch.empty(num_routed + num_tokens, max(inter, inter_s), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(num_routed + 1, triton.cdiv(max(inter, inter_s), GATE_UP_BLOCK_N))](
         x, gate_up, ws_gate_up, h, logits, ids, weights, ids, ids, num_tokens, num_tokens, num_experts, inter,
         inter_s, hidden, 0, x.stride(0), gate_up.stride(0), h.stride(0), logits.stride(0),
-        BM=BLOCK_M, BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, NT=1, DIRECT=True, num_stages=DIRECT_GATE_UP_STAGES,
-        **_route_sizes(num_experts, top_k), **_dot_flags(x.dtype), num_warps=NUM_WARPS)
-    return ids, weights, h
-
-
-def _routed_gate_up(x, logits, gate_up, shared, top_k):
-    """_direct_gate_up's results, routed first by _route_kernel (a program a token, the same _top_k) and then
-    read by a gate_up whose programs only load their pair's expert (PAIRS_ROUTE_FIRST): one launch more, and
-    no program waits on the routing's reductions before its first weight load."""
-    num_tokens, hidden = x.shape
-    num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    ws_gate_up = shared[0]
-    inter_s = ws_gate_up.shape[0] // 2
-    num_routed = num_tokens * top_k
-    ids, weights = _route(logits, num_experts, top_k, torch.int32)
-    ids, weights = ids.reshape(-1), weights.reshape(-1)
-    h = torch.empty(num_routed + num_tokens, max(inter, inter_s), dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(num_routed + 1, triton.cdiv(max(inter, inter_s), GATE_UP_BLOCK_N))](
-        x, gate_up, ws_gate_up, h, logits, ids, weights, ids, ids, num_tokens, num_tokens, num_experts, inter,
-        inter_s, hidden, 0, x.stride(0), gate_up.stride(0), h.stride(0), logits.stride(0),
-        BM=BLOCK_M, BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, NT=1, DIRECT=False, PAIRS=True,
+        BM=BLOCK_M, BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, NT=1, DIRECT=not route_first, PAIRS=route_first,
         num_stages=DIRECT_GATE_UP_STAGES, **_route_sizes(num_experts, top_k), **_dot_flags(x.dtype),
         num_warps=NUM_WARPS)
     return ids, weights, h
@@ -696,7 +682,7 @@ def _pairs(x, logits, gate_up, down, shared, top_k, finish=None):
     num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
     ws_down = shared[1]
     inter_s = shared[0].shape[0] // 2
-    ids, weights, h = (_routed_gate_up if PAIRS_ROUTE_FIRST else _direct_gate_up)(x, logits, gate_up, shared, top_k)
+    ids, weights, h = _direct_gate_up(x, logits, gate_up, shared, top_k, route_first=PAIRS_ROUTE_FIRST)
     num_routed = num_tokens * top_k
     y = torch.empty(num_routed + num_tokens, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(num_routed + 1, triton.cdiv(hidden, DOWN_BLOCK_N))](
