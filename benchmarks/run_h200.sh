@@ -102,7 +102,7 @@ for step in $steps; do
       timeout 120 python3 benchmarks/tail_cost.py --preset "${TAIL_PRESET:-qwen3.5-9b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-300 ;;
     moeblock)  # the MoE block alone, old (MOE_OLD: a copy of an older qse_kernels/moe.py in .devcarry) against new, every path
                # and knob bit-checked (moe_block_bench.py --sweep)
-      timeout 200 python3 benchmarks/moe_block_bench.py --old "${MOE_OLD:-.devcarry/moe_old_951dda5.py}" \
+      timeout "${MOE_BLOCK_TIMEOUT:-300}" python3 benchmarks/moe_block_bench.py --old "${MOE_OLD:-.devcarry/moe_old_951dda5.py}" \
         --tokens "${MOE_TOKENS:-1,2,4,8,32,512,4096}" --sweep --knobs "${MOE_KNOBS:-}" --out "$OUT" 2>&1 | grep -v '"knob"' | tail -12 | cut -c1-600 ;;
     moe)  # Qwen3.5-35B-A3B (random weights): decode at batch 1/8/32 and prefill against the floor and transformers
       timeout "${MOE_TIMEOUT:-420}" python3 benchmarks/moe_measure.py --preset "${MOE_PRESET:-qwen3.5-35b-a3b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-600 ;;
