@@ -43,6 +43,12 @@ def whole_chunks(committed_rows: int, known_tokens: int, grid: int) -> int:
     return max(0, (known_tokens - committed_rows) // grid)
 
 
+def is_fresh(behind_tokens: int, grid: int) -> bool:
+    """A turn start finds the reader fresh: less than one grid chunk of the session's kept ids unread (the
+    server's qse_shadow_turn_starts{fresh}, the replays' freshness)."""
+    return behind_tokens < grid
+
+
 def next_backlog(committed_rows: int, prompt_tokens: int, known_tokens: int, grid: int) -> Backlog | None:
     """Where the next whole chunk lies; None when the session holds no whole chunk past the committed rows."""
     end = committed_rows + grid

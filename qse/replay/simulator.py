@@ -63,6 +63,7 @@ import msgspec
 
 from qse.core import (ChunkCostEstimator, DriveResult, GpuLedger, PlanDriver, Role, SessionBacklog, Stop,
                       TurnRation, Window, plan_read, whole_chunks)
+from qse.core.plan import is_fresh
 from qse.core.checkpoints import Change, CheckpointBook, CheckpointRules
 from qse.core.plan import check_group
 from qse.core.scheduler import (Arrived, Busy, IdleOpened, IdlePoll, OpenIdle, ReadEnded, ReadPlan, RoundEnded,
@@ -622,7 +623,7 @@ class _SessionReplay:
             rolled_back = self.committed - back_to
             self.committed = back_to
         behind = max(0, kept - self.committed)
-        fresh = behind < self.grid
+        fresh = is_fresh(behind, self.grid)
         backlog_ms = 0.0
         prev_prompt_read = prev is None or committed_at_prev_end >= (prev.prompt_tokens // self.grid) * self.grid
         if prev is not None and rolled_back == 0:

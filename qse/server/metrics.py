@@ -19,6 +19,8 @@ from typing import Any, Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..core.plan import is_fresh
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -146,7 +148,7 @@ class ServerMetrics:
 
     def note_turn_start(self, behind_tokens: int, grid: int) -> None:
         self.behind_at_turn_start.observe(behind_tokens)
-        self._turn_starts.labels(self.model_name, "true" if behind_tokens < grid else "false").inc()
+        self._turn_starts.labels(self.model_name, "true" if is_fresh(behind_tokens, grid) else "false").inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
