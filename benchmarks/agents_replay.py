@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.agents_live import agent_shapes  # noqa: E402
 from benchmarks.stats import nearest_rank  # noqa: E402
+from qse.core.plan import is_fresh  # noqa: E402
 from qse.policy import Policy  # noqa: E402
 from qse.replay.read_model import ReadModel  # noqa: E402
 from qse.replay.rounds import DecodeCost, ReaderCost, simulate_rounds  # noqa: E402
@@ -138,6 +139,11 @@ def replay(records: list[UsageRecord], policy: Policy, model: ReadModel, decode:
     return out
 
 
+def context_points(text: str) -> tuple[tuple[int, float], ...]:
+    """'context:ms,context:ms' -> ((context, ms), ...): a read model's points from the command line."""
+    return tuple((int(c), float(ms)) for c, ms in (pair.split(":") for pair in text.split(",")))
+
+
 def freshness(behinds: list[tuple[str, int | None]], grid: int) -> dict:
     """Follow-up starts with the reader less than a grid chunk behind (the server's qse_shadow_turn_starts rule),
     and the stale ones by session and turn."""
@@ -148,7 +154,7 @@ def freshness(behinds: list[tuple[str, int | None]], grid: int) -> dict:
         if behind is None:
             continue
         counted += 1
-        if behind >= grid:
+        if not is_fresh(behind, grid):
             stale.append(f"{session}/t{no}")
     return {"fresh_share": round(1 - len(stale) / counted, 4) if counted else None, "turn_starts": counted,
             "stale": sorted(stale)}
@@ -169,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the reader's chunk: context:ms pairs (H200, 0.8B, fitted to the idle chunks of "
                         "agents_live-pdl-2026-12-04-h200's server log)")
     p.add_argument("--reader-host-ms", type=float, default=1.13,
-                   help="the host's ms around each reader chunk (the same log: idle bursts' wall less device time)")
+                   help="the host's ms around each reader launch, a chunk or a group (the same log: idle bursts' "
+                        "wall less device time, a chunk a launch)")
     p.add_argument("--trace", type=Path, default=None,
                    help="the run's trace (default: its options' path): the ids each prompt keeps of its session's")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="a dir, or a file ending .json")
@@ -181,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                                      "here or lacks its sessions: the ids a prompt keeps are taken as those the served "
                                      "cache reused (give --trace: the weka dev half lies in ../shared/data/traces/)"}))
     records = records_of(run, args.phase, kept)
-    points = tuple((int(c), float(ms)) for c, ms in (pair.split(":") for pair in args.chunk_points.split(",")))
+    points = context_points(args.chunk_points)
     model = ReadModel(points, grid=512, source=f"--chunk-points {args.chunk_points}")
     base, per = (float(v) for v in args.decode_ms.split(","))
     decode = DecodeCost(base, per)
@@ -209,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     rows.append({"policy": "each_session_alone", "what": "each agent's turns on the device alone (no other agent)",
                  "changes": {}, **figures(alone)})
     print(json.dumps(rows[-1]))
-    reader_points = tuple((int(c), float(ms)) for c, ms in (pair.split(":") for pair in args.reader_points.split(",")))
+    reader_points = context_points(args.reader_points)
     reader = ReaderCost(ReadModel(reader_points, grid=default.grid, source=f"--reader-points {args.reader_points}"),
                         args.reader_host_ms)
     for name, what, changes in READER_POLICIES:
