@@ -57,6 +57,12 @@ POLICIES: list[tuple[str, str, dict]] = [
     *[(f"budget_{b}_yield_{y}ms", f"a round reads {b // 512} piece(s); running turns sit out prompt rounds while each "
                                   f"decoded within {y} ms", {"round_token_budget": b, "decode_yield_ms": float(y)})
       for b, y in ((512, 50), (512, 100), (512, 150), (1024, 100), (1024, 200), (1024, 400))],
+    ("first_token_early", "a first token leaves when its tail is read, not at its round's end (QSE_FIRST_TOKEN_EARLY)",
+     {"first_token_early": True}),
+    *[(f"first_token_early_budget_{b}_yield_{y}ms", f"the same; a round reads {b // 512} piece(s), running turns sit "
+                                                    f"out prompt rounds while each decoded within {y} ms",
+       {"first_token_early": True, "round_token_budget": b, "decode_yield_ms": float(y)})
+      for b, y in ((4096, 0), (512, 100), (1024, 200))],
 ]
 
 
@@ -144,6 +150,28 @@ def context_points(text: str) -> tuple[tuple[int, float], ...]:
     return tuple((int(c), float(ms)) for c, ms in (pair.split(":") for pair in text.split(",")))
 
 
+def policy_changes(pairs: list[str]) -> dict:
+    """['field=value', ...] -> Policy overrides, each value parsed as its field's type (bool: true/false, on/off)."""
+    types = {f.name: f.type for f in dataclasses.fields(Policy)}
+    out = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or name not in types:
+            raise ValueError(f"{pair!r}: expected FIELD=VALUE with FIELD one of Policy's fields")
+        kind = types[name]
+        if kind in ("bool", bool):
+            if text.lower() not in ("true", "false", "on", "off", "1", "0"):
+                raise ValueError(f"{pair!r}: {name} takes true or false")
+            out[name] = text.lower() in ("true", "on", "1")
+        elif kind in ("int", int):
+            out[name] = int(text)
+        elif kind in ("float", float):
+            out[name] = float(text)
+        else:
+            out[name] = text
+    return out
+
+
 def freshness(behinds: list[tuple[str, int | None]], grid: int) -> dict:
     """Follow-up starts with the reader less than a grid chunk behind (the server's qse_shadow_turn_starts rule),
     and the stale ones by session and turn."""
@@ -179,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
                         "wall less device time, a chunk a launch)")
     p.add_argument("--trace", type=Path, default=None,
                    help="the run's trace (default: its options' path): the ids each prompt keeps of its session's")
+    p.add_argument("--base", action="append", default=[], metavar="FIELD=VALUE",
+                   help="the run's policy where it differs from today's defaults (a Policy field, e.g. "
+                        "first_token_early=false for a run before 2026-12-05): every row starts from it")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="a dir, or a file ending .json")
     args = p.parse_args(argv)
     run = json.loads(args.run.read_text())
@@ -192,7 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     model = ReadModel(points, grid=512, source=f"--chunk-points {args.chunk_points}")
     base, per = (float(v) for v in args.decode_ms.split(","))
     decode = DecodeCost(base, per)
-    default = Policy.from_settings(SETTINGS)
+    try:
+        base_changes = policy_changes(args.base)
+        default = dataclasses.replace(Policy.from_settings(SETTINGS), **base_changes)
+    except (TypeError, ValueError) as exc:
+        p.error(f"--base: {exc}")
     measured = figures([(t["turn"] > 0, t["ttft_s"]) for t in run[args.phase]["turns_detail"]
                         if t.get("ttft_s") is not None and not t.get("error")])
     server = figures([(t["turn"] > 0, t["server_ttft_s"]) for t in run[args.phase]["turns_detail"]
@@ -229,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": shlex.join([sys.executable, *sys.argv]), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
               "device": "cpu (a replay: no timing of this machine enters the figures)",
               "versions": {"python": platform.python_version()}, "run": str(args.run), "phase": args.phase,
-              "turns": len(records), "kept_from": "trace" if kept else "cached_tokens",
+              "turns": len(records), "kept_from": "trace" if kept else "cached_tokens", "base": base_changes,
               "costs": {"chunk_points": points, "decode_ms": [base, per], "tail_ms": args.tail_ms,
                         "reader_points": reader_points, "reader_host_ms": args.reader_host_ms},
               "live_measured": {"client": measured, "server": server, "reader": live_fresh}, "policies": rows}

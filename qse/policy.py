@@ -66,6 +66,7 @@ class Policy:
     round_token_budget: int = _from("QSE_ROUND_TOKEN_BUDGET")  # prompt ids a round reads beside its decode rows
     launch_ahead: bool = _from("QSE_LAUNCH_AHEAD")  # rounds of device-sampled turns launched before reading back
     decode_yield_ms: float = _from("QSE_DECODE_YIELD_MS")  # running turns may sit out prompt rounds this long
+    first_token_early: bool = _from("QSE_FIRST_TOKEN_EARLY")  # a first token leaves when its tail is read
     speculate: str = _from("QSE_SPECULATE")  # off | ngram | mtp
     spec_draft: int = _from("QSE_SPEC_DRAFT")  # drafted ids a turn a round, at most
     max_waiting: int = _from("QSE_MAX_WAITING")

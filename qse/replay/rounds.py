@@ -4,7 +4,8 @@ Requests of a usage ledger that overlap in time share rounds as they do in the s
 waiting turns up to `max_running`, and each round decodes every running turn in one batched forward and reads
 `round_token_budget` ids of the opened prompts in whole grid chunks and tails. A round costs the decode at its
 batch size (`DecodeCost`) plus its pieces at the read model's cost (a chunk at its context, a tail as its share
-of a chunk), and a turn's tokens come at the ends of its rounds. A session's next turn waits for the one before
+of a chunk), and a turn's tokens come at the ends of its rounds, its first token when its tail is read
+(`first_token_early`, as the conductor sends it; else at the end of that round). A session's next turn waits for the one before
 (one turn a session at a time, as the conductor's session lock).
 
 With a `ReaderCost` the reader is there too, in its idle window: each turn's start teaches it the prompt (rolled
@@ -351,6 +352,7 @@ def simulate_rounds(records: Iterable[UsageRecord], policy, read_model: ReadMode
             continue
         for i in plan.decode:
             turns[i].last_round_s = now
+        tail_read_s: dict[int, float] = {}  # when each tail of the round was read (its first token then, if early)
         for read in plan.reads:
             t = turns[read.key]
             for _ in range(read.chunks):
@@ -358,6 +360,7 @@ def simulate_rounds(records: Iterable[UsageRecord], policy, read_model: ReadMode
                 t.row += grid
             if read.tail:
                 cost_ms += tail_ms + read_model.ms_per_chunk(t.row, grid) * (t.unread_tokens - read.chunks * grid) / grid
+                tail_read_s[read.key] = now + cost_ms / 1000
         note(plan)
         now += cost_ms / 1000
         ended = []
@@ -366,8 +369,9 @@ def simulate_rounds(records: Iterable[UsageRecord], policy, read_model: ReadMode
             t.unread_tokens -= read.chunks * grid
             t.chunks_left -= read.chunks
             if read.tail:
-                t.first_token_s, t.ids, t.unread_tokens = now, 1, 0
-                t.last_round_s, t.last_id_s = now, now
+                first_s = tail_read_s[read.key] if policy.first_token_early else now
+                t.first_token_s, t.ids, t.unread_tokens = first_s, 1, 0
+                t.last_round_s, t.last_id_s = now, first_s
                 reading.remove(read.key)
                 running.append(read.key)
                 for j in planner.overtaken(prompt(read.key), _Views(waiting + reading, prompt)):

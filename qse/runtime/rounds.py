@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import asdict
-from typing import AsyncIterator, NamedTuple
+from typing import Any, AsyncIterator, Callable, NamedTuple
 
 import structlog
 import torch
@@ -223,10 +223,14 @@ class RoundLoop:
         spec = speculating and in_flight is None
         # the earlier round's samplers that take its ids (a grammar's matcher): those of turns still running
         takers = [e.sampler if e in self._running else None for e in in_flight.batch] if in_flight else []
+        # a first token leaves the served thread as its tail is read, not with the round's other pieces after it
+        loop = asyncio.get_running_loop()
+        early = ((lambda e, token: loop.call_soon_threadsafe(self._send_first, e, token))
+                 if self.policy.first_token_early else None)
         try:
             launched, tokens, ms, reads, earlier, drafted = await self.served_exec.run(
                 self._round_on_thread, batch, carry, ahead, plan.reads, in_flight.launch if in_flight else None, takers,
-                spec, draft_k)
+                spec, draft_k, early)
         except Exception as exc:  # the round failed: every turn in it ends with the error
             for entry in batch + [r.key for r in plan.reads] + (in_flight.batch if in_flight else []):
                 if not entry.done.done():
@@ -289,9 +293,22 @@ class RoundLoop:
                 turn.accepted_draft_tokens += accepted
                 turn.req.draft_tokens, turn.req.accepted_draft_tokens = turn.draft_tokens, turn.accepted_draft_tokens
 
+    def _send_first(self, entry: "RoundEntry", token: int) -> None:
+        """On the event loop, once a turn: its first token to its consumer (a stop id sends nothing: the turn ends
+        after the round), stamped when it leaves. Called from the served thread as the tail is read (the
+        round's other pieces still run), else by `_first_token` after the round."""
+        if entry.first_sent:
+            return
+        entry.first_sent = True
+        entry.turn.first_token_s = self.clock()
+        if token not in entry.turn.req.stop_ids:
+            entry.out.put_nowait(token)
+
     async def _first_token(self, entry: "RoundEntry", token: int) -> None:
+        """After the round that read the turn's tail: the token sent (if it was not already), the turn running."""
         turn = entry.turn
-        turn.first_token_s = entry.last_round_s = self.clock()
+        self._send_first(entry, token)
+        entry.last_round_s = self.clock()
         self._reading.remove(entry)
         self._running.append(entry)
         if self.spec_planner is not None:
@@ -299,15 +316,17 @@ class RoundLoop:
         behind = [e.prompt() for e in list(self._waiting) + self._reading]
         for other in self.scheduler.rounds.overtaken(entry.prompt(), behind):
             other.overtaken += 1  # (prefill_order's starvation bound)
-        await self._emit(entry, token)
+        await self._emit(entry, token, sent=True)
 
     def _round_on_thread(self, batch: list["RoundEntry"], carry: list[int], ahead: bool,
                          plan: tuple[Read, ...], earlier: LaunchedRound | None, takers: list[Sampler | None],
-                         spec: bool = False, draft_k: int | None = None):
+                         spec: bool = False, draft_k: int | None = None,
+                         early: Callable[["RoundEntry", int], Any] | None = None):
         """The decode of `batch` (launched ahead, or sampled on the host and waited for), each planned read, then
         the earlier round's ids. Returns (the round launched ahead or None, the batch's ids when not ahead, their
         device ms, for each read (device ms, the first token if the tail was read, the error if it failed), the
-        earlier round's (ids, device ms) or None).
+        earlier round's (ids, device ms) or None). `early(entry, token)`: called with each first token as its tail
+        is read (it hands the token to the event loop).
 
         A grammar turn's next mask needs its last id on the host: where the earlier round holds one, its ids are
         read back between this round's forward and its sampling (the forward never waits for them; the matcher
@@ -347,6 +366,8 @@ class RoundLoop:
                 first = None
                 if tail and seq.chunks_left == 0:
                     first = self._read_tail(entry)
+                    if early is not None:
+                        early(entry, first)
                 reads.append((seq.start.gpu_ms - before, first, None))
             except Exception as exc:
                 self.serving.finish(seq)
@@ -448,8 +469,9 @@ class RoundLoop:
             k: v for k, v in asdict(seq.start).items() if k != "session_id"})
         return token
 
-    async def _emit(self, entry: "RoundEntry", token: int) -> None:
-        """A sampled token: the turn's end (a stop id, or max_tokens reached after it), or the next round's input."""
+    async def _emit(self, entry: "RoundEntry", token: int, sent: bool = False) -> None:
+        """A sampled token: the turn's end (a stop id, or max_tokens reached after it), or the next round's input.
+        sent: the consumer has it already (a first token, `_send_first`)."""
         turn, req = entry.turn, entry.turn.req
         if token in req.stop_ids:
             turn.finish = "stop"
@@ -458,7 +480,8 @@ class RoundLoop:
         turn.out_ids.append(token)
         if entry.drafts is not None:
             entry.drafts.append((token,))
-        entry.out.put_nowait(token)
+        if not sent:
+            entry.out.put_nowait(token)
         if len(turn.out_ids) >= req.max_tokens:
             turn.finish = "length"
             await self._end(entry)

@@ -147,6 +147,7 @@ class RoundEntry:
     in_flight: int = 0  # ids launched and not read back yet (0 or 1: a round launched ahead)
     last_round_s: float = float("-inf")  # when its last round was planned or its first token came (the yield)
     closed: bool = False  # the consumer left: end at the next round
+    first_sent: bool = False  # its first token went to the consumer (mid-round, where QSE_FIRST_TOKEN_EARLY)
     drafts: TurnDrafts | None = None  # its drafter (speculative decoding; made at its first round)
     spec: SpecTurn | None = None  # its drafts' acceptance rate
 

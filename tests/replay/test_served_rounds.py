@@ -224,3 +224,20 @@ def test_the_gaps_between_a_streams_ids_show_what_a_decode_yield_costs_it(launch
     assert plain.turns[1].ttft_s == pytest.approx(0.051) and yielded.turns[1].ttft_s == pytest.approx(0.031)
     assert simulate_rounds(recs, Policy(max_running=2, round_token_budget=GRID, served_grid=GRID), model,
                            DecodeCost(5.0)).itl_s == []  # kept only when asked
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["early", "at_round_end"])
+def test_a_first_token_leaves_when_its_tail_is_read_not_when_its_round_ends(early):
+    """One round of three pieces (a chunk 10 ms, 1 ms an id of a tail): s's 5-id tail goes first (the shortest
+    prompt), then two of l's four chunks. With first_token_early (the conductor's default) s's first token comes
+    when its tail is read, 5 ms in; without, at the round's end, 25 ms in. l's chunks and end are the same."""
+    pol = Policy(max_running=2, round_token_budget=3 * GRID, served_grid=GRID, launch_ahead=False,
+                 first_token_early=early)
+    recs = [rec("s", 0.0, 5, 2), rec("l", 0.0, 4 * GRID + 1, 1)]
+    sim = simulate_rounds(recs, pol, ReadModel.flat(1000.0, grid=GRID), DecodeCost(5.0))
+    s, l = sim.turns
+    assert [len(p.reads) for _, p in sim.plans][:1] == [2]  # s's tail and l's two chunks in the first round
+    assert s.ttft_s == pytest.approx(0.005 if early else 0.025)
+    round_2 = 0.005 + 2 * 0.010 + 0.001  # s decodes; l's last two chunks, its 1-id tail
+    assert l.ttft_s == pytest.approx(0.025 + round_2)
+    assert s.end_s == pytest.approx(0.025 + round_2)  # s's second id: round 2's end either way

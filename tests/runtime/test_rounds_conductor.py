@@ -306,3 +306,44 @@ async def test_a_request_that_ends_while_its_prompt_is_read_ends_at_the_next_rou
     assert len(rig.probe.of("prefill")) <= 3  # at most the chunk a launched round had begun, never all 8
     assert [(r.session_id, r.finish_reason, r.output_tokens) for r in rig.records] == [("gone", "abort", 0)]
     assert c.serving.rounds.num_free == 2 and not c.serving.book.get("gone").pinned
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["early", "at_round_end"])
+async def test_a_first_token_reaches_its_client_while_its_round_reads_other_prompts(make_rig, early):
+    """a decodes; s (a tail only) and l (four chunks and a tail) arrive together; the next round decodes a,
+    reads s's tail, then two of l's chunks. With QSE_FIRST_TOKEN_EARLY (the default) s's first token reaches
+    its consumer while the served thread is still held inside l's first chunk; without, only after the round.
+    Either way every turn gets the tokens it gets alone."""
+    short, long_ = prompt_ids(5, start=4000), prompt_ids(4 * GRID + 1, start=12000)
+    config = dict(max_running=3, served_grid=GRID, round_token_budget=3 * GRID)
+    alone = {}
+    for sid, prompt in (("s", short), ("l", long_)):
+        rig = make_rig(**config)
+        alone[sid] = await rig.turn(prompt, 3, session=sid)
+    rig = make_rig(**config, first_token_early=early)
+    c = rig.conductor
+    held_decode = rig.probe.hold("decode", 1)
+    a = asyncio.create_task(rig.turn(prompt_ids(17, start=100), 4, session="a"))  # its tail is prefill call 1
+    await held_decode.entered
+    s_stream = c.generate(GenerateRequest(prompt_ids=short, max_tokens=3, session_id="s"))
+    s_first = asyncio.ensure_future(s_stream.__anext__())
+    l_task = asyncio.create_task(rig.turn(long_, 3, session="l"))
+    await c.wait_for_waiting(2)
+    held_chunk = rig.probe.hold("prefill", 3)  # s's tail is call 2; l's first chunk call 3
+    held_decode.release.set()
+    await held_chunk.entered
+    if early:
+        first = await asyncio.wait_for(s_first, 30)  # (the served thread is still held)
+    else:
+        await asyncio.sleep(0.2)
+        assert not s_first.done()  # it comes with the round's end
+    assert rig.probe.of("prefill")[-1].num_ids == 5  # the last read done: s's tail (l's chunk is held)
+    held_chunk.release.set()
+    if not early:
+        first = await s_first
+    rest = [t async for t in s_stream]
+    assert [first, *rest] == alone["s"]
+    assert await l_task == alone["l"]
+    await a
+    record = {r.session_id: r for r in rig.records}["s"]
+    assert record.first_token_s is not None and record.first_token_s <= record.end_s
