@@ -63,6 +63,12 @@ POLICIES: list[tuple[str, str, dict]] = [
                                                     f"out prompt rounds while each decoded within {y} ms",
        {"first_token_early": True, "round_token_budget": b, "decode_yield_ms": float(y)})
       for b, y in ((4096, 0), (512, 100), (1024, 200))],
+    ("first_token_early_cut", "a first token leaves when its tail is read; a round stops where a newcomer goes "
+                              "before its next piece (QSE_ROUND_CUT)", {"first_token_early": True, "cut_rounds": True}),
+    *[(f"first_token_early_cut_budget_{b}_yield_{y}ms", f"the same; a round reads up to {b // 512} pieces, running "
+                                                        f"turns sit out prompt rounds while each decoded within {y} ms",
+       {"first_token_early": True, "cut_rounds": True, "round_token_budget": b, "decode_yield_ms": float(y)})
+      for b, y in ((4096, 0), (8192, 0), (2048, 100), (4096, 100))],
 ]
 
 
@@ -209,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the run's trace (default: its options' path): the ids each prompt keeps of its session's")
     p.add_argument("--base", action="append", default=[], metavar="FIELD=VALUE",
                    help="the run's policy where it differs from today's defaults (a Policy field, e.g. "
-                        "first_token_early=false for a run before 2026-12-05): every row starts from it")
+                        "first_token_early=false and cut_rounds=false for a run before 2026-12-05): every row starts from it")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="a dir, or a file ending .json")
     args = p.parse_args(argv)
     run = json.loads(args.run.read_text())

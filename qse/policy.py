@@ -67,6 +67,7 @@ class Policy:
     launch_ahead: bool = _from("QSE_LAUNCH_AHEAD")  # rounds of device-sampled turns launched before reading back
     decode_yield_ms: float = _from("QSE_DECODE_YIELD_MS")  # running turns may sit out prompt rounds this long
     first_token_early: bool = _from("QSE_FIRST_TOKEN_EARLY")  # a first token leaves when its tail is read
+    cut_rounds: bool = _from("QSE_ROUND_CUT")  # a round stops where a newcomer goes before its next piece
     speculate: str = _from("QSE_SPECULATE")  # off | ngram | mtp
     spec_draft: int = _from("QSE_SPEC_DRAFT")  # drafted ids a turn a round, at most
     max_waiting: int = _from("QSE_MAX_WAITING")

@@ -179,7 +179,7 @@ class Scheduler:
         self.busy = BusyShare.reader(policy)
         self.rounds = RoundPlanner(policy.max_running if max_running is None else max_running,
                                    policy.round_token_budget, policy.served_grid if served_grid is None else served_grid,
-                                   policy.decode_yield_ms)
+                                   policy.decode_yield_ms, policy.cut_rounds)
         self.estimator = estimator
         self.ledger = ledger
         self.reader_grid = policy.grid if reader_grid is None else reader_grid

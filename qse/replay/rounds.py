@@ -36,7 +36,7 @@ from qse.core.drive import PlanDriver, Stop
 from qse.core.idle import SessionBacklog
 from qse.core.ledger import GpuLedger
 from qse.core.plan import Window, group_size, plan_read
-from qse.core.rounds import Prompt, RoundPlan, Running, chunks_before_tail
+from qse.core.rounds import Prompt, Read, RoundPlan, Running, chunks_before_tail
 from qse.core.scheduler import (Arrived, Busy, IdleOpened, IdlePoll, Nothing, OpenIdle, OpenTurn, ReadEnded, ReadPlan,
                                 RoundDue, Scheduler, TurnEnded)
 from qse.replay.read_model import ReadModel, group_share
@@ -353,14 +353,34 @@ def simulate_rounds(records: Iterable[UsageRecord], policy, read_model: ReadMode
         for i in plan.decode:
             turns[i].last_round_s = now
         tail_read_s: dict[int, float] = {}  # when each tail of the round was read (its first token then, if early)
+        done: list[Read] = []  # the pieces the round read (fewer than planned where it was cut)
+        num_busy = len(reading) + len(running)
+
+        def cut(i: int, got: int) -> bool:
+            """Whether the round stops before turn i's next piece, `got` of its chunks read this round (the
+            planner's rule: a turn that joined the queue by then goes first)."""
+            if not planner.cut_rounds or not (done or got):
+                return False
+            at, t = now + cost_ms / 1000, turns[i]
+            piece = Prompt(i, t.arrival_no, t.unread_tokens - got * grid, t.overtaken, t.chunks_left - got)
+            return planner.cuts_before(piece, [prompt(j) for s, j in ready if s <= at], num_busy)
+
         for read in plan.reads:
             t = turns[read.key]
-            for _ in range(read.chunks):
+            got, stopped = 0, False
+            while got < read.chunks and not (stopped := cut(read.key, got)):
                 cost_ms += read_model.ms_per_chunk(t.row, grid)
                 t.row += grid
-            if read.tail:
-                cost_ms += tail_ms + read_model.ms_per_chunk(t.row, grid) * (t.unread_tokens - read.chunks * grid) / grid
+                got += 1
+            tail = read.tail and not stopped and not (stopped := cut(read.key, got))
+            if tail:
+                cost_ms += tail_ms + read_model.ms_per_chunk(t.row, grid) * (t.unread_tokens - got * grid) / grid
                 tail_read_s[read.key] = now + cost_ms / 1000
+            if got or tail:
+                done.append(Read(read.key, got, tail))
+            if stopped:
+                break
+        plan = RoundPlan(plan.decode, tuple(done))
         note(plan)
         now += cost_ms / 1000
         ended = []

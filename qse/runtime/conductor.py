@@ -119,6 +119,9 @@ class Conductor(TurnLifecycle, RoundLoop, ReaderWindows):
         self._waiting: deque[RoundEntry] = deque()  # turns waiting for the round loop, first come first served
         self._reading: list[RoundEntry] = []  # turns whose prompts the rounds read, a few chunks a round
         self._running: list[RoundEntry] = []  # turns in the rounds
+        # turns that joined the queue since the round in flight was planned (rebound whole, never appended to: the
+        # served thread reads it to cut the round, QSE_ROUND_CUT)
+        self._joined: tuple[RoundEntry, ...] = ()
         self._round_task: asyncio.Task | None = None
         self._arrivals = itertools.count()
         self._in_flight: LaunchedAhead | None = None  # the round launched ahead (rounds.py)

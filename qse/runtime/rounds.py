@@ -64,6 +64,7 @@ class RoundLoop:
                              arrival_no=next(self._arrivals),
                              unread_tokens=self.serving.unread_estimate(session_id, req.prompt_ids))
             self._waiting.append(entry)
+            self._joined = (*self._joined, entry)
             self._waiting_changed.set()
             self._kick_rounds()
             try:
@@ -227,10 +228,12 @@ class RoundLoop:
         loop = asyncio.get_running_loop()
         early = ((lambda e, token: loop.call_soon_threadsafe(self._send_first, e, token))
                  if self.policy.first_token_early else None)
+        self._joined = ()  # (the queue as planned: a turn that joins from here on may cut the round)
+        cut = self._round_cut(len(self._reading) + len(self._running)) if plan.reads else None
         try:
             launched, tokens, ms, reads, earlier, drafted = await self.served_exec.run(
                 self._round_on_thread, batch, carry, ahead, plan.reads, in_flight.launch if in_flight else None, takers,
-                spec, draft_k, early)
+                spec, draft_k, early, cut)
         except Exception as exc:  # the round failed: every turn in it ends with the error
             for entry in batch + [r.key for r in plan.reads] + (in_flight.batch if in_flight else []):
                 if not entry.done.done():
@@ -293,6 +296,20 @@ class RoundLoop:
                 turn.accepted_draft_tokens += accepted
                 turn.req.draft_tokens, turn.req.accepted_draft_tokens = turn.draft_tokens, turn.accepted_draft_tokens
 
+    def _round_cut(self, num_busy: int) -> Callable[["RoundEntry"], bool] | None:
+        """The round's cut, asked on the served thread before each of its pieces after the first (None: the
+        policy does not cut rounds): whether a turn that joined the queue since the round was planned, with its
+        state ready to open, goes before `entry`'s next piece (the planner's rule, RoundPlanner.cuts_before)."""
+        planner, serving = self.scheduler.rounds, self.serving
+        if not planner.cut_rounds:
+            return None
+
+        def cut(entry: "RoundEntry") -> bool:
+            joined = [e.prompt() for e in self._joined if serving.is_ready(e.turn.session_id)]
+            return bool(joined) and planner.cuts_before(entry.prompt(), joined, num_busy)
+
+        return cut
+
     def _send_first(self, entry: "RoundEntry", token: int) -> None:
         """On the event loop, once a turn: its first token to its consumer (a stop id sends nothing: the turn ends
         after the round), stamped when it leaves. Called from the served thread as the tail is read (the
@@ -321,12 +338,14 @@ class RoundLoop:
     def _round_on_thread(self, batch: list["RoundEntry"], carry: list[int], ahead: bool,
                          plan: tuple[Read, ...], earlier: LaunchedRound | None, takers: list[Sampler | None],
                          spec: bool = False, draft_k: int | None = None,
-                         early: Callable[["RoundEntry", int], Any] | None = None):
+                         early: Callable[["RoundEntry", int], Any] | None = None,
+                         cut: Callable[["RoundEntry"], bool] | None = None):
         """The decode of `batch` (launched ahead, or sampled on the host and waited for), each planned read, then
         the earlier round's ids. Returns (the round launched ahead or None, the batch's ids when not ahead, their
         device ms, for each read (device ms, the first token if the tail was read, the error if it failed), the
         earlier round's (ids, device ms) or None). `early(entry, token)`: called with each first token as its tail
-        is read (it hands the token to the event loop).
+        is read (it hands the token to the event loop). `cut(entry)`: asked before each piece after the round's
+        first; True stops the round's reads there (`_round_cut`): the planned reads not reached are not run.
 
         A grammar turn's next mask needs its last id on the host: where the earlier round holds one, its ids are
         read back between this round's forward and its sampling (the forward never waits for them; the matcher
@@ -359,13 +378,17 @@ class RoundLoop:
         reads = []
         for entry, chunks, tail in plan:
             seq = entry.seq
+            if reads and cut is not None and cut(entry):
+                log.info("round_cut", request_id=entry.turn.req.request_id, chunks_left=seq.chunks_left)
+                break
             before = seq.start.gpu_ms
             try:
                 if chunks:  # the last chunk is left running: the tail, or the next round, launches behind it
-                    self.serving.read_chunks(seq, chunks, hold_last=True)
+                    stop = (lambda e=entry: cut(e)) if cut is not None else None
+                    self.serving.read_chunks(seq, chunks, hold_last=True, stop=stop)
                 first = None
-                if tail and seq.chunks_left == 0:
-                    first = self._read_tail(entry)
+                if tail and seq.chunks_left == 0 and not ((reads or chunks) and cut is not None and cut(entry)):
+                    first = self._read_tail(entry)  # (the round's first piece is never cut)
                     if early is not None:
                         early(entry, first)
                 reads.append((seq.start.gpu_ms - before, first, None))

@@ -255,14 +255,17 @@ class ServedSessions:
             c[f"hits_{tier}"] += 1
         return turn
 
-    def read_chunks(self, turn: ServedTurn, max_chunks: int | None = None, hold_last: bool = False) -> float:
+    def read_chunks(self, turn: ServedTurn, max_chunks: int | None = None, hold_last: bool = False,
+                    stop: Callable[[], bool] | None = None) -> float:
         """Up to max_chunks (None: every) whole grid chunks of the turn's prompt below its line L, up to the
         book's chunk group a launch (the same bits as one at a time), the next launched before the last is read
         back; returns the device ms of those waited for.
         hold_last: the last chunk launched is left running (not waited for), so the device is never idle
         while the host goes on: the next call (the next round's piece of this prompt) reads it back once it
         has launched one of its own, first_token launches the tail behind it, and finish waits for it. A held
-        chunk's ms count once it is waited for."""
+        chunk's ms count once it is waited for.
+        stop: asked before each launch after the first; True reads no more (a round cut where a newcomer goes
+        first: the rounds' QSE_ROUND_CUT)."""
         if turn.cache is not None or not turn.is_open:
             raise SessionError("the turn's prompt is read already (its first token came)")
         book = self.book
@@ -274,6 +277,8 @@ class ServedSessions:
         launched = 0  # chunks launched (a group counts its chunks)
         try:
             while max_chunks is None or launched < max_chunks:
+                if launched and stop is not None and stop():
+                    break
                 group = book.chunk_group if max_chunks is None else min(book.chunk_group, max_chunks - launched)
                 pending = book.launch_step(turn.start.session_id, group, turn.limit)
                 if pending is None:

@@ -146,3 +146,16 @@ def test_bad_settings_are_named(kwargs, word):
 def test_an_unopened_prompt_cannot_be_read():
     with pytest.raises(ValueError, match="not opened"):
         RoundPlanner(1, GRID, GRID).plan([], [Prompt("w", 0, 10)])
+
+
+def test_a_round_is_cut_where_a_newcomer_goes_before_its_next_piece():
+    planner = RoundPlanner(max_running=3, token_budget=4 * GRID, grid=GRID, cut_rounds=True)
+    piece = opened("long", 0, 6 * GRID)
+    assert planner.cuts_before(piece, [Prompt("short", 1, 40)], num_busy=1)  # shorter: it goes first
+    assert not planner.cuts_before(piece, [Prompt("longer", 1, 9 * GRID)], num_busy=1)  # it would wait anyway
+    assert not planner.cuts_before(piece, [], num_busy=1)
+    assert not planner.cuts_before(piece, [Prompt("short", 1, 40)], num_busy=3)  # no slot: it could not open
+    overdue = opened("long", 0, 6 * GRID, overtaken=MAX_OVERTAKEN)
+    assert not planner.cuts_before(overdue, [Prompt("short", 1, 40)], num_busy=1)  # the starvation bound holds
+    off = RoundPlanner(max_running=3, token_budget=4 * GRID, grid=GRID)
+    assert not off.cuts_before(piece, [Prompt("short", 1, 40)], num_busy=1)  # cut_rounds off

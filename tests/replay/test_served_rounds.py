@@ -4,6 +4,7 @@ import pytest
 
 from qse.policy import Policy
 from qse.replay.read_model import ReadModel, group_share
+from qse.core.rounds import Read
 from qse.replay.rounds import DecodeCost, ReaderCost, simulate_rounds
 from qse.replay.usage import UsageRecord
 
@@ -241,3 +242,21 @@ def test_a_first_token_leaves_when_its_tail_is_read_not_when_its_round_ends(earl
     round_2 = 0.005 + 2 * 0.010 + 0.001  # s decodes; l's last two chunks, its 1-id tail
     assert l.ttft_s == pytest.approx(0.025 + round_2)
     assert s.end_s == pytest.approx(0.025 + round_2)  # s's second id: round 2's end either way
+
+
+@pytest.mark.parametrize("cut", [True, False], ids=["cut", "uncut"])
+def test_a_round_is_cut_where_a_shorter_prompt_joins_and_it_is_read_next(cut):
+    """l (8 chunks and a tail) is read four chunks a round (10 ms each); s (a 5-id tail) joins 12 ms into the
+    first round. Cut (QSE_ROUND_CUT), the round stops at the first piece boundary after s joined (after l's
+    second chunk), and the next round reads s's tail first: its first token 25 ms in. Uncut, s waits for the round's
+    four chunks: 45 ms. l reads its chunks and its tail either way, and both get all their ids."""
+    pol = Policy(max_running=2, round_token_budget=4 * GRID, served_grid=GRID, launch_ahead=False,
+                 first_token_early=True, cut_rounds=cut)
+    sim = simulate_rounds([rec("l", 0.0, 8 * GRID + 1, 2), rec("s", 0.012, 5, 2)], pol,
+                          ReadModel.flat(1000.0, grid=GRID), DecodeCost(5.0))
+    l, s = sim.turns
+    first_round = sim.plans[0][1]
+    assert first_round.reads == ((Read(0, 2, False),) if cut else (Read(0, 4, False),))
+    assert s.ttft_s == pytest.approx((0.020 + 0.005 - 0.012) if cut else (0.040 + 0.005 - 0.012))
+    read = {i: sum(r.chunks for _, p in sim.plans for r in p.reads if r.key == i) for i in (0, 1)}
+    assert read == {0: 8, 1: 0} and l.ids == 2 and s.ids == 2

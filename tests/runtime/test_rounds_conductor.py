@@ -347,3 +347,27 @@ async def test_a_first_token_reaches_its_client_while_its_round_reads_other_prom
     await a
     record = {r.session_id: r for r in rig.records}["s"]
     assert record.first_token_s is not None and record.first_token_s <= record.end_s
+
+
+@pytest.mark.parametrize("cut", [True, False], ids=["cut", "uncut"])
+async def test_a_round_stops_where_a_shorter_prompt_joins_and_reads_it_next(make_rig, cut):
+    """l (eight chunks and a tail) is read four chunks a round; s (a 5-id tail) joins while l's first chunk
+    is held on the served thread. With QSE_ROUND_CUT (the default) the round stops there and the next one reads
+    s's tail before l's next chunk; without, l's four chunks come first. Both get the tokens they get alone."""
+    short, long_ = prompt_ids(5, start=4000), prompt_ids(8 * GRID + 1, start=12000)
+    config = dict(max_running=2, served_grid=GRID, round_token_budget=4 * GRID)
+    alone = {}
+    for sid, prompt in (("s", short), ("l", long_)):
+        rig = make_rig(**config)
+        alone[sid] = await rig.turn(prompt, 3, session=sid)
+    rig = make_rig(**config, cut_rounds=cut)
+    held = rig.probe.hold("prefill", 1)  # l's first chunk
+    l_task = asyncio.create_task(rig.turn(long_, 3, session="l"))
+    await held.entered
+    s_task = asyncio.create_task(rig.turn(short, 3, session="s"))
+    await rig.conductor.wait_for_waiting(1)
+    held.release.set()
+    assert await s_task == alone["s"] and await l_task == alone["l"]
+    reads = [c.num_ids for c in rig.probe.of("prefill")]
+    assert reads[:5] == ([GRID, 5, GRID, GRID, GRID] if cut else [GRID, GRID, GRID, GRID, 5])
+    assert sum(1 for n in reads if n == GRID) == 8  # l's eight chunks, each read once
