@@ -119,6 +119,11 @@ READER_POLICIES: list[tuple[str, str, dict]] = [
     ("reader_shortest_woken_group4", "the defaults, the idle window reading chunk groups of up to 4 "
                                      "(QSE_SHADOW_IDLE_GROUP=4; a chunk's share in a group: read_model.group_share)",
      {"read_order": "shortest", "idle_wake": True, "idle_group": 4}),
+    ("reader_with_early_cut_rounds", "the defaults since 2026-12-05: the reader's, and the rounds' early first "
+                                     "tokens and cut rounds", {"read_order": "shortest", "idle_wake": True,
+                                                               "first_token_early": True, "cut_rounds": True}),
+    ("reader_with_early_cut_rounds_group4", "the same with idle chunk groups of up to 4",
+     {"read_order": "shortest", "idle_wake": True, "first_token_early": True, "cut_rounds": True, "idle_group": 4}),
 ]
 
 

@@ -16,6 +16,10 @@ left is dropped):
     recent      the newest grid lines read (one a launch's end)
     divergence  the line at or below one of the newest places where a prompt re-rendered
     first       (`pin_first`, the replay's switch) the lowest prompt checkpoint the prompt cap dropped
+    ladder      the lines at `ladder_from` times a power of two (8k, 16k, 32k, ... rows): a prompt that
+                re-renders below every prompt and recent checkpoint (a coding agent's context rewritten past
+                its system prompt) goes back at worst to half of what it keeps, not to row 0. No cap: a
+                session of n rows holds log2(n / ladder_from) + 1 of them
 
 Every change returns a `Change`: the row whose state the caller must copy now (`take`, None if none) and
 the rows whose states it must free (`dropped`).
@@ -28,8 +32,8 @@ from typing import NamedTuple
 
 from qse.core.plan import group_size
 
-PROMPT, RECENT, DIVERGENCE, FIRST = "prompt", "recent", "divergence", "first"
-KINDS = frozenset((PROMPT, RECENT, DIVERGENCE, FIRST))
+PROMPT, RECENT, DIVERGENCE, FIRST, LADDER = "prompt", "recent", "divergence", "first", "ladder"
+KINDS = frozenset((PROMPT, RECENT, DIVERGENCE, FIRST, LADDER))
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class CheckpointRules:
     divergence: int = 0  # the lines of the newest re-render places
     at_line: bool = True  # a prompt end's line is taken at once when the state already stands on it
     pin_first: bool = False  # the lowest prompt checkpoint the prompt cap drops is kept (once) as `first`
+    ladder_from: int = 0  # the ladder's lowest line, rows (a multiple of the grid); 0: no ladder
 
     def __post_init__(self) -> None:
         if not isinstance(self.grid, int) or self.grid < 1:
@@ -50,18 +55,37 @@ class CheckpointRules:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} checkpoints must be a whole number >= 0, got {value!r}")
+        if not isinstance(self.ladder_from, int) or self.ladder_from < 0 or self.ladder_from % self.grid:
+            raise ValueError(f"the checkpoint ladder's first line (QSE_SERVED_CHECKPOINT_LADDER) must be 0 or a multiple of "
+                             f"the grid ({self.grid}) in rows, got {self.ladder_from!r}")
 
     @classmethod
     def counted(cls, grid: int, max_checkpoints: int = 6, recent_checkpoints: int = 0, divergence_checkpoints: int = 0,
-                **switches: bool) -> "CheckpointRules":
+                ladder_from: int = 0, **switches: bool) -> "CheckpointRules":
         """The rules from the counts as GridSessions and the policy name them (`Policy.reader_checkpoints()`,
         `Policy.served_checkpoints()`)."""
-        return cls(grid, max_checkpoints, recent_checkpoints, divergence_checkpoints, **switches)
+        return cls(grid, max_checkpoints, recent_checkpoints, divergence_checkpoints, ladder_from=ladder_from,
+                   **switches)
 
     @property
     def max_held(self) -> int:
-        """The most rows a session may hold at once."""
+        """The most rows a session may hold at once beside its ladder's (`ladder_lines`: one a power of two)."""
         return self.prompt + self.recent + self.divergence + (1 if self.pin_first else 0)
+
+    def is_ladder_line(self, row: int) -> bool:
+        """Whether `row` is a line of the ladder: ladder_from times a power of two."""
+        if not self.ladder_from or row < self.ladder_from or row % self.ladder_from:
+            return False
+        times = row // self.ladder_from
+        return times & (times - 1) == 0
+
+    def ladder_lines(self, upto: int) -> list[int]:
+        """The ladder's lines at or below `upto`, lowest first."""
+        lines, row = [], self.ladder_from
+        while self.ladder_from and row <= upto:
+            lines.append(row)
+            row *= 2
+        return lines
 
     def line_of(self, row: int) -> int:
         """The grid line at or below `row`."""
@@ -107,11 +131,14 @@ class CheckpointBook:
     def group_chunks(self, first_row: int, wanted: int) -> int:
         """Chunks one launch from `first_row` reads (a power of two up to `wanted`, ending at the first prompt or
         divergence line inside): the line's checkpoint then falls on the launch's end."""
-        return group_size(first_row, wanted, self.rules.grid, self.lines, self.divergence_lines)
+        rules = self.rules
+        ladder = rules.ladder_lines(first_row + wanted * rules.grid)
+        return group_size(first_row, wanted, rules.grid, self.lines, self.divergence_lines, ladder)
 
     def may_take_at(self, end: int) -> bool:
         """Whether a chunk ending at `end` may take a checkpoint (what a byte cap must leave room for)."""
-        return end in self.lines or end in self.divergence_lines or self.rules.recent > 0
+        return (end in self.lines or end in self.divergence_lines or self.rules.recent > 0
+                or self.rules.is_ladder_line(end))
 
     # ---- changes -----------------------------------------------------------------------------
     def feed(self, known: int, prompt_end: int | None = None, standing: int | None = None) -> Change:
@@ -131,11 +158,13 @@ class CheckpointBook:
         return Change()
 
     def after_chunk(self, end: int, launch_end: bool = True) -> Change:
-        """A chunk read up to row `end`: a prompt line or a new divergence line there takes a checkpoint, and a
-        launch's end takes a recent one."""
+        """A chunk read up to row `end`: a prompt line, a new divergence line or a ladder line there takes a
+        checkpoint, and a launch's end takes a recent one."""
         kinds = []
         if end in self.lines:
             kinds.append(PROMPT)
+        if self.rules.is_ladder_line(end) and LADDER not in self._held.get(end, ()):
+            kinds.append(LADDER)
         if end in self.divergence_lines and DIVERGENCE not in self._held.get(end, ()):
             kinds.append(DIVERGENCE)
         if self.rules.recent and launch_end:
@@ -176,6 +205,8 @@ class CheckpointBook:
         self._held.setdefault(row, set()).update(kinds)
         dropped: list[int] = []
         for kind in kinds:
+            if kind == LADDER:  # (no cap: one a power of two)
+                continue
             cap = getattr(self.rules, kind)
             rows = self.positions(kind)
             over = rows[: max(0, len(rows) - cap)]  # the lowest go
@@ -196,5 +227,5 @@ class CheckpointBook:
         return dropped
 
 
-__all__ = ["DIVERGENCE", "FIRST", "KINDS", "PROMPT", "RECENT", "Change", "CheckpointBook", "CheckpointRules",
+__all__ = ["DIVERGENCE", "FIRST", "KINDS", "LADDER", "PROMPT", "RECENT", "Change", "CheckpointBook", "CheckpointRules",
            "Rollback"]

@@ -241,15 +241,17 @@ class GridSessions:
                  page_rows: int | None = None, residency: Residency | None = None, clock=time.monotonic,
                  graphs: bool | str | None = None, recent_checkpoints: int = 0, divergence_checkpoints: int = 0,
                  chunk_group: int = 1, who: str = "the reader", kv_slots: int | None = None,
-                 chunk_hidden: bool = False):
+                 chunk_hidden: bool = False, ladder_from: int = 0):
         """graphs: True/False, None for CUDA graphs where the device is CUDA and the kernels are Triton's
         (the entry point passes False where QSE_SHADOW_GRAPHS is off), or "static": the graph path's buffers and flow without capturing (CPU tests).
 
         Checkpoints beside the prompt ends' (`max_checkpoints`): the newest `recent_checkpoints` grid lines
-        read, and the lines of the newest `divergence_checkpoints` places where a prompt re-rendered.
-        Both are 0 here; `qse serve` passes the settings (QSE_SHADOW_RECENT_CHECKPOINTS, 4 by default, and
-        QSE_SHADOW_DIVERGENCE_CHECKPOINTS, 0): in the weka replay 4 recent lines took fresh turn starts from
-        95.5 % to 97.6 %, for up to 4 more states (19.5 MB each on the 0.8B) a session.
+        read, the lines of the newest `divergence_checkpoints` places where a prompt re-rendered, and the
+        ladder's lines, `ladder_from` rows times a power of two (qse/core/checkpoints.py). All three are 0
+        here; `qse serve` passes the settings (QSE_SHADOW_RECENT_CHECKPOINTS, 4 by default,
+        QSE_SHADOW_DIVERGENCE_CHECKPOINTS, 0; the served sessions' QSE_SERVED_CHECKPOINT_LADDER, 8192): in the
+        weka replay 4 recent lines took fresh turn starts from 95.5 % to 97.6 %, for up to 4 more states (19.5
+        MB each on the 0.8B) a session.
 
         chunk_group: the chunks `read_all` launches together where they fit (see launch_step), on the graph
         path; 1 reads one chunk a launch.
@@ -273,8 +275,11 @@ class GridSessions:
         self.chunk_group = chunk_group
         self.chunk_hidden = chunk_hidden
         # every session's checkpoint book follows these (qse/core/checkpoints.py: the one copy of the rules)
-        self.checkpoint_rules = CheckpointRules.counted(grid, max_checkpoints, recent_checkpoints,
-                                                        divergence_checkpoints)
+        try:
+            self.checkpoint_rules = CheckpointRules.counted(grid, max_checkpoints, recent_checkpoints,
+                                                            divergence_checkpoints, ladder_from)
+        except ValueError as exc:
+            raise SessionError(str(exc)) from None
         cfg = engine.cfg
         page_rows = page_rows or grid
         if grid % page_rows:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from qse.core.checkpoints import DIVERGENCE, FIRST, PROMPT, RECENT, Change, CheckpointBook, CheckpointRules
+from qse.core.checkpoints import DIVERGENCE, FIRST, LADDER, PROMPT, RECENT, Change, CheckpointBook, CheckpointRules
 
 G = 16
 
@@ -135,3 +135,35 @@ def test_bad_rules_are_named(bad):
 def test_counted_maps_the_policy_counts():
     rules = CheckpointRules.counted(G, max_checkpoints=3, recent_checkpoints=4, divergence_checkpoints=1)
     assert (rules.prompt, rules.recent, rules.divergence, rules.max_held) == (3, 4, 1, 8)
+
+
+def test_the_ladder_takes_a_power_of_two_line_and_a_deep_rerender_goes_back_to_it():
+    """ladder_from 2 chunks: lines at 32, 64, 128, ... rows. A 200-row prompt read one chunk a launch holds
+    its prompt line (192) and the ladder's 32, 64 and 128; the ladder rows are never trimmed by the prompt cap;
+    a re-render at row 150 goes back to 128, not to 0."""
+    b = book(prompt=1, ladder_from=2 * G)
+    assert [b.rules.is_ladder_line(r) for r in (G, 2 * G, 3 * G, 4 * G, 6 * G, 8 * G)] == [
+        False, True, False, True, False, True]
+    assert b.rules.ladder_lines(200) == [32, 64, 128]
+    b.feed(200, prompt_end=200)
+    read(b, 0, 192)
+    assert b.positions(LADDER) == [32, 64, 128] and b.positions(PROMPT) == [192]
+    b.feed(300, prompt_end=300)
+    read(b, 192, 288)  # the prompt cap (1) moves to 288; the ladder stays, and gains 256
+    assert b.positions(PROMPT) == [288] and b.positions(LADDER) == [32, 64, 128, 256]
+    assert b.roll_back(150) == (128, (256, 288))
+    assert b.positions(None) == [32, 64, 128]
+
+
+def test_a_chunk_group_ends_on_a_ladder_line_so_its_checkpoint_is_taken():
+    b = book(ladder_from=4 * G)
+    assert b.group_chunks(0, 8) == 4  # 0 -> 64: the ladder's first line ends it
+    assert b.group_chunks(4 * G, 8) == 4  # 64 -> 128
+    assert b.group_chunks(8 * G, 8) == 8  # 128 -> 256: the next line is the group's end
+    assert b.may_take_at(8 * G) and not b.may_take_at(6 * G)
+
+
+@pytest.mark.parametrize("bad", [G + 1, -G, 1.5])
+def test_a_ladder_off_the_grid_is_named(bad):
+    with pytest.raises(ValueError, match="QSE_SERVED_CHECKPOINT_LADDER.*multiple of the grid"):
+        CheckpointRules(G, ladder_from=bad)

@@ -429,3 +429,26 @@ def test_a_tail_read_in_its_class_graph_is_the_eager_tail_to_rounding(tiny_engin
     assert start.tail_tokens == 9
     torch.testing.assert_close(graph_first, eager_first, rtol=1e-4, atol=1e-4)
     assert graph_tokens == eager_tokens
+
+
+def test_a_prompt_rewritten_below_every_prompt_checkpoint_goes_back_to_the_ladder_bit_equal(tiny_engine):
+    """A session read to 7 chunks, then a prompt that keeps only its first 5 chunks and 3 ids (an agent's
+    context rewritten past its system prompt): without the ladder it reads from row 0; with a ladder from 2
+    chunks it goes back to 4 chunks (the ladder's 64, 128: the highest at or below what it keeps), and its
+    first token's logits, its tokens and its state equal a cold prefill's, bit for bit."""
+    gen = torch.Generator().manual_seed(31)
+    first = _ids(gen, 7 * GRID + 4)
+    rewritten = first[:5 * GRID + 3] + _ids(gen, 2 * GRID + 9)
+    cold_first, cold_tokens, cold = _cold(tiny_engine, rewritten, steps=2)
+    starts = {}
+    for ladder in (0, 2 * GRID):
+        book = GridSessions(tiny_engine, grid=GRID, pool_bytes=16 << 20, recent_checkpoints=2, ladder_from=ladder,
+                            who="the served model")
+        served = ServedSessions(book)
+        _turn(served, "s", first, steps=2)
+        logits, tokens, start = _turn(served, "s", rewritten, steps=2)
+        assert torch.equal(logits, cold_first) and tokens == cold_tokens
+        assert book.state_equal(book.get("s"), cold.book.get("cold")) == {
+            "committed": True, "kv": True, "recurrent": True, "conv": True}
+        starts[ladder] = (start.rolled_back_to, start.cached_tokens)
+    assert starts == {0: (0, 0), 2 * GRID: (4 * GRID, 4 * GRID)}
