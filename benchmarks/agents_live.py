@@ -285,6 +285,23 @@ def reader_reads(log_path: Path) -> dict | None:
             "gaps_ms_a_chunk": round(between / chunks, 3) if chunks else None}
 
 
+def event_counts(log_path: Path, names: tuple[str, ...] = ("round_cut", "idle_burst", "ration_slice")) -> dict:
+    """How many of each named event the server logged (a round cut for a newcomer, the idle bursts, the reader's
+    slices between rounds)."""
+    import json as _json
+
+    counts = dict.fromkeys(names, 0)
+    for line in log_path.read_text().splitlines():
+        if line.startswith("{") and any(f'"{n}"' in line for n in names):
+            try:
+                name = _json.loads(line).get("event")
+            except ValueError:
+                continue
+            if name in counts:
+                counts[name] += 1
+    return counts
+
+
 def timeline_summary(turns: list[dict]) -> dict:
     """Where the follow-ups' TTFT went, p50 / p90 of each station (s): the client's send to the conductor's
     arrival (HTTP, render, session), waiting to open, open to the first token."""
@@ -579,6 +596,7 @@ def run_once(args: argparse.Namespace, out_dir: Path, log_name: str = "agents_li
                     t.update(stations.get(t["request_id"], {}))
                 result[name]["followup_stations"] = timeline_summary(result[name]["turns_detail"])
         result["reader_reads"] = reader_reads(Path(log_file))
+        result["server_events"] = event_counts(Path(log_file))
     return result, rc, log_path
 
 

@@ -146,6 +146,8 @@ def test_agents_live_drives_a_real_server_through_the_openai_client(tmp_path, ca
     reads = result["reader_reads"]
     assert reads is not None and reads["reads"] >= 1 and reads["chunks"] >= reads["reads"] and reads["device_ms"] > 0
     assert reads["fixed_ms_a_read"]["n"] == reads["reads"] and reads["gaps_ms_a_chunk"] is not None
+    events = result["server_events"]  # the log's counts: the reads above came in idle bursts
+    assert set(events) == {"round_cut", "idle_burst", "ration_slice"} and events["idle_burst"] >= 1
     cold = result["cold"]
     assert cold["turns"] == 2 and cold["failed"] == [] and cold["cached_tokens"] == 0
     assert cold["server"]["prefix_cache_hit_tokens"] == 0
