@@ -65,15 +65,21 @@ async def test_the_ledger_holds_every_measured_round(make_rig):
     assert abs(total.gpu_us[Role.SERVED_DECODE] - decode_us) <= 3 * len(rig.probe.of("decode"))
 
 
+async def _each_alone(make_rig, config: dict, prompts: dict[str, list[int]], max_tokens: int) -> dict:
+    """Each session's turn on a fresh conductor of its own: the tokens it gets alone."""
+    alone = {}
+    for sid, prompt in prompts.items():
+        rig = make_rig(**config)
+        alone[sid] = await rig.turn(prompt, max_tokens, session=sid)
+    return alone
+
+
 async def _b_arrives_while_a_decodes(make_rig, **policy):
     """a (a short prompt) decodes until b (six grid chunks and a tail) arrives, under a budget of one chunk a
     round; returns the rig, each turn's tokens alone and together, and the probe's mark at b's arrival."""
     short, long_ = prompt_ids(17, start=4000), prompt_ids(6 * GRID + 5, start=12000)
     config = dict(max_running=4, served_grid=GRID, round_token_budget=GRID)
-    alone = {}
-    for sid, prompt in (("a", short), ("b", long_)):
-        rig = make_rig(**config)
-        alone[sid] = await rig.turn(prompt, 12, session=sid)
+    alone = await _each_alone(make_rig, config, {"a": short, "b": long_}, 12)
     rig = make_rig(**config, **policy)
     hold = rig.probe.hold("decode", 1)  # a decodes; b arrives meanwhile
     a = asyncio.create_task(rig.turn(short, 12, session="a"))
@@ -316,10 +322,7 @@ async def test_a_first_token_reaches_its_client_while_its_round_reads_other_prom
     Either way every turn gets the tokens it gets alone."""
     short, long_ = prompt_ids(5, start=4000), prompt_ids(4 * GRID + 1, start=12000)
     config = dict(max_running=3, served_grid=GRID, round_token_budget=3 * GRID)
-    alone = {}
-    for sid, prompt in (("s", short), ("l", long_)):
-        rig = make_rig(**config)
-        alone[sid] = await rig.turn(prompt, 3, session=sid)
+    alone = await _each_alone(make_rig, config, {"s": short, "l": long_}, 3)
     rig = make_rig(**config, first_token_early=early)
     c = rig.conductor
     held_decode = rig.probe.hold("decode", 1)
@@ -356,10 +359,7 @@ async def test_a_round_stops_where_a_shorter_prompt_joins_and_reads_it_next(make
     s's tail before l's next chunk; without, l's four chunks come first. Both get the tokens they get alone."""
     short, long_ = prompt_ids(5, start=4000), prompt_ids(8 * GRID + 1, start=12000)
     config = dict(max_running=2, served_grid=GRID, round_token_budget=4 * GRID)
-    alone = {}
-    for sid, prompt in (("s", short), ("l", long_)):
-        rig = make_rig(**config)
-        alone[sid] = await rig.turn(prompt, 3, session=sid)
+    alone = await _each_alone(make_rig, config, {"s": short, "l": long_}, 3)
     rig = make_rig(**config, cut_rounds=cut)
     held = rig.probe.hold("prefill", 1)  # l's first chunk
     l_task = asyncio.create_task(rig.turn(long_, 3, session="l"))
