@@ -68,7 +68,7 @@ POLICIES: list[tuple[str, str, dict]] = [
     *[(f"first_token_early_cut_budget_{b}_yield_{y}ms", f"the same; a round reads up to {b // 512} pieces, running "
                                                         f"turns sit out prompt rounds while each decoded within {y} ms",
        {"first_token_early": True, "cut_rounds": True, "round_token_budget": b, "decode_yield_ms": float(y)})
-      for b, y in ((4096, 0), (8192, 0), (2048, 100), (4096, 100))],
+      for b, y in ((4096, 0), (8192, 0), (2048, 50), (2048, 100), (4096, 100))],
 ]
 
 
