@@ -42,7 +42,7 @@ from qse.policy import Policy  # noqa: E402
 from qse.replay.read_model import ReadModel  # noqa: E402
 from qse.replay.rounds import DecodeCost, ReaderCost, simulate_rounds  # noqa: E402
 from qse.replay.usage import UsageRecord  # noqa: E402
-from qse.settings import SETTINGS  # noqa: E402
+from qse.settings import REGISTRY, SETTINGS  # noqa: E402
 
 # (name, what it changes, Policy overrides)
 POLICIES: list[tuple[str, str, dict]] = [
@@ -162,24 +162,14 @@ def context_points(text: str) -> tuple[tuple[int, float], ...]:
 
 
 def policy_changes(pairs: list[str]) -> dict:
-    """['field=value', ...] -> Policy overrides, each value parsed as its field's type (bool: true/false, on/off)."""
-    types = {f.name: f.type for f in dataclasses.fields(Policy)}
+    """['field=value', ...] -> Policy overrides, each value parsed by its field's setting (qse/settings.py)."""
+    settings = {f.name: f.metadata["setting"] for f in dataclasses.fields(Policy) if f.metadata}
     out = {}
     for pair in pairs:
         name, sep, text = pair.partition("=")
-        if not sep or name not in types:
+        if not sep or name not in settings:
             raise ValueError(f"{pair!r}: expected FIELD=VALUE with FIELD one of Policy's fields")
-        kind = types[name]
-        if kind in ("bool", bool):
-            if text.lower() not in ("true", "false", "on", "off", "1", "0"):
-                raise ValueError(f"{pair!r}: {name} takes true or false")
-            out[name] = text.lower() in ("true", "on", "1")
-        elif kind in ("int", int):
-            out[name] = int(text)
-        elif kind in ("float", float):
-            out[name] = float(text)
-        else:
-            out[name] = text
+        out[name] = REGISTRY[settings[name]].parse(text)
     return out
 
 
@@ -237,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         base_changes = policy_changes(args.base)
         default = dataclasses.replace(Policy.from_settings(SETTINGS), **base_changes)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError) as exc:  # (a SettingError is a ValueError)
         p.error(f"--base: {exc}")
     measured = figures([(t["turn"] > 0, t["ttft_s"]) for t in run[args.phase]["turns_detail"]
                         if t.get("ttft_s") is not None and not t.get("error")])

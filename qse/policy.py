@@ -61,7 +61,7 @@ class Policy:
     served_graphs: bool = _from("QSE_SERVED_GRAPHS")
     served_kv_gb: float = _from("QSE_SERVED_KV_GB")  # 0 (auto): FIXED_KV_POOL_GB unless sized (__post_init__)
     served_grid: int = _from("QSE_SERVED_GRID")
-    served_chunk_group: int = _from("QSE_SERVED_CHUNK_GROUP")
+    served_chunk_group: int = _from("QSE_SERVED_CHUNK_GROUP")  # a prompt's grid chunks one launch may read
     served_checkpoint_ladder: int = _from("QSE_SERVED_CHECKPOINT_LADDER")  # served states at 8k, 16k, 32k, ... rows
     max_running: int = _from("QSE_MAX_RUNNING")
     round_token_budget: int = _from("QSE_ROUND_TOKEN_BUDGET")  # prompt ids a round reads beside its decode rows

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -69,3 +71,14 @@ def test_the_ids_each_prompt_keeps_come_from_the_runs_own_trace():
     assert [r.shared_prefix_tokens for r in records] == [kept[(t["agent"], t["turn"])] for t in
                                                          run["agents"]["turns_detail"]]
     assert kept_prefixes(run, ROOT / "no-such-trace.csv") == {}
+
+
+def test_base_overrides_are_parsed_by_each_fields_setting():
+    from benchmarks.agents_replay import policy_changes
+
+    assert policy_changes(["first_token_early=off", "round_token_budget=1024", "decode_yield_ms=50"]) == {
+        "first_token_early": False, "round_token_budget": 1024, "decode_yield_ms": 50.0}
+    with pytest.raises(ValueError, match="'budget=1': expected FIELD=VALUE"):
+        policy_changes(["budget=1"])
+    with pytest.raises(ValueError, match="QSE_ROUND_CUT='maybe' is not a valid bool"):
+        policy_changes(["cut_rounds=maybe"])

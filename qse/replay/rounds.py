@@ -359,9 +359,9 @@ def simulate_rounds(records: Iterable[UsageRecord], policy, read_model: ReadMode
         def cut(i: int, got: int) -> bool:
             """Whether the round stops before turn i's next piece, `got` of its chunks read this round (the
             planner's rule: a turn that joined the queue by then goes first)."""
-            if not planner.cut_rounds or not (done or got):
-                return False
             at, t = now + cost_ms / 1000, turns[i]
+            if not planner.cut_rounds or not (done or got) or not ready or ready[0][0] > at:  # (none joined yet)
+                return False
             piece = Prompt(i, t.arrival_no, t.unread_tokens - got * grid, t.overtaken, t.chunks_left - got)
             return planner.cuts_before(piece, [prompt(j) for s, j in ready if s <= at], num_busy)
 
