@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the run's trace (default: its options' path): the ids each prompt keeps of its session's")
     p.add_argument("--base", action="append", default=[], metavar="FIELD=VALUE",
                    help="the run's policy where it differs from today's defaults (a Policy field, e.g. "
-                        "first_token_early=false and cut_rounds=false for a run before 2026-12-05): every row starts from it")
+                        "first_token_early=false and cut_rounds=false for a run before 2026-12-05): every row "
+                        "starts from it")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="a dir, or a file ending .json")
     args = p.parse_args(argv)
     run = json.loads(args.run.read_text())

@@ -56,8 +56,8 @@ class CheckpointRules:
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} checkpoints must be a whole number >= 0, got {value!r}")
         if not isinstance(self.ladder_from, int) or self.ladder_from < 0 or self.ladder_from % self.grid:
-            raise ValueError(f"the checkpoint ladder's first line (QSE_SERVED_CHECKPOINT_LADDER) must be 0 or a multiple of "
-                             f"the grid ({self.grid}) in rows, got {self.ladder_from!r}")
+            raise ValueError(f"the checkpoint ladder's first line (QSE_SERVED_CHECKPOINT_LADDER) must be 0 or a "
+                             f"multiple of the grid ({self.grid}) in rows, got {self.ladder_from!r}")
 
     @classmethod
     def counted(cls, grid: int, max_checkpoints: int = 6, recent_checkpoints: int = 0, divergence_checkpoints: int = 0,

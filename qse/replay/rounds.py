@@ -5,8 +5,9 @@ waiting turns up to `max_running`, and each round decodes every running turn in 
 `round_token_budget` ids of the opened prompts in whole grid chunks and tails. A round costs the decode at its
 batch size (`DecodeCost`) plus its pieces at the read model's cost (a chunk at its context, a tail as its share
 of a chunk), and a turn's tokens come at the ends of its rounds, its first token when its tail is read
-(`first_token_early`, as the conductor sends it; else at the end of that round). A session's next turn waits for the one before
-(one turn a session at a time, as the conductor's session lock).
+(`first_token_early`, as the conductor sends it; else at the end of that round). With `cut_rounds` a round stops
+before a piece where a turn that arrived meanwhile goes first (RoundPlanner.cuts_before). A session's next turn
+waits for the one before (one turn a session at a time, as the conductor's session lock).
 
 With a `ReaderCost` the reader is there too, in its idle window: each turn's start teaches it the prompt (rolled
 back to the grid line at or below the ids the prompt keeps of the session's, as the reader's checkpoints allow
