@@ -102,3 +102,32 @@ async def test_the_replay_takes_the_round_decisions_the_conductor_takes(make_rig
     assert replay_rounds.Scheduler is Scheduler  # (the replay's rounds are the scheduler's own)
     # a decodes beside the prompts' pieces, or (the yield) sits out every round that reads one
     assert any(p.reads and p.decode for p in real_plans) == (not decode_yield_ms)
+
+
+async def test_the_replay_cuts_a_round_where_the_conductor_cuts_it(make_rig):
+    """l (eight chunks and a 3-id tail) is read four chunks a round; s (a 5-id tail) joins while l's first chunk is
+    read. On the conductor (s joins while that chunk is held) and on the virtual clock (s arrives half a chunk
+    in) the round stops after that chunk, and the prompts' pieces run in the same order: l's chunk, s's tail,
+    l's other seven chunks and its tail."""
+    short, long_ = prompt_ids(5, start=4000), prompt_ids(8 * GRID + 3, start=12000)  # (a 1-id tail reads as a decode)
+    rig = make_rig(max_running=2, served_grid=GRID, round_token_budget=4 * GRID)
+    c = rig.conductor
+    assert c.policy.cut_rounds
+    held = rig.probe.hold("prefill", 1)
+    l_task = asyncio.create_task(rig.turn(long_, 2, session="l"))
+    await held.entered
+    s_task = asyncio.create_task(rig.turn(short, 2, session="s"))
+    await c.wait_for_waiting(1)
+    held.release.set()
+    await asyncio.gather(l_task, s_task)
+    live = ["s" if call.num_ids == 5 else "l" for call in rig.probe.of("prefill")]
+
+    records = [UsageRecord(session="l", arrival_s=0.0, first_token_s=None, end_s=0.0, prompt_tokens=len(long_),
+                           shared_prefix_tokens=0, output_tokens=2),
+               UsageRecord(session="s", arrival_s=0.0005, first_token_s=None, end_s=0.0005, prompt_tokens=len(short),
+                           shared_prefix_tokens=0, output_tokens=2)]
+    sim = simulate_rounds(records, c.policy, ReadModel.flat(1000.0 / GRID, grid=GRID), DecodeCost(1.0))
+    names = [r.session for r in records]
+    replayed = [names[r.key] for _, p in sim.plans for r in p.reads for _ in range(r.chunks + r.tail)]
+    assert live == replayed == ["l", "s", *["l"] * 8]
+    assert [len(p.reads) and p.reads[0].chunks for _, p in sim.plans][0] == 1  # the first round: one chunk, cut
