@@ -95,11 +95,14 @@ def agent_shapes(trace: Path, agents: int, max_turns: int, max_prompt_tokens: in
     return picked[skip:skip + agents]
 
 
-def prompts_of(shapes: list[TurnShape], rng: random.Random) -> list[list[int]]:
-    """Each turn's prompt ids: the previous prompt's shared head, then fresh random ids."""
+def prompts_of(shapes: list[TurnShape], rng: random.Random, head: list[int] | tuple[int, ...] = ()) -> list[list[int]]:
+    """Each turn's prompt ids: the previous prompt's shared head, then fresh random ids; with `head`, every
+    prompt begins with it (agents of one harness: one system prompt and tool list), whatever the trace shares."""
     out, prev = [], []
     for s in shapes:
         ids = prev[:s.shared_tokens] + [rng.randrange(ID_RANGE) for _ in range(s.prompt_tokens - s.shared_tokens)]
+        keep = min(len(head), len(ids))
+        ids[:keep] = head[:keep]
         out.append(ids)
         prev = ids
     return out
@@ -507,7 +510,9 @@ async def run(args: argparse.Namespace, url: str) -> dict:
         solo = [(0, f"{tag}-solo", solo_shape[1], prompts_of(solo_shape[1], rng))]
         result["solo"] = await phase(client, http, headers, model, solo, 0.0) if args.solo else None
         wait_reader_idle(http, headers, args.settle_s)
-        plans = [(i, f"{tag}-agent-{i}", s, prompts_of(s, rng)) for i, (_, s) in enumerate(agent_shapes_)]
+        # the agents' common head (solo's and the cold phase's prompts have none), scaled as the trace's lengths
+        head = [rng.randrange(ID_RANGE) for _ in range(round(args.shared_head * args.scale))]
+        plans = [(i, f"{tag}-agent-{i}", s, prompts_of(s, rng, head)) for i, (_, s) in enumerate(agent_shapes_)]
         result["agents"] = await phase(client, http, headers, model, plans, args.arrival_gap_s)
         wait_reader_idle(http, headers, args.settle_s)
         follow_lengths = sorted(t.prompt_tokens for _, s in agent_shapes_ for t in s[1:])
@@ -546,6 +551,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ab", action="store_true", help="--serve: then the agents again on a server without the "
                    "reader, and the decode loss as the A/B of the two (the time a decoded id took)")
     p.add_argument("--settle-s", type=float, default=120.0, help="longest wait for the reader between phases")
+    p.add_argument("--shared-head", type=int, default=0,
+                   help="ids every agent's prompts begin with (one harness's system prompt and tools: the weka "
+                        "sessions re-render at ~14.6k), so that first turns may start from another agent's state "
+                        "(QSE_SERVED_SHARE_HEADS); 0: each agent's ids its own")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout-s", type=float, default=600.0)
     p.add_argument("--start-timeout-s", type=float, default=600.0)

@@ -86,6 +86,7 @@ _DECLARED: list[Setting] = [
     Setting("QSE_KERNELS", str, "auto", "op set of the engines: naive (torch twins), triton (qse_kernels), invariant (qse_kernels and GEMM: states equal across grids), auto (triton on cuda)"),
     Setting("QSE_SHADOW_RECENT_CHECKPOINTS", int, 4, "also keep the state at the newest N grid lines read (19.5 MB each on the 0.8B)"),
     Setting("QSE_SERVED_CHECKPOINT_LADDER", int, 8192, "the served sessions' checkpoints also at this many rows times a power of two (8k, 16k, 32k, ...: a 100k session holds 4, ~50 MB each on the 9B): a prompt rewritten below every prompt-end checkpoint (an agent's context compacted past its system prompt) goes back at worst to half of what it keeps, not to row 0; 0: none; a multiple of QSE_SERVED_GRID"),
+    Setting("QSE_SERVED_SHARE_HEADS", bool, True, "a served session with nothing held (a first turn) starts from another resident session's checkpoint where its prompt begins as that session's ids do (agents of one harness share a system prompt and tools), within one tenant; the same bits as reading those ids"),
     Setting("QSE_SHADOW_DIVERGENCE_CHECKPOINTS", int, 0, "also keep the state at the lines of the newest N places a prompt re-rendered"),
     Setting("QSE_SHADOW_GRAPHS", bool, True, "capture grid chunks as CUDA graphs on cuda devices"),
     Setting("QSE_SHADOW_CHUNK_GROUP", int, 16, "grid chunks a bulk read (read_all: shadow-check, fresh prefills) launches together on the graph path, one chunk's later layers beside the next one's earlier layers (1: one chunk a launch)"),

@@ -180,6 +180,10 @@ def test_agents_live_shapes_follow_the_trace(tmp_path):
     prompts = prompts_of(turns, __import__("random").Random(0))
     assert [len(p) for p in prompts] == [100, 150, 90]
     assert prompts[1][:100] == prompts[0] and prompts[2][:64] == prompts[1][:64] and prompts[2][64] != prompts[1][64]
+    head = list(range(7, 87))  # 80 ids every agent's prompts begin with, whatever the trace shares
+    mine, theirs = prompts_of(turns, __import__("random").Random(1), head), prompts_of(turns, __import__("random").Random(2), head)
+    assert all(p[:80] == head for p in mine + theirs) and [len(p) for p in mine] == [100, 150, 90]
+    assert mine[1][:100] == mine[0] and mine[0][80:] != theirs[0][80:]
     with pytest.raises(SystemExit, match="2 asked"):
         agent_shapes(trace, 2, 10, 200, 2.0, 8)
 

@@ -19,4 +19,12 @@ def first_outside(ids: Sequence[int], end: int) -> int | None:
     return next(t for t in ids if not 0 <= t < end)
 
 
-__all__ = ["first_outside", "is_int_list"]
+def namespace_of(key: str) -> str:
+    """The tenant namespace of a conductor session id: what precedes its first "/" (a tenant's ids are
+    "name/..."; qse/server/tenants.py), with the "/"; "" for an id with none. Two ids of one namespace may
+    share state; ids of two never do."""
+    head, sep, _ = key.partition("/")
+    return head + sep if sep else ""
+
+
+__all__ = ["first_outside", "is_int_list", "namespace_of"]

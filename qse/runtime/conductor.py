@@ -37,6 +37,7 @@ import structlog
 
 from ..core.chunk_cost import ChunkCostEstimator
 from ..core.idle import IdleBurst
+from ..core.ids import namespace_of
 from ..core.ledger import Role, ms_to_us
 from ..core.locks import Priority
 from ..core.plan import ROLE_OF_WINDOW, Window, check_group
@@ -469,4 +470,10 @@ def served_sessions(engine: Engine, policy: Policy, residency=None) -> ServedSes
                         **policy.served_checkpoints(), residency=residency, chunk_group=policy.served_chunk_group,
                         graphs=None if policy.served_graphs else False, who="the served model",
                         kv_slots=pool_slots_for(engine.cfg, policy.mtp), chunk_hidden=policy.mtp)
-    return ServedSessions(book, max_running=policy.max_running, verify_width=policy.verify_width, mtp=policy.mtp)
+    return ServedSessions(book, max_running=policy.max_running, verify_width=policy.verify_width, mtp=policy.mtp,
+                          may_share=same_namespace if policy.served_share_heads else None)
+
+
+def same_namespace(session_id: str, donor_id: str) -> bool:
+    """A served session may start from a donor's state only inside its own tenant's namespace."""
+    return namespace_of(session_id) == namespace_of(donor_id)

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import numpy as np
 import structlog
@@ -233,6 +233,7 @@ class BookStats:
     summaries: int = 0
     drops: int = 0
     restarts: int = 0
+    shared_rows: int = 0  # rows sessions started from another session's state (start_from_donor)
     last_answers: list[dict] = field(default_factory=list)
 
 
@@ -371,6 +372,48 @@ class GridSessions:
         session.committed = 0
         session.apply_dropped(session.book.clear())
         session.mode = self.mode
+
+    def start_from_donor(self, session: GridSession, limit: int, may_share: Callable[[str, str], bool],
+                         min_rows: int | None = None) -> str | None:
+        """A session about to read from row 0 starts instead from another resident session's checkpoint: the
+        highest row at most `limit` that a session `may_share(session_id, donor_id)` holds a state at and
+        whose ids up to it are this session's (a system prompt and tools that agents of one harness share).
+        Its KV rows below that row and the state there are copied: the grid's state at a row depends only on
+        the ids below it, so the session holds what reading them would have given, bit for bit. The grid line
+        at or below the longest prefix it shares with any of them becomes one of its checkpoint lines (read
+        from there, it takes the state at the shared head: the next session to begin so starts there). Returns
+        the donor's id, or None (nothing shared: no donor at min_rows or more, default two chunks, or no room)."""
+        if session.cache is None or session.committed != 0:
+            return None
+        least = 2 * self.grid if min_rows is None else min_rows
+        best_row, donor, longest = 0, None, 0
+        for other in list(self.sessions.values()):
+            if other is session or other.cache is None or not may_share(session.session_id, other.session_id):
+                continue
+            shared = common_prefix(other.ids, session.ids, min(limit, other.committed))
+            longest = max(longest, shared)
+            row = max((r for r in other.states if r <= shared), default=0)
+            if row > best_row:
+                best_row, donor = row, other
+        head_line = (longest // self.grid) * self.grid
+        if head_line >= least:
+            session.book.lines.add(head_line)
+        if donor is None or best_row < least:
+            return None
+        pages = session.kv.pages_for(best_row)
+        if not session.kv.ensure(best_row):  # (no room: read as before)
+            return None
+        device = self.pool.k.device
+        src = torch.tensor(donor.kv.pages[:pages], dtype=torch.long, device=device)
+        dst = torch.tensor(session.kv.pages[:pages], dtype=torch.long, device=device)
+        for store in (self.pool.k, self.pool.v):
+            store.index_copy_(0, dst, store.index_select(0, src))
+        session.cache.set_state(*donor.states[best_row])
+        session.cache.length = session.committed = best_row
+        session.apply(session.book.after_chunk(best_row, launch_end=False))  # its own lines there, as if read
+        session.stats.shared_rows += best_row
+        self.stats.shared_rows += best_row
+        return donor.session_id
 
     # ---- feeding -----------------------------------------------------------------------------
     def feed(self, session_id: str, ids: list[int], prompt_end: int | None = None, now: float | None = None) -> FeedReport:

@@ -80,6 +80,7 @@ class TurnStart:
     evict_ms: float = 0.0
     read_ms: float = 0.0
     tail_ms: float = 0.0
+    shared_from: str | None = None  # the session whose state at `cached_tokens` a new session started from
 
 
 @dataclass
@@ -134,11 +135,14 @@ class ServedSessions:
     One thread (the served engine's executor) calls every method; one turn runs at a time on a session.
     """
 
-    def __init__(self, book: GridSessions, max_running: int = 1, verify_width: int = 0, mtp: bool = False):
+    def __init__(self, book: GridSessions, max_running: int = 1, verify_width: int = 0, mtp: bool = False,
+                 may_share: Callable[[str, str], bool] | None = None):
         """max_running: turns decoding at once (the rounds' slots and largest batch). verify_width: the most rows
         a turn may verify in a round (speculative decoding: its token and verify_width - 1 drafts; 0: off).
         mtp: the turns draft with the model's MTP head (verify_width >= 2; the book's pool built with
-        pool_slots_for(cfg, mtp=True) slots a page)."""
+        pool_slots_for(cfg, mtp=True) slots a page). may_share(a, b): whether session a may start from session
+        b's state (GridSessions.start_from_donor: a first turn whose prompt begins as a resident session's does;
+        the conductor passes one namespace's rule, QSE_SERVED_SHARE_HEADS); None: never."""
         if mtp:
             require_mtp_head(book.engine)
         self.book = book
@@ -149,6 +153,7 @@ class ServedSessions:
         self._clock = DeviceClock(book.engine.device)
         self._reserved = 0  # turns opened that have not taken their decode slot yet
         self.counts = {"queries": 0, "query_tokens": 0, "hit_tokens": 0, **{f"hits_{t}": 0 for t in TIERS}}
+        self.may_share = may_share
 
     @property
     def mode(self) -> str:
@@ -228,12 +233,18 @@ class ServedSessions:
         report = book.feed(session_id, prompt_ids, prompt_end=len(prompt_ids))
         session = book.get(session_id)
         session.pinned = True  # from here until finish: the store never moves it
+        limit = ((len(prompt_ids) - 1) // book.grid) * book.grid
         try:
             book.ensure_resident(session)  # a parked state comes back (or the session is read from row 0)
+            # nothing held (a new session, or one read again from row 0): another session's head, where one
+            # begins as this prompt does
+            shared_from = (book.start_from_donor(session, limit, self.may_share)
+                           if self.may_share is not None and session.committed == 0 else None)
         except BaseException:
             session.pinned = False
             raise
-        limit = ((len(prompt_ids) - 1) // book.grid) * book.grid
+        if shared_from is not None:
+            tier = DEVICE
         rolled_back_to = report.rolled_back_to
         if rolled_back_to is None and session.stats.rollbacks > rollbacks0:
             rolled_back_to = session.committed  # a parked state went back as it came back (the store's restore)
@@ -244,6 +255,7 @@ class ServedSessions:
         turn = ServedTurn(session, TurnStart(session_id, len(prompt_ids), cached, tier if cached else None,
                                              rolled_back_to, 0, len(prompt_ids) - cached, 0.0),
                           pos=cached, prompt_ids=list(prompt_ids), limit=limit, is_reserved=True)
+        turn.start.shared_from = shared_from
         spent1 = book.residency.spent_ms()
         turn.start.restore_ms = _grew(spent0, spent1, "restore")
         turn.start.evict_ms = _grew(spent0, spent1, "evict")

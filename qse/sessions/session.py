@@ -59,6 +59,7 @@ class SessionStats:
     last_chunk_ms: float = 0.0
     total_chunk_ms: float = 0.0
     forks: int = 0
+    shared_rows: int = 0  # rows it started from another session's state (GridSessions.start_from_donor)
 
 
 @dataclass

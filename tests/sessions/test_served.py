@@ -452,3 +452,47 @@ def test_a_prompt_rewritten_below_every_prompt_checkpoint_goes_back_to_the_ladde
             "committed": True, "kv": True, "recurrent": True, "conv": True}
         starts[ladder] = (start.rolled_back_to, start.cached_tokens)
     assert starts == {0: (0, 0), 2 * GRID: (4 * GRID, 4 * GRID)}
+
+
+@pytest.mark.parametrize("donor_id,shared", [("t1/a", True), ("t2/a", False)], ids=["one-tenant", "two-tenants"])
+def test_a_first_turn_starts_from_another_sessions_state_where_their_prompts_agree(tiny_engine, donor_id, shared):
+    """Session a read a prompt (checkpoints of the ladder at 2 and 4 chunks); b's first prompt begins with a's
+    first 5 chunks and 3 ids (one harness's system prompt and tools), then goes its own way. Inside one tenant b
+    starts from a's state at 4 chunks (its KV rows and GDN state copied), and its first token's logits, tokens
+    and state equal a cold prefill's bit for bit; a third session then starts from b's state at the shared
+    head's line (5 chunks), which b took as it read; across tenants nothing is shared."""
+    from qse.runtime.conductor import same_namespace
+
+    gen = torch.Generator().manual_seed(41)
+    head = _ids(gen, 5 * GRID + 3)
+    first_a, first_b = head + _ids(gen, 2 * GRID + 9), head + _ids(gen, 3 * GRID + 1)
+    cold_first, cold_tokens, cold = _cold(tiny_engine, first_b, steps=2)
+    book = GridSessions(tiny_engine, grid=GRID, pool_bytes=16 << 20, recent_checkpoints=2, ladder_from=2 * GRID,
+                        who="the served model")
+    served = ServedSessions(book, may_share=same_namespace)
+    _turn(served, donor_id, first_a, steps=2)
+    logits, tokens, start = _turn(served, "t1/b", first_b, steps=2)
+    assert torch.equal(logits, cold_first) and tokens == cold_tokens
+    assert book.state_equal(book.get("t1/b"), cold.book.get("cold")) == {
+        "committed": True, "kv": True, "recurrent": True, "conv": True}
+    if shared:
+        assert (start.cached_tokens, start.shared_from, start.tier) == (4 * GRID, "t1/a", "device")
+        assert start.chunks_read == 4 and book.stats.shared_rows == 4 * GRID  # (b's line: 8 chunks)
+        # b took the state at its shared head's line (5 chunks) as it read: a third session starts there
+        first_c = head + _ids(gen, 2 * GRID + 7)
+        cold_c, _, _ = _cold(tiny_engine, first_c, steps=1)
+        logits_c, _, start_c = _turn(served, "t1/c", first_c, steps=1)
+        assert (start_c.cached_tokens, start_c.shared_from) == (5 * GRID, "t1/b") and torch.equal(logits_c, cold_c)
+    else:
+        assert (start.cached_tokens, start.shared_from) == (0, None) and book.stats.shared_rows == 0
+    # a's next turn is untouched by what b copied: from its own state, a cold prefill's bits
+    next_a = first_a + _ids(gen, GRID + 2)
+    again, _, a_start = _turn(served, donor_id, next_a, steps=1)
+    cold_again, _, _ = _cold(tiny_engine, next_a, steps=1)
+    assert torch.equal(again, cold_again) and a_start.cached_tokens == 7 * GRID and a_start.shared_from is None
+
+
+def test_a_namespace_is_what_precedes_the_first_slash():
+    from qse.core.ids import namespace_of
+
+    assert [namespace_of(k) for k in ("t/x", "admin/t/x", "x", "", "/x")] == ["t/", "admin/", "", "", "/"]
