@@ -554,7 +554,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shared-head", type=int, default=0,
                    help="ids every agent's prompts begin with (one harness's system prompt and tools: the weka "
                         "sessions re-render at ~14.6k), so that first turns may start from another agent's state "
-                        "(QSE_SERVED_SHARE_HEADS); 0: each agent's ids its own")
+                        "(QSE_SHARE_HEADS); 0: each agent's ids its own")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout-s", type=float, default=600.0)
     p.add_argument("--start-timeout-s", type=float, default=600.0)

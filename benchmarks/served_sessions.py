@@ -121,8 +121,8 @@ def run_preset(spec: str, turns: list[dict], device: torch.device, dtype: torch.
     engine = Engine(resolve(spec, device, dtype, SETTINGS.cache_dir()), kernels=policy.kernels)
     longest = max(len(t["prompt_ids"]) for t in turns)
     # room for the three copies of the session, a cold one and a turn's rows; the copies hold the same ids, and
-    # each must find its state in its own tier, not start from another copy's (QSE_SERVED_SHARE_HEADS off)
-    config = dataclasses.replace(policy, served_grid=grid, served_share_heads=False,
+    # each must find its state in its own tier, not start from another copy's (QSE_SHARE_HEADS off)
+    config = dataclasses.replace(policy, served_grid=grid, share_heads=False,
                                  served_kv_gb=engine.state_bytes_per_token() * (4 * longest + 8 * grid) / (1 << 30))
     # as the server's store: files written and removed by its mover thread (without one, a restore unlinks the
     # session's file on the engine's thread), the host tier's copies in a pinned arena (room for the host copy

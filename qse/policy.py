@@ -52,6 +52,7 @@ class Policy:
     checkpoints: int = _from("QSE_SHADOW_CHECKPOINTS")  # prompt-end checkpoints (the served sessions' too)
     recent_checkpoints: int = _from("QSE_SHADOW_RECENT_CHECKPOINTS")  # and the newest grid lines read
     divergence_checkpoints: int = _from("QSE_SHADOW_DIVERGENCE_CHECKPOINTS")
+    share_heads: bool = _from("QSE_SHARE_HEADS")  # a new session may start from another's state (served, reader)
     reader_gb: float = _from("QSE_SHADOW_GB")
     reader_graphs: bool = _from("QSE_SHADOW_GRAPHS")
     chunk_group: int = _from("QSE_SHADOW_CHUNK_GROUP")  # bulk reads (shadow-check, fresh prefills)
@@ -63,7 +64,6 @@ class Policy:
     served_grid: int = _from("QSE_SERVED_GRID")
     served_chunk_group: int = _from("QSE_SERVED_CHUNK_GROUP")  # a prompt's grid chunks one launch may read
     served_checkpoint_ladder: int = _from("QSE_SERVED_CHECKPOINT_LADDER")  # served states at 8k, 16k, 32k, ... rows
-    served_share_heads: bool = _from("QSE_SERVED_SHARE_HEADS")  # a first turn may start from another's state
     max_running: int = _from("QSE_MAX_RUNNING")
     round_token_budget: int = _from("QSE_ROUND_TOKEN_BUDGET")  # prompt ids a round reads beside its decode rows
     launch_ahead: bool = _from("QSE_LAUNCH_AHEAD")  # rounds of device-sampled turns launched before reading back

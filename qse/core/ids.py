@@ -27,4 +27,9 @@ def namespace_of(key: str) -> str:
     return head + sep if sep else ""
 
 
-__all__ = ["first_outside", "is_int_list", "namespace_of"]
+def same_namespace(session_id: str, donor_id: str) -> bool:
+    """A session may start from a donor's state only inside its own tenant's namespace (QSE_SHARE_HEADS)."""
+    return namespace_of(session_id) == namespace_of(donor_id)
+
+
+__all__ = ["first_outside", "is_int_list", "namespace_of", "same_namespace"]

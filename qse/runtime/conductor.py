@@ -37,7 +37,7 @@ import structlog
 
 from ..core.chunk_cost import ChunkCostEstimator
 from ..core.idle import IdleBurst
-from ..core.ids import namespace_of
+from ..core.ids import same_namespace
 from ..core.ledger import Role, ms_to_us
 from ..core.locks import Priority
 from ..core.plan import ROLE_OF_WINDOW, Window, check_group
@@ -104,7 +104,8 @@ class Conductor(TurnLifecycle, RoundLoop, ReaderWindows):
                                    reader_grid=self.reader.grid if self.reader is not None else None)
         # before the executors' threads start: it checks the reader's lookahead and lead
         self.runner = (ChunkRunner(self.reader, self.estimator, self.ledger, clock, lookahead=cfg.reader_lookahead,
-                                   launch_lead_ms=cfg.launch_lead_ms, idle_group=cfg.idle_group)
+                                   launch_lead_ms=cfg.launch_lead_ms, idle_group=cfg.idle_group,
+                                   may_share=same_namespace if cfg.share_heads else None)
                        if self.reader is not None else None)
         self.served_exec = EngineExecutor("served")
         self.reader_exec = self.served_exec if (reader is None or reader.engine is served) else EngineExecutor("reader")
@@ -178,7 +179,8 @@ class Conductor(TurnLifecycle, RoundLoop, ReaderWindows):
         self.router.grid = reader.grid
         self.scheduler.reader_grid = reader.grid
         self.runner = ChunkRunner(reader, self.estimator, self.ledger, self.clock, lookahead=cfg.reader_lookahead,
-                                  launch_lead_ms=cfg.launch_lead_ms, idle_group=cfg.idle_group)
+                                  launch_lead_ms=cfg.launch_lead_ms, idle_group=cfg.idle_group,
+                                  may_share=same_namespace if cfg.share_heads else None)
         self.reader_exec = self.served_exec if reader.engine is self.served else EngineExecutor("reader")
         self._seed_estimator()
         for sid, session in list(self.serving.book.sessions.items()):
@@ -471,9 +473,5 @@ def served_sessions(engine: Engine, policy: Policy, residency=None) -> ServedSes
                         graphs=None if policy.served_graphs else False, who="the served model",
                         kv_slots=pool_slots_for(engine.cfg, policy.mtp), chunk_hidden=policy.mtp)
     return ServedSessions(book, max_running=policy.max_running, verify_width=policy.verify_width, mtp=policy.mtp,
-                          may_share=same_namespace if policy.served_share_heads else None)
+                          may_share=same_namespace if policy.share_heads else None)
 
-
-def same_namespace(session_id: str, donor_id: str) -> bool:
-    """A served session may start from a donor's state only inside its own tenant's namespace."""
-    return namespace_of(session_id) == namespace_of(donor_id)

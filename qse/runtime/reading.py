@@ -144,9 +144,12 @@ class ChunkRunner:
 
     def __init__(self, reader: ShadowReader, estimator: ChunkCostEstimator, ledger: GpuLedger,
                  clock: Callable[[], float], lookahead: int = 1, launch_lead_ms: float = 1.0,
-                 sleep_until: Callable[[float], None] | None = None, idle_group: int = 1):
+                 sleep_until: Callable[[float], None] | None = None, idle_group: int = 1,
+                 may_share: Callable[[str, str], bool] | None = None):
         """sleep_until(t): wait until `clock()` reaches t (default: time.sleep against `clock`). idle_group:
-        chunks one launch may read in the idle window (ReaderPlan.group)."""
+        chunks one launch may read in the idle window (ReaderPlan.group). may_share(a, b): whether a session
+        with nothing read may start from session b's state (GridSessions.start_from_donor, QSE_SHARE_HEADS);
+        None: never."""
         check_lookahead(lookahead, launch_lead_ms, "the reader's lookahead (QSE_SHADOW_LOOKAHEAD)",
                         "the launch lead (QSE_SHADOW_LAUNCH_LEAD_MS)")
         check_group(idle_group, "the idle window's chunk group (QSE_SHADOW_IDLE_GROUP)")
@@ -159,6 +162,7 @@ class ChunkRunner:
         self.launch_lead_ms = launch_lead_ms
         self.sleep_until = sleep_until or self._sleep_until
         self.driver = PlanDriver(estimator=estimator, ledger=ledger, clock=clock, sleep_until=self.sleep_until)
+        self.may_share = may_share
 
     def safe_point(self) -> list[Future]:
         """Before an idle window, on the reader's thread (never inside a ration slice): the reader's moves land,
@@ -199,6 +203,8 @@ class ChunkRunner:
         # a parked session comes back (perhaps at another row) before its rows are planned, not inside
         # read_step after the plan was made
         reader.ensure_resident(session)
+        if self.may_share is not None and session.committed == 0:  # another agent's head, where one begins so
+            reader.start_from_donor(session, session.readable_end, self.may_share)
         known = len(session.ids)
         est_ms = self.estimator.estimate_ms(session.committed)
         plan = plan_read(window, session_id=session_id, turn_id=turn_id, committed_rows=session.committed,

@@ -142,7 +142,7 @@ class ServedSessions:
         mtp: the turns draft with the model's MTP head (verify_width >= 2; the book's pool built with
         pool_slots_for(cfg, mtp=True) slots a page). may_share(a, b): whether session a may start from session
         b's state (GridSessions.start_from_donor: a first turn whose prompt begins as a resident session's does;
-        the conductor passes one namespace's rule, QSE_SERVED_SHARE_HEADS); None: never."""
+        the conductor passes one namespace's rule, QSE_SHARE_HEADS); None: never."""
         if mtp:
             require_mtp_head(book.engine)
         self.book = book

@@ -216,3 +216,30 @@ def test_the_idle_loop_waits_for_the_schedulers_next_look(make_rig):
     assert c._idle_wait_s() == poll
     c.scheduler.next_look_s = clock() - 1.0
     assert c._idle_wait_s() == 1e-3
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared", "own"])
+async def test_sessions_that_begin_alike_start_from_each_others_state_reader_and_served(make_rig, share):
+    """Three agents' first prompts begin with one 3-chunk head (one harness's system prompt). a is read from
+    row 0 by both models; b finds no state of a's at or below the head (a holds only its newest lines) and is
+    read from row 0 too, taking the state at the head's line as it goes; c then starts there from b's state on
+    the served model and in the reader (QSE_SHARE_HEADS). Every state equals a fresh read of the same ids, and
+    c's tokens are the ones it gets without sharing."""
+    head = prompt_ids(3 * GRID + 5, start=500)
+    prompts = {s: head + prompt_ids(6 * GRID + 7, start=start) for s, start in (("a", 20000), ("b", 30000),
+                                                                                 ("c", 40000))}
+    rig = make_rig(served_grid=GRID, share_heads=share)
+    c, reader = rig.conductor, rig.reader
+    out = {}
+    for sid, prompt in prompts.items():
+        out[sid] = await rig.turn(prompt, 2, session=sid)
+        assert await c.idle_once() > 0  # the reader reads the session's prompt and output
+    cached = {r.session_id: r.cached_tokens for r in rig.records}
+    assert cached == ({"a": 0, "b": 0, "c": 3 * GRID} if share else {"a": 0, "b": 0, "c": 0})
+    assert reader.get("c").stats.shared_rows == (3 * GRID if share else 0)
+    for sid in prompts:
+        fresh = reader.fresh_prefill(reader.get(sid).ids, "__fresh__", group=1)
+        assert all(reader.state_equal(reader.get(sid), fresh).values()), sid
+    if share:
+        alone = make_rig(served_grid=GRID, share_heads=False)
+        assert await alone.turn(prompts["c"], 2, session="c") == out["c"]

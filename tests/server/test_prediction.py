@@ -10,7 +10,6 @@ import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
-from conftest import API_KEY  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Rewrite the function name in: def old_name(x): return x + 1"}]
 
@@ -24,7 +23,8 @@ def spec_server(launcher, tmp_path_factory):
 
 
 def _client(srv):
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    # (the server's key from its own record: `from conftest import` resolves another directory's under xdist)
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=srv.api_key, max_retries=0, timeout=120)
 
 
 def _chat(client, model, **extra):

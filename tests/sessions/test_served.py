@@ -461,7 +461,7 @@ def test_a_first_turn_starts_from_another_sessions_state_where_their_prompts_agr
     starts from a's state at 4 chunks (its KV rows and GDN state copied), and its first token's logits, tokens
     and state equal a cold prefill's bit for bit; a third session then starts from b's state at the shared
     head's line (5 chunks), which b took as it read; across tenants nothing is shared."""
-    from qse.runtime.conductor import same_namespace
+    from qse.core.ids import same_namespace
 
     gen = torch.Generator().manual_seed(41)
     head = _ids(gen, 5 * GRID + 3)
