@@ -57,6 +57,19 @@ class KVPool:
             return None
         return [self._free.pop() for _ in range(n)]
 
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Pages dst[i] := pages src[i], every slot and row (one session's rows given to another: the rows of a
+        shared head, GridSessions.start_from_donor); the two lists must not overlap."""
+        if len(src) != len(dst):
+            raise ValueError(f"copy_pages: {len(src)} source pages for {len(dst)} destinations")
+        if not src:
+            return
+        device = self.k.device
+        src_t = torch.tensor(src, dtype=torch.long, device=device)
+        dst_t = torch.tensor(dst, dtype=torch.long, device=device)
+        for store in (self.k, self.v):
+            store.index_copy_(0, dst_t, store.index_select(0, src_t))
+
     def release(self, pages: list[int]) -> None:
         self._free.extend(reversed(pages))
 

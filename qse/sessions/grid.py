@@ -403,11 +403,7 @@ class GridSessions:
         pages = session.kv.pages_for(best_row)
         if not session.kv.ensure(best_row):  # (no room: read as before)
             return None
-        device = self.pool.k.device
-        src = torch.tensor(donor.kv.pages[:pages], dtype=torch.long, device=device)
-        dst = torch.tensor(session.kv.pages[:pages], dtype=torch.long, device=device)
-        for store in (self.pool.k, self.pool.v):
-            store.index_copy_(0, dst, store.index_select(0, src))
+        self.pool.copy_pages(donor.kv.pages[:pages], session.kv.pages[:pages])
         session.cache.set_state(*donor.states[best_row])
         session.cache.length = session.committed = best_row
         session.apply(session.book.after_chunk(best_row, launch_end=False))  # its own lines there, as if read

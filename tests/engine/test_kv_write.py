@@ -34,3 +34,16 @@ def test_a_write_of_whole_pages_equals_one_row_at_a_time(start, count):
     assert torch.equal(pools[0].k, pools[1].k) and torch.equal(pools[0].v, pools[1].v)
     got_k, got_v = kvs[0].read(1, start + count)
     assert torch.equal(got_k[start:], k) and torch.equal(got_v[start:], v)
+
+
+def test_copy_pages_gives_each_destination_its_sources_rows_and_names_a_mismatch():
+    pool = KVPool(6, 4, 2, 1, 3, torch.float32, "cpu")
+    pool.k.copy_(torch.arange(pool.k.numel(), dtype=torch.float32).reshape(pool.k.shape))
+    pool.v.copy_(-pool.k)
+    before_k, before_v = pool.k.clone(), pool.v.clone()
+    pool.copy_pages([0, 2], [5, 3])
+    assert torch.equal(pool.k[5], before_k[0]) and torch.equal(pool.k[3], before_k[2])
+    assert torch.equal(pool.v[5], before_v[0]) and torch.equal(pool.v[3], before_v[2])
+    assert all(torch.equal(pool.k[p], before_k[p]) for p in (0, 1, 2, 4))  # no other page touched
+    with pytest.raises(ValueError, match="2 source pages for 1 destinations"):
+        pool.copy_pages([0, 1], [4])
