@@ -474,4 +474,3 @@ def served_sessions(engine: Engine, policy: Policy, residency=None) -> ServedSes
                         kv_slots=pool_slots_for(engine.cfg, policy.mtp), chunk_hidden=policy.mtp)
     return ServedSessions(book, max_running=policy.max_running, verify_width=policy.verify_width, mtp=policy.mtp,
                           may_share=same_namespace if policy.share_heads else None)
-
