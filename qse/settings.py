@@ -134,6 +134,7 @@ _DECLARED: list[Setting] = [
     Setting("QSE_STOP_GRACE_S", float, 30.0, "on SIGTERM, how long requests in flight may run on before they end with a 503"),
     Setting("QSE_MAX_BODY_BYTES", int, 8 * 1024 * 1024, "largest request body accepted, bytes"),
     Setting("QSE_MAX_PROMPT_TOKENS", int, 262144, "largest prompt accepted, tokens"),
+    Setting("QSE_TOKEN_CACHE_MB", int, 256, "memory for the encoded stretches of text between special tokens (a resent conversation's earlier messages are looked up, not encoded again: the same ids); 0: encode every prompt whole"),
     Setting("QSE_MAX_OUTPUT_TOKENS", int, 8192, "largest max_tokens accepted"),
     Setting("QSE_MAX_QUESTION_TOKENS", int, 4096, "largest shadow question accepted, tokens"),
     Setting("QSE_PROFILE", str, "default", "profile name (config/profiles/<name>.yaml) or a path to one"),

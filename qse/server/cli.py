@@ -109,6 +109,7 @@ def build_service(model: str = "", shadow_model: str | None = None, profile: str
 
     from ..engine.engine import Engine
     from ..models import pick_device, pick_dtype, resolve, same_spec
+    from ..models.segments import chars_for_mib
     from ..policy import Policy
     from ..runtime.conductor import Conductor, ShadowOptions, served_sessions
     from ..runtime.planner import DeviceMemory, ResidencyPlanner
@@ -125,8 +126,18 @@ def build_service(model: str = "", shadow_model: str | None = None, profile: str
     cache = settings.cache_dir()
     memory = DeviceMemory(dev, int(settings.get("QSE_DEVICE_MEMORY_GB") * GIB))
     at_start = memory.total_and_free()  # before the served weights load: what is in use without them (None: a CPU)
+    token_cache_mib = settings.get("QSE_TOKEN_CACHE_MB")
+    if token_cache_mib < 0:
+        raise SettingError(f"QSE_TOKEN_CACHE_MB={token_cache_mib}: expected a size in MiB >= 0 (0: encode every "
+                           "prompt whole)")
     served = Engine(resolve(model, dev, dt, cache, chat_template=chat_template), kernels=policy.kernels,
                     pdl=policy.pdl)
+    # a resent conversation's earlier messages are looked up, not encoded again (qse/models/segments.py)
+    tokenizer = served.chat.tokenizer
+    if tokenizer.keep_stretches(chars_for_mib(token_cache_mib)):
+        log.info("token_cache", mib=token_cache_mib)
+    else:
+        log.info("token_cache_off", why=getattr(tokenizer, "segments_off_because", "") or "the specials overlap")
     wants_reader = prof.shadow.mode == "on" and shadow_model != ""
     s = prof.shadow
     options = ShadowOptions(mode=s.mode if wants_reader else "off", narrator=s.narrator, router=s.router,

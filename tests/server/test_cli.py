@@ -27,6 +27,14 @@ def test_the_reader_reuses_the_served_engine(cache_dir, tmp_path):
     assert conductor.reader.grid == 64 and conductor.options.router == "shadow"
     assert service.store is not None and service.store.disk_dir is None
     assert service.max_context_tokens == conductor.served.cfg.max_position_embeddings
+    # QSE_TOKEN_CACHE_MB (256 by default): the served chat format keeps its prompts' encoded stretches
+    assert service.chat.tokenizer.segments.max_chars == 256 * (1 << 20) // 2
+
+
+def test_a_negative_token_cache_is_refused_by_name_before_the_model_loads(cache_dir, tmp_path):
+    settings = EngineSettings({"QSE_CACHE_DIR": str(cache_dir), "QSE_TOKEN_CACHE_MB": "-3"})
+    with pytest.raises(SettingError, match=r"QSE_TOKEN_CACHE_MB=-3: expected a size in MiB >= 0"):
+        build_service(profile="coding", grid=64, device="cpu", dtype="float32", settings=settings)
 
 
 def test_the_idle_group_reaches_the_reader_and_the_conductor_and_a_bad_one_is_named(cache_dir, tmp_path):

