@@ -307,7 +307,13 @@ class Scheduler:
             return Nothing()
         if ev.stop is Stop.BACKLOG:  # that session is read: the next one, in the same burst
             return self._next_idle_read(ev.now, ev.backlogs)
-        return self._close_burst(ev.now)  # a request waits, the burst is spent, or a chunk was not recorded
+        if ev.stop is Stop.BUDGET:
+            # the burst is spent, nobody waits: the next look comes at once (a safe point between two bursts),
+            # not a poll later, which left the device idle for up to a poll in every long idle window
+            self.burst = None
+            self.next_look_s = ev.now
+            return Nothing(ev.now)
+        return self._close_burst(ev.now)  # a request waits, or a chunk was not recorded
 
     def _next_idle_read(self, now: float, backlogs: Mapping[str, SessionBacklog]) -> Action:
         sid = pick_idle_session(backlogs, now, self.read_order)

@@ -51,7 +51,8 @@ def reference(recs, model: ReadModel, opt: SimOptions):
         while t < arrival and st_["committed"] + grid <= st_["known"]:
             t_end = read(turn, Window.IDLE, idle.open(t), t, None, arrival)
             start = max(start, t_end)
-            t = idle.next_poll_s(t_end)
+            # a spent burst: the next one opens at once; otherwise the window looks a poll later
+            t = t_end if trace[-1][4] is Stop.BUDGET else idle.next_poll_s(t_end)
         return start, t
 
     shift, free, next_poll = 0.0, None, recs[0].arrival_s
