@@ -134,10 +134,10 @@ def build_service(model: str = "", shadow_model: str | None = None, profile: str
                     pdl=policy.pdl)
     # a resent conversation's earlier messages are looked up, not encoded again (qse/models/segments.py)
     tokenizer = served.chat.tokenizer
-    if tokenizer.keep_stretches(chars_for_mib(token_cache_mib)):
-        log.info("token_cache", mib=token_cache_mib)
-    else:
+    if not tokenizer.keep_stretches(chars_for_mib(token_cache_mib)):
         log.info("token_cache_off", why=getattr(tokenizer, "segments_off_because", "") or "the specials overlap")
+    else:
+        log.info("token_cache" if token_cache_mib else "token_cache_off", mib=token_cache_mib)
     wants_reader = prof.shadow.mode == "on" and shadow_model != ""
     s = prof.shadow
     options = ShadowOptions(mode=s.mode if wants_reader else "off", narrator=s.narrator, router=s.router,
