@@ -145,8 +145,7 @@ class HFTokenizer:
         self._grammar = None
         added = list(self._tok.get_added_tokens_decoder().values())
         piecewise, self.segments_off_because = hf_splits_at_added_tokens(raw, added)
-        self.segments = (SegmentedEncoder({t.content: self._tok.token_to_id(t.content) for t in added},
-                                          self._encode_whole) if piecewise else None)
+        self.segments = SegmentedEncoder(self.specials, self._encode_whole) if piecewise else None
 
     def encode(self, text: str) -> list[int]:
         if self.segments is not None and self.segments.max_chars:
