@@ -305,6 +305,80 @@ def event_counts(log_path: Path, names: tuple[str, ...] = ("round_cut", "idle_bu
     return counts
 
 
+def _log_events(log_path: Path):
+    """The server log's JSON events (a .gz log too)."""
+    import gzip
+    import json as _json
+
+    opener = gzip.open if str(log_path).endswith(".gz") else open
+    with opener(log_path, "rt") as f:
+        for line in f:
+            if line.startswith("{"):
+                try:
+                    yield _json.loads(line)
+                except ValueError:
+                    continue
+
+
+def _overlap(a: float, b: float, lo: float, hi: float) -> float:
+    return max(0.0, min(b, hi) - max(a, lo))
+
+
+def followup_waits(log_path: Path, session_mark: str = "-agent-") -> list[dict]:
+    """Each follow-up turn's time from the conductor's arrival to its first token split by what the device did
+    meanwhile, from the server's log (s): `own` its own prompt's reads (served_turn_start's read and tail ms);
+    `others` the other turns' prompt reads, each turn's share of them that fell in this window taken as the
+    share of its open-to-first-token span that did (its reads spread evenly over that span: an estimate);
+    `reader` the reader's idle bursts inside the window; `rest` what is left (decode rounds, rations, the host,
+    a slot's wait). The bursts are placed on the conductor's clock by the median offset between each turn's
+    log line and its `end_s` (good to a few ms). Slowest first."""
+    import datetime as _dt
+
+    def wall(ev):
+        return _dt.datetime.fromisoformat(ev["timestamp"].replace("Z", "+00:00")).timestamp()
+
+    turns, read_s, bursts = [], {}, []
+    for ev in _log_events(log_path):
+        name = ev.get("event")
+        if name == "turn" and session_mark in ev.get("session_id", "") and ev.get("first_token_s") is not None:
+            turns.append(ev)
+        elif name == "served_turn_start":
+            read_s[ev["request_id"]] = (ev.get("read_ms", 0.0) + ev.get("tail_ms", 0.0)) / 1e3
+        elif name == "idle_burst":
+            bursts.append(ev)
+    if not turns:
+        return []
+    offsets = sorted(wall(t) - t["end_s"] for t in turns)
+    offset = offsets[len(offsets) // 2]
+    idle = [(wall(ev) - offset - ev["wall_ms"] / 1e3, wall(ev) - offset) for ev in bursts]
+    spans = {t["request_id"]: (t.get("start_s") or t["arrival_s"], t["first_token_s"]) for t in turns}
+    out = []
+    for t in turns:
+        rid = t["request_id"]
+        if rid.endswith("-t0"):
+            continue
+        lo, hi = t["arrival_s"], t["first_token_s"]
+        others = 0.0
+        for r, (a, b) in spans.items():
+            if r != rid and b > a and r in read_s:
+                others += read_s[r] * _overlap(a, b, lo, hi) / (b - a)
+        parts = {"own": read_s.get(rid, 0.0), "others": others,
+                 "reader": sum(_overlap(a, b, lo, hi) for a, b in idle)}
+        parts["rest"] = (hi - lo) - sum(parts.values())
+        out.append({"request_id": rid, "ttft_s": round(hi - lo, 4), **{k: round(v, 4) for k, v in parts.items()}})
+    return sorted(out, key=lambda r: -r["ttft_s"])
+
+
+def waits_summary(waits: list[dict], q: float = 0.9) -> dict:
+    """The follow-ups at or above the q-quantile of TTFT (the p90's), their waits summed by cause (s)."""
+    if not waits:
+        return {}
+    top = waits[:max(1, len(waits) - int(round(q * (len(waits) - 1))))]
+    return {"turns": len(top), "ttft_s": round(sum(w["ttft_s"] for w in top), 3),
+            **{k: round(sum(w[k] for w in top), 3) for k in ("own", "others", "reader", "rest")},
+            "slowest": top}
+
+
 def timeline_summary(turns: list[dict]) -> dict:
     """Where the follow-ups' TTFT went, p50 / p90 of each station (s): the client's send to the conductor's
     arrival (HTTP, render, session), waiting to open, open to the first token."""
@@ -604,6 +678,7 @@ def run_once(args: argparse.Namespace, out_dir: Path, log_name: str = "agents_li
                 for t in result[name]["turns_detail"]:
                     t.update(stations.get(t["request_id"], {}))
                 result[name]["followup_stations"] = timeline_summary(result[name]["turns_detail"])
+        result["followup_waits"] = waits_summary(followup_waits(Path(log_file)))
         result["reader_reads"] = reader_reads(Path(log_file))
         result["server_events"] = event_counts(Path(log_file))
     return result, rc, log_path

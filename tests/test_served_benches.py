@@ -146,6 +146,10 @@ def test_agents_live_drives_a_real_server_through_the_openai_client(tmp_path, ca
     reads = result["reader_reads"]
     assert reads is not None and reads["reads"] >= 1 and reads["chunks"] >= reads["reads"] and reads["device_ms"] > 0
     assert reads["fixed_ms_a_read"]["n"] == reads["reads"] and reads["gaps_ms_a_chunk"] is not None
+    waits = result["followup_waits"]  # the slowest follow-ups' waits by cause, from the same log
+    assert waits["turns"] >= 1 and waits["own"] > 0 and len(waits["slowest"]) == waits["turns"]
+    assert all(w["ttft_s"] == pytest.approx(w["own"] + w["others"] + w["reader"] + w["rest"], abs=1e-3)
+               for w in waits["slowest"])
     events = result["server_events"]  # the log's counts: the reads above came in idle bursts
     assert set(events) == {"round_cut", "idle_burst", "ration_slice"} and events["idle_burst"] >= 1
     cold = result["cold"]
@@ -160,6 +164,49 @@ def test_agents_live_drives_a_real_server_through_the_openai_client(tmp_path, ca
     ab = result["decode_ab"]
     assert ab["tpot_ms_reader_on"] > 0 and ab["tpot_ms_reader_off"] > 0
     assert ab["decode_loss"] == round(ab["tpot_ms_reader_on"] / ab["tpot_ms_reader_off"] - 1, 5)
+
+
+def test_followup_waits_split_each_wait_by_what_the_device_did(tmp_path):
+    """A follow-up's wait from arrival to first token: its own reads, the other turns' reads prorated over their
+    open-to-first spans, the reader's idle bursts in the window, and the rest; the slowest first, and the p90's
+    turns summed."""
+    import gzip
+
+    from benchmarks.agents_live import followup_waits, waits_summary
+
+    def stamp(s):  # the conductor's clock 100.0 is wall 1000.0 (every turn's end logged at its end_s)
+        return f"1970-01-01T00:{int(s + 900) // 60:02d}:{(s + 900) % 60:09.6f}Z"
+
+    events = [
+        # agent 0's follow-up: arrives at 100.0, opens 100.1, first token 100.9; read 0.5 s of its own
+        {"event": "turn", "session_id": "x-agent-0", "request_id": "x-agent-0-t1", "arrival_s": 100.0,
+         "start_s": 100.1, "first_token_s": 100.9, "end_s": 101.0, "timestamp": stamp(101.0)},
+        {"event": "served_turn_start", "request_id": "x-agent-0-t1", "read_ms": 400.0, "tail_ms": 100.0,
+         "timestamp": stamp(100.9)},
+        # agent 1's: open 99.8 to first token 100.2 (0.4 s), 0.2 s of reads: half its span is in the window
+        {"event": "turn", "session_id": "x-agent-1", "request_id": "x-agent-1-t1", "arrival_s": 99.7,
+         "start_s": 99.8, "first_token_s": 100.2, "end_s": 100.5, "timestamp": stamp(100.5)},
+        {"event": "served_turn_start", "request_id": "x-agent-1-t1", "read_ms": 200.0, "tail_ms": 0.0,
+         "timestamp": stamp(100.2)},
+        # a first turn (not a follow-up), and the reader's burst 100.3 .. 100.4 (logged at its end)
+        {"event": "turn", "session_id": "x-agent-2", "request_id": "x-agent-2-t0", "arrival_s": 90.0,
+         "start_s": 90.0, "first_token_s": 91.0, "end_s": 92.0, "timestamp": stamp(92.0)},
+        {"event": "idle_burst", "wall_ms": 100.0, "gpu_ms": 90.0, "timestamp": stamp(100.4)},
+    ]
+    log = tmp_path / "server.log.gz"
+    with gzip.open(log, "wt") as f:
+        f.write("not json\n" + "".join(json.dumps(e) + "\n" for e in events))
+    waits = followup_waits(log)
+    assert [w["request_id"] for w in waits] == ["x-agent-0-t1", "x-agent-1-t1"]
+    first = waits[0]
+    assert first["ttft_s"] == pytest.approx(0.9) and first["own"] == pytest.approx(0.5)
+    assert first["others"] == pytest.approx(0.1) and first["reader"] == pytest.approx(0.1, abs=1e-3)
+    assert first["rest"] == pytest.approx(0.2, abs=1e-3)
+    second = waits[1]  # agent 0 opened at 100.1 and read 0.5 s over 0.8 s: 0.1 s of it falls in 100.0 .. 100.2
+    assert second["ttft_s"] == pytest.approx(0.5) and second["others"] == pytest.approx(0.5 * 0.1 / 0.8)
+    summary = waits_summary(waits)
+    assert summary["turns"] == 1 and summary["slowest"] == [first] and summary["own"] == pytest.approx(0.5)
+    assert followup_waits(tmp_path / "server.log.gz", session_mark="-nobody-") == []
 
 
 def test_agents_live_shapes_follow_the_trace(tmp_path):
