@@ -1,0 +1,314 @@
+#!/usr/bin/env python
+"""Where a decode token's MoE block loses its time: the pairs path's gate_up and down (qse_kernels/moe.py) at
+T = 1 against ways of laying the same bytes over the device's SMs, at the 35B-A3B shapes, on one GPU.
+
+At T = 1 the pairs gate_up is (k + 1) * I / BN = 144 programs of 16 K steps (256 KB each) on 132 SMs, and the
+pairs down 576 programs of 4 steps (32 KB): both ran at ~2.3 TB/s (benchmarks/NOTES.md, the twenty-first
+session's profile), against ~4.3 TB/s for a device copy. The variants here test why:
+
+- split_s{S}_p{P}: the gate_up's K split into S fixed segments (a segment: its K steps summed from zero, then the
+  segments added in order, 0 + s0 + s1 + ...: a sum that one program can also do alone, so a path that keeps the
+  whole K in one program can give the same bits), its (pair, column tile, segment) units dealt to P programs
+  in contiguous runs, one flat K loop a program (the pipeline stays full from unit to unit); each unit's fp32
+  partials stored, then `finish` makes h of them. P = the SM count: every SM streams the same bytes.
+- load_only: split's loads without the products: what the access pattern alone streams at.
+- down_flat_p{P}: the pairs down's (pair, column tile) units dealt the same way (the same per-tile K loop: the
+  same bits as the pairs down), from h; down_parts_p{P}: the same reading the gate_up's partials instead of h
+  (no finish launch).
+Times are CUDA events over a graph of back-to-back calls rotating among weight copies and inputs (as
+moe_block_bench's). Each variant's h or y is checked against the production kernels' (bit_equal where the
+arithmetic is the same, max_abs_diff where the sum's order differs).
+
+    python benchmarks/moe_decode_variants.py [--out DIR] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+if __name__ == "__main__" and "--tiny" in sys.argv:  # the interpreter, before any kernel below is defined
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.moe_block_bench import NUM_COPIES, SHAPE_35B, SHAPE_TINY, draw_block, hbm_tbps  # noqa: E402
+from benchmarks.results_io import result_header, write_result  # noqa: E402
+from benchmarks.timing import graph_us, kernel_bench_args, wall_us  # noqa: E402
+from qse_kernels import moe, pdl  # noqa: E402
+
+CALLS = 16
+
+
+@triton.jit
+def _gate_up_split_kernel(
+    x_ptr, w_ptr, ws_ptr, ids_ptr, part_ptr, num_tokens, num_units, units_a_program, inter, hidden, stride_we,
+    TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SEG: tl.constexpr,
+    NUM_SEG: tl.constexpr, N_TILES: tl.constexpr, BP: tl.constexpr, LOAD_ONLY: tl.constexpr, PDL: tl.constexpr,
+):
+    """Units u0 .. u1 of this program, one flat loop of SEG K steps a unit; unit = (pair, column tile, segment),
+    pairs 0 .. T*k - 1 routed (row 0 of the tile: the pair's token), pair T*k the shared expert (rows: every
+    token). part [T*k + T, NUM_SEG, 2, I] fp32: a unit's gate and up sums over its segment."""
+    pdl.start(PDL)
+    u0 = tl.program_id(0) * units_a_program
+    u1 = tl.minimum(u0 + units_a_program, num_units)
+    num_routed = num_tokens * TOP_K
+    o_p = tl.arange(0, BP)
+    b_ids = tl.load(ids_ptr + o_p, mask=o_p < num_routed, other=0)
+    o_m = tl.arange(0, BM)
+    acc_g = tl.zeros((BM, BN), tl.float32)
+    acc_u = tl.zeros((BM, BN), tl.float32)
+    for i in range(0, (u1 - u0) * SEG):
+        unit = u0 + i // SEG
+        j = i % SEG
+        tile = unit // NUM_SEG
+        seg = unit % NUM_SEG
+        pair = tile // N_TILES
+        o_n = (tile % N_TILES) * BN + tl.arange(0, BN)
+        is_shared = pair == num_routed
+        e = tl.sum(tl.where(o_p == pair, b_ids, 0), 0)
+        m_m = o_m < tl.where(is_shared, num_tokens, 1)
+        token = tl.where(is_shared, o_m, pair // TOP_K + o_m * 0)
+        o_k = (seg * SEG + j) * BK + tl.arange(0, BK)
+        b_x = tl.load(x_ptr + token[:, None].to(tl.int64) * hidden + o_k[None, :], mask=m_m[:, None], other=0.0)
+        p_w = tl.where(is_shared, ws_ptr, w_ptr + e.to(tl.int64) * stride_we)
+        p_g = p_w + o_n[:, None].to(tl.int64) * hidden + o_k[None, :]
+        b_g = tl.load(p_g)
+        b_u = tl.load(p_g + inter * hidden)
+        if LOAD_ONLY:
+            acc_g += tl.sum(b_g.to(tl.float32), 1)[None, :] + tl.sum(b_x.to(tl.float32), 1)[:, None]
+            acc_u += tl.sum(b_u.to(tl.float32), 1)[None, :]
+        else:
+            acc_g = tl.dot(b_x, tl.trans(b_g), acc_g)
+            acc_u = tl.dot(b_x, tl.trans(b_u), acc_u)
+        is_end = (o_m * 0 + j) == SEG - 1  # [BM]: the unit's last step
+        row = tl.where(is_shared, num_routed + o_m, pair + o_m * 0)
+        p_part = part_ptr + ((row[:, None].to(tl.int64) * NUM_SEG + seg) * 2) * inter + o_n[None, :]
+        m_st = (m_m & is_end)[:, None] & (o_n < inter)[None, :]
+        tl.store(p_part, acc_g, mask=m_st)
+        tl.store(p_part + inter, acc_u, mask=m_st)
+        acc_g = tl.where(is_end[:, None], 0.0, acc_g)
+        acc_u = tl.where(is_end[:, None], 0.0, acc_u)
+
+
+@triton.jit
+def _h_of_parts(part_ptr, row, o_k, m_row, inter, NUM_SEG: tl.constexpr, dt: tl.constexpr):
+    """h [BM, BK] of the partials at rows `row`, columns o_k: gate and up each 0 + s0 + s1 + ... in fp32, then
+    the twin's rounding (each to dt, silu(gate) to dt, the product)."""
+    g = tl.zeros(o_k.shape, tl.float32)[None, :] + tl.zeros(row.shape, tl.float32)[:, None]
+    u = g
+    for s in tl.static_range(NUM_SEG):
+        p = part_ptr + ((row[:, None].to(tl.int64) * NUM_SEG + s) * 2) * inter + o_k[None, :]
+        g = g + tl.load(p, mask=m_row[:, None], other=0.0)
+        u = u + tl.load(p + inter, mask=m_row[:, None], other=0.0)
+    b_g = g.to(dt).to(tl.float32)
+    b_act = (b_g * tl.sigmoid(b_g)).to(dt)
+    return (b_act.to(tl.float32) * u.to(dt).to(tl.float32)).to(dt)
+
+
+@triton.jit
+def _finish_kernel(part_ptr, h_ptr, inter, stride_h, NUM_SEG: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
+    """h[row] of the partials, a program a row and BN columns."""
+    pdl.start(PDL)
+    row = tl.program_id(0) + tl.zeros((1,), tl.int32)
+    o_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    m_n = o_n < inter
+    b_h = _h_of_parts(part_ptr, row, tl.where(m_n, o_n, 0), row >= 0, inter, NUM_SEG, h_ptr.dtype.element_ty)
+    tl.store(h_ptr + row[:, None].to(tl.int64) * stride_h + o_n[None, :], b_h, mask=(row >= 0)[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _down_flat_kernel(
+    h_ptr, part_ptr, w_ptr, ws_ptr, ids_ptr, y_ptr, num_tokens, num_units, units_a_program, inter, hidden,
+    stride_h, stride_we, stride_y, TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    N_TILES: tl.constexpr, BP: tl.constexpr, FROM_PARTS: tl.constexpr, NUM_SEG: tl.constexpr, PDL: tl.constexpr,
+):
+    """y[pair] = h[pair] @ down_e^T, the pairs down's tiles (BM rows, BN of H, K from 0 in BK steps), units
+    (pair, column tile) dealt to programs in contiguous runs, one flat loop; FROM_PARTS: h made from the
+    gate_up's partials as it is loaded."""
+    pdl.start(PDL)
+    steps = inter // BK
+    u0 = tl.program_id(0) * units_a_program
+    u1 = tl.minimum(u0 + units_a_program, num_units)
+    num_routed = num_tokens * TOP_K
+    o_p = tl.arange(0, BP)
+    b_ids = tl.load(ids_ptr + o_p, mask=o_p < num_routed, other=0)
+    o_m = tl.arange(0, BM)
+    dt = y_ptr.dtype.element_ty
+    acc = tl.zeros((BM, BN), tl.float32)
+    for i in range(0, (u1 - u0) * steps):
+        unit = u0 + i // steps
+        j = i % steps
+        pair = unit // N_TILES
+        o_n = (unit % N_TILES) * BN + tl.arange(0, BN)
+        is_shared = pair == num_routed
+        e = tl.sum(tl.where(o_p == pair, b_ids, 0), 0)
+        m_m = o_m < tl.where(is_shared, num_tokens, 1)
+        row = tl.where(is_shared, num_routed + o_m, pair + o_m * 0)
+        o_k = j * BK + tl.arange(0, BK)
+        if FROM_PARTS:
+            b_h = _h_of_parts(part_ptr, row, o_k, m_m, inter, NUM_SEG, dt)
+        else:
+            b_h = tl.load(h_ptr + row[:, None].to(tl.int64) * stride_h + o_k[None, :], mask=m_m[:, None], other=0.0)
+        p_w = tl.where(is_shared, ws_ptr, w_ptr + e.to(tl.int64) * stride_we)
+        b_w = tl.load(p_w + o_n[:, None].to(tl.int64) * inter + o_k[None, :])
+        acc = tl.dot(b_h, tl.trans(b_w), acc)
+        is_end = (o_m * 0 + j) == steps - 1
+        tl.store(y_ptr + row[:, None].to(tl.int64) * stride_y + o_n[None, :], acc.to(dt),
+                 mask=(m_m & is_end)[:, None] & (o_n < hidden)[None, :])
+        acc = tl.where(is_end[:, None], 0.0, acc)
+
+
+def num_sms(device: str) -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 4
+
+
+def gate_up_split(x, ids, gate_up, ws_gate_up, top_k, num_seg, programs, load_only=False, stages=3):
+    """The split gate_up: part [T*k + T, S, 2, I] fp32."""
+    num_tokens, hidden = x.shape
+    inter = gate_up.shape[1] // 2
+    bn, bk = moe.GATE_UP_BLOCK_N, moe.GATE_UP_BLOCK_K
+    steps = hidden // bk
+    assert steps % num_seg == 0 and inter % bn == 0
+    num_pairs = num_tokens * top_k + 1
+    num_units = num_pairs * (inter // bn) * num_seg
+    part = torch.empty(num_tokens * top_k + num_tokens, num_seg, 2, inter, dtype=torch.float32, device=x.device)
+    per = triton.cdiv(num_units, programs)
+    _gate_up_split_kernel[(triton.cdiv(num_units, per),)](
+        x, gate_up, ws_gate_up, ids, part, num_tokens, num_units, per, inter, hidden, gate_up.stride(0),
+        TOP_K=top_k, BM=moe.BLOCK_M, BN=bn, BK=bk, SEG=steps // num_seg, NUM_SEG=num_seg, N_TILES=inter // bn,
+        BP=triton.next_power_of_2(num_pairs), LOAD_ONLY=load_only, num_warps=moe.NUM_WARPS, num_stages=stages,
+        **pdl.options())
+    return part
+
+
+def finish(part, dtype):
+    rows, num_seg, _, inter = part.shape
+    h = torch.empty(rows, inter, dtype=dtype, device=part.device)
+    _finish_kernel[(rows, triton.cdiv(inter, 128))](part, h, inter, h.stride(0), NUM_SEG=num_seg, BN=128,
+                                                    num_warps=4, **pdl.options())
+    return h
+
+
+def down_flat(h_or_part, ids, down, ws_down, num_tokens, top_k, programs, from_parts=False, stages=3):
+    hidden, inter = down.shape[1], down.shape[2]
+    bn, bk = moe.DOWN_BLOCK_N, moe.DOWN_BLOCK_K
+    num_pairs = num_tokens * top_k + 1
+    num_units = num_pairs * (hidden // bn)
+    y = torch.empty(num_tokens * top_k + num_tokens, hidden, dtype=down.dtype, device=down.device)
+    per = triton.cdiv(num_units, programs)
+    num_seg = h_or_part.shape[1] if from_parts else 1
+    _down_flat_kernel[(triton.cdiv(num_units, per),)](
+        h_or_part, h_or_part, down, ws_down, ids, y, num_tokens, num_units, per, inter, hidden,
+        0 if from_parts else h_or_part.stride(0), down.stride(0), y.stride(0), TOP_K=top_k, BM=moe.BLOCK_M, BN=bn,
+        BK=bk, N_TILES=hidden // bn, BP=triton.next_power_of_2(num_pairs), FROM_PARTS=from_parts, NUM_SEG=num_seg,
+        num_warps=moe.NUM_WARPS, num_stages=stages, **pdl.options())
+    return y
+
+
+def production_down(h, ids, down, ws_down, num_tokens, top_k):
+    """The pairs path's down (moe._pairs), alone."""
+    hidden, inter = down.shape[1], down.shape[2]
+    num_routed = num_tokens * top_k
+    y = torch.empty(num_routed + num_tokens, hidden, dtype=h.dtype, device=h.device)
+    moe._down_kernel[(num_routed + 1, triton.cdiv(hidden, moe.DOWN_BLOCK_N))](
+        h, down, ws_down, y, ids, ids, num_tokens, num_tokens, down.shape[0], inter, ws_down.shape[1], hidden, 0,
+        h.stride(0), down.stride(0), y.stride(0), TOP_K=top_k, BM=moe.BLOCK_M, BN=moe.DOWN_BLOCK_N,
+        BK=moe.DOWN_BLOCK_K, BE=triton.next_power_of_2(down.shape[0]), NT=1, PAIRS=True, **moe._dot_flags(h.dtype),
+        num_warps=moe.NUM_WARPS, num_stages=moe.NUM_STAGES)
+    return y
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    args, device = kernel_bench_args(p, argv)
+    tiny = args.tiny
+    shape = SHAPE_TINY if tiny else SHAPE_35B
+    if tiny:  # the interpreter: shapes that the pinned tiles divide
+        shape = dict(hidden=512, num_experts=8, top_k=2, inter=128, inter_s=128)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    top_k, num_tokens = shape["top_k"], 1
+    num_copies, calls = (1, 1) if tiny else (NUM_COPIES, CALLS)
+    copies = [draw_block(shape, device, dtype, seed) for seed in range(num_copies)]
+    gen = torch.Generator(device=device).manual_seed(7)
+    xs = [torch.randn(num_tokens, shape["hidden"], generator=gen, device=device).to(dtype) for _ in range(calls)]
+    routes = []  # each call's logits, its pairs' experts (int32) and the production h
+    for i, x in enumerate(xs):
+        w = copies[i % num_copies]
+        logits = moe._router(x, w["router_w"], w["shared_gate_w"])
+        ids, _, h = moe._direct_gate_up(x, logits, w["gate_up"], (w["shared_gate_up"], w["shared_down"]), top_k,
+                                        route_first=True)
+        routes.append((logits, ids, h))
+    sms = num_sms(device)
+    time_us = (lambda fns: wall_us(fns[0], warm=False)) if device != "cuda" else (lambda fns: graph_us(fns))
+
+    def timed(name, fn, check=None):
+        fns = [lambda i=i: fn(i) for i in range(calls)]
+        row = {"variant": name, "us": round(time_us(fns), 2)}
+        if check is not None:
+            row.update(check(fn(0)))
+        print(json.dumps(row), flush=True)
+        return row
+
+    w0, (_, ids0, h0) = copies[0], routes[0]
+    shared = lambda i: (copies[i % num_copies]["shared_gate_up"], copies[i % num_copies]["shared_down"])  # noqa: E731
+    y0 = production_down(h0, ids0, w0["down"], w0["shared_down"], num_tokens, top_k)
+
+    def against_h(h):
+        rows = h0.shape[0]
+        return {"h_max_abs_diff": float((h[:rows].float() - h0.float()).abs().max())}
+
+    def against_y(y):
+        return {"y_bit_equal": bool(torch.equal(y, y0)), "y_max_abs_diff": float((y.float() - y0.float()).abs().max())}
+
+    rows = [timed("prod_gate_up_direct", lambda i: moe._direct_gate_up(
+                xs[i], routes[i][0], copies[i % num_copies]["gate_up"], shared(i), top_k)),
+            timed("prod_gate_up_route_first", lambda i: moe._direct_gate_up(
+                xs[i], routes[i][0], copies[i % num_copies]["gate_up"], shared(i), top_k, route_first=True)),
+            timed("prod_down_pairs", lambda i: production_down(
+                routes[i][2], routes[i][1], copies[i % num_copies]["down"], shared(i)[1], num_tokens, top_k),
+                against_y)]
+    steps = shape["hidden"] // moe.GATE_UP_BLOCK_K
+    grid = ((1, 4), (sms,), (3,)) if tiny else ((1, 2, 4, 8), (sms, 2 * sms), (3, 4))  # (the interpreter: the flow)
+    for num_seg in (s for s in grid[0] if steps % s == 0):
+        for programs in grid[1]:
+            for stages in grid[2]:
+                name = f"split_s{num_seg}_p{programs}_st{stages}"
+                rows.append(timed(name, lambda i, s=num_seg, pr=programs, st=stages: gate_up_split(
+                    xs[i], routes[i][1], copies[i % num_copies]["gate_up"], shared(i)[0], top_k, s, pr, stages=st),
+                    lambda part: against_h(finish(part, dtype))))
+    rows.append(timed(f"load_only_s4_p{sms}", lambda i: gate_up_split(
+        xs[i], routes[i][1], copies[i % num_copies]["gate_up"], shared(i)[0], top_k, 4, sms, load_only=True)))
+    parts = [gate_up_split(xs[i], routes[i][1], copies[i % num_copies]["gate_up"], shared(i)[0], top_k, 4, sms)
+             for i in range(calls)]
+    rows.append(timed("finish_s4", lambda i: finish(parts[i], dtype)))
+    hs = [finish(part, dtype) for part in parts]
+    for programs in grid[1]:
+        for stages in (3,) if tiny else (3, 4, 6):
+            rows.append(timed(f"down_flat_p{programs}_st{stages}", lambda i, pr=programs, st=stages: down_flat(
+                routes[i][2], routes[i][1], copies[i % num_copies]["down"], shared(i)[1], num_tokens, top_k, pr,
+                stages=st), against_y))
+        rows.append(timed(f"down_parts_s4_p{programs}", lambda i, pr=programs: down_flat(
+            parts[i], routes[i][1], copies[i % num_copies]["down"], shared(i)[1], num_tokens, top_k, pr,
+            from_parts=True), lambda y, pr=programs: {"y_equals_finish_then_down": bool(torch.equal(y, down_flat(
+                hs[0], routes[0][1], w0["down"], w0["shared_down"], num_tokens, top_k, pr)))}))
+    nbytes = {"gate_up": (top_k + 1) * 2 * shape["inter"] * shape["hidden"] * dtype.itemsize,
+              "down": (top_k + 1) * shape["hidden"] * shape["inter"] * dtype.itemsize}
+    tbps = hbm_tbps(device)
+    result = {**result_header("triton", device="cpu (interpreted)" if tiny else None), "shape": shape,
+              "num_tokens": num_tokens, "sms": sms, "weight_copies": num_copies, "calls_a_graph": calls,
+              "nbytes": nbytes, "copy_tbps": tbps and round(tbps, 3), "pdl": pdl.active(), "rows": rows}
+    write_result(result, args.out, "moe_decode_variants")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
