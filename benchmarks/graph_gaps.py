@@ -53,6 +53,11 @@ def replay_profile(reader: ShadowReader, sid: str) -> dict:
     kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                       if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda k: k[0])
     busy = sum(end - start for start, end, _ in kernels)
+    by_name: dict[str, list[float]] = {}
+    for start, end, name in kernels:
+        by_name.setdefault(name, []).append(end - start)
+    # each kernel's share of the chunk, the largest first: where a faster chunk would have to come from
+    table = sorted(((sum(v), len(v), n) for n, v in by_name.items()), reverse=True)
     gaps: dict[str, list[float]] = {}
     for (s0, e0, n0), (s1, _, n1) in zip(kernels, kernels[1:]):
         gaps.setdefault(f"{kind(n0)}->{kind(n1)}", []).append(max(0.0, s1 - e0))
@@ -61,6 +66,10 @@ def replay_profile(reader: ShadowReader, sid: str) -> dict:
         "kernel_sum_ms": round(busy / 1000, 4), "span_ms": round((kernels[-1][1] - kernels[0][0]) / 1000, 4),
         "gaps_us": {k: {"n": len(v), "sum": round(sum(v), 1), "median": round(statistics.median(v), 2),
                         "max": round(max(v), 1)} for k, v in sorted(gaps.items())},
+        "kernels_ms": [{"kernel": n[:120], "kind": kind(n), "calls": c, "ms": round(t / 1000, 4)}
+                       for t, c, n in table[:25]],
+        "kinds_ms": {k: round(sum(t for t, _, n in table if kind(n) == k) / 1000, 4)
+                     for k in sorted({kind(n) for _, _, n in table})},
     }
 
 
