@@ -49,6 +49,30 @@ CALLS = 16
 
 
 @triton.jit
+def _pair_of(pair, b_ids, num_tokens, TOP_K: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr):
+    """Pair `pair`'s place: (is it the shared expert's block, its expert, its rows' mask [BM], their tokens, their
+    rows of h and y): a routed pair is row 0 of its tile (its token), the shared block every token."""
+    num_routed = num_tokens * TOP_K
+    o_m = tl.arange(0, BM)
+    is_shared = pair == num_routed
+    e = tl.sum(tl.where(tl.arange(0, BP) == pair, b_ids, 0), 0)
+    m_m = o_m < tl.where(is_shared, num_tokens, 1)
+    token = tl.where(is_shared, o_m, pair // TOP_K + o_m * 0)
+    row = tl.where(is_shared, num_routed + o_m, pair + o_m * 0)
+    return is_shared, e, m_m, token, row
+
+
+@triton.jit
+def _my_units(ids_ptr, num_tokens, num_units, units_a_program, TOP_K: tl.constexpr, BP: tl.constexpr):
+    """This program's contiguous run of units [u0, u1), and every routed pair's expert [BP] (read once, ahead of
+    the loop: no load in it waits on another)."""
+    u0 = tl.program_id(0) * units_a_program
+    o_p = tl.arange(0, BP)
+    b_ids = tl.load(ids_ptr + o_p, mask=o_p < num_tokens * TOP_K, other=0)
+    return u0, tl.minimum(u0 + units_a_program, num_units), b_ids
+
+
+@triton.jit
 def _gate_up_split_kernel(
     x_ptr, w_ptr, ws_ptr, ids_ptr, part_ptr, num_tokens, num_units, units_a_program, inter, hidden, stride_we,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SEG: tl.constexpr,
@@ -58,11 +82,7 @@ def _gate_up_split_kernel(
     pairs 0 .. T*k - 1 routed (row 0 of the tile: the pair's token), pair T*k the shared expert (rows: every
     token). part [T*k + T, NUM_SEG, 2, I] fp32: a unit's gate and up sums over its segment."""
     pdl.start(PDL)
-    u0 = tl.program_id(0) * units_a_program
-    u1 = tl.minimum(u0 + units_a_program, num_units)
-    num_routed = num_tokens * TOP_K
-    o_p = tl.arange(0, BP)
-    b_ids = tl.load(ids_ptr + o_p, mask=o_p < num_routed, other=0)
+    u0, u1, b_ids = _my_units(ids_ptr, num_tokens, num_units, units_a_program, TOP_K, BP)
     o_m = tl.arange(0, BM)
     acc_g = tl.zeros((BM, BN), tl.float32)
     acc_u = tl.zeros((BM, BN), tl.float32)
@@ -73,10 +93,7 @@ def _gate_up_split_kernel(
         seg = unit % NUM_SEG
         pair = tile // N_TILES
         o_n = (tile % N_TILES) * BN + tl.arange(0, BN)
-        is_shared = pair == num_routed
-        e = tl.sum(tl.where(o_p == pair, b_ids, 0), 0)
-        m_m = o_m < tl.where(is_shared, num_tokens, 1)
-        token = tl.where(is_shared, o_m, pair // TOP_K + o_m * 0)
+        is_shared, e, m_m, token, row = _pair_of(pair, b_ids, num_tokens, TOP_K, BM, BP)
         o_k = (seg * SEG + j) * BK + tl.arange(0, BK)
         b_x = tl.load(x_ptr + token[:, None].to(tl.int64) * hidden + o_k[None, :], mask=m_m[:, None], other=0.0)
         p_w = tl.where(is_shared, ws_ptr, w_ptr + e.to(tl.int64) * stride_we)
@@ -90,7 +107,6 @@ def _gate_up_split_kernel(
             acc_g = tl.dot(b_x, tl.trans(b_g), acc_g)
             acc_u = tl.dot(b_x, tl.trans(b_u), acc_u)
         is_end = (o_m * 0 + j) == SEG - 1  # [BM]: the unit's last step
-        row = tl.where(is_shared, num_routed + o_m, pair + o_m * 0)
         p_part = part_ptr + ((row[:, None].to(tl.int64) * NUM_SEG + seg) * 2) * inter + o_n[None, :]
         m_st = (m_m & is_end)[:, None] & (o_n < inter)[None, :]
         tl.store(p_part, acc_g, mask=m_st)
@@ -136,11 +152,7 @@ def _down_flat_kernel(
     gate_up's partials as it is loaded."""
     pdl.start(PDL)
     steps = inter // BK
-    u0 = tl.program_id(0) * units_a_program
-    u1 = tl.minimum(u0 + units_a_program, num_units)
-    num_routed = num_tokens * TOP_K
-    o_p = tl.arange(0, BP)
-    b_ids = tl.load(ids_ptr + o_p, mask=o_p < num_routed, other=0)
+    u0, u1, b_ids = _my_units(ids_ptr, num_tokens, num_units, units_a_program, TOP_K, BP)
     o_m = tl.arange(0, BM)
     dt = y_ptr.dtype.element_ty
     acc = tl.zeros((BM, BN), tl.float32)
@@ -149,10 +161,7 @@ def _down_flat_kernel(
         j = i % steps
         pair = unit // N_TILES
         o_n = (unit % N_TILES) * BN + tl.arange(0, BN)
-        is_shared = pair == num_routed
-        e = tl.sum(tl.where(o_p == pair, b_ids, 0), 0)
-        m_m = o_m < tl.where(is_shared, num_tokens, 1)
-        row = tl.where(is_shared, num_routed + o_m, pair + o_m * 0)
+        is_shared, e, m_m, _, row = _pair_of(pair, b_ids, num_tokens, TOP_K, BM, BP)
         o_k = j * BK + tl.arange(0, BK)
         if FROM_PARTS:
             b_h = _h_of_parts(part_ptr, row, o_k, m_m, inter, NUM_SEG, dt)
