@@ -15,6 +15,9 @@ session's profile), against ~4.3 TB/s for a device copy. The variants here test 
 - down_flat_p{P}: the pairs down's (pair, column tile) units dealt the same way (the same per-tile K loop: the
   same bits as the pairs down), from h; down_parts_p{P}: the same reading the gate_up's partials instead of h
   (no finish launch).
+- prod_block_pairs against candidate_block_s4: the whole block, the pairs path's against router, route, the
+  split gate_up (S = 4 on every SM), the down from its partials and the combine (the output's largest
+  difference from the pairs path's: the segment sums round differently).
 Times are CUDA events over a graph of back-to-back calls rotating among weight copies and inputs (as
 moe_block_bench's). Each variant's h or y is checked against the production kernels' (bit_equal where the
 arithmetic is the same, max_abs_diff where the sum's order differs).
@@ -309,6 +312,22 @@ def main(argv=None) -> int:
             parts[i], routes[i][1], copies[i % num_copies]["down"], shared(i)[1], num_tokens, top_k, pr,
             from_parts=True), lambda y, pr=programs: {"y_equals_finish_then_down": bool(torch.equal(y, down_flat(
                 hs[0], routes[0][1], w0["down"], w0["shared_down"], num_tokens, top_k, pr)))}))
+    # the whole block: the pairs path against the candidate (router, route, split gate_up, the down from its
+    # partials, combine: five launches, the pairs path's four and the route)
+    def candidate_block(i, num_seg=4):
+        x, w = xs[i], copies[i % num_copies]
+        logits = moe._router(x, w["router_w"], w["shared_gate_w"])
+        ids, weights = moe._route(logits, shape["num_experts"], top_k, torch.int32)
+        part = gate_up_split(x, ids.reshape(-1), w["gate_up"], w["shared_gate_up"], top_k, num_seg, sms)
+        y = down_flat(part, ids.reshape(-1), w["down"], w["shared_down"], num_tokens, top_k, sms, from_parts=True)
+        return moe._combine(y, weights, logits, torch.empty_like(x), shape["num_experts"], True)
+
+    out0 = moe.moe_block(xs[0], **w0, top_k=top_k, path="pairs")
+    rows.append(timed("prod_block_pairs", lambda i: moe.moe_block(xs[i], **copies[i % num_copies], top_k=top_k,
+                                                                  path="pairs")))
+    rows.append(timed("candidate_block_s4", candidate_block,
+                      lambda out: {"out_max_abs_diff": float((out.float() - out0.float()).abs().max()),
+                                   "out_max_abs": float(out0.float().abs().max())}))
     nbytes = {"gate_up": (top_k + 1) * 2 * shape["inter"] * shape["hidden"] * dtype.itemsize,
               "down": (top_k + 1) * shape["hidden"] * shape["inter"] * dtype.itemsize}
     tbps = hbm_tbps(device)
