@@ -6,18 +6,17 @@ At T = 1 the pairs gate_up is (k + 1) * I / BN = 144 programs of 16 K steps (256
 pairs down 576 programs of 4 steps (32 KB): both ran at ~2.3 TB/s (benchmarks/NOTES.md, the twenty-first
 session's profile), against ~4.3 TB/s for a device copy. The variants here test why:
 
-- split_s{S}_p{P}: the gate_up's K split into S fixed segments (a segment: its K steps summed from zero, then the
-  segments added in order, 0 + s0 + s1 + ...: a sum that one program can also do alone, so a path that keeps the
-  whole K in one program can give the same bits), its (pair, column tile, segment) units dealt to P programs
-  in contiguous runs, one flat K loop a program (the pipeline stays full from unit to unit); each unit's fp32
+- split_s{S}_p{P}_st{stages}: the pairs path's split gate_up (moe._gate_up_parts, GATE_UP_SEGMENTS = S): K in S
+  fixed segments (each summed from zero, then added in order, 0 + s0 + s1 + ...: a sum one program can also do
+  alone, so every path keeps the same bits), its (pair, column tile, segment) units dealt to P programs in
+  contiguous runs, one flat K loop a program (the pipeline stays full from unit to unit); each unit's fp32
   partials stored, then `finish` makes h of them. P = the SM count: every SM streams the same bytes.
-- load_only: split's loads without the products: what the access pattern alone streams at.
 - down_flat_p{P}: the pairs down's (pair, column tile) units dealt the same way (the same per-tile K loop: the
   same bits as the pairs down), from h; down_parts_p{P}: the same reading the gate_up's partials instead of h
   (no finish launch).
-- prod_block_pairs against candidate_block_s4: the whole block, the pairs path's against router, route, the
-  split gate_up (S = 4 on every SM), the down from its partials and the combine (the output's largest
-  difference from the pairs path's: the segment sums round differently).
+- prod_block_pairs against prod_block_pairs_s4 (moe.GATE_UP_SEGMENTS = 4: the split gate_up and the pairs down
+  making h of its partials) and candidate_block_s4 (the same with the flat down): the whole block (the output's
+  largest difference from the pairs path's: the segment sums round differently).
 Times are CUDA events over a graph of back-to-back calls rotating among weight copies and inputs (as
 moe_block_bench's). Each variant's h or y is checked against the production kernels' (bit_equal where the
 arithmetic is the same, max_abs_diff where the sum's order differs).
@@ -76,71 +75,14 @@ def _my_units(ids_ptr, num_tokens, num_units, units_a_program, TOP_K: tl.constex
 
 
 @triton.jit
-def _gate_up_split_kernel(
-    x_ptr, w_ptr, ws_ptr, ids_ptr, part_ptr, num_tokens, num_units, units_a_program, inter, hidden, stride_we,
-    TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SEG: tl.constexpr,
-    NUM_SEG: tl.constexpr, N_TILES: tl.constexpr, BP: tl.constexpr, LOAD_ONLY: tl.constexpr, PDL: tl.constexpr,
-):
-    """Units u0 .. u1 of this program, one flat loop of SEG K steps a unit; unit = (pair, column tile, segment),
-    pairs 0 .. T*k - 1 routed (row 0 of the tile: the pair's token), pair T*k the shared expert (rows: every
-    token). part [T*k + T, NUM_SEG, 2, I] fp32: a unit's gate and up sums over its segment."""
-    pdl.start(PDL)
-    u0, u1, b_ids = _my_units(ids_ptr, num_tokens, num_units, units_a_program, TOP_K, BP)
-    o_m = tl.arange(0, BM)
-    acc_g = tl.zeros((BM, BN), tl.float32)
-    acc_u = tl.zeros((BM, BN), tl.float32)
-    for i in range(0, (u1 - u0) * SEG):
-        unit = u0 + i // SEG
-        j = i % SEG
-        tile = unit // NUM_SEG
-        seg = unit % NUM_SEG
-        pair = tile // N_TILES
-        o_n = (tile % N_TILES) * BN + tl.arange(0, BN)
-        is_shared, e, m_m, token, row = _pair_of(pair, b_ids, num_tokens, TOP_K, BM, BP)
-        o_k = (seg * SEG + j) * BK + tl.arange(0, BK)
-        b_x = tl.load(x_ptr + token[:, None].to(tl.int64) * hidden + o_k[None, :], mask=m_m[:, None], other=0.0)
-        p_w = tl.where(is_shared, ws_ptr, w_ptr + e.to(tl.int64) * stride_we)
-        p_g = p_w + o_n[:, None].to(tl.int64) * hidden + o_k[None, :]
-        b_g = tl.load(p_g)
-        b_u = tl.load(p_g + inter * hidden)
-        if LOAD_ONLY:
-            acc_g += tl.sum(b_g.to(tl.float32), 1)[None, :] + tl.sum(b_x.to(tl.float32), 1)[:, None]
-            acc_u += tl.sum(b_u.to(tl.float32), 1)[None, :]
-        else:
-            acc_g = tl.dot(b_x, tl.trans(b_g), acc_g)
-            acc_u = tl.dot(b_x, tl.trans(b_u), acc_u)
-        is_end = (o_m * 0 + j) == SEG - 1  # [BM]: the unit's last step
-        p_part = part_ptr + ((row[:, None].to(tl.int64) * NUM_SEG + seg) * 2) * inter + o_n[None, :]
-        m_st = (m_m & is_end)[:, None] & (o_n < inter)[None, :]
-        tl.store(p_part, acc_g, mask=m_st)
-        tl.store(p_part + inter, acc_u, mask=m_st)
-        acc_g = tl.where(is_end[:, None], 0.0, acc_g)
-        acc_u = tl.where(is_end[:, None], 0.0, acc_u)
-
-
-@triton.jit
-def _h_of_parts(part_ptr, row, o_k, m_row, inter, NUM_SEG: tl.constexpr, dt: tl.constexpr):
-    """h [BM, BK] of the partials at rows `row`, columns o_k: gate and up each 0 + s0 + s1 + ... in fp32, then
-    the twin's rounding (each to dt, silu(gate) to dt, the product)."""
-    g = tl.zeros(o_k.shape, tl.float32)[None, :] + tl.zeros(row.shape, tl.float32)[:, None]
-    u = g
-    for s in tl.static_range(NUM_SEG):
-        p = part_ptr + ((row[:, None].to(tl.int64) * NUM_SEG + s) * 2) * inter + o_k[None, :]
-        g = g + tl.load(p, mask=m_row[:, None], other=0.0)
-        u = u + tl.load(p + inter, mask=m_row[:, None], other=0.0)
-    b_g = g.to(dt).to(tl.float32)
-    b_act = (b_g * tl.sigmoid(b_g)).to(dt)
-    return (b_act.to(tl.float32) * u.to(dt).to(tl.float32)).to(dt)
-
-
-@triton.jit
 def _finish_kernel(part_ptr, h_ptr, inter, stride_h, NUM_SEG: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
     """h[row] of the partials, a program a row and BN columns."""
     pdl.start(PDL)
     row = tl.program_id(0) + tl.zeros((1,), tl.int32)
     o_n = tl.program_id(1) * BN + tl.arange(0, BN)
     m_n = o_n < inter
-    b_h = _h_of_parts(part_ptr, row, tl.where(m_n, o_n, 0), row >= 0, inter, NUM_SEG, h_ptr.dtype.element_ty)
+    b_h = moe._h_of_parts(part_ptr, row, tl.where(m_n, o_n, 0), (row >= 0)[:, None] & m_n[None, :], inter, NUM_SEG,
+                          h_ptr.dtype.element_ty)
     tl.store(h_ptr + row[:, None].to(tl.int64) * stride_h + o_n[None, :], b_h, mask=(row >= 0)[:, None] & m_n[None, :])
 
 
@@ -167,7 +109,7 @@ def _down_flat_kernel(
         is_shared, e, m_m, _, row = _pair_of(pair, b_ids, num_tokens, TOP_K, BM, BP)
         o_k = j * BK + tl.arange(0, BK)
         if FROM_PARTS:
-            b_h = _h_of_parts(part_ptr, row, o_k, m_m, inter, NUM_SEG, dt)
+            b_h = moe._h_of_parts(part_ptr, row, o_k, m_m[:, None] & (o_k < inter)[None, :], inter, NUM_SEG, dt)
         else:
             b_h = tl.load(h_ptr + row[:, None].to(tl.int64) * stride_h + o_k[None, :], mask=m_m[:, None], other=0.0)
         p_w = tl.where(is_shared, ws_ptr, w_ptr + e.to(tl.int64) * stride_we)
@@ -183,23 +125,19 @@ def num_sms(device: str) -> int:
     return torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 4
 
 
-def gate_up_split(x, ids, gate_up, ws_gate_up, top_k, num_seg, programs, load_only=False, stages=3):
-    """The split gate_up: part [T*k + T, S, 2, I] fp32."""
-    num_tokens, hidden = x.shape
-    inter = gate_up.shape[1] // 2
-    bn, bk = moe.GATE_UP_BLOCK_N, moe.GATE_UP_BLOCK_K
-    steps = hidden // bk
-    assert steps % num_seg == 0 and inter % bn == 0
-    num_pairs = num_tokens * top_k + 1
-    num_units = num_pairs * (inter // bn) * num_seg
-    part = torch.empty(num_tokens * top_k + num_tokens, num_seg, 2, inter, dtype=torch.float32, device=x.device)
-    per = triton.cdiv(num_units, programs)
-    _gate_up_split_kernel[(triton.cdiv(num_units, per),)](
-        x, gate_up, ws_gate_up, ids, part, num_tokens, num_units, per, inter, hidden, gate_up.stride(0),
-        TOP_K=top_k, BM=moe.BLOCK_M, BN=bn, BK=bk, SEG=steps // num_seg, NUM_SEG=num_seg, N_TILES=inter // bn,
-        BP=triton.next_power_of_2(num_pairs), LOAD_ONLY=load_only, num_warps=moe.NUM_WARPS, num_stages=stages,
-        **pdl.options())
-    return part
+def gate_up_split(x, ids, gate_up, ws_gate_up, top_k, num_seg, programs, stages=3):
+    """The production split gate_up (moe._gate_up_parts, GATE_UP_SEGMENTS = num_seg) on `programs` programs
+    (a multiple of the SM count) with `stages`: part [T*k + T, S, 2, I] fp32."""
+    knobs = {"PARTS_PROGRAMS_A_SM": max(1, programs // num_sms(str(x.device.type))),
+             "DIRECT_GATE_UP_STAGES": stages}
+    saved = {k: getattr(moe, k) for k in knobs}
+    try:
+        for k, v in knobs.items():
+            setattr(moe, k, v)
+        return moe._gate_up_parts(x, ids, gate_up, ws_gate_up, top_k, num_seg)
+    finally:
+        for k, v in saved.items():
+            setattr(moe, k, v)
 
 
 def finish(part, dtype):
@@ -297,8 +235,6 @@ def main(argv=None) -> int:
                 rows.append(timed(name, lambda i, s=num_seg, pr=programs, st=stages: gate_up_split(
                     xs[i], routes[i][1], copies[i % num_copies]["gate_up"], shared(i)[0], top_k, s, pr, stages=st),
                     lambda part: against_h(finish(part, dtype))))
-    rows.append(timed(f"load_only_s4_p{sms}", lambda i: gate_up_split(
-        xs[i], routes[i][1], copies[i % num_copies]["gate_up"], shared(i)[0], top_k, 4, sms, load_only=True)))
     parts = [gate_up_split(xs[i], routes[i][1], copies[i % num_copies]["gate_up"], shared(i)[0], top_k, 4, sms)
              for i in range(calls)]
     rows.append(timed("finish_s4", lambda i: finish(parts[i], dtype)))
@@ -325,6 +261,15 @@ def main(argv=None) -> int:
     out0 = moe.moe_block(xs[0], **w0, top_k=top_k, path="pairs")
     rows.append(timed("prod_block_pairs", lambda i: moe.moe_block(xs[i], **copies[i % num_copies], top_k=top_k,
                                                                   path="pairs")))
+    def pairs_segments(i, num_seg=4):  # the production knob: moe_block's pairs path with GATE_UP_SEGMENTS
+        saved, moe.GATE_UP_SEGMENTS = moe.GATE_UP_SEGMENTS, num_seg
+        try:
+            return moe.moe_block(xs[i], **copies[i % num_copies], top_k=top_k, path="pairs")
+        finally:
+            moe.GATE_UP_SEGMENTS = saved
+
+    rows.append(timed("prod_block_pairs_s4", pairs_segments,
+                      lambda out: {"out_max_abs_diff": float((out.float() - out0.float()).abs().max())}))
     rows.append(timed("candidate_block_s4", candidate_block,
                       lambda out: {"out_max_abs_diff": float((out.float() - out0.float()).abs().max()),
                                    "out_max_abs": float(out0.float().abs().max())}))
