@@ -227,21 +227,28 @@ def server_figures(before: dict[str, float], after: dict[str, float]) -> dict:
             "prefix_cache_hit_tokens": int(delta("qse_prefix_cache_hits_tokens_total"))}
 
 
+def _log_events(log_path: Path):
+    """The server log's JSON events (a .gz log too)."""
+    import gzip
+    import json as _json
+
+    opener = gzip.open if str(log_path).endswith(".gz") else open
+    with opener(log_path, "rt") as f:
+        for line in f:
+            if line.startswith("{"):
+                try:
+                    yield _json.loads(line)
+                except ValueError:
+                    continue
+
+
 def server_timeline(log_path: Path) -> dict[str, dict]:
     """Each turn's stations on the server, from its log (request id -> figures, s and ms): from the conductor's
     arrival (the prompt rendered, the session found) to the turn's open (a slot, the reader fed, the served
     state back), to its first token; and what the open found (cached rows, the tier, a rollback, the chunks read
     and the device ms of each step)."""
-    import json as _json
-
     out: dict[str, dict] = {}
-    for line in log_path.read_text().splitlines():
-        if not line.startswith("{"):
-            continue
-        try:
-            ev = _json.loads(line)
-        except ValueError:
-            continue
+    for ev in _log_events(log_path):
         rid = ev.get("request_id")
         if not rid:
             continue
@@ -265,17 +272,7 @@ def reader_reads(log_path: Path) -> dict | None:
     """The reader's idle-window reads on the server (its reader_read events): how many, their chunks and device
     time, and the host's time around them (hop to its thread and back, before the first launch, after the last
     readback), the fixed cost a session switch pays while the device idles; None when the log has none."""
-    import json as _json
-
-    reads = []
-    for line in log_path.read_text().splitlines():
-        if line.startswith("{") and '"reader_read"' in line:
-            try:
-                ev = _json.loads(line)
-            except ValueError:
-                continue
-            if ev.get("event") == "reader_read" and ev.get("window") == "idle":
-                reads.append(ev)
+    reads = [ev for ev in _log_events(log_path) if ev.get("event") == "reader_read" and ev.get("window") == "idle"]
     if not reads:
         return None
     fixed = [r["hop_ms"] + r["setup_ms"] + r["drain_ms"] + r["back_ms"] for r in reads]
@@ -291,33 +288,11 @@ def reader_reads(log_path: Path) -> dict | None:
 def event_counts(log_path: Path, names: tuple[str, ...] = ("round_cut", "idle_burst", "ration_slice")) -> dict:
     """How many of each named event the server logged (a round cut for a newcomer, the idle bursts, the reader's
     slices between rounds)."""
-    import json as _json
-
     counts = dict.fromkeys(names, 0)
-    for line in log_path.read_text().splitlines():
-        if line.startswith("{") and any(f'"{n}"' in line for n in names):
-            try:
-                name = _json.loads(line).get("event")
-            except ValueError:
-                continue
-            if name in counts:
-                counts[name] += 1
+    for ev in _log_events(log_path):
+        if ev.get("event") in counts:
+            counts[ev["event"]] += 1
     return counts
-
-
-def _log_events(log_path: Path):
-    """The server log's JSON events (a .gz log too)."""
-    import gzip
-    import json as _json
-
-    opener = gzip.open if str(log_path).endswith(".gz") else open
-    with opener(log_path, "rt") as f:
-        for line in f:
-            if line.startswith("{"):
-                try:
-                    yield _json.loads(line)
-                except ValueError:
-                    continue
 
 
 def _overlap(a: float, b: float, lo: float, hi: float) -> float:
