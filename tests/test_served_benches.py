@@ -174,7 +174,7 @@ def test_followup_waits_split_each_wait_by_what_the_device_did(tmp_path):
 
     from benchmarks.agents_live import followup_waits, waits_summary
 
-    def stamp(s):  # the conductor's clock 100.0 is wall 1000.0 (every turn's end logged at its end_s)
+    def stamp(s):  # a log line's wall time for the conductor's second s: s + 900 (every turn's end says so)
         return f"1970-01-01T00:{int(s + 900) // 60:02d}:{(s + 900) % 60:09.6f}Z"
 
     events = [
