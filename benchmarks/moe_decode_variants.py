@@ -10,13 +10,15 @@ session's profile), against ~4.3 TB/s for a device copy. The variants here test 
   fixed segments (each summed from zero, then added in order, 0 + s0 + s1 + ...: a sum one program can also do
   alone, so every path keeps the same bits), its (pair, column tile, segment) units dealt to P programs in
   contiguous runs, one flat K loop a program (the pipeline stays full from unit to unit); each unit's fp32
-  partials stored, then `finish` makes h of them. P = the SM count: every SM streams the same bytes.
+  partials stored, then `finish` (moe._parts_h) makes h of them. P = the SM count: every SM streams the same
+  bytes.
 - down_flat_p{P}: the pairs down's (pair, column tile) units dealt the same way (the same per-tile K loop: the
   same bits as the pairs down), from h; down_parts_p{P}: the same reading the gate_up's partials instead of h
   (no finish launch).
-- prod_block_pairs against prod_block_pairs_s4 (moe.GATE_UP_SEGMENTS = 4: the split gate_up and the pairs down
-  making h of its partials) and candidate_block_s4 (the same with the flat down): the whole block (the output's
-  largest difference from the pairs path's: the segment sums round differently).
+- prod_block_pairs against prod_block_pairs_s4 (moe.GATE_UP_SEGMENTS = 4: route, the split gate_up, h of its
+  partials, the pairs down, combine) and candidate_block_s4 (route, the split gate_up, the flat down making h of
+  the partials, combine): the whole block (the output's largest difference from the pairs path's: the segment
+  sums round differently).
 Times are CUDA events over a graph of back-to-back calls rotating among weight copies and inputs (as
 moe_block_bench's). Each variant's h or y is checked against the production kernels' (bit_equal where the
 arithmetic is the same, max_abs_diff where the sum's order differs).
@@ -75,18 +77,6 @@ def _my_units(ids_ptr, num_tokens, num_units, units_a_program, TOP_K: tl.constex
 
 
 @triton.jit
-def _finish_kernel(part_ptr, h_ptr, inter, stride_h, NUM_SEG: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
-    """h[row] of the partials, a program a row and BN columns."""
-    pdl.start(PDL)
-    row = tl.program_id(0) + tl.zeros((1,), tl.int32)
-    o_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    m_n = o_n < inter
-    b_h = moe._h_of_parts(part_ptr, row, tl.where(m_n, o_n, 0), (row >= 0)[:, None] & m_n[None, :], inter, NUM_SEG,
-                          h_ptr.dtype.element_ty)
-    tl.store(h_ptr + row[:, None].to(tl.int64) * stride_h + o_n[None, :], b_h, mask=(row >= 0)[:, None] & m_n[None, :])
-
-
-@triton.jit
 def _down_flat_kernel(
     h_ptr, part_ptr, w_ptr, ws_ptr, ids_ptr, y_ptr, num_tokens, num_units, units_a_program, inter, hidden,
     stride_h, stride_we, stride_y, TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -141,11 +131,8 @@ def gate_up_split(x, ids, gate_up, ws_gate_up, top_k, num_seg, programs, stages=
 
 
 def finish(part, dtype):
-    rows, num_seg, _, inter = part.shape
-    h = torch.empty(rows, inter, dtype=dtype, device=part.device)
-    _finish_kernel[(rows, triton.cdiv(inter, 128))](part, h, inter, h.stride(0), NUM_SEG=num_seg, BN=128,
-                                                    num_warps=4, **pdl.options())
-    return h
+    """h of the partials, moe's own launch (T = 1: the last row is the shared expert's)."""
+    return moe._parts_h(part, part.shape[0] - 1, part.shape[-1], part.shape[-1], dtype)
 
 
 def down_flat(h_or_part, ids, down, ws_down, num_tokens, top_k, programs, from_parts=False, stages=3):

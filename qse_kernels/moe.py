@@ -16,8 +16,8 @@ Nothing waits on the host and nothing but Triton kernels runs (a CUDA graph hold
              rank order, then the shared expert's, rounded once           _down_combine_kernel
   pairs (small decode batches, PAIRS_MAX_TOKENS; T <= BLOCK_M), four launches: the direct gate_up (or, with
   PAIRS_ROUTE_FIRST, the route kernel and then a gate_up reading each pair's expert: five; with
-  GATE_UP_SEGMENTS > 1, the route kernel and then the split gate_up, its (pair, column tile, K segment) units
-  dealt evenly to the SMs, storing fp32 partials the down makes h of: five), then
+  GATE_UP_SEGMENTS > 1, the route kernel, the split gate_up, its (pair, column tile, K segment) units dealt
+  evenly to the SMs, storing fp32 partials, and h made of them: six), then
     down     a program a pair and BN columns (the shared block: one more
              program), y [P, H] at the pair's row, its expert read from
              the ids the gate_up stored                                   _down_kernel, PAIRS
@@ -99,6 +99,7 @@ PAIRS_ROUTE_FIRST = False
 # measured (benchmarks/moe_decode_variants.py, moe_block_bench --knobs GATE_UP_SEGMENTS)
 GATE_UP_SEGMENTS = 1
 PARTS_PROGRAMS_A_SM = 1  # the split gate_up's programs: this many an SM (its units dealt in contiguous runs)
+PARTS_H_BLOCK_N = 128  # h of the partials: columns a program
 # the route kernel's warps: one warp reduces without a barrier (it changes no bits: the ranks are exact maxima,
 # the weights lane by lane)
 ROUTE_WARPS = 1
@@ -380,7 +381,7 @@ def _gate_up_kernel(
             if SEGS == 1:
                 acc_g, acc_u = _gate_up_span(x_ptr, p_w, token, m_m, o_n, m_n, 0, hidden, hidden, width, stride_x,
                                              BM, BN, BK, ROW_EXACT, IEEE)
-            else:  # 0 + s0 + s1 + ...: the sum _gate_up_parts_kernel's units make apart (_h_of_parts)
+            else:  # 0 + s0 + s1 + ...: the sum _gate_up_parts_kernel's units make apart (_parts_h_kernel)
                 acc_g = tl.zeros((BM, BN), tl.float32)
                 acc_u = tl.zeros((BM, BN), tl.float32)
                 seg = hidden // SEGS
@@ -460,18 +461,31 @@ def _h_of_parts(part_ptr, rows, o_k, mask, width_p, SEGS: tl.constexpr, dt: tl.c
     return _act(acc_g, acc_u, dt)
 
 
+@triton.jit
+def _parts_h_kernel(part_ptr, h_ptr, num_routed, inter, inter_s, width_p, stride_h, SEGS: tl.constexpr,
+                    BN: tl.constexpr, PDL: tl.constexpr):
+    """h[row] of the split gate_up's partials, a program a row and BN columns (a routed pair's row I wide, a
+    shared row Is): a launch of its own, so that the down reads h as on every path (made of the partials inside
+    the down's K loop, they would take its shared memory: eight fp32 tiles a step)."""
+    pdl.start(PDL)
+    row = tl.program_id(0) + tl.zeros((1,), tl.int32)
+    o_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    width = tl.where(row < num_routed, inter, inter_s)
+    mask = o_n[None, :] < width[:, None]
+    b_h = _h_of_parts(part_ptr, row, o_n, mask, width_p, SEGS, h_ptr.dtype.element_ty)
+    tl.store(h_ptr + row[:, None].to(tl.int64) * stride_h + o_n[None, :], b_h, mask=mask)
+
+
 @triton.jit(do_not_specialize=["num_tokens", "num_shared", "cap"])
 def _down_kernel(
     h_ptr, w_ptr, ws_ptr, y_ptr, order_ptr, counts_ptr,
     num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap, stride_h, stride_we, stride_y,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr,
     NT: tl.constexpr, PAIRS: tl.constexpr, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    PARTS: tl.constexpr = 0,
 ):
     """y[pair] = h[pair] @ down_e^T for a block's rows, BN of the H columns, for NT column tiles one after
     another (as _gate_up_kernel's); the rows from _pair_rows (PAIRS: order_ptr holds the pairs' experts) or
-    _grouped_rows. PARTS (the pairs path, GATE_UP_SEGMENTS = PARTS > 1): h_ptr holds the split gate_up's
-    partials [P, PARTS, 2, stride_h] and h is made of them as it is loaded (_h_of_parts: the same bits)."""
+    _grouped_rows."""
     pdl.start(PDL)
     if PAIRS:
         e, m_m, pair, _ = _pair_rows(order_ptr, num_tokens, num_experts, TOP_K, BM)
@@ -495,12 +509,8 @@ def _down_kernel(
             for k0 in range(0, depth, BK):
                 o_k = k0 + tl.arange(0, BK)
                 m_k = o_k < depth
-                if PARTS > 1:
-                    b_h = _h_of_parts(h_ptr, pair, o_k, m_m[:, None] & m_k[None, :], stride_h, PARTS,
-                                      y_ptr.dtype.element_ty)
-                else:
-                    b_h = tl.load(h_ptr + pair[:, None].to(tl.int64) * stride_h + o_k[None, :],
-                                  mask=m_m[:, None] & m_k[None, :], other=0.0)
+                b_h = tl.load(h_ptr + pair[:, None].to(tl.int64) * stride_h + o_k[None, :],
+                              mask=m_m[:, None] & m_k[None, :], other=0.0)
                 b_w = tl.load(p_w + o_n[:, None].to(tl.int64) * depth + o_k[None, :],
                               mask=m_n[:, None] & m_k[None, :], other=0.0)
                 acc = _dot_acc(acc, b_h, b_w, ROW_EXACT, IEEE)
@@ -821,6 +831,16 @@ def _gate_up_parts(x, ids, gate_up, ws_gate_up, top_k, segs):
     return part
 
 
+def _parts_h(part, num_routed, inter, inter_s, dtype):
+    """h [P, max(I, Is)] in dtype of the split gate_up's partials [P, segs, 2, max(I, Is)] (_parts_h_kernel)."""
+    rows, segs, _, width = part.shape
+    h = torch.empty(rows, width, dtype=dtype, device=part.device)
+    _parts_h_kernel[(rows, triton.cdiv(width, PARTS_H_BLOCK_N))](
+        part, h, num_routed, inter, inter_s, width, h.stride(0), SEGS=segs, BN=PARTS_H_BLOCK_N, num_warps=NUM_WARPS,
+        **pdl.options())
+    return h
+
+
 def _pairs(x, logits, gate_up, down, shared, top_k, finish=None):
     """The pairs path on x [T <= BLOCK_M, H] -> [T, H] (the module docstring); logits [T, E + 1]; finish: as
     _grouped's."""
@@ -831,18 +851,17 @@ def _pairs(x, logits, gate_up, down, shared, top_k, finish=None):
     segs = _segments(hidden)
     if segs > 1:  # the split gate_up, on route-first ids (its units need every pair's expert before their loads)
         ids, weights = (t.reshape(-1) for t in _route(logits, num_experts, top_k, torch.int32))
-        h = _gate_up_parts(x, ids, gate_up, shared[0], top_k, segs)
-        stride_h = h.shape[-1]
+        h = _parts_h(_gate_up_parts(x, ids, gate_up, shared[0], top_k, segs), num_tokens * top_k, inter, inter_s,
+                     x.dtype)
     else:
         ids, weights, h = _direct_gate_up(x, logits, gate_up, shared, top_k, route_first=PAIRS_ROUTE_FIRST)
-        stride_h = h.stride(0)
     num_routed = num_tokens * top_k
     y = torch.empty(num_routed + num_tokens, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(num_routed + 1, triton.cdiv(hidden, DOWN_BLOCK_N))](
         h, down, ws_down, y, ids, ids, num_tokens, num_tokens, num_experts, inter, inter_s, hidden, 0,
-        stride_h, down.stride(0), y.stride(0), TOP_K=top_k, BM=BLOCK_M, BN=DOWN_BLOCK_N, BK=DOWN_BLOCK_K,
-        BE=triton.next_power_of_2(num_experts), NT=1, PAIRS=True, PARTS=segs if segs > 1 else 0,
-        **_dot_flags(x.dtype), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        h.stride(0), down.stride(0), y.stride(0), TOP_K=top_k, BM=BLOCK_M, BN=DOWN_BLOCK_N, BK=DOWN_BLOCK_K,
+        BE=triton.next_power_of_2(num_experts), NT=1, PAIRS=True, **_dot_flags(x.dtype), num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES)
     if finish is not None:
         return finish(y, weights, logits, num_experts, True)
     return _combine(y, weights, logits, torch.empty_like(x), num_experts, True)
