@@ -233,8 +233,9 @@ SEGMENT_CASES = {"fp32-T1-S4": (torch.float32, 1, 4), "bf16-T5-S2": (torch.bfloa
 def test_gate_up_segments_give_every_path_the_same_bits(device, monkeypatch, rel, dtype, num_tokens, segments):
     """GATE_UP_SEGMENTS: the gate_up's K sum in fixed segments on every path, the pairs path's split over
     several programs (_gate_up_parts_kernel; its runs cross pairs and the shared expert's block, wider than the
-    routed experts) and h made of the partials in the down: the three paths bit for bit, a row alone as in
-    company, and the twin's values (H = 64 in K steps of 16: four steps, two or four segments)."""
+    routed experts) and h made of the partials by a launch of its own (_parts_h_kernel): the three paths bit for
+    bit, a row alone as in company, and the twin's values (H = 64 in K steps of 16: four steps, two or four
+    segments)."""
     monkeypatch.setattr(moe, "GATE_UP_BLOCK_K", 16)
     monkeypatch.setattr(moe, "GATE_UP_SEGMENTS", segments)
     w = _weights(dtype=dtype, device=device, inter_s=I_SHARED)
