@@ -182,9 +182,6 @@ def sweep_knobs(tiny: bool) -> dict:
              # (every path reads them: "new" picks pairs up to 8 tokens and the grouped path for a chunk)
              "GATE_UP_BLOCK_K": ((64, 128, 256), "new", (1,) if tiny else (1, 8, 512)),
              "DOWN_BLOCK_K": ((64, 128, 256), "new", (1,) if tiny else (1, 8, 512)),
-             # the gate_up's K in segments, the pairs path's split over every SM: other bits than one running sum
-             # (bit_equal False against 1 is expected; the GPU test checks the paths and T against each other)
-             "GATE_UP_SEGMENTS": ((1, 2, 4, 8), "new", (1,) if tiny else (1, 8, 512)),
              "NUM_WARPS": ((2, 4, 8), "new_pairs", (1,) if tiny else SWEEP_TOKENS)}
 
 

@@ -1,27 +1,23 @@
 #!/usr/bin/env python
 """Where a decode token's MoE block loses its time: the pairs path's gate_up and down (qse_kernels/moe.py) at
-T = 1 against ways of laying the same bytes over the device's SMs, at the 35B-A3B shapes, on one GPU.
+T = 1, at the 35B-A3B shapes, against the same bytes read in other patterns, on one GPU.
 
-At T = 1 the pairs gate_up is (k + 1) * I / BN = 144 programs of 16 K steps (256 KB each) on 132 SMs, and the
-pairs down 576 programs of 4 steps (32 KB): both ran at ~2.3 TB/s (benchmarks/NOTES.md, the twenty-first
-session's profile), against ~4.3 TB/s for a device copy. The variants here test why:
+At T = 1 the pairs gate_up (144 programs of 16 K steps) and down (576 programs of 4) stream at ~2.3 TB/s on the
+H200 and on the H100 alike (benchmarks/NOTES.md), against a device copy's ~4.2 / ~3.0 TB/s. The SMs' balance is
+not why (the twenty-sixth session: the K split dealt evenly over the SMs, moe_decode_variants-2026-12-07-h100.json,
+was no faster); neither were the pipeline's depth, the tiles' widths or the warps (moe_block_bench's sweeps).
+What is left is the access pattern: a program's K step reads each of its BN weight rows in a run of BK * 2
+bytes (256 B) with a row's next run 4 KB away, and its tile's rows are 4 KB apart. The variants:
 
-- split_s{S}_p{P}_st{stages}: the pairs path's split gate_up (moe._gate_up_parts, GATE_UP_SEGMENTS = S): K in S
-  fixed segments (each summed from zero, then added in order, 0 + s0 + s1 + ...: a sum one program can also do
-  alone, so every path keeps the same bits), its (pair, column tile, segment) units dealt to P programs in
-  contiguous runs, one flat K loop a program (the pipeline stays full from unit to unit); each unit's fp32
-  partials stored, then `finish` (moe._parts_h) makes h of them. P = the SM count: every SM streams the same
-  bytes.
-- down_flat_p{P}: the pairs down's (pair, column tile) units dealt the same way (the same per-tile K loop: the
-  same bits as the pairs down), from h; down_parts_p{P}: the same reading the gate_up's partials instead of h
-  (no finish launch).
-- prod_block_pairs against prod_block_pairs_s4 (moe.GATE_UP_SEGMENTS = 4: route, the split gate_up, h of its
-  partials, the pairs down, combine) and candidate_block_s4 (route, the split gate_up, the flat down making h of
-  the partials, combine): the whole block (the output's largest difference from the pairs path's: the segment
-  sums round differently).
+- stream_{canon,tiled}_n{BN}_k{BK}_st{S}: the gate_up's or the down's tile walk (one program a pair and BN
+  columns, K in BK steps) with loads only (each tile summed into fp32 lanes, no products), from the checkpoint's
+  layout (canon) or a tile-major copy of it (tiled: each (BN, BK) tile's bytes contiguous, tiles in the order a
+  program reads them). Tells what the pattern alone streams at.
+- gate_up_{canon,tiled}_st{S}, down_{canon,tiled}_st{S}: the pairs path's gate_up and down (the same tile
+  products, the same rounding: bit-equal to the production kernels' h and y) reading either layout.
+
 Times are CUDA events over a graph of back-to-back calls rotating among weight copies and inputs (as
-moe_block_bench's). Each variant's h or y is checked against the production kernels' (bit_equal where the
-arithmetic is the same, max_abs_diff where the sum's order differs).
+moe_block_bench's); the byte count a call reads is in the result (nbytes), with the device's copy rate.
 
     python benchmarks/moe_decode_variants.py [--out DIR] [--tiny]
 """
@@ -44,7 +40,7 @@ import triton.language as tl  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.moe_block_bench import NUM_COPIES, SHAPE_35B, SHAPE_TINY, draw_block, hbm_tbps  # noqa: E402
+from benchmarks.moe_block_bench import NUM_COPIES, SHAPE_35B, draw_block, hbm_tbps  # noqa: E402
 from benchmarks.results_io import result_header, write_result  # noqa: E402
 from benchmarks.timing import graph_us, kernel_bench_args, wall_us  # noqa: E402
 from qse_kernels import moe, pdl  # noqa: E402
@@ -52,112 +48,131 @@ from qse_kernels import moe, pdl  # noqa: E402
 CALLS = 16
 
 
+def tile_major(w: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    """w [E, R, K] with each (bn, bk) tile's bytes contiguous, tiles row block by row block and K step by K step
+    (the order one program reads them): element (r, k) at ((r // bn) * (K // bk) + k // bk) * bn * bk + (r % bn)
+    * bk + k % bk of its expert, so a tile at (n0, k0) starts at n0 * K + k0 * bn."""
+    num, rows, depth = w.shape
+    return (w.reshape(num, rows // bn, bn, depth // bk, bk).permute(0, 1, 3, 2, 4).contiguous()
+            .reshape(num, rows, depth))
+
+
 @triton.jit
-def _pair_of(pair, b_ids, num_tokens, TOP_K: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr):
-    """Pair `pair`'s place: (is it the shared expert's block, its expert, its rows' mask [BM], their tokens, their
-    rows of h and y): a routed pair is row 0 of its tile (its token), the shared block every token."""
-    num_routed = num_tokens * TOP_K
+def _tile_offsets(n0, k0, depth, BN: tl.constexpr, BK: tl.constexpr, TILED: tl.constexpr):
+    """[BN, BK] element offsets of the tile at rows n0.., columns k0.. of a [R, depth] matrix (tile_major's
+    layout when TILED)."""
+    o_r = tl.arange(0, BN)
+    o_c = tl.arange(0, BK)
+    if TILED:
+        return n0 * depth + k0 * BN + o_r[:, None] * BK + o_c[None, :]
+    return (n0 + o_r[:, None]) * depth + k0 + o_c[None, :]
+
+
+@triton.jit
+def _expert_weights(w_ptr, ws_ptr, ids_ptr, num_routed, stride_we):
+    """Program 0's pair's expert weights: a routed pair's (its expert from ids) or, past them, the shared one's."""
+    i_p = tl.program_id(0)
+    if i_p < num_routed:
+        return w_ptr + tl.load(ids_ptr + i_p).to(tl.int64) * stride_we
+    return ws_ptr
+
+
+@triton.jit
+def _stream_kernel(w_ptr, ws_ptr, ids_ptr, out_ptr, num_routed, width, depth, stride_we, BN: tl.constexpr,
+                   BK: tl.constexpr, HALVES: tl.constexpr, TILED: tl.constexpr):
+    """A pair's BN rows (of each half: gate and up) read in BK steps and summed, no products."""
+    p_w = _expert_weights(w_ptr, ws_ptr, ids_ptr, num_routed, stride_we)
+    n0 = tl.program_id(1) * BN
+    acc = tl.zeros((BN, BK), tl.float32)
+    for k0 in range(0, depth, BK):
+        off = _tile_offsets(n0, k0, depth, BN, BK, TILED)
+        acc += tl.load(p_w + off).to(tl.float32)
+        if HALVES == 2:
+            acc += tl.load(p_w + width * depth + off).to(tl.float32)
+    tl.store(out_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.sum(tl.sum(acc, 1), 0))
+
+
+@triton.jit
+def _gate_up_probe_kernel(x_ptr, w_ptr, ws_ptr, ids_ptr, h_ptr, num_routed, inter, hidden, stride_we, stride_h,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TILED: tl.constexpr,
+                          ROW_EXACT: tl.constexpr, IEEE: tl.constexpr):
+    """The pairs gate_up at T = 1 (each pair the token's row 0 of its tile), as moe._gate_up_kernel computes it."""
+    p_w = _expert_weights(w_ptr, ws_ptr, ids_ptr, num_routed, stride_we)
+    n0 = tl.program_id(1) * BN
     o_m = tl.arange(0, BM)
-    is_shared = pair == num_routed
-    e = tl.sum(tl.where(tl.arange(0, BP) == pair, b_ids, 0), 0)
-    m_m = o_m < tl.where(is_shared, num_tokens, 1)
-    token = tl.where(is_shared, o_m, pair // TOP_K + o_m * 0)
-    row = tl.where(is_shared, num_routed + o_m, pair + o_m * 0)
-    return is_shared, e, m_m, token, row
+    acc_g = tl.zeros((BM, BN), tl.float32)
+    acc_u = tl.zeros((BM, BN), tl.float32)
+    for k0 in range(0, hidden, BK):
+        o_k = k0 + tl.arange(0, BK)
+        b_x = tl.load(x_ptr + o_m[:, None] * 0 + o_k[None, :], mask=(o_m == 0)[:, None], other=0.0)
+        off = _tile_offsets(n0, k0, hidden, BN, BK, TILED)
+        acc_g = moe._dot_acc(acc_g, b_x, tl.load(p_w + off), ROW_EXACT, IEEE)
+        acc_u = moe._dot_acc(acc_u, b_x, tl.load(p_w + inter * hidden + off), ROW_EXACT, IEEE)
+    dt = h_ptr.dtype.element_ty
+    b_g = acc_g.to(dt).to(tl.float32)
+    b_act = (b_g * tl.sigmoid(b_g)).to(dt)
+    b_h = b_act.to(tl.float32) * acc_u.to(dt).to(tl.float32)
+    o_n = n0 + tl.arange(0, BN)
+    tl.store(h_ptr + tl.program_id(0) * stride_h + o_m[:, None] * 0 + o_n[None, :], b_h.to(dt),
+             mask=(o_m == 0)[:, None])
 
 
 @triton.jit
-def _my_units(ids_ptr, num_tokens, num_units, units_a_program, TOP_K: tl.constexpr, BP: tl.constexpr):
-    """This program's contiguous run of units [u0, u1), and every routed pair's expert [BP] (read once, ahead of
-    the loop: no load in it waits on another)."""
-    u0 = tl.program_id(0) * units_a_program
-    o_p = tl.arange(0, BP)
-    b_ids = tl.load(ids_ptr + o_p, mask=o_p < num_tokens * TOP_K, other=0)
-    return u0, tl.minimum(u0 + units_a_program, num_units), b_ids
-
-
-@triton.jit
-def _down_flat_kernel(
-    h_ptr, part_ptr, w_ptr, ws_ptr, ids_ptr, y_ptr, num_tokens, num_units, units_a_program, inter, hidden,
-    stride_h, stride_we, stride_y, TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    N_TILES: tl.constexpr, BP: tl.constexpr, FROM_PARTS: tl.constexpr, NUM_SEG: tl.constexpr, PDL: tl.constexpr,
-):
-    """y[pair] = h[pair] @ down_e^T, the pairs down's tiles (BM rows, BN of H, K from 0 in BK steps), units
-    (pair, column tile) dealt to programs in contiguous runs, one flat loop; FROM_PARTS: h made from the
-    gate_up's partials as it is loaded."""
-    pdl.start(PDL)
-    steps = inter // BK
-    u0, u1, b_ids = _my_units(ids_ptr, num_tokens, num_units, units_a_program, TOP_K, BP)
+def _down_probe_kernel(h_ptr, w_ptr, ws_ptr, ids_ptr, y_ptr, num_routed, inter, stride_we, stride_h, stride_y,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TILED: tl.constexpr,
+                       ROW_EXACT: tl.constexpr, IEEE: tl.constexpr):
+    """The pairs down at T = 1, as moe._down_kernel computes it: y[pair] = h[pair] @ down_e^T, BN columns."""
+    p_w = _expert_weights(w_ptr, ws_ptr, ids_ptr, num_routed, stride_we)
+    n0 = tl.program_id(1) * BN
     o_m = tl.arange(0, BM)
-    dt = y_ptr.dtype.element_ty
+    row = tl.program_id(0) + o_m * 0
     acc = tl.zeros((BM, BN), tl.float32)
-    for i in range(0, (u1 - u0) * steps):
-        unit = u0 + i // steps
-        j = i % steps
-        pair = unit // N_TILES
-        o_n = (unit % N_TILES) * BN + tl.arange(0, BN)
-        is_shared, e, m_m, _, row = _pair_of(pair, b_ids, num_tokens, TOP_K, BM, BP)
-        o_k = j * BK + tl.arange(0, BK)
-        if FROM_PARTS:
-            b_h = moe._h_of_parts(part_ptr, row, o_k, m_m[:, None] & (o_k < inter)[None, :], inter, NUM_SEG, dt)
-        else:
-            b_h = tl.load(h_ptr + row[:, None].to(tl.int64) * stride_h + o_k[None, :], mask=m_m[:, None], other=0.0)
-        p_w = tl.where(is_shared, ws_ptr, w_ptr + e.to(tl.int64) * stride_we)
-        b_w = tl.load(p_w + o_n[:, None].to(tl.int64) * inter + o_k[None, :])
-        acc = tl.dot(b_h, tl.trans(b_w), acc)
-        is_end = (o_m * 0 + j) == steps - 1
-        tl.store(y_ptr + row[:, None].to(tl.int64) * stride_y + o_n[None, :], acc.to(dt),
-                 mask=(m_m & is_end)[:, None] & (o_n < hidden)[None, :])
-        acc = tl.where(is_end[:, None], 0.0, acc)
+    for k0 in range(0, inter, BK):
+        o_k = k0 + tl.arange(0, BK)
+        b_h = tl.load(h_ptr + row[:, None] * stride_h + o_k[None, :], mask=(o_m == 0)[:, None], other=0.0)
+        acc = moe._dot_acc(acc, b_h, tl.load(p_w + _tile_offsets(n0, k0, inter, BN, BK, TILED)), ROW_EXACT, IEEE)
+    o_n = n0 + tl.arange(0, BN)
+    tl.store(y_ptr + row[:, None] * stride_y + o_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=(o_m == 0)[:, None])
 
 
-def num_sms(device: str) -> int:
-    return torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 4
+def stream(w, ws, ids, halves, bn, bk, tiled, stages):
+    """_stream_kernel over the k routed pairs and the shared expert: w [E, halves * width, depth]."""
+    width, depth = w.shape[1] // halves, w.shape[2]
+    out = torch.empty(ids.numel() + 1, width // bn, dtype=torch.float32, device=w.device)
+    _stream_kernel[(ids.numel() + 1, width // bn)](w, ws, ids, out, ids.numel(), width, depth, w.stride(0), BN=bn,
+                                                  BK=bk, HALVES=halves, TILED=tiled, num_warps=moe.NUM_WARPS,
+                                                  num_stages=stages)
+    return out
 
 
-def gate_up_split(x, ids, gate_up, ws_gate_up, top_k, num_seg, programs, stages=3):
-    """The production split gate_up (moe._gate_up_parts, GATE_UP_SEGMENTS = num_seg) on `programs` programs
-    (a multiple of the SM count) with `stages`: part [T*k + T, S, 2, I] fp32."""
-    knobs = {"PARTS_PROGRAMS_A_SM": max(1, programs // num_sms(str(x.device.type))),
-             "DIRECT_GATE_UP_STAGES": stages}
-    saved = {k: getattr(moe, k) for k in knobs}
-    try:
-        for k, v in knobs.items():
-            setattr(moe, k, v)
-        return moe._gate_up_parts(x, ids, gate_up, ws_gate_up, top_k, num_seg)
-    finally:
-        for k, v in saved.items():
-            setattr(moe, k, v)
+def gate_up_probe(x, w, ws, ids, tiled, stages):
+    inter, hidden = w.shape[1] // 2, w.shape[2]
+    h = torch.empty(ids.numel() + 1, inter, dtype=x.dtype, device=x.device)
+    bn, bk = moe.GATE_UP_BLOCK_N, moe.GATE_UP_BLOCK_K
+    flags = moe._dot_flags(x.dtype)
+    _gate_up_probe_kernel[(ids.numel() + 1, inter // bn)](
+        x, w, ws, ids, h, ids.numel(), inter, hidden, w.stride(0), h.stride(0), BM=moe.BLOCK_M, BN=bn, BK=bk,
+        TILED=tiled, ROW_EXACT=flags["ROW_EXACT"], IEEE=flags["IEEE"], num_warps=moe.NUM_WARPS, num_stages=stages)
+    return h
 
 
-def finish(part, dtype):
-    """h of the partials, moe's own launch (T = 1: the last row is the shared expert's)."""
-    return moe._parts_h(part, part.shape[0] - 1, part.shape[-1], part.shape[-1], dtype)
-
-
-def down_flat(h_or_part, ids, down, ws_down, num_tokens, top_k, programs, from_parts=False, stages=3):
-    hidden, inter = down.shape[1], down.shape[2]
+def down_probe(h, w, ws, ids, tiled, stages):
+    hidden, inter = w.shape[1], w.shape[2]
+    y = torch.empty(ids.numel() + 1, hidden, dtype=h.dtype, device=h.device)
     bn, bk = moe.DOWN_BLOCK_N, moe.DOWN_BLOCK_K
-    num_pairs = num_tokens * top_k + 1
-    num_units = num_pairs * (hidden // bn)
-    y = torch.empty(num_tokens * top_k + num_tokens, hidden, dtype=down.dtype, device=down.device)
-    per = triton.cdiv(num_units, programs)
-    num_seg = h_or_part.shape[1] if from_parts else 1
-    _down_flat_kernel[(triton.cdiv(num_units, per),)](
-        h_or_part, h_or_part, down, ws_down, ids, y, num_tokens, num_units, per, inter, hidden,
-        0 if from_parts else h_or_part.stride(0), down.stride(0), y.stride(0), TOP_K=top_k, BM=moe.BLOCK_M, BN=bn,
-        BK=bk, N_TILES=hidden // bn, BP=triton.next_power_of_2(num_pairs), FROM_PARTS=from_parts, NUM_SEG=num_seg,
-        num_warps=moe.NUM_WARPS, num_stages=stages, **pdl.options())
+    flags = moe._dot_flags(h.dtype)
+    _down_probe_kernel[(ids.numel() + 1, hidden // bn)](
+        h, w, ws, ids, y, ids.numel(), inter, w.stride(0), h.stride(0), y.stride(0), BM=moe.BLOCK_M, BN=bn, BK=bk,
+        TILED=tiled, ROW_EXACT=flags["ROW_EXACT"], IEEE=flags["IEEE"], num_warps=moe.NUM_WARPS, num_stages=stages)
     return y
 
 
-def production_down(h, ids, down, ws_down, num_tokens, top_k):
-    """The pairs path's down (moe._pairs), alone."""
+def production_down(h, ids, down, ws_down, top_k):
+    """The pairs path's down (moe._pairs) at T = 1, alone."""
     hidden, inter = down.shape[1], down.shape[2]
-    num_routed = num_tokens * top_k
-    y = torch.empty(num_routed + num_tokens, hidden, dtype=h.dtype, device=h.device)
-    moe._down_kernel[(num_routed + 1, triton.cdiv(hidden, moe.DOWN_BLOCK_N))](
-        h, down, ws_down, y, ids, ids, num_tokens, num_tokens, down.shape[0], inter, ws_down.shape[1], hidden, 0,
+    y = torch.empty(top_k + 1, hidden, dtype=h.dtype, device=h.device)
+    moe._down_kernel[(top_k + 1, triton.cdiv(hidden, moe.DOWN_BLOCK_N))](
+        h, down, ws_down, y, ids, ids, 1, 1, down.shape[0], inter, ws_down.shape[1], hidden, 0,
         h.stride(0), down.stride(0), y.stride(0), TOP_K=top_k, BM=moe.BLOCK_M, BN=moe.DOWN_BLOCK_N,
         BK=moe.DOWN_BLOCK_K, BE=triton.next_power_of_2(down.shape[0]), NT=1, PAIRS=True, **moe._dot_flags(h.dtype),
         num_warps=moe.NUM_WARPS, num_stages=moe.NUM_STAGES)
@@ -168,23 +183,21 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     args, device = kernel_bench_args(p, argv)
     tiny = args.tiny
-    shape = SHAPE_TINY if tiny else SHAPE_35B
-    if tiny:  # the interpreter: shapes that the pinned tiles divide
-        shape = dict(hidden=512, num_experts=8, top_k=2, inter=128, inter_s=128)
+    # the interpreter: shapes that the pinned tiles divide, the flow only
+    shape = dict(hidden=256, num_experts=4, top_k=2, inter=128, inter_s=128) if tiny else SHAPE_35B
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    top_k, num_tokens = shape["top_k"], 1
+    top_k = shape["top_k"]
     num_copies, calls = (1, 1) if tiny else (NUM_COPIES, CALLS)
     copies = [draw_block(shape, device, dtype, seed) for seed in range(num_copies)]
     gen = torch.Generator(device=device).manual_seed(7)
-    xs = [torch.randn(num_tokens, shape["hidden"], generator=gen, device=device).to(dtype) for _ in range(calls)]
-    routes = []  # each call's logits, its pairs' experts (int32) and the production h
+    xs = [torch.randn(1, shape["hidden"], generator=gen, device=device).to(dtype) for _ in range(calls)]
+    routes = []  # each call's pairs' experts (int32), the production h and the logits
     for i, x in enumerate(xs):
         w = copies[i % num_copies]
         logits = moe._router(x, w["router_w"], w["shared_gate_w"])
         ids, _, h = moe._direct_gate_up(x, logits, w["gate_up"], (w["shared_gate_up"], w["shared_down"]), top_k,
                                         route_first=True)
-        routes.append((logits, ids, h))
-    sms = num_sms(device)
+        routes.append((ids, h, logits))
     time_us = (lambda fns: wall_us(fns[0], warm=False)) if device != "cuda" else (lambda fns: graph_us(fns))
 
     def timed(name, fn, check=None):
@@ -195,77 +208,48 @@ def main(argv=None) -> int:
         print(json.dumps(row), flush=True)
         return row
 
-    w0, (_, ids0, h0) = copies[0], routes[0]
-    shared = lambda i: (copies[i % num_copies]["shared_gate_up"], copies[i % num_copies]["shared_down"])  # noqa: E731
-    y0 = production_down(h0, ids0, w0["down"], w0["shared_down"], num_tokens, top_k)
-
-    def against_h(h):
-        rows = h0.shape[0]
-        return {"h_max_abs_diff": float((h[:rows].float() - h0.float()).abs().max())}
-
-    def against_y(y):
-        return {"y_bit_equal": bool(torch.equal(y, y0)), "y_max_abs_diff": float((y.float() - y0.float()).abs().max())}
-
-    rows = [timed("prod_gate_up_direct", lambda i: moe._direct_gate_up(
-                xs[i], routes[i][0], copies[i % num_copies]["gate_up"], shared(i), top_k)),
-            timed("prod_gate_up_route_first", lambda i: moe._direct_gate_up(
-                xs[i], routes[i][0], copies[i % num_copies]["gate_up"], shared(i), top_k, route_first=True)),
-            timed("prod_down_pairs", lambda i: production_down(
-                routes[i][2], routes[i][1], copies[i % num_copies]["down"], shared(i)[1], num_tokens, top_k),
-                against_y)]
-    steps = shape["hidden"] // moe.GATE_UP_BLOCK_K
-    grid = ((1, 4), (sms,), (3,)) if tiny else ((1, 2, 4, 8), (sms, 2 * sms), (3, 4))  # (the interpreter: the flow)
-    for num_seg in (s for s in grid[0] if steps % s == 0):
-        for programs in grid[1]:
-            for stages in grid[2]:
-                name = f"split_s{num_seg}_p{programs}_st{stages}"
-                rows.append(timed(name, lambda i, s=num_seg, pr=programs, st=stages: gate_up_split(
-                    xs[i], routes[i][1], copies[i % num_copies]["gate_up"], shared(i)[0], top_k, s, pr, stages=st),
-                    lambda part: against_h(finish(part, dtype))))
-    parts = [gate_up_split(xs[i], routes[i][1], copies[i % num_copies]["gate_up"], shared(i)[0], top_k, 4, sms)
-             for i in range(calls)]
-    rows.append(timed("finish_s4", lambda i: finish(parts[i], dtype)))
-    hs = [finish(part, dtype) for part in parts]
-    for programs in grid[1]:
-        for stages in (3,) if tiny else (3, 4, 6):
-            rows.append(timed(f"down_flat_p{programs}_st{stages}", lambda i, pr=programs, st=stages: down_flat(
-                routes[i][2], routes[i][1], copies[i % num_copies]["down"], shared(i)[1], num_tokens, top_k, pr,
-                stages=st), against_y))
-        rows.append(timed(f"down_parts_s4_p{programs}", lambda i, pr=programs: down_flat(
-            parts[i], routes[i][1], copies[i % num_copies]["down"], shared(i)[1], num_tokens, top_k, pr,
-            from_parts=True), lambda y, pr=programs: {"y_equals_finish_then_down": bool(torch.equal(y, down_flat(
-                hs[0], routes[0][1], w0["down"], w0["shared_down"], num_tokens, top_k, pr)))}))
-    # the whole block: the pairs path against the candidate (router, route, split gate_up, the down from its
-    # partials, combine: five launches, the pairs path's four and the route)
-    def candidate_block(i, num_seg=4):
-        x, w = xs[i], copies[i % num_copies]
-        logits = moe._router(x, w["router_w"], w["shared_gate_w"])
-        ids, weights = moe._route(logits, shape["num_experts"], top_k, torch.int32)
-        part = gate_up_split(x, ids.reshape(-1), w["gate_up"], w["shared_gate_up"], top_k, num_seg, sms)
-        y = down_flat(part, ids.reshape(-1), w["down"], w["shared_down"], num_tokens, top_k, sms, from_parts=True)
-        return moe._combine(y, weights, logits, torch.empty_like(x), shape["num_experts"], True)
-
-    out0 = moe.moe_block(xs[0], **w0, top_k=top_k, path="pairs")
-    rows.append(timed("prod_block_pairs", lambda i: moe.moe_block(xs[i], **copies[i % num_copies], top_k=top_k,
-                                                                  path="pairs")))
-    def pairs_segments(i, num_seg=4):  # the production knob: moe_block's pairs path with GATE_UP_SEGMENTS
-        saved, moe.GATE_UP_SEGMENTS = moe.GATE_UP_SEGMENTS, num_seg
-        try:
-            return moe.moe_block(xs[i], **copies[i % num_copies], top_k=top_k, path="pairs")
-        finally:
-            moe.GATE_UP_SEGMENTS = saved
-
-    rows.append(timed("prod_block_pairs_s4", pairs_segments,
-                      lambda out: {"out_max_abs_diff": float((out.float() - out0.float()).abs().max())}))
-    rows.append(timed("candidate_block_s4", candidate_block,
-                      lambda out: {"out_max_abs_diff": float((out.float() - out0.float()).abs().max()),
-                                   "out_max_abs": float(out0.float().abs().max())}))
+    gbn, gbk, dbn, dbk = moe.GATE_UP_BLOCK_N, moe.GATE_UP_BLOCK_K, moe.DOWN_BLOCK_N, moe.DOWN_BLOCK_K
+    tiles = {"gate_up": ((gbn, gbk), (gbn, 2 * gbk), (gbn // 2, 2 * gbk)), "down": ((dbn, dbk),)}
+    layouts = {}  # (name, bn, bk, tiled) -> per copy (w, ws)
+    for c in copies:
+        for name, key_w, key_ws in (("gate_up", "gate_up", "shared_gate_up"), ("down", "down", "shared_down")):
+            for bn, bk in tiles[name]:
+                layouts.setdefault((name, bn, bk, False), []).append((c[key_w], c[key_ws]))
+                layouts.setdefault((name, bn, bk, True), []).append(
+                    (tile_major(c[key_w], bn, bk), tile_major(c[key_ws][None], bn, bk)[0]))
+    w0 = copies[0]
+    ids0, h0, _ = routes[0]
+    y0 = production_down(h0, ids0, w0["down"], w0["shared_down"], top_k)
+    rows = [timed("prod_gate_up", lambda i: moe._direct_gate_up(
+                xs[i], routes[i][2], copies[i % num_copies]["gate_up"], (copies[i % num_copies]["shared_gate_up"], None),
+                top_k)),  # (it routes as it goes, PAIRS_ROUTE_FIRST off)
+            timed("prod_down_pairs", lambda i: production_down(routes[i][1], routes[i][0], copies[i % num_copies]["down"],
+                                                               copies[i % num_copies]["shared_down"], top_k))]
+    stages_grid = (3,) if tiny else (3, 5)
+    for name, halves in (("gate_up", 2), ("down", 1)):
+        for bn, bk in tiles[name]:
+            for tiled in (False, True):
+                for st in stages_grid:
+                    ws = layouts[(name, bn, bk, tiled)]
+                    rows.append(timed(f"stream_{name}_{'tiled' if tiled else 'canon'}_n{bn}_k{bk}_st{st}",
+                                      lambda i, ws=ws, bn=bn, bk=bk, t=tiled, st=st: stream(
+                                          *ws[i % num_copies], routes[i][0], halves, bn, bk, t, st)))
+    for tiled in (False, True):
+        for st in stages_grid:
+            tag = f"{'tiled' if tiled else 'canon'}_st{st}"
+            gw, dw = layouts[("gate_up", gbn, gbk, tiled)], layouts[("down", dbn, dbk, tiled)]
+            rows.append(timed(f"gate_up_{tag}", lambda i, gw=gw, t=tiled, st=st: gate_up_probe(
+                xs[i], *gw[i % num_copies], routes[i][0], t, st),
+                lambda h: {"h_bit_equal": bool(torch.equal(h, h0[:, :h.shape[1]]))}))
+            rows.append(timed(f"down_{tag}", lambda i, dw=dw, t=tiled, st=st: down_probe(
+                routes[i][1], *dw[i % num_copies], routes[i][0], t, st),
+                lambda y: {"y_bit_equal": bool(torch.equal(y, y0))}))
     nbytes = {"gate_up": (top_k + 1) * 2 * shape["inter"] * shape["hidden"] * dtype.itemsize,
               "down": (top_k + 1) * shape["hidden"] * shape["inter"] * dtype.itemsize}
     tbps = hbm_tbps(device)
     result = {**result_header("triton", device="cpu (interpreted)" if tiny else None), "shape": shape,
-              "num_tokens": num_tokens, "sms": sms, "weight_copies": num_copies, "calls_a_graph": calls,
-              "nbytes": nbytes, "copy_tbps": tbps and round(tbps, 3), "pdl": pdl.active(), "rows": rows}
+              "num_tokens": 1, "weight_copies": num_copies, "calls_a_graph": calls, "nbytes": nbytes,
+              "copy_tbps": tbps and round(tbps, 3), "pdl": pdl.active(), "rows": rows}
     write_result(result, args.out, "moe_decode_variants")
     return 0
 

@@ -137,10 +137,15 @@ for step in $steps; do
              # ROUND_BLAS=cublaslt: torch's other BLAS for the 2-32-row GEMMs)
       timeout 300 python3 benchmarks/round_step.py --preset "${ROUND_PRESET:-qwen3.5-9b}" --batches "${ROUND_BATCHES:-1,2,4,8,16,32}" --profile "${ROUND_PROFILE:-0}" --blas "${ROUND_BLAS:-default}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-400 ;;
     pdl)  # programmatic dependent launch: decode rounds with it off, launched only, and with the L2 prefetches, in one run
-          # a preset (PDL_PRESETS; PDL_PROFILE=10: per kernel)
+          # a preset (PDL_PRESETS; PDL_PROFILE=10: per kernel); PDL_KNOBS: one run a knob setting (MODULE.NAME=VALUE,
+          # space separated; "-" for the defaults), each tagged with the setting
       for m in ${PDL_PRESETS:-qwen3.5-35b-a3b qwen3.5-9b}; do
-        timeout "${PDL_TIMEOUT:-240}" python3 benchmarks/round_step.py --preset $m --batches "${PDL_BATCHES:-1,8}" \
-          --pdl "${PDL_MODES:-off,release,wait}" --pdl-tag "pdl-$m" --profile "${PDL_PROFILE:-0}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-300
+        for knob in ${PDL_KNOBS:--}; do
+          if [ "$knob" = - ]; then set_knob=; tag=pdl-$m; else set_knob="--knob $knob"; tag=pdl-$m-$(echo "${knob##*.}" | tr -d =); fi
+          timeout "${PDL_TIMEOUT:-240}" python3 benchmarks/round_step.py --preset $m --batches "${PDL_BATCHES:-1,8}" \
+            --pdl "${PDL_MODES:-off,release,wait}" $set_knob --profile "${PDL_PROFILE:-0}" --pdl-tag "$tag" --out "$OUT" \
+            2>&1 | grep '^{' | cut -c1-300
+        done
       done ;;
     memory)  # peak device memory of 16k, 64k and 128k prompts read from row 0: the served 9B's turn start, the 0.8B's question
       timeout 400 python3 benchmarks/prompt_memory.py --preset "${MEMORY_PRESET:-qwen3.5-9b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-600 ;;

@@ -15,9 +15,7 @@ Nothing waits on the host and nothing but Triton kernels runs (a CUDA graph hold
              row through down_e, rounded, weighted and summed in fp32 in
              rank order, then the shared expert's, rounded once           _down_combine_kernel
   pairs (small decode batches, PAIRS_MAX_TOKENS; T <= BLOCK_M), four launches: the direct gate_up (or, with
-  PAIRS_ROUTE_FIRST, the route kernel and then a gate_up reading each pair's expert: five; with
-  GATE_UP_SEGMENTS > 1, the route kernel, the split gate_up, its (pair, column tile, K segment) units dealt
-  evenly to the SMs, storing fp32 partials, and h made of them: six), then
+  PAIRS_ROUTE_FIRST, the route kernel and then a gate_up reading each pair's expert: five), then
     down     a program a pair and BN columns (the shared block: one more
              program), y [P, H] at the pair's row, its expert read from
              the ids the gate_up stored                                   _down_kernel, PAIRS
@@ -40,24 +38,21 @@ while the one before it runs, each of its programs waiting for that one before i
 Pairs: routed pair t * k + r, and the shared expert (as expert E, whose weights are shared_gate_up /
 shared_down, its intermediate size may differ) pair T * k + t; h and y are indexed by pair on every path.
 
-Batch invariance (a row's bits never depend on the other rows of the call, nor on T): every tile shape below is
-pinned, not chosen by T, and the same on every path (BLOCK_M rows, the same BN and BK, the same warps); a tile's
-K loop runs from 0 upwards in one program (no split-K, except the gate_up's fixed GATE_UP_SEGMENTS, each summed
-from zero and added in order on every path, in one program or several), whichever program holds the tile (how
-many column tiles a program takes, one after another, is a choice of speed); the k outputs of a token are summed
-in one program in rank order with the same fused multiply-adds on every path; the routing weights come from
-scalar arithmetic in rank order (_top_k), never a sum across lanes, so no launch's lane layout reaches them; no
-atomics. A row's place inside a BLOCK_M tile, and which other rows share the tile, differ between the paths and
-with T. On a GPU that does not change its bits (a tile product's row is that row's dot products; the gpu tests
-check it bit for bit at the real shapes, across T and across the paths). Under Triton's interpreter it would:
-tile products go through numpy's BLAS, whose result for a row depends on its place in the tile; there (ROW_EXACT)
-the kernels multiply by broadcasting and sum over K instead, which is exact per row, so the interpreted tests can
-check invariance, and the paths' equality, bit for bit.
+Batch invariance (a row's bits never depend on the other rows of the call, nor on T): every tile shape below
+is pinned, not chosen by T, and the same on every path (BLOCK_M rows, the same BN and BK, the same warps); a
+tile's K loop runs from 0 upwards in one program (no split-K), whichever program holds the tile (how many
+column tiles a program takes, one after another, is a choice of speed); the k outputs of a token are summed
+in one program in rank order with the same fused multiply-adds on every path; the routing weights come from scalar
+arithmetic in rank order (_top_k), never a sum across lanes, so no launch's lane layout reaches them; no
+atomics. A row's place inside a BLOCK_M tile, and which other rows share the tile, differ between the paths
+and with T. On a GPU that does not change its bits (a tile product's row is that row's dot products; the gpu
+tests check it bit for bit at the real shapes, across T and across the paths). Under Triton's
+interpreter it would: tile products go through numpy's BLAS, whose result for a row depends on its place in
+the tile; there (ROW_EXACT) the kernels multiply by broadcasting and sum over K instead, which is exact per
+row, so the interpreted tests can check invariance, and the paths' equality, bit for bit.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -91,15 +86,6 @@ PAIRS_MAX_TOKENS = 8
 # weight load: one launch fewer), or first, by the route kernel (its programs then only load their pair's
 # expert id). The same bits; not yet measured (moe_block_bench --sweep --knobs PAIRS_ROUTE_FIRST)
 PAIRS_ROUTE_FIRST = False
-# the gate_up's K sum in GATE_UP_SEGMENTS fixed segments of equal length (whole GATE_UP_BLOCK_K steps), each
-# summed from zero, then added in order (0 + s0 + s1 + ...) on every path: the pairs path may then deal one
-# tile's segments to several programs, the (pair, column tile, segment) units spread evenly over the SMs, and
-# still give every path's bits (the other paths do the same sum in one program). 1: one running sum, the bits
-# before the knob. At T = 1 the pairs gate_up's 144 programs on 132 SMs give 12 SMs twice the bytes; not yet
-# measured (benchmarks/moe_decode_variants.py, moe_block_bench --knobs GATE_UP_SEGMENTS)
-GATE_UP_SEGMENTS = 1
-PARTS_PROGRAMS_A_SM = 1  # the split gate_up's programs: this many an SM (its units dealt in contiguous runs)
-PARTS_H_BLOCK_N = 128  # h of the partials: columns a program
 # the route kernel's warps: one warp reduces without a barrier (it changes no bits: the ranks are exact maxima,
 # the weights lane by lane)
 ROUTE_WARPS = 1
@@ -314,47 +300,18 @@ def _pair_rows(ids_ptr, num_tokens, num_experts, TOP_K: tl.constexpr, BM: tl.con
     return e, m_m, pair, token
 
 
-@triton.jit
-def _gate_up_span(x_ptr, p_w, token, m_m, o_n, m_n, k_lo, k_hi, hidden, width, stride_x, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr):
-    """(gate, up) [BM, BN] fp32: the tile's rows through columns o_n of p_w's gate and up, K from k_lo to k_hi in
-    BK steps, summed from zero."""
-    acc_g = tl.zeros((BM, BN), tl.float32)
-    acc_u = tl.zeros((BM, BN), tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
-        o_k = k0 + tl.arange(0, BK)
-        m_k = o_k < hidden
-        b_x = tl.load(x_ptr + token[:, None].to(tl.int64) * stride_x + o_k[None, :],
-                      mask=m_m[:, None] & m_k[None, :], other=0.0)
-        p_g = p_w + o_n[:, None].to(tl.int64) * hidden + o_k[None, :]
-        m_w = m_n[:, None] & m_k[None, :]
-        b_g = tl.load(p_g, mask=m_w, other=0.0)
-        b_u = tl.load(p_g + width.to(tl.int64) * hidden, mask=m_w, other=0.0)
-        acc_g = _dot_acc(acc_g, b_x, b_g, ROW_EXACT, IEEE)
-        acc_u = _dot_acc(acc_u, b_x, b_u, ROW_EXACT, IEEE)
-    return acc_g, acc_u
-
-
-@triton.jit
-def _act(acc_g, acc_u, dt: tl.constexpr):
-    """h of the gate and up sums, the twin's rounding: each projection to dt, silu(gate) to dt, the product."""
-    b_g = acc_g.to(dt).to(tl.float32)
-    b_act = (b_g * tl.sigmoid(b_g)).to(dt)
-    return (b_act.to(tl.float32) * acc_u.to(dt).to(tl.float32)).to(dt)
-
-
 @triton.jit(do_not_specialize=["num_tokens", "num_shared", "cap"])
 def _gate_up_kernel(
     x_ptr, w_ptr, ws_ptr, h_ptr, logits_ptr, ids_ptr, wts_ptr, order_ptr, counts_ptr,
     num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap, stride_x, stride_we, stride_h, stride_l,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr,
     NT: tl.constexpr, DIRECT: tl.constexpr, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    PAIRS: tl.constexpr = 0, SEGS: tl.constexpr = 1,
+    PAIRS: tl.constexpr = 0,
 ):
     """h[pair] = silu(x_t @ gate_e^T) * (x_t @ up_e^T) for a tile's rows, BN columns of each, for NT column
     tiles one after another (each tile's K loop the same as alone: NT changes no bits, only how many programs
     share one finding of the rows); the rows from _direct_rows (DIRECT), _pair_rows (PAIRS: the pairs' experts
-    routed before, in ids_ptr) or _grouped_rows. SEGS > 1: K in SEGS segments (GATE_UP_SEGMENTS)."""
+    routed before, in ids_ptr) or _grouped_rows."""
     pdl.start(PDL)
     if DIRECT:
         e, m_m, pair, token = _direct_rows(logits_ptr, ids_ptr, wts_ptr, num_tokens, num_experts, stride_l, TOP_K,
@@ -378,102 +335,25 @@ def _gate_up_kernel(
         if n0 < width:
             o_n = n0 + tl.arange(0, BN)
             m_n = o_n < width
-            if SEGS == 1:
-                acc_g, acc_u = _gate_up_span(x_ptr, p_w, token, m_m, o_n, m_n, 0, hidden, hidden, width, stride_x,
-                                             BM, BN, BK, ROW_EXACT, IEEE)
-            else:  # 0 + s0 + s1 + ...: the sum _gate_up_parts_kernel's units make apart (_parts_h_kernel)
-                acc_g = tl.zeros((BM, BN), tl.float32)
-                acc_u = tl.zeros((BM, BN), tl.float32)
-                seg = hidden // SEGS
-                for i_s in tl.static_range(SEGS):
-                    g_s, u_s = _gate_up_span(x_ptr, p_w, token, m_m, o_n, m_n, i_s * seg, (i_s + 1) * seg, hidden,
-                                             width, stride_x, BM, BN, BK, ROW_EXACT, IEEE)
-                    acc_g = acc_g + g_s
-                    acc_u = acc_u + u_s
-            tl.store(h_ptr + pair[:, None].to(tl.int64) * stride_h + o_n[None, :], _act(acc_g, acc_u, dt),
+            acc_g = tl.zeros((BM, BN), tl.float32)
+            acc_u = tl.zeros((BM, BN), tl.float32)
+            for k0 in range(0, hidden, BK):
+                o_k = k0 + tl.arange(0, BK)
+                m_k = o_k < hidden
+                b_x = tl.load(x_ptr + token[:, None].to(tl.int64) * stride_x + o_k[None, :],
+                              mask=m_m[:, None] & m_k[None, :], other=0.0)
+                p_g = p_w + o_n[:, None].to(tl.int64) * hidden + o_k[None, :]
+                m_w = m_n[:, None] & m_k[None, :]
+                b_g = tl.load(p_g, mask=m_w, other=0.0)
+                b_u = tl.load(p_g + width.to(tl.int64) * hidden, mask=m_w, other=0.0)
+                acc_g = _dot_acc(acc_g, b_x, b_g, ROW_EXACT, IEEE)
+                acc_u = _dot_acc(acc_u, b_x, b_u, ROW_EXACT, IEEE)
+            # the twin's rounding: each projection to the dtype, silu(gate) to the dtype, then the product
+            b_g = acc_g.to(dt).to(tl.float32)
+            b_act = (b_g * tl.sigmoid(b_g)).to(dt)
+            b_h = b_act.to(tl.float32) * acc_u.to(dt).to(tl.float32)
+            tl.store(h_ptr + pair[:, None].to(tl.int64) * stride_h + o_n[None, :], b_h.to(dt),
                      mask=m_m[:, None] & m_n[None, :])
-
-
-@triton.jit(do_not_specialize=["num_tokens", "num_units", "units_a_program"])
-def _gate_up_parts_kernel(
-    x_ptr, w_ptr, ws_ptr, ids_ptr, part_ptr, num_tokens, num_units, units_a_program, inter, inter_s, hidden,
-    stride_x, stride_we, TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    SEGS: tl.constexpr, N_TILES: tl.constexpr, BP: tl.constexpr, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """The pairs gate_up split (GATE_UP_SEGMENTS): units (pair, column tile, segment), pairs laid out as
-    _pair_rows lays them (T * k routed, each row 0 of its tile; then the shared expert's block of every token),
-    dealt to the programs in contiguous runs of units_a_program; each program one flat loop of K steps over its
-    units (its loads stream from unit to unit). A unit stores its segment's gate and up sums, each from zero
-    (_gate_up_kernel's segments, the same steps), at part [row, segment, 0 or 1, column] (fp32)."""
-    pdl.start(PDL)
-    steps = hidden // SEGS // BK  # a segment's K steps (the wrapper checks that they divide)
-    u0 = tl.program_id(0) * units_a_program
-    u1 = tl.minimum(u0 + units_a_program, num_units)
-    num_routed = num_tokens * TOP_K
-    o_p = tl.arange(0, BP)
-    b_ids = tl.load(ids_ptr + o_p, mask=o_p < num_routed, other=0)  # every pair's expert, ahead of the loop
-    o_m = tl.arange(0, BM)
-    width_p = tl.maximum(inter, inter_s)
-    acc_g = tl.zeros((BM, BN), tl.float32)
-    acc_u = tl.zeros((BM, BN), tl.float32)
-    for i in range(0, (u1 - u0) * steps):
-        unit = u0 + i // steps
-        j = i % steps
-        tile = unit // SEGS
-        i_s = unit % SEGS
-        pair = tile // N_TILES
-        is_shared = pair == num_routed
-        e = tl.sum(tl.where(o_p == pair, b_ids, 0), 0)  # lane `pair` alone: the others add zeros
-        width = tl.where(is_shared, inter_s, inter)
-        o_n = (tile % N_TILES) * BN + tl.arange(0, BN)
-        m_n = o_n < width
-        m_m = o_m < tl.where(is_shared, num_tokens, 1)
-        token = tl.where(is_shared, o_m, pair // TOP_K + o_m * 0)
-        o_k = (i_s * steps + j) * BK + tl.arange(0, BK)
-        b_x = tl.load(x_ptr + token[:, None].to(tl.int64) * stride_x + o_k[None, :], mask=m_m[:, None], other=0.0)
-        p_w = tl.where(is_shared, ws_ptr, w_ptr + e.to(tl.int64) * stride_we)
-        p_g = p_w + o_n[:, None].to(tl.int64) * hidden + o_k[None, :]
-        b_g = tl.load(p_g, mask=m_n[:, None], other=0.0)
-        b_u = tl.load(p_g + width.to(tl.int64) * hidden, mask=m_n[:, None], other=0.0)
-        acc_g = _dot_acc(acc_g, b_x, b_g, ROW_EXACT, IEEE)
-        acc_u = _dot_acc(acc_u, b_x, b_u, ROW_EXACT, IEEE)
-        is_end = (o_m * 0 + j) == steps - 1  # [BM]: the unit's last step
-        row = tl.where(is_shared, num_routed + o_m, pair + o_m * 0)
-        p_part = part_ptr + (row[:, None].to(tl.int64) * SEGS + i_s) * 2 * width_p + o_n[None, :]
-        m_st = (m_m & is_end)[:, None] & m_n[None, :]
-        tl.store(p_part, acc_g, mask=m_st)
-        tl.store(p_part + width_p, acc_u, mask=m_st)
-        acc_g = tl.where(is_end[:, None], 0.0, acc_g)
-        acc_u = tl.where(is_end[:, None], 0.0, acc_u)
-
-
-@triton.jit
-def _h_of_parts(part_ptr, rows, o_k, mask, width_p, SEGS: tl.constexpr, dt: tl.constexpr):
-    """h [BM, BK] at `rows`, columns o_k, of the split gate_up's partials: gate and up each 0 + s0 + s1 + ... in
-    fp32 (_gate_up_kernel's order), then _act: the bits _gate_up_kernel stores."""
-    acc_g = tl.zeros(mask.shape, tl.float32)
-    acc_u = tl.zeros(mask.shape, tl.float32)
-    for i_s in tl.static_range(SEGS):
-        p = part_ptr + (rows[:, None].to(tl.int64) * SEGS + i_s) * 2 * width_p + o_k[None, :]
-        acc_g = acc_g + tl.load(p, mask=mask, other=0.0)
-        acc_u = acc_u + tl.load(p + width_p, mask=mask, other=0.0)
-    return _act(acc_g, acc_u, dt)
-
-
-@triton.jit
-def _parts_h_kernel(part_ptr, h_ptr, num_routed, inter, inter_s, width_p, stride_h, SEGS: tl.constexpr,
-                    BN: tl.constexpr, PDL: tl.constexpr):
-    """h[row] of the split gate_up's partials, a program a row and BN columns (a routed pair's row I wide, a
-    shared row Is): a launch of its own, so that the down reads h as on every path (made of the partials inside
-    the down's K loop, they would take its shared memory: eight fp32 tiles a step)."""
-    pdl.start(PDL)
-    row = tl.program_id(0) + tl.zeros((1,), tl.int32)
-    o_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    width = tl.where(row < num_routed, inter, inter_s)
-    mask = o_n[None, :] < width[:, None]
-    b_h = _h_of_parts(part_ptr, row, o_n, mask, width_p, SEGS, h_ptr.dtype.element_ty)
-    tl.store(h_ptr + row[:, None].to(tl.int64) * stride_h + o_n[None, :], b_h, mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_shared", "cap"])
@@ -702,21 +582,6 @@ def _group(keys: torch.Tensor, num_tokens: int, top_k: int, num_experts: int, ca
     return order, counts
 
 
-def _segments(hidden: int) -> int:
-    """GATE_UP_SEGMENTS, checked against the hidden size: each segment whole GATE_UP_BLOCK_K steps."""
-    segs = GATE_UP_SEGMENTS
-    if not (isinstance(segs, int) and segs >= 1) or hidden % (segs * GATE_UP_BLOCK_K if segs > 1 else 1):
-        raise ValueError(f"GATE_UP_SEGMENTS={segs!r}: expected an integer >= 1 that splits the hidden size {hidden} "
-                         f"into segments of whole GATE_UP_BLOCK_K = {GATE_UP_BLOCK_K} steps")
-    return segs
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    """The device's multiprocessors (4 on the CPU: the interpreter's runs then cross several programs)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def _tiles_a_program(num_tokens: int) -> int:
     """Column tiles a grouped program takes (a choice of speed: the tiles' bits are the same either way)."""
     return WIDE_TILES if num_tokens >= WIDE_MIN_TOKENS else 1
@@ -747,8 +612,7 @@ def _grouped(x, keys, cap, weights, gate_up, down, shared=None, logits=None, fin
     _gate_up_kernel[(max_blocks, triton.cdiv(max(inter, inter_s), GATE_UP_BLOCK_N * tiles))](
         x, gate_up, ws_gate_up, h, x, order, weights, order, counts, num_tokens, num_shared, num_experts, inter,
         inter_s, hidden, cap, x.stride(0), gate_up.stride(0), h.stride(0), 0,
-        BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, BR=triton.next_power_of_2(top_k), DIRECT=False,
-        SEGS=_segments(hidden), **sizes)
+        BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, BR=triton.next_power_of_2(top_k), DIRECT=False, **sizes)
     _down_kernel[(max_blocks, triton.cdiv(hidden, DOWN_BLOCK_N * tiles))](
         h, down, ws_down, y, order, counts, num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap,
         h.stride(0), down.stride(0), y.stride(0), BN=DOWN_BLOCK_N, BK=DOWN_BLOCK_K, PAIRS=False, **sizes)
@@ -791,8 +655,8 @@ def _direct_gate_up(x, logits, gate_up, shared, top_k, route_first: bool = False
         x, gate_up, ws_gate_up, h, logits, ids, weights, ids, ids, num_tokens, num_tokens, num_experts, inter,
         inter_s, hidden, 0, x.stride(0), gate_up.stride(0), h.stride(0), logits.stride(0),
         BM=BLOCK_M, BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, NT=1, DIRECT=not route_first, PAIRS=route_first,
-        SEGS=_segments(hidden), num_stages=DIRECT_GATE_UP_STAGES, **_route_sizes(num_experts, top_k),
-        **_dot_flags(x.dtype), num_warps=NUM_WARPS)
+        num_stages=DIRECT_GATE_UP_STAGES, **_route_sizes(num_experts, top_k), **_dot_flags(x.dtype),
+        num_warps=NUM_WARPS)
     return ids, weights, h
 
 
@@ -811,36 +675,6 @@ def _direct(x, logits, gate_up, down, shared, top_k):
     return out
 
 
-def _gate_up_parts(x, ids, gate_up, ws_gate_up, top_k, segs):
-    """The pairs path's split gate_up (_gate_up_parts_kernel) on x [T <= BLOCK_M, H] and the routed pairs'
-    experts ids [T * k] int32 -> the partials [T * k + T, segs, 2, max(I, Is)] fp32, its units dealt to
-    PARTS_PROGRAMS_A_SM programs an SM."""
-    num_tokens, hidden = x.shape
-    inter, inter_s = gate_up.shape[1] // 2, ws_gate_up.shape[0] // 2
-    width = max(inter, inter_s)
-    num_routed = num_tokens * top_k
-    n_tiles = triton.cdiv(width, GATE_UP_BLOCK_N)
-    num_units = (num_routed + 1) * n_tiles * segs
-    part = torch.empty(num_routed + num_tokens, segs, 2, width, dtype=torch.float32, device=x.device)
-    per = triton.cdiv(num_units, _num_sms(x.device) * PARTS_PROGRAMS_A_SM)
-    _gate_up_parts_kernel[(triton.cdiv(num_units, per),)](
-        x, gate_up, ws_gate_up, ids, part, num_tokens, num_units, per, inter, inter_s, hidden, x.stride(0),
-        gate_up.stride(0), TOP_K=top_k, BM=BLOCK_M, BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, SEGS=segs,
-        N_TILES=n_tiles, BP=triton.next_power_of_2(num_routed + 1), **_dot_flags(x.dtype), num_warps=NUM_WARPS,
-        num_stages=DIRECT_GATE_UP_STAGES)
-    return part
-
-
-def _parts_h(part, num_routed, inter, inter_s, dtype):
-    """h [P, max(I, Is)] in dtype of the split gate_up's partials [P, segs, 2, max(I, Is)] (_parts_h_kernel)."""
-    rows, segs, _, width = part.shape
-    h = torch.empty(rows, width, dtype=dtype, device=part.device)
-    _parts_h_kernel[(rows, triton.cdiv(width, PARTS_H_BLOCK_N))](
-        part, h, num_routed, inter, inter_s, width, h.stride(0), SEGS=segs, BN=PARTS_H_BLOCK_N, num_warps=NUM_WARPS,
-        **pdl.options())
-    return h
-
-
 def _pairs(x, logits, gate_up, down, shared, top_k, finish=None):
     """The pairs path on x [T <= BLOCK_M, H] -> [T, H] (the module docstring); logits [T, E + 1]; finish: as
     _grouped's."""
@@ -848,13 +682,7 @@ def _pairs(x, logits, gate_up, down, shared, top_k, finish=None):
     num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
     ws_down = shared[1]
     inter_s = shared[0].shape[0] // 2
-    segs = _segments(hidden)
-    if segs > 1:  # the split gate_up, on route-first ids (its units need every pair's expert before their loads)
-        ids, weights = (t.reshape(-1) for t in _route(logits, num_experts, top_k, torch.int32))
-        h = _parts_h(_gate_up_parts(x, ids, gate_up, shared[0], top_k, segs), num_tokens * top_k, inter, inter_s,
-                     x.dtype)
-    else:
-        ids, weights, h = _direct_gate_up(x, logits, gate_up, shared, top_k, route_first=PAIRS_ROUTE_FIRST)
+    ids, weights, h = _direct_gate_up(x, logits, gate_up, shared, top_k, route_first=PAIRS_ROUTE_FIRST)
     num_routed = num_tokens * top_k
     y = torch.empty(num_routed + num_tokens, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(num_routed + 1, triton.cdiv(hidden, DOWN_BLOCK_N))](

@@ -223,41 +223,6 @@ def test_the_pairs_path_routed_first_gives_the_same_bits(device, monkeypatch, dt
     assert torch.equal(moe.moe_block(x, **w, top_k=3, path="grouped"), inside)
 
 
-# (the grouped path's segments are the direct path's code: T <= 16 covers both through the paths' equality;
-# the GPU test runs the real shapes at T = 1 .. 512)
-SEGMENT_CASES = {"fp32-T1-S4": (torch.float32, 1, 4), "bf16-T5-S2": (torch.bfloat16, 5, 2)}
-
-
-@pytest.mark.parametrize("dtype,num_tokens,segments", SEGMENT_CASES.values(), ids=SEGMENT_CASES.keys())
-@needs_triton
-def test_gate_up_segments_give_every_path_the_same_bits(device, monkeypatch, rel, dtype, num_tokens, segments):
-    """GATE_UP_SEGMENTS: the gate_up's K sum in fixed segments on every path, the pairs path's split over
-    several programs (_gate_up_parts_kernel; its runs cross pairs and the shared expert's block, wider than the
-    routed experts) and h made of the partials by a launch of its own (_parts_h_kernel): the three paths bit for
-    bit, a row alone as in company, and the twin's values (H = 64 in K steps of 16: four steps, two or four
-    segments)."""
-    monkeypatch.setattr(moe, "GATE_UP_BLOCK_K", 16)
-    monkeypatch.setattr(moe, "GATE_UP_SEGMENTS", segments)
-    w = _weights(dtype=dtype, device=device, inter_s=I_SHARED)
-    x = _tokens(num_tokens, w, 3, seed=29, margin=0.25)
-    grouped = moe.moe_block(x, **w, top_k=3, path="grouped")
-    paths = moe.SMALL_PATHS if num_tokens <= moe.BLOCK_M else ()
-    for path in paths:  # (moe_block's own pick by T is one of these)
-        assert torch.equal(moe.moe_block(x, **w, top_k=3, path=path), grouped), path
-    t = num_tokens - 1
-    assert torch.equal(moe.moe_block(x[t:t + 1], **w, top_k=3), grouped[t:t + 1])
-    assert rel(grouped, moe_naive.moe_block(x, **w, top_k=3)) < (1e-5 if dtype == torch.float32 else 2e-2)
-
-
-@needs_triton
-def test_gate_up_segments_that_do_not_split_the_hidden_size_are_refused(device, monkeypatch):
-    w = _weights(device=device)
-    x = _tokens(2, w, 3)
-    monkeypatch.setattr(moe, "GATE_UP_SEGMENTS", 2)  # H = 64 is one K step of 128: no two segments
-    with pytest.raises(ValueError, match=r"GATE_UP_SEGMENTS=2: .* hidden size 64 .* GATE_UP_BLOCK_K = 128"):
-        moe.moe_block(x, **w, top_k=3)
-
-
 @needs_triton
 def test_experts_with_several_blocks_and_group_steps(device, rel):
     """70 tokens, top-3 of 8 experts: some 26 rows an expert (two blocks each), the shared expert's 70 rows in
@@ -475,18 +440,6 @@ def test_qwen3_5_35b_a3b_shapes_on_the_gpu(rel, monkeypatch):
         for num_tokens in (1, 2, 8):
             assert torch.equal(moe.moe_block(x[7:7 + num_tokens], **w, top_k=top_k, path="pairs"),
                                whole[7:7 + num_tokens]), num_tokens
-    # the gate_up's K in four segments (GATE_UP_SEGMENTS): other bits than one running sum, but every path's and
-    # every T's the same, and the twin's values
-    with monkeypatch.context() as patch:
-        patch.setattr(moe, "GATE_UP_SEGMENTS", 4)
-        split = moe.moe_block(x, **w, top_k=top_k)
-        assert rel(split[same], ref[same]) < 2e-2
-        for num_tokens in (1, 2, 8, 16, 33):
-            got = moe.moe_block(x[7:7 + num_tokens], **w, top_k=top_k)
-            assert torch.equal(got, split[7:7 + num_tokens]), num_tokens
-            if num_tokens <= moe.BLOCK_M:
-                for path in moe.PATHS:
-                    assert torch.equal(moe.moe_block(x[7:7 + num_tokens], **w, top_k=top_k, path=path), got), path
     # the decode step's block inside a graph: nothing waits on the host, the same bits
     for path, rows in (("pairs", 1), ("direct", 2)):
         static_x = x[5:5 + rows].clone()
