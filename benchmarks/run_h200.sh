@@ -65,7 +65,7 @@ for step in $steps; do
         --peer .devcarry/hf_reader_baseline.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-400 ;;
     gaps)  # a graph chunk's kernels against its span and stopwatch (and by name); what PDL saves a boundary; GAPS_PRESET
       timeout 150 python3 benchmarks/graph_gaps.py --preset "${GAPS_PRESET:-qwen3.5-0.8b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-3000 ;;
-    moevariants)  # the T = 1 MoE gate_up and down laid over the SMs other ways (K split, contiguous runs), against the pairs path's
+    moevariants)  # the T = 1 MoE gate_up and down: loads alone and tile products, from the checkpoint's layout and a tile-major one
       timeout 240 python3 benchmarks/moe_decode_variants.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-300 ;;
     ab)  # decode loss of a 9B served model with the 0.8B reader on and off
       timeout 200 python3 benchmarks/shadow_ab.py --served qwen3.5-9b --reader qwen3.5-0.8b --prompt-tokens 16350 \
