@@ -13,6 +13,7 @@ bytes (256 B) with a row's next run 4 KB away, and its tile's rows are 4 KB apar
   columns, K in BK steps) with loads only (each tile summed into fp32 lanes, no products), from the checkpoint's
   layout (canon) or a tile-major copy of it (tiled: each (BN, BK) tile's bytes contiguous, tiles in the order a
   program reads them). Tells what the pattern alone streams at.
+- gemv_gate_up_bytes: the same byte count through the decode GEMV (qse_kernels/gemv.py), one contiguous matrix.
 - gate_up_{canon,tiled}_st{S}, down_{canon,tiled}_st{S}: the pairs path's gate_up and down (the same tile
   products, the same rounding: bit-equal to the production kernels' h and y) reading either layout.
 
@@ -43,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.moe_block_bench import NUM_COPIES, SHAPE_35B, draw_block, hbm_tbps  # noqa: E402
 from benchmarks.results_io import result_header, write_result  # noqa: E402
 from benchmarks.timing import graph_us, kernel_bench_args, wall_us  # noqa: E402
-from qse_kernels import moe, pdl  # noqa: E402
+from qse_kernels import gemv, moe, pdl  # noqa: E402
 
 CALLS = 16
 
@@ -234,6 +235,11 @@ def main(argv=None) -> int:
                     rows.append(timed(f"stream_{name}_{'tiled' if tiled else 'canon'}_n{bn}_k{bk}_st{st}",
                                       lambda i, ws=ws, bn=bn, bk=bk, t=tiled, st=st: stream(
                                           *ws[i % num_copies], routes[i][0], halves, bn, bk, t, st)))
+    # the same bytes as the gate_up's through the decode GEMV (qse_kernels/gemv.py: many short programs, BK
+    # 256): what a plain one-row projection streams them at on this device
+    rows_gu = (top_k + 1) * 2 * shape["inter"]
+    flat = [torch.randn(rows_gu, shape["hidden"], generator=gen, device=device).to(dtype) for _ in range(num_copies)]
+    rows.append(timed("gemv_gate_up_bytes", lambda i: gemv.gemv(xs[i], flat[i % num_copies])))
     for tiled in (False, True):
         for st in stages_grid:
             tag = f"{'tiled' if tiled else 'canon'}_st{st}"
