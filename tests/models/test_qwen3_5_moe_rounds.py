@@ -98,3 +98,41 @@ def test_moe_rounds_give_every_row_the_bits_it_gets_alone(wide_tiles):
     rows = [[token, (token + 1) % SHAPE["vocab_size"]] for _, token in starts]
     verified = rounds.verify(slots, rows)
     assert all(torch.equal(verified[i, 0], together[i]) for i in range(len(starts)))
+
+
+def test_tile_major_experts_read_the_same_logits_and_go_back_for_the_twin(monkeypatch, wide_tiles):
+    """TILE_WEIGHTS with the Triton block: the model lays its experts out tile-major in place (every layer's,
+    the MTP head's too), a prompt and a decode step read the same logits as with the checkpoint's layout, and
+    when the torch twin takes over the weights are the checkpoint's bytes again."""
+    from qse.models.qwen3_5.model import default_ops
+    from qse_kernels import moe
+
+    # whole 128-column tiles; H of two K steps, so that the gate_up's tiles move (one step a row is row-major)
+    shape = presets.tiny_config_dict(num_hidden_layers=2, hidden_size=256, moe_intermediate_size=128,
+                                     shared_expert_intermediate_size=128)
+    cfg = parse_config(shape)
+    ids = torch.tensor(list(range(20, 29)))
+
+    def read(tiles: bool):
+        monkeypatch.setattr(moe, "TILE_WEIGHTS", tiles)
+        # weights of its own (the same bytes): the layout is changed in place
+        model = Qwen35MoeModel(cfg, presets.random_weights(cfg, 7, "cpu", torch.float32), "cpu", torch.float32)
+        engine = Engine(ResolvedModel(model, ChatFormat(None), "tiny-moe", "preset", "qwen3_5_moe", "tiny-moe"),
+                        kernels="triton")
+        cache = engine.new_cache()
+        first, _ = engine.forward(cache, ids)
+        step, _ = engine.forward(cache, ids[:1])
+        return model, first, step
+
+    plain_model, *plain = read(False)
+    canonical = {p: [t.clone() for t in args] for p, args in plain_model.moe_args.items()}
+    assert not plain_model.moe_tiles
+    model, *tiled = read(True)
+    assert model.moe_tiles and len(model.moe_args) == 3  # two layers and the MTP head's
+    assert not torch.equal(model.moe_args["layers.0."][1], canonical["layers.0."][1])  # gate_up
+    assert not torch.equal(model.moe_args["mtp.layers.0."][3], canonical["mtp.layers.0."][3])  # shared gate_up
+    assert all(torch.equal(a, b) for a, b in zip(tiled, plain))
+    model.ops = default_ops()
+    assert not model.moe_tiles
+    for p, args in model.moe_args.items():
+        assert all(torch.equal(a, b) for a, b in zip(args, canonical[p])), p
