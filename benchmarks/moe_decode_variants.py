@@ -10,12 +10,14 @@ What is left is the access pattern: a program's K step reads each of its BN weig
 bytes (256 B) with a row's next run 4 KB away, and its tile's rows are 4 KB apart. The variants:
 
 - stream_{canon,tiled}_n{BN}_k{BK}_st{S}: the gate_up's or the down's tile walk (one program a pair and BN
-  columns, K in BK steps) with loads only (each tile summed into fp32 lanes, no products), from the checkpoint's
-  layout (canon) or a tile-major copy of it (tiled: each (BN, BK) tile's bytes contiguous, tiles in the order a
-  program reads them). Tells what the pattern alone streams at.
+  columns, K in BK steps) with the loads alone (each tile times a constant block: no x loads, no activation,
+  the loads pipelined as the production kernels' are), from the checkpoint's layout (canon) or a tile-major
+  copy of it (tiled: each (BN, BK) tile's bytes contiguous, tiles in the order a program reads them). Tells
+  what the pattern alone streams at.
 - gemv_gate_up_bytes: the same byte count through the decode GEMV (qse_kernels/gemv.py), one contiguous matrix.
-- gate_up_{canon,tiled}_st{S}, down_{canon,tiled}_st{S}: the pairs path's gate_up and down (the same tile
-  products, the same rounding: bit-equal to the production kernels' h and y) reading either layout.
+- gate_up_{canon,tiled}_st{S}, down_{canon,tiled}_st{S}, block_pairs_{canon,tiled}: the production kernels
+  (moe.TILE_WEIGHTS's path: tiles=True on weights laid out by moe.to_tiles_) reading either layout, checked bit
+  for bit against the row-major weights' h, y and block output.
 
 Times are CUDA events over a graph of back-to-back calls rotating among weight copies and inputs (as
 moe_block_bench's); the byte count a call reads is in the result (nbytes), with the device's copy rate.
@@ -50,23 +52,10 @@ CALLS = 16
 
 
 def tile_major(w: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
-    """w [E, R, K] with each (bn, bk) tile's bytes contiguous, tiles row block by row block and K step by K step
-    (the order one program reads them): element (r, k) at ((r // bn) * (K // bk) + k // bk) * bn * bk + (r % bn)
-    * bk + k % bk of its expert, so a tile at (n0, k0) starts at n0 * K + k0 * bn."""
-    num, rows, depth = w.shape
-    return (w.reshape(num, rows // bn, bn, depth // bk, bk).permute(0, 1, 3, 2, 4).contiguous()
-            .reshape(num, rows, depth))
-
-
-@triton.jit
-def _tile_offsets(n0, k0, depth, BN: tl.constexpr, BK: tl.constexpr, TILED: tl.constexpr):
-    """[BN, BK] element offsets of the tile at rows n0.., columns k0.. of a [R, depth] matrix (tile_major's
-    layout when TILED)."""
-    o_r = tl.arange(0, BN)
-    o_c = tl.arange(0, BK)
-    if TILED:
-        return n0 * depth + k0 * BN + o_r[:, None] * BK + o_c[None, :]
-    return (n0 + o_r[:, None]) * depth + k0 + o_c[None, :]
+    """A copy of w [..., R, K] laid out in [bn, bk] tiles (moe.to_tiles_'s layout, at any tile)."""
+    out = w.clone()
+    moe._relayout_(out, bn, bk, True)
+    return out
 
 
 @triton.jit
@@ -81,59 +70,21 @@ def _expert_weights(w_ptr, ws_ptr, ids_ptr, num_routed, stride_we):
 @triton.jit
 def _stream_kernel(w_ptr, ws_ptr, ids_ptr, out_ptr, num_routed, width, depth, stride_we, BN: tl.constexpr,
                    BK: tl.constexpr, HALVES: tl.constexpr, TILED: tl.constexpr):
-    """A pair's BN rows (of each half: gate and up) read in BK steps and summed, no products."""
+    """A pair's BN rows (of each half: gate and up) read in BK steps, each tile multiplied by a constant row
+    block (no x to load, no activation): a tile product, so that Triton pipelines the loads as it does the
+    production kernels' (loads summed elementwise are not pipelined: their latency would be the measure)."""
     p_w = _expert_weights(w_ptr, ws_ptr, ids_ptr, num_routed, stride_we)
     n0 = tl.program_id(1) * BN
-    acc = tl.zeros((BN, BK), tl.float32)
+    ones = tl.full((16, BK), 1.0, w_ptr.dtype.element_ty)
+    acc = tl.zeros((16, BN), tl.float32)
+    every = tl.full((BN,), 1, tl.int1)
     for k0 in range(0, depth, BK):
-        off = _tile_offsets(n0, k0, depth, BN, BK, TILED)
-        acc += tl.load(p_w + off).to(tl.float32)
+        whole = tl.full((BK,), 1, tl.int1)
+        acc = tl.dot(ones, tl.trans(moe._weight_tile(p_w, n0, k0, depth, every, whole, BN, BK, TILED)), acc)
         if HALVES == 2:
-            acc += tl.load(p_w + width * depth + off).to(tl.float32)
+            b_u = moe._weight_tile(p_w + width * depth, n0, k0, depth, every, whole, BN, BK, TILED)
+            acc = tl.dot(ones, tl.trans(b_u), acc)
     tl.store(out_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.sum(tl.sum(acc, 1), 0))
-
-
-@triton.jit
-def _gate_up_probe_kernel(x_ptr, w_ptr, ws_ptr, ids_ptr, h_ptr, num_routed, inter, hidden, stride_we, stride_h,
-                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TILED: tl.constexpr,
-                          ROW_EXACT: tl.constexpr, IEEE: tl.constexpr):
-    """The pairs gate_up at T = 1 (each pair the token's row 0 of its tile), as moe._gate_up_kernel computes it."""
-    p_w = _expert_weights(w_ptr, ws_ptr, ids_ptr, num_routed, stride_we)
-    n0 = tl.program_id(1) * BN
-    o_m = tl.arange(0, BM)
-    acc_g = tl.zeros((BM, BN), tl.float32)
-    acc_u = tl.zeros((BM, BN), tl.float32)
-    for k0 in range(0, hidden, BK):
-        o_k = k0 + tl.arange(0, BK)
-        b_x = tl.load(x_ptr + o_m[:, None] * 0 + o_k[None, :], mask=(o_m == 0)[:, None], other=0.0)
-        off = _tile_offsets(n0, k0, hidden, BN, BK, TILED)
-        acc_g = moe._dot_acc(acc_g, b_x, tl.load(p_w + off), ROW_EXACT, IEEE)
-        acc_u = moe._dot_acc(acc_u, b_x, tl.load(p_w + inter * hidden + off), ROW_EXACT, IEEE)
-    dt = h_ptr.dtype.element_ty
-    b_g = acc_g.to(dt).to(tl.float32)
-    b_act = (b_g * tl.sigmoid(b_g)).to(dt)
-    b_h = b_act.to(tl.float32) * acc_u.to(dt).to(tl.float32)
-    o_n = n0 + tl.arange(0, BN)
-    tl.store(h_ptr + tl.program_id(0) * stride_h + o_m[:, None] * 0 + o_n[None, :], b_h.to(dt),
-             mask=(o_m == 0)[:, None])
-
-
-@triton.jit
-def _down_probe_kernel(h_ptr, w_ptr, ws_ptr, ids_ptr, y_ptr, num_routed, inter, stride_we, stride_h, stride_y,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TILED: tl.constexpr,
-                       ROW_EXACT: tl.constexpr, IEEE: tl.constexpr):
-    """The pairs down at T = 1, as moe._down_kernel computes it: y[pair] = h[pair] @ down_e^T, BN columns."""
-    p_w = _expert_weights(w_ptr, ws_ptr, ids_ptr, num_routed, stride_we)
-    n0 = tl.program_id(1) * BN
-    o_m = tl.arange(0, BM)
-    row = tl.program_id(0) + o_m * 0
-    acc = tl.zeros((BM, BN), tl.float32)
-    for k0 in range(0, inter, BK):
-        o_k = k0 + tl.arange(0, BK)
-        b_h = tl.load(h_ptr + row[:, None] * stride_h + o_k[None, :], mask=(o_m == 0)[:, None], other=0.0)
-        acc = moe._dot_acc(acc, b_h, tl.load(p_w + _tile_offsets(n0, k0, inter, BN, BK, TILED)), ROW_EXACT, IEEE)
-    o_n = n0 + tl.arange(0, BN)
-    tl.store(y_ptr + row[:, None] * stride_y + o_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=(o_m == 0)[:, None])
 
 
 def stream(w, ws, ids, halves, bn, bk, tiled, stages):
@@ -146,37 +97,15 @@ def stream(w, ws, ids, halves, bn, bk, tiled, stages):
     return out
 
 
-def gate_up_probe(x, w, ws, ids, tiled, stages):
-    inter, hidden = w.shape[1] // 2, w.shape[2]
-    h = torch.empty(ids.numel() + 1, inter, dtype=x.dtype, device=x.device)
-    bn, bk = moe.GATE_UP_BLOCK_N, moe.GATE_UP_BLOCK_K
-    flags = moe._dot_flags(x.dtype)
-    _gate_up_probe_kernel[(ids.numel() + 1, inter // bn)](
-        x, w, ws, ids, h, ids.numel(), inter, hidden, w.stride(0), h.stride(0), BM=moe.BLOCK_M, BN=bn, BK=bk,
-        TILED=tiled, ROW_EXACT=flags["ROW_EXACT"], IEEE=flags["IEEE"], num_warps=moe.NUM_WARPS, num_stages=stages)
-    return h
-
-
-def down_probe(h, w, ws, ids, tiled, stages):
-    hidden, inter = w.shape[1], w.shape[2]
-    y = torch.empty(ids.numel() + 1, hidden, dtype=h.dtype, device=h.device)
-    bn, bk = moe.DOWN_BLOCK_N, moe.DOWN_BLOCK_K
-    flags = moe._dot_flags(h.dtype)
-    _down_probe_kernel[(ids.numel() + 1, hidden // bn)](
-        h, w, ws, ids, y, ids.numel(), inter, w.stride(0), h.stride(0), y.stride(0), BM=moe.BLOCK_M, BN=bn, BK=bk,
-        TILED=tiled, ROW_EXACT=flags["ROW_EXACT"], IEEE=flags["IEEE"], num_warps=moe.NUM_WARPS, num_stages=stages)
-    return y
-
-
-def production_down(h, ids, down, ws_down, top_k):
+def production_down(h, ids, down, ws_down, top_k, tiles=False, stages=None):
     """The pairs path's down (moe._pairs) at T = 1, alone."""
     hidden, inter = down.shape[1], down.shape[2]
     y = torch.empty(top_k + 1, hidden, dtype=h.dtype, device=h.device)
     moe._down_kernel[(top_k + 1, triton.cdiv(hidden, moe.DOWN_BLOCK_N))](
         h, down, ws_down, y, ids, ids, 1, 1, down.shape[0], inter, ws_down.shape[1], hidden, 0,
         h.stride(0), down.stride(0), y.stride(0), TOP_K=top_k, BM=moe.BLOCK_M, BN=moe.DOWN_BLOCK_N,
-        BK=moe.DOWN_BLOCK_K, BE=triton.next_power_of_2(down.shape[0]), NT=1, PAIRS=True, **moe._dot_flags(h.dtype),
-        num_warps=moe.NUM_WARPS, num_stages=moe.NUM_STAGES)
+        BK=moe.DOWN_BLOCK_K, BE=triton.next_power_of_2(down.shape[0]), NT=1, PAIRS=True, TILES=tiles,
+        **moe._dot_flags(h.dtype), num_warps=moe.NUM_WARPS, num_stages=stages or moe.NUM_STAGES)
     return y
 
 
@@ -240,16 +169,30 @@ def main(argv=None) -> int:
     rows_gu = (top_k + 1) * 2 * shape["inter"]
     flat = [torch.randn(rows_gu, shape["hidden"], generator=gen, device=device).to(dtype) for _ in range(num_copies)]
     rows.append(timed("gemv_gate_up_bytes", lambda i: gemv.gemv(xs[i], flat[i % num_copies])))
-    for tiled in (False, True):
-        for st in stages_grid:
-            tag = f"{'tiled' if tiled else 'canon'}_st{st}"
-            gw, dw = layouts[("gate_up", gbn, gbk, tiled)], layouts[("down", dbn, dbk, tiled)]
-            rows.append(timed(f"gate_up_{tag}", lambda i, gw=gw, t=tiled, st=st: gate_up_probe(
-                xs[i], *gw[i % num_copies], routes[i][0], t, st),
-                lambda h: {"h_bit_equal": bool(torch.equal(h, h0[:, :h.shape[1]]))}))
-            rows.append(timed(f"down_{tag}", lambda i, dw=dw, t=tiled, st=st: down_probe(
-                routes[i][1], *dw[i % num_copies], routes[i][0], t, st),
-                lambda y: {"y_bit_equal": bool(torch.equal(y, y0))}))
+    # the production kernels (moe.TILE_WEIGHTS's path) on the tile-major copies, the gate_up and the down alone at
+    # two pipeline depths, then the whole pairs block, each against the row-major weights' bits
+    tiled_copies = []
+    for c in copies:
+        t = {k: v.clone() for k, v in c.items()}
+        moe.to_tiles_(t["gate_up"], t["down"], t["shared_gate_up"], t["shared_down"])
+        tiled_copies.append(t)
+    for st in stages_grid:
+        saved, moe.DIRECT_GATE_UP_STAGES = moe.DIRECT_GATE_UP_STAGES, st
+        try:
+            for tag, ws, tiles in (("canon", copies, False), ("tiled", tiled_copies, True)):
+                rows.append(timed(f"gate_up_{tag}_st{st}", lambda i, ws=ws, t=tiles: moe._direct_gate_up(
+                    xs[i], routes[i][2], ws[i % num_copies]["gate_up"], (ws[i % num_copies]["shared_gate_up"], None),
+                    top_k, tiles=t), lambda out: {"h_bit_equal": bool(torch.equal(out[2], h0))}))
+                rows.append(timed(f"down_{tag}_st{st}", lambda i, ws=ws, t=tiles, st=st: production_down(
+                    routes[i][1], routes[i][0], ws[i % num_copies]["down"], ws[i % num_copies]["shared_down"], top_k,
+                    tiles=t, stages=st), lambda y: {"y_bit_equal": bool(torch.equal(y, y0))}))
+        finally:
+            moe.DIRECT_GATE_UP_STAGES = saved
+    out0 = moe.moe_block(xs[0], **w0, top_k=top_k, path="pairs")
+    for tag, ws, tiles in (("canon", copies, False), ("tiled", tiled_copies, True)):
+        rows.append(timed(f"block_pairs_{tag}", lambda i, ws=ws, t=tiles: moe.moe_block(
+            xs[i], **ws[i % num_copies], top_k=top_k, path="pairs", tiles=t),
+            lambda out: {"out_bit_equal": bool(torch.equal(out, out0))}))
     nbytes = {"gate_up": (top_k + 1) * 2 * shape["inter"] * shape["hidden"] * dtype.itemsize,
               "down": (top_k + 1) * shape["hidden"] * shape["inter"] * dtype.itemsize}
     tbps = hbm_tbps(device)
