@@ -576,29 +576,11 @@ def test_pdl_launches_give_the_same_bits_on_the_gpu(monkeypatch):
 
 @needs_triton
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the tiny flow check runs the interpreter on the CPU")
-def test_the_block_benchmark_flow_on_the_cpu(tmp_path):
-    """benchmarks/moe_block_bench.py --tiny at T = 1: every path timed, its bit checks true, the JSON's
-    header; the old block is timed where git has its commit, and says why not elsewhere."""
-    import json
-
-    from benchmarks import moe_block_bench
-
-    assert moe_block_bench.main(["--tiny", "--out", str(tmp_path), "--tokens", "1"]) == 0
-    (path,) = tmp_path.glob("moe_block_bench-*-cpu.json")
-    result = json.loads(path.read_text())
-    assert list(result)[:4] == ["command", "date", "device", "versions"]
-    (row,) = result["rows"]
-    assert row["T"] == 1 and all(f"{name}_us" in row for name in ("new", "new_direct", "new_pairs", "new_grouped"))
-    assert row["all_bit_equal"] and row["rows_bit_equal_alone"] and result["all_bit_equal"]
-    assert row["fastest_new_path"] in moe.PATHS
-    assert ("old_us" in row) != bool(result["old_missing"])
-
-
-@needs_triton
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the tiny flow check runs the interpreter on the CPU")
-def test_the_block_benchmark_sweeps_only_the_knobs_it_is_given(tmp_path, capsys):
-    """--sweep --knobs: only the named knobs, each value timed with its bits against the pinned value's, and
-    the knob put back afterwards; an unknown knob is refused by name before anything is timed."""
+def test_the_block_benchmark_flow_and_its_sweep_on_the_cpu(tmp_path, capsys):
+    """benchmarks/moe_block_bench.py --tiny at T = 1 (one run, the interpreter being slow): every path timed,
+    its bit checks true, the JSON's header; the old block is timed where git has its commit, and says why not
+    elsewhere. --sweep --knobs: only the named knobs, each value timed with its bits against the pinned
+    value's, and the knob put back afterwards; an unknown knob is refused by name before anything is timed."""
     import json
 
     from benchmarks import moe_block_bench
@@ -608,7 +590,14 @@ def test_the_block_benchmark_sweeps_only_the_knobs_it_is_given(tmp_path, capsys)
                                  "--knobs", "NUM_WARPS"]) == 0
     assert moe.NUM_WARPS == before
     (path,) = tmp_path.glob("moe_block_bench-*-cpu.json")
-    sweep = json.loads(path.read_text())["sweep"]
+    result = json.loads(path.read_text())
+    assert list(result)[:4] == ["command", "date", "device", "versions"]
+    (row,) = result["rows"]
+    assert row["T"] == 1 and all(f"{name}_us" in row for name in ("new", "new_direct", "new_pairs", "new_grouped"))
+    assert row["all_bit_equal"] and row["rows_bit_equal_alone"] and result["all_bit_equal"]
+    assert row["fastest_new_path"] in moe.PATHS
+    assert ("old_us" in row) != bool(result["old_missing"])
+    sweep = result["sweep"]
     assert [(entry["knob"], entry["value"]) for entry in sweep] == [("num_warps", 2), ("num_warps", 4),
                                                                     ("num_warps", 8)]
     assert all(entry["bit_equal_t1"] and "us_t1" in entry and "error" not in entry for entry in sweep)
