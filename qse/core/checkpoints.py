@@ -213,18 +213,23 @@ class CheckpointBook:
                 continue
             rows.sort()
             over = rows[: len(rows) - cap]  # the lowest go
-            if kind == PROMPT and self.rules.pin_first and over and not self.positions(FIRST):
+            if kind == PROMPT and self.rules.pin_first and not self.positions(FIRST):
                 self._held[over[0]].add(FIRST)
-            dropped += self._trim(kind, keep=set(rows) - set(over))
+            dropped += self._drop_kind(kind, over)
         take = row if row in self._held and not was_held else None
         return Change(take, tuple(sorted(p for p in dropped if p != row or was_held)), kinds)
 
     def _trim(self, kind: str, keep: set[int]) -> list[int]:
         """`kind` taken from held rows outside `keep`; returns the rows left with no kind (dropped)."""
+        return self._drop_kind(kind, [p for p, kinds in self._held.items() if kind in kinds and p not in keep])
+
+    def _drop_kind(self, kind: str, rows: list[int]) -> list[int]:
+        """`kind` taken from `rows` (each holds it); returns those left with no kind (dropped)."""
         dropped = []
-        for row in [p for p, kinds in self._held.items() if kind in kinds and p not in keep]:
-            self._held[row].discard(kind)
-            if not self._held[row]:
+        for row in rows:
+            kinds = self._held[row]
+            kinds.discard(kind)
+            if not kinds:
                 del self._held[row]
                 dropped.append(row)
         return dropped
