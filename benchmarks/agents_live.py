@@ -230,14 +230,13 @@ def server_figures(before: dict[str, float], after: dict[str, float]) -> dict:
 def _log_events(log_path: Path):
     """The server log's JSON events (a .gz log too)."""
     import gzip
-    import json as _json
 
     opener = gzip.open if str(log_path).endswith(".gz") else open
     with opener(log_path, "rt") as f:
         for line in f:
             if line.startswith("{"):
                 try:
-                    yield _json.loads(line)
+                    yield json.loads(line)
                 except ValueError:
                     continue
 
