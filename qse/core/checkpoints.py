@@ -208,10 +208,9 @@ class CheckpointBook:
             if kind == LADDER:  # (no cap: one a power of two)
                 continue
             cap = getattr(self.rules, kind)
-            rows = [p for p, held in self._held.items() if kind in held]
+            rows = self.positions(kind)
             if len(rows) <= cap:  # none over the cap: nothing to pin or trim (most chunks' ends)
                 continue
-            rows.sort()
             over = rows[: len(rows) - cap]  # the lowest go
             if kind == PROMPT and self.rules.pin_first and not self.positions(FIRST):
                 self._held[over[0]].add(FIRST)
