@@ -17,7 +17,7 @@ bytes (256 B) with a row's next run 4 KB away, and its tile's rows are 4 KB apar
 - gemv_gate_up_bytes: the same byte count through the decode GEMV (qse_kernels/gemv.py), one contiguous matrix.
 - gate_up_{canon,tiled}_st{S}, down_{canon,tiled}_st{S}, block_pairs_{canon,tiled}: the production kernels
   (moe.TILE_WEIGHTS's path: tiles=True on weights laid out by moe.to_tiles_) reading either layout, checked bit
-  for bit against the row-major weights' h, y and block output.
+  for bit against the row-major weights' h, y and block output; canon at stages 3 is today's decode kernels.
 
 Times are CUDA events over a graph of back-to-back calls rotating among weight copies and inputs (as
 moe_block_bench's); the byte count a call reads is in the result (nbytes), with the device's copy rate.
@@ -97,18 +97,6 @@ def stream(w, ws, ids, halves, bn, bk, tiled, stages):
     return out
 
 
-def production_down(h, ids, down, ws_down, top_k, tiles=False, stages=None):
-    """The pairs path's down (moe._pairs) at T = 1, alone."""
-    hidden, inter = down.shape[1], down.shape[2]
-    y = torch.empty(top_k + 1, hidden, dtype=h.dtype, device=h.device)
-    moe._down_kernel[(top_k + 1, triton.cdiv(hidden, moe.DOWN_BLOCK_N))](
-        h, down, ws_down, y, ids, ids, 1, 1, down.shape[0], inter, ws_down.shape[1], hidden, 0,
-        h.stride(0), down.stride(0), y.stride(0), TOP_K=top_k, BM=moe.BLOCK_M, BN=moe.DOWN_BLOCK_N,
-        BK=moe.DOWN_BLOCK_K, BE=triton.next_power_of_2(down.shape[0]), NT=1, PAIRS=True, TILES=tiles,
-        **moe._dot_flags(h.dtype), num_warps=moe.NUM_WARPS, num_stages=stages or moe.NUM_STAGES)
-    return y
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     args, device = kernel_bench_args(p, argv)
@@ -149,12 +137,8 @@ def main(argv=None) -> int:
                     (tile_major(c[key_w], bn, bk), tile_major(c[key_ws][None], bn, bk)[0]))
     w0 = copies[0]
     ids0, h0, _ = routes[0]
-    y0 = production_down(h0, ids0, w0["down"], w0["shared_down"], top_k)
-    rows = [timed("prod_gate_up", lambda i: moe._direct_gate_up(
-                xs[i], routes[i][2], copies[i % num_copies]["gate_up"], (copies[i % num_copies]["shared_gate_up"], None),
-                top_k)),  # (it routes as it goes, PAIRS_ROUTE_FIRST off)
-            timed("prod_down_pairs", lambda i: production_down(routes[i][1], routes[i][0], copies[i % num_copies]["down"],
-                                                               copies[i % num_copies]["shared_down"], top_k))]
+    y0 = moe._pairs_down(h0, ids0, w0["down"], w0["shared_down"], 1, top_k)
+    rows = []
     stages_grid = (3,) if tiny else (3, 5)
     for name, halves in (("gate_up", 2), ("down", 1)):
         for bn, bk in tiles[name]:
@@ -183,9 +167,9 @@ def main(argv=None) -> int:
                 rows.append(timed(f"gate_up_{tag}_st{st}", lambda i, ws=ws, t=tiles: moe._direct_gate_up(
                     xs[i], routes[i][2], ws[i % num_copies]["gate_up"], (ws[i % num_copies]["shared_gate_up"], None),
                     top_k, tiles=t), lambda out: {"h_bit_equal": bool(torch.equal(out[2], h0))}))
-                rows.append(timed(f"down_{tag}_st{st}", lambda i, ws=ws, t=tiles, st=st: production_down(
-                    routes[i][1], routes[i][0], ws[i % num_copies]["down"], ws[i % num_copies]["shared_down"], top_k,
-                    tiles=t, stages=st), lambda y: {"y_bit_equal": bool(torch.equal(y, y0))}))
+                rows.append(timed(f"down_{tag}_st{st}", lambda i, ws=ws, t=tiles, st=st: moe._pairs_down(
+                    routes[i][1], routes[i][0], ws[i % num_copies]["down"], ws[i % num_copies]["shared_down"], 1,
+                    top_k, t, st), lambda y: {"y_bit_equal": bool(torch.equal(y, y0))}))
         finally:
             moe.DIRECT_GATE_UP_STAGES = saved
     out0 = moe.moe_block(xs[0], **w0, top_k=top_k, path="pairs")

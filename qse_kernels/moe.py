@@ -693,21 +693,26 @@ def _direct(x, logits, gate_up, down, shared, top_k, tiles=False):
     return out
 
 
+def _pairs_down(h, ids, down, ws_down, num_tokens, top_k, tiles=False, num_stages=None):
+    """The pairs path's down: y [T * k + T, H] = each pair's row of h through its expert's down (ids [T * k], as
+    _direct_gate_up stored them), then the shared expert's rows (ws_down [H, Is])."""
+    num_experts, hidden, inter = down.shape
+    num_routed = num_tokens * top_k
+    y = torch.empty(num_routed + num_tokens, hidden, dtype=h.dtype, device=h.device)
+    _down_kernel[(num_routed + 1, triton.cdiv(hidden, DOWN_BLOCK_N))](
+        h, down, ws_down, y, ids, ids, num_tokens, num_tokens, num_experts, inter, ws_down.shape[1], hidden, 0,
+        h.stride(0), down.stride(0), y.stride(0), TOP_K=top_k, BM=BLOCK_M, BN=DOWN_BLOCK_N, BK=DOWN_BLOCK_K,
+        BE=triton.next_power_of_2(num_experts), NT=1, PAIRS=True, TILES=tiles, **_dot_flags(h.dtype),
+        num_warps=NUM_WARPS, num_stages=num_stages or NUM_STAGES)
+    return y
+
+
 def _pairs(x, logits, gate_up, down, shared, top_k, finish=None, tiles=False):
     """The pairs path on x [T <= BLOCK_M, H] -> [T, H] (the module docstring); logits [T, E + 1]; finish: as
     _grouped's."""
-    num_tokens, hidden = x.shape
-    num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    ws_down = shared[1]
-    inter_s = shared[0].shape[0] // 2
     ids, weights, h = _direct_gate_up(x, logits, gate_up, shared, top_k, route_first=PAIRS_ROUTE_FIRST, tiles=tiles)
-    num_routed = num_tokens * top_k
-    y = torch.empty(num_routed + num_tokens, hidden, dtype=x.dtype, device=x.device)
-    _down_kernel[(num_routed + 1, triton.cdiv(hidden, DOWN_BLOCK_N))](
-        h, down, ws_down, y, ids, ids, num_tokens, num_tokens, num_experts, inter, inter_s, hidden, 0,
-        h.stride(0), down.stride(0), y.stride(0), TOP_K=top_k, BM=BLOCK_M, BN=DOWN_BLOCK_N, BK=DOWN_BLOCK_K,
-        BE=triton.next_power_of_2(num_experts), NT=1, PAIRS=True, TILES=tiles, **_dot_flags(x.dtype),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    y = _pairs_down(h, ids, down, shared[1], x.shape[0], top_k, tiles)
+    num_experts = gate_up.shape[0]
     if finish is not None:
         return finish(y, weights, logits, num_experts, True)
     return _combine(y, weights, logits, torch.empty_like(x), num_experts, True)
