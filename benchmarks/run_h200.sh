@@ -10,7 +10,7 @@
 # (weka_cc_sessions_dev.csv, hf_reader_baseline.py) and a pytest.ini without the asyncio plugin's
 # options. Results land in $OUT; copy them to benchmarks/results/ and commit.
 #
-#   bash benchmarks/run_h200.sh [tests|gemv|skinny|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abspec|abl|invariant|grammar|rounds|served|cache|load|memory|moves|pcie|sides|agents|spec|speccheck|tail|moeblock|moevariants|moe|pdl ...]   (default: all, ~13 minutes)
+#   bash benchmarks/run_h200.sh [tests|gemv|skinny|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abspec|abl|invariant|grammar|rounds|served|cache|load|memory|moves|pcie|sides|agents|spec|speccheck|tail|moeblock|moe|pdl ...]   (default: all, ~13 minutes)
 #   PRESETS=qwen3.5-0.8b bash benchmarks/run_h200.sh measure                       (measure fewer presets)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -65,8 +65,6 @@ for step in $steps; do
         --peer .devcarry/hf_reader_baseline.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-400 ;;
     gaps)  # a graph chunk's kernels against its span and stopwatch (and by name); what PDL saves a boundary; GAPS_PRESET
       timeout 150 python3 benchmarks/graph_gaps.py --preset "${GAPS_PRESET:-qwen3.5-0.8b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-3000 ;;
-    moevariants)  # the T = 1 MoE gate_up and down: loads alone and tile products, from the checkpoint's layout and a tile-major one
-      timeout 240 python3 benchmarks/moe_decode_variants.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-300 ;;
     ab)  # decode loss of a 9B served model with the 0.8B reader on and off
       timeout 200 python3 benchmarks/shadow_ab.py --served qwen3.5-9b --reader qwen3.5-0.8b --prompt-tokens 16350 \
         --out-tokens 346 --pairs "${PAIRS:-10}" --out "$OUT" 2>&1 | grep '^{' | grep -v '"chunk"\|"run"' | tail -3 ;;

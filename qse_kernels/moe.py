@@ -86,13 +86,6 @@ PAIRS_MAX_TOKENS = 8
 # weight load: one launch fewer), or first, by the route kernel (its programs then only load their pair's
 # expert id). The same bits; not yet measured (moe_block_bench --sweep --knobs PAIRS_ROUTE_FIRST)
 PAIRS_ROUTE_FIRST = False
-# the expert weights tile-major (to_tiles_: each (BN, BK) tile a program loads, contiguous, the tiles in the
-# order a program reads them) where the model lays them out so (qse/models/qwen3_5_moe/model.py reads this when
-# the Triton block is chosen). The same tiles, the same products: the same bits. At T = 1 a K step of the
-# row-major layout reads each of a tile's weight rows in a 256-byte run, rows 4 KB apart, and the decode
-# programs stream at ~2.3 TB/s on the H200 and the H100 alike; benchmarks/moe_decode_variants.py measures
-# whether the tile-major layout streams faster (not yet run: off until it has)
-TILE_WEIGHTS = False
 # the route kernel's warps: one warp reduces without a barrier (it changes no bits: the ranks are exact maxima,
 # the weights lane by lane)
 ROUTE_WARPS = 1
@@ -117,19 +110,6 @@ def _dot_acc(acc, b_a, b_b, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr):
         return tl.dot(b_a, tl.trans(b_b), acc, input_precision="ieee")
     else:
         return tl.dot(b_a, tl.trans(b_b), acc)
-
-
-@triton.jit
-def _weight_tile(p_w, n0, k0, depth, m_n, m_k, BN: tl.constexpr, BK: tl.constexpr, TILES: tl.constexpr):
-    """The [BN, BK] tile at rows n0.., columns k0.. of a [rows, depth] weight at p_w: row-major (the
-    checkpoint's layout; masked at the edges) or, TILES, tile-major (to_tiles_: the tile's bytes contiguous at
-    n0 * depth + k0 * BN; the shapes divide, so nothing is masked)."""
-    o_r = tl.arange(0, BN)
-    o_c = tl.arange(0, BK)
-    if TILES:
-        return tl.load(p_w + n0.to(tl.int64) * depth + k0 * BN + o_r[:, None] * BK + o_c[None, :])
-    return tl.load(p_w + (n0 + o_r)[:, None].to(tl.int64) * depth + (k0 + o_c)[None, :],
-                   mask=m_n[:, None] & m_k[None, :], other=0.0)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -326,7 +306,7 @@ def _gate_up_kernel(
     num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap, stride_x, stride_we, stride_h, stride_l,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr,
     NT: tl.constexpr, DIRECT: tl.constexpr, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    PAIRS: tl.constexpr = 0, TILES: tl.constexpr = False,
+    PAIRS: tl.constexpr = 0,
 ):
     """h[pair] = silu(x_t @ gate_e^T) * (x_t @ up_e^T) for a tile's rows, BN columns of each, for NT column
     tiles one after another (each tile's K loop the same as alone: NT changes no bits, only how many programs
@@ -362,8 +342,10 @@ def _gate_up_kernel(
                 m_k = o_k < hidden
                 b_x = tl.load(x_ptr + token[:, None].to(tl.int64) * stride_x + o_k[None, :],
                               mask=m_m[:, None] & m_k[None, :], other=0.0)
-                b_g = _weight_tile(p_w, n0, k0, hidden, m_n, m_k, BN, BK, TILES)
-                b_u = _weight_tile(p_w + width.to(tl.int64) * hidden, n0, k0, hidden, m_n, m_k, BN, BK, TILES)
+                p_g = p_w + o_n[:, None].to(tl.int64) * hidden + o_k[None, :]
+                m_w = m_n[:, None] & m_k[None, :]
+                b_g = tl.load(p_g, mask=m_w, other=0.0)
+                b_u = tl.load(p_g + width.to(tl.int64) * hidden, mask=m_w, other=0.0)
                 acc_g = _dot_acc(acc_g, b_x, b_g, ROW_EXACT, IEEE)
                 acc_u = _dot_acc(acc_u, b_x, b_u, ROW_EXACT, IEEE)
             # the twin's rounding: each projection to the dtype, silu(gate) to the dtype, then the product
@@ -380,7 +362,6 @@ def _down_kernel(
     num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap, stride_h, stride_we, stride_y,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr,
     NT: tl.constexpr, PAIRS: tl.constexpr, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    TILES: tl.constexpr = False,
 ):
     """y[pair] = h[pair] @ down_e^T for a block's rows, BN of the H columns, for NT column tiles one after
     another (as _gate_up_kernel's); the rows from _pair_rows (PAIRS: order_ptr holds the pairs' experts) or
@@ -410,7 +391,8 @@ def _down_kernel(
                 m_k = o_k < depth
                 b_h = tl.load(h_ptr + pair[:, None].to(tl.int64) * stride_h + o_k[None, :],
                               mask=m_m[:, None] & m_k[None, :], other=0.0)
-                b_w = _weight_tile(p_w, n0, k0, depth, m_n, m_k, BN, BK, TILES)
+                b_w = tl.load(p_w + o_n[:, None].to(tl.int64) * depth + o_k[None, :],
+                              mask=m_n[:, None] & m_k[None, :], other=0.0)
                 acc = _dot_acc(acc, b_h, b_w, ROW_EXACT, IEEE)
             p_y = y_ptr + pair[:, None].to(tl.int64) * stride_y + o_n[None, :]
             tl.store(p_y, acc.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
@@ -476,7 +458,7 @@ def _down_combine_kernel(
     h_ptr, w_ptr, ws_ptr, ids_ptr, wts_ptr, logits_ptr, out_ptr,
     num_tokens, num_experts, inter, inter_s, hidden, stride_h, stride_we, stride_l, stride_out,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
-    ROW_EXACT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, TILES: tl.constexpr = False,
+    ROW_EXACT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Direct, one token and BN columns: its k pairs' rows through their experts' down (row 0 of a BM tile,
     the grouped down's tile), each rounded to the dtype as y is, then weighted and summed in fp32 in rank
@@ -488,8 +470,7 @@ def _down_combine_kernel(
     dt = out_ptr.dtype.element_ty
     o_m = tl.arange(0, BM)
     m_row = o_m == 0
-    n0 = tl.program_id(1) * BN
-    o_n = n0 + tl.arange(0, BN)
+    o_n = tl.program_id(1) * BN + tl.arange(0, BN)
     m_n = o_n < hidden
     num_k = tl.cdiv(inter, BK)
     acc = tl.zeros((BM, BN), tl.float32)
@@ -506,7 +487,8 @@ def _down_combine_kernel(
         m_k = o_k < inter
         b_h = tl.load(h_ptr + (i_t * TOP_K + r) * stride_h + o_m[:, None] * 0 + o_k[None, :],
                       mask=m_row[:, None] & m_k[None, :], other=0.0)
-        b_w = _weight_tile(w_ptr + e.to(tl.int64) * stride_we, n0, k0, inter, m_n, m_k, BN, BK, TILES)
+        b_w = tl.load(w_ptr + e.to(tl.int64) * stride_we + o_n[:, None].to(tl.int64) * inter + o_k[None, :],
+                      mask=m_n[:, None] & m_k[None, :], other=0.0)
         acc = _dot_acc(acc, b_h, b_w, ROW_EXACT, IEEE)
         is_end = k0 + BK >= inter  # the pair's last step: fold it in rank order, start the next one from zero
         b_wt = tl.sum(tl.where(o_r == r, b_wts, 0.0), 0)
@@ -517,7 +499,8 @@ def _down_combine_kernel(
         m_k = o_k < inter_s
         b_h = tl.load(h_ptr + (num_tokens * TOP_K + i_t) * stride_h + o_m[:, None] * 0 + o_k[None, :],
                       mask=m_row[:, None] & m_k[None, :], other=0.0)
-        b_w = _weight_tile(ws_ptr, n0, k0, inter_s, m_n, m_k, BN, BK, TILES)
+        b_w = tl.load(ws_ptr + o_n[:, None].to(tl.int64) * inter_s + o_k[None, :], mask=m_n[:, None] & m_k[None, :],
+                      other=0.0)
         acc = _dot_acc(acc, b_h, b_w, ROW_EXACT, IEEE)
     gate = tl.sigmoid(tl.load(logits_ptr + i_t * stride_l + num_experts).to(tl.float32))
     out = _fold(out, gate, acc.to(dt).to(tl.float32))
@@ -604,11 +587,11 @@ def _tiles_a_program(num_tokens: int) -> int:
     return WIDE_TILES if num_tokens >= WIDE_MIN_TOKENS else 1
 
 
-def _grouped(x, keys, cap, weights, gate_up, down, shared=None, logits=None, finish=None, tiles=False):
+def _grouped(x, keys, cap, weights, gate_up, down, shared=None, logits=None, finish=None):
     """The grouped path's experts on x [T, H] -> [T, H]: keys [T * k] int32 the routed pairs' experts (an
     expert at most cap times), weights [T, k]; with shared = (shared_gate_up, shared_down) the shared expert
     too, its gate logit read from logits[:, E]. finish(y, weights, logits, num_experts, has_shared), where
-    given, takes the combine's place (T >= 1). tiles: the weights are tile-major (to_tiles_)."""
+    given, takes the combine's place (T >= 1)."""
     num_tokens, hidden = x.shape
     num_experts, top_k, inter = gate_up.shape[0], weights.shape[1], gate_up.shape[1] // 2
     out = torch.empty_like(x)
@@ -623,14 +606,14 @@ def _grouped(x, keys, cap, weights, gate_up, down, shared=None, logits=None, fin
     max_blocks = triton.cdiv(num_routed, BLOCK_M) + min(num_experts, num_routed) + triton.cdiv(num_shared, BLOCK_M)
     h = torch.empty(num_routed + num_shared, max(inter, inter_s), dtype=x.dtype, device=x.device)
     y = torch.empty(num_routed + num_shared, hidden, dtype=x.dtype, device=x.device)
-    wide = _tiles_a_program(num_tokens)
-    sizes = dict(TOP_K=top_k, BM=BLOCK_M, BE=triton.next_power_of_2(num_experts), NT=wide, TILES=tiles,
-                 **_dot_flags(x.dtype), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    _gate_up_kernel[(max_blocks, triton.cdiv(max(inter, inter_s), GATE_UP_BLOCK_N * wide))](
+    tiles = _tiles_a_program(num_tokens)
+    sizes = dict(TOP_K=top_k, BM=BLOCK_M, BE=triton.next_power_of_2(num_experts), NT=tiles, **_dot_flags(x.dtype),
+                 num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    _gate_up_kernel[(max_blocks, triton.cdiv(max(inter, inter_s), GATE_UP_BLOCK_N * tiles))](
         x, gate_up, ws_gate_up, h, x, order, weights, order, counts, num_tokens, num_shared, num_experts, inter,
         inter_s, hidden, cap, x.stride(0), gate_up.stride(0), h.stride(0), 0,
         BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, BR=triton.next_power_of_2(top_k), DIRECT=False, **sizes)
-    _down_kernel[(max_blocks, triton.cdiv(hidden, DOWN_BLOCK_N * wide))](
+    _down_kernel[(max_blocks, triton.cdiv(hidden, DOWN_BLOCK_N * tiles))](
         h, down, ws_down, y, order, counts, num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap,
         h.stride(0), down.stride(0), y.stride(0), BN=DOWN_BLOCK_N, BK=DOWN_BLOCK_K, PAIRS=False, **sizes)
     if finish is not None:
@@ -651,7 +634,7 @@ def _combine(y, weights, logits, out, num_experts, has_shared):
     return out
 
 
-def _direct_gate_up(x, logits, gate_up, shared, top_k, route_first: bool = False, tiles: bool = False):
+def _direct_gate_up(x, logits, gate_up, shared, top_k, route_first: bool = False):
     """The direct gate_up on x [T <= BLOCK_M, H] (the module docstring), logits [T, E + 1] -> (ids [T * k]
     int32, weights [T * k] in x's dtype, h [T * k + T, max(I, Is)]): it routes as it goes. route_first (the
     pairs path's PAIRS_ROUTE_FIRST): _route_kernel routes first (a program a token, the same _top_k) and the
@@ -672,28 +655,27 @@ def _direct_gate_up(x, logits, gate_up, shared, top_k, route_first: bool = False
         x, gate_up, ws_gate_up, h, logits, ids, weights, ids, ids, num_tokens, num_tokens, num_experts, inter,
         inter_s, hidden, 0, x.stride(0), gate_up.stride(0), h.stride(0), logits.stride(0),
         BM=BLOCK_M, BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, NT=1, DIRECT=not route_first, PAIRS=route_first,
-        TILES=tiles, num_stages=DIRECT_GATE_UP_STAGES, **_route_sizes(num_experts, top_k), **_dot_flags(x.dtype),
+        num_stages=DIRECT_GATE_UP_STAGES, **_route_sizes(num_experts, top_k), **_dot_flags(x.dtype),
         num_warps=NUM_WARPS)
     return ids, weights, h
 
 
-def _direct(x, logits, gate_up, down, shared, top_k, tiles=False):
+def _direct(x, logits, gate_up, down, shared, top_k):
     """The direct path on x [T <= BLOCK_M, H] -> [T, H] (the module docstring); logits [T, E + 1]."""
     num_tokens, hidden = x.shape
     num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
     ws_down = shared[1]
     inter_s = shared[0].shape[0] // 2
-    ids, weights, h = _direct_gate_up(x, logits, gate_up, shared, top_k, tiles=tiles)
+    ids, weights, h = _direct_gate_up(x, logits, gate_up, shared, top_k)
     out = torch.empty_like(x)
     _down_combine_kernel[(num_tokens, triton.cdiv(hidden, DOWN_BLOCK_N))](
         h, down, ws_down, ids, weights, logits, out, num_tokens, num_experts, inter, inter_s, hidden, h.stride(0),
         down.stride(0), logits.stride(0), out.stride(0), TOP_K=top_k, BM=BLOCK_M, BN=DOWN_BLOCK_N, BK=DOWN_BLOCK_K,
-        BR=triton.next_power_of_2(top_k), TILES=tiles, num_stages=DIRECT_DOWN_STAGES, **_dot_flags(x.dtype),
-        num_warps=NUM_WARPS)
+        BR=triton.next_power_of_2(top_k), num_stages=DIRECT_DOWN_STAGES, **_dot_flags(x.dtype), num_warps=NUM_WARPS)
     return out
 
 
-def _pairs_down(h, ids, down, ws_down, num_tokens, top_k, tiles=False, num_stages=None):
+def _pairs_down(h, ids, down, ws_down, num_tokens, top_k, num_stages=None):
     """The pairs path's down: y [T * k + T, H] = each pair's row of h through its expert's down (ids [T * k], as
     _direct_gate_up stored them), then the shared expert's rows (ws_down [H, Is])."""
     num_experts, hidden, inter = down.shape
@@ -702,16 +684,16 @@ def _pairs_down(h, ids, down, ws_down, num_tokens, top_k, tiles=False, num_stage
     _down_kernel[(num_routed + 1, triton.cdiv(hidden, DOWN_BLOCK_N))](
         h, down, ws_down, y, ids, ids, num_tokens, num_tokens, num_experts, inter, ws_down.shape[1], hidden, 0,
         h.stride(0), down.stride(0), y.stride(0), TOP_K=top_k, BM=BLOCK_M, BN=DOWN_BLOCK_N, BK=DOWN_BLOCK_K,
-        BE=triton.next_power_of_2(num_experts), NT=1, PAIRS=True, TILES=tiles, **_dot_flags(h.dtype),
-        num_warps=NUM_WARPS, num_stages=num_stages or NUM_STAGES)
+        BE=triton.next_power_of_2(num_experts), NT=1, PAIRS=True, **_dot_flags(h.dtype), num_warps=NUM_WARPS,
+        num_stages=num_stages or NUM_STAGES)
     return y
 
 
-def _pairs(x, logits, gate_up, down, shared, top_k, finish=None, tiles=False):
+def _pairs(x, logits, gate_up, down, shared, top_k, finish=None):
     """The pairs path on x [T <= BLOCK_M, H] -> [T, H] (the module docstring); logits [T, E + 1]; finish: as
     _grouped's."""
-    ids, weights, h = _direct_gate_up(x, logits, gate_up, shared, top_k, route_first=PAIRS_ROUTE_FIRST, tiles=tiles)
-    y = _pairs_down(h, ids, down, shared[1], x.shape[0], top_k, tiles)
+    ids, weights, h = _direct_gate_up(x, logits, gate_up, shared, top_k, route_first=PAIRS_ROUTE_FIRST)
+    y = _pairs_down(h, ids, down, shared[1], x.shape[0], top_k)
     num_experts = gate_up.shape[0]
     if finish is not None:
         return finish(y, weights, logits, num_experts, True)
@@ -743,19 +725,18 @@ def path_for(num_tokens: int) -> str:
 
 def moe_block(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
               shared_gate_up: torch.Tensor, shared_down: torch.Tensor, shared_gate_w: torch.Tensor,
-              top_k: int, *, path: str | None = None, tiles: bool = False) -> torch.Tensor:
+              top_k: int, *, path: str | None = None) -> torch.Tensor:
     """As moe_naive.moe_block: Qwen3.5-MoE's sparse MLP block on x [T, H] -> [T, H]; router_w [E, H],
     gate_up [E, 2I, H], down [E, H, I], shared_gate_up [2Is, H], shared_down [H, Is], shared_gate_w [1, H].
     path: "direct" or "pairs" (T <= BLOCK_M), or "grouped"; None picks by T alone (path_for). All give the
-    same bits (the module docstring), so the choice is one of speed. tiles: gate_up, down, shared_gate_up and
-    shared_down are tile-major (to_tiles_), the same bits."""
-    return _block(x, router_w, gate_up, down, shared_gate_up, shared_down, shared_gate_w, top_k, path, tiles=tiles)
+    same bits (the module docstring), so the choice is one of speed."""
+    return _block(x, router_w, gate_up, down, shared_gate_up, shared_down, shared_gate_w, top_k, path)
 
 
 def moe_block_add_rms_norm(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                            shared_gate_up: torch.Tensor, shared_down: torch.Tensor, shared_gate_w: torch.Tensor,
                            top_k: int, residual: torch.Tensor, norm_w: torch.Tensor, eps: float, *,
-                           path: str | None = None, tiles: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                           path: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fused.add_rms_norm(residual, moe_block(x, ...), norm_w, eps) -> (s, y), the same bits, with the block's
     combine and the residual add and norm in one launch (_combine_add_rms_norm_kernel) where the path has a
     combine (pairs, grouped): a decode layer's launch fewer."""
@@ -777,13 +758,12 @@ def moe_block_add_rms_norm(x: torch.Tensor, router_w: torch.Tensor, gate_up: tor
 
     path = path_for(x.shape[0]) if path is None else path
     if path == "direct" or x.shape[0] == 0:  # the direct down combines as it goes: the add and norm after it
-        out = _block(x, router_w, gate_up, down, shared_gate_up, shared_down, shared_gate_w, top_k, path, tiles=tiles)
+        out = _block(x, router_w, gate_up, down, shared_gate_up, shared_down, shared_gate_w, top_k, path)
         return add_rms_norm(residual, out, norm_w, eps)
-    return _block(x, router_w, gate_up, down, shared_gate_up, shared_down, shared_gate_w, top_k, path, finish, tiles)
+    return _block(x, router_w, gate_up, down, shared_gate_up, shared_down, shared_gate_w, top_k, path, finish)
 
 
-def _block(x, router_w, gate_up, down, shared_gate_up, shared_down, shared_gate_w, top_k, path, finish=None,
-           tiles=False):
+def _block(x, router_w, gate_up, down, shared_gate_up, shared_down, shared_gate_w, top_k, path, finish=None):
     """moe_block's checks and launches; finish: as _grouped's (not on the direct path)."""
     _check_experts(x, gate_up, down)
     num_tokens, hidden = x.shape
@@ -800,68 +780,18 @@ def _block(x, router_w, gate_up, down, shared_gate_up, shared_down, shared_gate_
                          f" got {path!r} for {num_tokens} tokens")
     num_experts = gate_up.shape[0]
     _route_sizes(num_experts, top_k)
-    if tiles and not tiles_fit(hidden, gate_up.shape[1] // 2, inter_s):
-        raise ValueError(f"tile-major weights need H = {hidden}, I = {gate_up.shape[1] // 2} and Is = {inter_s} to be "
-                         f"whole tiles: {_TILES_RULE}")
     if num_tokens == 0:
         return torch.empty_like(x)
     shared = tuple(w.contiguous() for w in (shared_gate_up, shared_down))
     x = x if x.stride(-1) == 1 else x.contiguous()
     logits = _router(x, router_w.contiguous(), shared_gate_w.contiguous())  # [T, E + 1]
     if path == "direct":
-        return _direct(x, logits, gate_up, down, shared, top_k, tiles)
+        return _direct(x, logits, gate_up, down, shared, top_k)
     if path == "pairs":
-        return _pairs(x, logits, gate_up, down, shared, top_k, finish, tiles)
+        return _pairs(x, logits, gate_up, down, shared, top_k, finish)
     keys, weights = _route(logits, num_experts, top_k, torch.int32)
-    return _grouped(x, keys.reshape(-1), num_tokens, weights, gate_up, down, shared, logits, finish, tiles)
+    return _grouped(x, keys.reshape(-1), num_tokens, weights, gate_up, down, shared, logits, finish)
 
 
-# ---- tile-major expert weights (TILE_WEIGHTS) -------------------------------------------------------------------
-
-_TILES_RULE = (f"H a multiple of GATE_UP_BLOCK_K = {GATE_UP_BLOCK_K} and of DOWN_BLOCK_N = {DOWN_BLOCK_N}, I and Is "
-               f"multiples of GATE_UP_BLOCK_N = {GATE_UP_BLOCK_N} and of DOWN_BLOCK_K = {DOWN_BLOCK_K}")
-
-
-def tiles_fit(hidden: int, inter: int, inter_s: int) -> bool:
-    """Whether experts of these sizes split into whole tiles (to_tiles_ and the kernels' unmasked loads)."""
-    return (hidden % GATE_UP_BLOCK_K == 0 and hidden % DOWN_BLOCK_N == 0 and inter % GATE_UP_BLOCK_N == 0
-            and inter_s % GATE_UP_BLOCK_N == 0 and inter % DOWN_BLOCK_K == 0 and inter_s % DOWN_BLOCK_K == 0)
-
-
-def _relayout_(w: torch.Tensor, bn: int, bk: int, to_tiles: bool) -> None:
-    """w [..., R, K] in place, one [R, K] matrix at a time (a copy of one matrix at most beside the weights):
-    row-major to tile-major (each [bn, bk] tile's bytes contiguous, tiles by row block then K step) or back."""
-    rows, depth = w.shape[-2:]
-    for m in w.view(-1, rows, depth):
-        shape = (rows // bn, bn, depth // bk, bk) if to_tiles else (rows // bn, depth // bk, bn, bk)
-        m.copy_(m.view(shape).permute(0, 2, 1, 3).contiguous().view(rows, depth))
-
-
-def _relayout_experts_(gate_up, down, shared_gate_up, shared_down, to_tiles: bool) -> None:
-    if not tiles_fit(gate_up.shape[-1], gate_up.shape[-2] // 2, shared_gate_up.shape[-2] // 2):
-        raise ValueError(f"experts of gate_up {tuple(gate_up.shape)} and shared_gate_up {tuple(shared_gate_up.shape)} "
-                         f"are not whole tiles: {_TILES_RULE}")
-    for w in (gate_up, down, shared_gate_up, shared_down):
-        if not w.is_contiguous():
-            raise ValueError(f"expert weights must be contiguous to be laid out in place; got strides {w.stride()}")
-    for w, (bn, bk) in zip((gate_up, shared_gate_up, down, shared_down),
-                           2 * [(GATE_UP_BLOCK_N, GATE_UP_BLOCK_K)] + 2 * [(DOWN_BLOCK_N, DOWN_BLOCK_K)]):
-        _relayout_(w, bn, bk, to_tiles)
-
-
-def to_tiles_(gate_up: torch.Tensor, down: torch.Tensor, shared_gate_up: torch.Tensor,
-              shared_down: torch.Tensor) -> None:
-    """A block's expert weights (moe_block's shapes) laid out tile-major in place, for moe_block(tiles=True):
-    gate_up and shared_gate_up in [GATE_UP_BLOCK_N, GATE_UP_BLOCK_K] tiles, down and shared_down in
-    [DOWN_BLOCK_N, DOWN_BLOCK_K] ones. from_tiles_ undoes it, bit for bit."""
-    _relayout_experts_(gate_up, down, shared_gate_up, shared_down, True)
-
-
-def from_tiles_(gate_up: torch.Tensor, down: torch.Tensor, shared_gate_up: torch.Tensor,
-                shared_down: torch.Tensor) -> None:
-    """to_tiles_ undone: the checkpoint's row-major layout again, in place."""
-    _relayout_experts_(gate_up, down, shared_gate_up, shared_down, False)
-
-
-__all__ = ["PAIRS_MAX_TOKENS", "PATHS", "from_tiles_", "moe_block", "moe_block_add_rms_norm", "moe_experts",
-           "moe_route", "path_for", "router_logits", "tiles_fit", "to_tiles_"]
+__all__ = ["PAIRS_MAX_TOKENS", "PATHS", "moe_block", "moe_block_add_rms_norm", "moe_experts",
+           "moe_route", "path_for", "router_logits"]

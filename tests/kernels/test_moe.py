@@ -210,58 +210,6 @@ def test_the_three_paths_give_the_same_bits(device, dtype, num_tokens):
             assert torch.equal(moe.moe_block(x[t:t + 1], **w, top_k=3), direct[t:t + 1]), t
 
 
-@pytest.fixture
-def small_tiles(monkeypatch):
-    """Tiles that divide the tests' small experts (H 64, I 32, Is 48), several a matrix: the same code, other
-    constexprs (the pinned ones need H, I and Is of whole 128-column steps)."""
-    for name, value in dict(GATE_UP_BLOCK_N=16, GATE_UP_BLOCK_K=32, DOWN_BLOCK_N=32, DOWN_BLOCK_K=16).items():
-        monkeypatch.setattr(moe, name, value)
-
-
-def _experts(w: dict) -> tuple:
-    return w["gate_up"], w["down"], w["shared_gate_up"], w["shared_down"]
-
-
-# each path once on the interpreter (the direct and grouped ones at T = 1, the pairs path beside the add and norm
-# at T = 5; the rows a tile holds do not change which weight tiles it reads); the gpu test runs every path at the
-# real shapes, 1 to 512 rows
-TILE_CASES = {"fp32-T1": (torch.float32, 1, ("direct", "grouped")), "bf16-T5": (torch.bfloat16, 5, ("pairs",))}
-
-
-@pytest.mark.parametrize("dtype,num_tokens,paths", TILE_CASES.values(), ids=TILE_CASES.keys())
-@needs_triton
-def test_tile_major_weights_give_the_same_bits(device, small_tiles, dtype, num_tokens, paths):
-    """TILE_WEIGHTS: the expert weights laid out tile-major in place (to_tiles_), a path reading them with
-    tiles=True gives the row-major weights' bits (the block, and the block with its add and norm), and
-    from_tiles_ gives the checkpoint's bytes back."""
-    w = _weights(dtype=dtype, device=device)
-    x = _tokens(num_tokens, w, 3, seed=31)
-    want = {path: moe.moe_block(x, **w, top_k=3, path=path) for path in paths}
-    residual = _tokens(num_tokens, w, 3, seed=32)
-    norm_w = 1 + 0.1 * _tokens(1, w, 3, seed=33)[0]
-    want_norm = moe.moe_block_add_rms_norm(x, **w, top_k=3, residual=residual, norm_w=norm_w, eps=1e-6)
-    tiled = {k: v.clone() for k, v in w.items()}
-    moe.to_tiles_(*_experts(tiled))
-    assert not any(torch.equal(a, b) for a, b in zip(_experts(tiled), _experts(w)))  # every one moved
-    for path in paths:
-        assert torch.equal(moe.moe_block(x, **tiled, top_k=3, path=path, tiles=True), want[path]), path
-    got = moe.moe_block_add_rms_norm(x, **tiled, top_k=3, residual=residual, norm_w=norm_w, eps=1e-6, tiles=True)
-    assert all(torch.equal(a, b) for a, b in zip(got, want_norm))
-    moe.from_tiles_(*_experts(tiled))
-    assert all(torch.equal(a, b) for a, b in zip(_experts(tiled), _experts(w)))
-
-
-@needs_triton
-def test_tile_major_weights_that_do_not_divide_are_refused(device):
-    """The pinned tiles need H and I of whole 128-column steps: the tests' experts (H 64) are refused by name."""
-    w = _weights(device=device)
-    assert not moe.tiles_fit(H, I, I_SHARED)
-    with pytest.raises(ValueError, match=r"H = 64, I = 32 and Is = 48 to be whole tiles: H a multiple of"):
-        moe.moe_block(_tokens(1, w, 3), **w, top_k=3, tiles=True)
-    with pytest.raises(ValueError, match=r"not whole tiles"):
-        moe.to_tiles_(*_experts(w))
-
-
 @pytest.mark.parametrize("dtype,num_tokens", [(torch.float32, 1), (torch.bfloat16, 5)], ids=["fp32-T1", "bf16-T5"])
 @needs_triton
 def test_the_pairs_path_routed_first_gives_the_same_bits(device, monkeypatch, dtype, num_tokens):
@@ -492,15 +440,6 @@ def test_qwen3_5_35b_a3b_shapes_on_the_gpu(rel, monkeypatch):
         for num_tokens in (1, 2, 8):
             assert torch.equal(moe.moe_block(x[7:7 + num_tokens], **w, top_k=top_k, path="pairs"),
                                whole[7:7 + num_tokens]), num_tokens
-    # tile-major weights (TILE_WEIGHTS): every path the same bits at decode sizes and a chunk
-    tiled = {k: v.clone() for k, v in w.items()}
-    moe.to_tiles_(*_experts(tiled))
-    for num_tokens in (1, 2, 8, 33, 512):
-        paths = moe.PATHS if num_tokens <= moe.BLOCK_M else ("grouped",)
-        for path in paths:
-            got = moe.moe_block(x[:num_tokens], **tiled, top_k=top_k, path=path, tiles=True)
-            assert torch.equal(got, whole[:num_tokens]), (num_tokens, path)
-    del tiled
     # the decode step's block inside a graph: nothing waits on the host, the same bits
     for path, rows in (("pairs", 1), ("direct", 2)):
         static_x = x[5:5 + rows].clone()

@@ -14,9 +14,6 @@ twin's per-expert GEMMs choose their algorithm by row count, like torch's CPU ma
 
 The block comes with the op set: an op set's own `moe_block` where it has one, else the torch twin beside the
 torch twins (default_ops) and the Triton block beside Triton kernels (the engine's triton and invariant sets).
-With the Triton block and qse_kernels.moe.TILE_WEIGHTS set, the experts' weights are laid out tile-major in
-place (moe.to_tiles_: the bytes each kernel program reads contiguous; the same bits) while that block is the
-model's, and back to the checkpoint's layout when another block takes over (`moe_tiles` says which holds).
 
 The MTP head (`mtp_head()`: the dense family's MTPHead, qse/models/qwen3_5/mtp.py) runs its decoder layer's MLP
 through `_mlp(p, h)` like every layer: here the sparse block of the head's own router, experts and shared expert
@@ -25,8 +22,6 @@ through `_mlp(p, h)` like every layer: here the sparse block of the head's own r
 
 from __future__ import annotations
 
-import functools
-import sys
 from types import SimpleNamespace
 
 import torch
@@ -74,10 +69,9 @@ class Qwen35MoeModel(Qwen35Model):
 
     def __init__(self, cfg: MoeTextConfig, weights: LoadedWeights, device: torch.device | str, dtype: torch.dtype,
                  ops: SimpleNamespace | None = None):
-        self.moe_tiles = False  # the experts' weights tile-major (the module docstring)
-        self.moe_args: dict[str, tuple] = {}
         super().__init__(cfg, weights, device, dtype, ops)
         # each layer's block arguments, looked up once (a decode step runs cfg.num_hidden_layers blocks)
+        self.moe_args: dict[str, tuple] = {}
         for p in self._sparse_layers():
             m = p + "mlp."
             self.moe_args[p] = (
@@ -88,7 +82,6 @@ class Qwen35MoeModel(Qwen35Model):
                 self.lin[m + "shared_expert.down_proj.weight"].weight,  # [H, Is]
                 self.w[m + "shared_expert_gate.weight"],  # [1, H]
             )
-        self.ops = self._ops  # the block's layout, now that the weights are known
 
     def _sparse_layers(self) -> list[str]:
         """The prefixes of the layers with a sparse MLP: the model's, then the MTP head's where the weights hold
@@ -105,20 +98,8 @@ class Qwen35MoeModel(Qwen35Model):
     @ops.setter
     def ops(self, ops: SimpleNamespace) -> None:
         self._ops = ops
-        block, add_norm = moe_block_of(ops), moe_block_add_norm_of(ops)
-        moe = sys.modules.get("qse_kernels.moe")  # imported where a Triton block was chosen
-        tiles = bool(moe is not None and block is moe.moe_block and moe.TILE_WEIGHTS and self.moe_args
-                     and moe.tiles_fit(self.cfg.hidden_size, self.cfg.moe_intermediate_size,
-                                       self.cfg.shared_expert_intermediate_size))
-        if tiles != self.moe_tiles:
-            relayout = moe.to_tiles_ if tiles else moe.from_tiles_
-            for _, gate_up, down, shared_gate_up, shared_down, _ in self.moe_args.values():
-                relayout(gate_up, down, shared_gate_up, shared_down)
-            self.moe_tiles = tiles
-        if tiles:
-            block = functools.partial(block, tiles=True)
-            add_norm = add_norm and functools.partial(add_norm, tiles=True)
-        self.moe_block, self.moe_block_add_norm = block, add_norm
+        self.moe_block = moe_block_of(ops)
+        self.moe_block_add_norm = moe_block_add_norm_of(ops)
 
     def _fuse_projections(self) -> None:
         """The dense groups (attention, GDN), then each layer's shared expert's gate and up projections into one
