@@ -34,7 +34,10 @@ def result_header(*packages: str, device: str | None = None) -> dict:
 
 
 def device_tag(device_name: str) -> str:
-    return "h200" if "H200" in device_name else ("cuda" if device_name.startswith("NVIDIA") else "cpu")
+    for chip in ("H200", "H100"):
+        if chip in device_name:
+            return chip.lower()
+    return "cuda" if device_name.startswith("NVIDIA") else "cpu"
 
 
 def write_result(result: dict, out_dir: str | Path, name: str) -> Path:

@@ -10,7 +10,7 @@
 # (weka_cc_sessions_dev.csv, hf_reader_baseline.py) and a pytest.ini without the asyncio plugin's
 # options. Results land in $OUT; copy them to benchmarks/results/ and commit.
 #
-#   bash benchmarks/run_h200.sh [tests|gemv|skinny|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abspec|abl|invariant|grammar|rounds|served|cache|load|memory|moves|pcie|sides|agents|spec|speccheck|tail|moeblock|moe|pdl ...]   (default: all, ~13 minutes)
+#   bash benchmarks/run_h200.sh [tests|gemv|skinny|fp8|attention|attnws|gemm|groups|configs|check|check2b|measure|gaps|ab|abspec|abl|invariant|grammar|rounds|served|cache|load|memory|moves|pcie|sides|agents|spec|speccheck|tail|moeblock|moe|ncu|pdl ...]   (default: all, ~13 minutes)
 #   PRESETS=qwen3.5-0.8b bash benchmarks/run_h200.sh measure                       (measure fewer presets)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -65,6 +65,16 @@ for step in $steps; do
         --peer .devcarry/hf_reader_baseline.py --out "$OUT" 2>&1 | grep '^{' | cut -c1-400 ;;
     gaps)  # a graph chunk's kernels against its span and stopwatch (and by name); what PDL saves a boundary; GAPS_PRESET
       timeout 150 python3 benchmarks/graph_gaps.py --preset "${GAPS_PRESET:-qwen3.5-0.8b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-3000 ;;
+    ncu)  # Nsight Compute's counters of the batch-1 MoE kernels and the decode GEMV (benchmarks/decode_ncu.py; ncu reads
+          # counters on the Firecracker machines only, KINDS.md)
+      stalls=$(printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' long_scoreboard barrier wait \
+        short_scoreboard mio_throttle lg_throttle math_pipe_throttle not_selected selected drain membar sleeping \
+        no_instruction dispatch_stall imc_miss branch_resolving)
+      timeout 300 ncu --clock-control none --nvtx --nvtx-include "probe/" --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section SchedulerStats --metrics "${stalls}dram__bytes_read.sum" --csv --page details \
+        python3 benchmarks/decode_ncu.py > "$OUT/ncu-decode.csv" 2> "$OUT/ncu-decode.err"; tail -3 "$OUT/ncu-decode.err"
+      python3 benchmarks/decode_ncu.py --summarize "$OUT/ncu-decode.csv" --out "$OUT" 2>&1 | cut -c1-600 ;;
     ab)  # decode loss of a 9B served model with the 0.8B reader on and off
       timeout 200 python3 benchmarks/shadow_ab.py --served qwen3.5-9b --reader qwen3.5-0.8b --prompt-tokens 16350 \
         --out-tokens 346 --pairs "${PAIRS:-10}" --out "$OUT" 2>&1 | grep '^{' | grep -v '"chunk"\|"run"' | tail -3 ;;
