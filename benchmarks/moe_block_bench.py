@@ -172,6 +172,7 @@ def sweep_knobs(tiny: bool) -> dict:
              "GROUP_WIDE_BLOCK_T": ((64, 128, 256, 512), "new_grouped", (17,) if tiny else (4096,)),
              "pdl.ON": ((False, True), "new", (1,) if tiny else (1, 2, 4, 8, 32, 512)),
              "PAIRS_ROUTE_FIRST": ((False, True), "new_pairs", (1,) if tiny else (1, 2, 4, 8)),
+             "GATE_UP_ONE_DOT": ((False, True), "new_pairs", (1,) if tiny else (1, 2, 4, 8)),
              # tile shapes: pinned for batch invariance, but a row's dot products may keep their bits across them
              # (the K loop's order is the same); bit_equal says whether they do on this device
              "ROUTER_BLOCK_K": ((128, 256, 512, 1024), "new_pairs", (1,) if tiny else SWEEP_TOKENS),
