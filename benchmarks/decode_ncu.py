@@ -7,8 +7,11 @@ be profiled; the ones before it compile and warm.
 
     ncu --nvtx --nvtx-include "probe/" --section SpeedOfLight ... --csv --page details \
         python benchmarks/decode_ncu.py > ncu.csv                        (run_h200.sh's `ncu` step)
-    python benchmarks/decode_ncu.py --summarize ncu.csv --out DIR        (the kernels' figures as JSON)
+    python benchmarks/decode_ncu.py --summarize ncu.csv --out DIR        (the kernels' figures: DIR/ncu-<date>-<device>.json)
     python benchmarks/decode_ncu.py --tiny                               (CPU, interpreted: the flow only)
+
+--knob MODULE.NAME=VALUE (repeatable, as round_step.py's): a qse_kernels constant set before the launches, so a
+variant's counters can be read beside the defaults' (run the probe once for each).
 """
 
 from __future__ import annotations
@@ -93,19 +96,27 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--summarize", type=Path)
     p.add_argument("--out", type=Path)
+    p.add_argument("--knob", action="append", default=[], metavar="MODULE.NAME=VALUE")
     args = p.parse_args()
     if args.summarize is None:
         if args.tiny:
             os.environ.setdefault("TRITON_INTERPRET", "1")
+        from benchmarks.round_step import set_knob
+
+        for knob in args.knob:
+            set_knob(knob)
         probe(args.tiny)
         return
     from benchmarks.results_io import result_header, write_result
 
     launches = summarize(args.summarize)
-    for entry in launches:
-        print(json.dumps(entry)[:400])
+    short = {"Duration (ns)": "ns", "DRAM Throughput (%)": "dram%", "Active Warps Per Scheduler (warp)": "warps",
+             "Warp Cycles Per Issued Instruction (cycle)": "cpi", "Grid Size": "grid"}
+    for entry in launches:  # one line a launch; the JSON keeps every figure
+        print(json.dumps({"kernel": entry["kernel"][:24], **{v: entry.get(k) for k, v in short.items()}}))
     if args.out is not None:
-        write_result({**result_header(), "ncu_csv": args.summarize.name, "launches": launches}, args.out, "decode_ncu")
+        write_result({**result_header(), "ncu_csv": args.summarize.name, "launches": launches}, args.out,
+                     args.summarize.stem)  # the CSV's name: one JSON a probe
 
 
 if __name__ == "__main__":

@@ -66,15 +66,19 @@ for step in $steps; do
     gaps)  # a graph chunk's kernels against its span and stopwatch (and by name); what PDL saves a boundary; GAPS_PRESET
       timeout 150 python3 benchmarks/graph_gaps.py --preset "${GAPS_PRESET:-qwen3.5-0.8b}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-3000 ;;
     ncu)  # Nsight Compute's counters of the batch-1 MoE kernels and the decode GEMV (benchmarks/decode_ncu.py; ncu reads
-          # counters on the Firecracker machines only, KINDS.md)
+          # counters on the Firecracker machines only, KINDS.md); NCU_KNOBS: one probe a knob setting, as PDL_KNOBS
       stalls=$(printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' long_scoreboard barrier wait \
         short_scoreboard mio_throttle lg_throttle math_pipe_throttle not_selected selected drain membar sleeping \
         no_instruction dispatch_stall imc_miss branch_resolving)
-      timeout 300 ncu --clock-control none --nvtx --nvtx-include "probe/" --section SpeedOfLight \
-        --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
-        --section SchedulerStats --metrics "${stalls}dram__bytes_read.sum" --csv --page details \
-        python3 benchmarks/decode_ncu.py > "$OUT/ncu-decode.csv" 2> "$OUT/ncu-decode.err"; tail -3 "$OUT/ncu-decode.err"
-      python3 benchmarks/decode_ncu.py --summarize "$OUT/ncu-decode.csv" --out "$OUT" 2>&1 | cut -c1-600 ;;
+      for knob in ${NCU_KNOBS:--}; do
+        if [ "$knob" = - ]; then set_knob=; tag=ncu-decode
+        else set_knob="--knob ${knob//,/ --knob }"; tag=ncu-decode-$(echo "$knob" | sed 's/[a-z_0-9]*\.//g' | tr -d '=,'); fi
+        timeout 300 ncu --clock-control none --nvtx --nvtx-include "probe/" --section SpeedOfLight \
+          --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
+          --section SchedulerStats --metrics "${stalls}dram__bytes_read.sum" --csv --page details \
+          python3 benchmarks/decode_ncu.py $set_knob > "$OUT/$tag.csv" 2> "$OUT/$tag.err"; tail -3 "$OUT/$tag.err"
+        python3 benchmarks/decode_ncu.py --summarize "$OUT/$tag.csv" --out "$OUT" 2>&1 | cut -c1-300
+      done ;;
     ab)  # decode loss of a 9B served model with the 0.8B reader on and off
       timeout 200 python3 benchmarks/shadow_ab.py --served qwen3.5-9b --reader qwen3.5-0.8b --prompt-tokens 16350 \
         --out-tokens 346 --pairs "${PAIRS:-10}" --out "$OUT" 2>&1 | grep '^{' | grep -v '"chunk"\|"run"' | tail -3 ;;
@@ -146,10 +150,11 @@ for step in $steps; do
       timeout 300 python3 benchmarks/round_step.py --preset "${ROUND_PRESET:-qwen3.5-9b}" --batches "${ROUND_BATCHES:-1,2,4,8,16,32}" --profile "${ROUND_PROFILE:-0}" --blas "${ROUND_BLAS:-default}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-400 ;;
     pdl)  # programmatic dependent launch: decode rounds with it off, launched only, and with the L2 prefetches, in one run
           # a preset (PDL_PRESETS; PDL_PROFILE=10: per kernel); PDL_KNOBS: one run a knob setting (MODULE.NAME=VALUE,
-          # space separated; "-" for the defaults), each tagged with the setting
+          # space separated, a comma joining knobs set together; "-" for the defaults), each tagged with the setting
       for m in ${PDL_PRESETS:-qwen3.5-35b-a3b qwen3.5-9b}; do
         for knob in ${PDL_KNOBS:--}; do
-          if [ "$knob" = - ]; then set_knob=; tag=pdl-$m; else set_knob="--knob $knob"; tag=pdl-$m-$(echo "${knob##*.}" | tr -d =); fi
+          if [ "$knob" = - ]; then set_knob=; tag=pdl-$m
+          else set_knob="--knob ${knob//,/ --knob }"; tag=pdl-$m-$(echo "$knob" | sed 's/[a-z_0-9]*\.//g' | tr -d '=,'); fi
           timeout "${PDL_TIMEOUT:-240}" python3 benchmarks/round_step.py --preset $m --batches "${PDL_BATCHES:-1,8}" \
             --pdl "${PDL_MODES:-off,release,wait}" $set_knob --profile "${PDL_PROFILE:-0}" --pdl-tag "$tag" --out "$OUT" \
             2>&1 | grep '^{' | cut -c1-300
