@@ -74,6 +74,12 @@ NUM_WARPS, NUM_STAGES = 4, 3
 # the direct down read its ids and weights ahead of its K loop, Triton's pipeliner kept only 2 of its 6 stages
 # in flight, behind the expert id's load, with a plain load of the weight in every step; now 5.)
 ROUTER_STAGES = 4
+# the router's K in ROUTER_SPLIT_K fixed slices, each a program of its own writing its fp32 partial tile, added in
+# slice order by whichever of a tile's programs ends last (an atomic count picks that program, never the order):
+# the same sum for every T, so invariant, but other bits than 1 (one K loop of 2,048 a program). At T = 1 the
+# router is 17 programs, each a chain of 128 dependent tile products (Nsight Compute on the H100: 8.4 us, 1 warp
+# a scheduler, 5.3 cycles an instruction and almost no wait on memory): the split shortens the chain
+ROUTER_SPLIT_K = 1
 DIRECT_DOWN_STAGES = 6
 DIRECT_GATE_UP_STAGES = 3  # the direct gate_up (direct and pairs paths): (k + 1) * I / GATE_UP_BLOCK_N programs
 # the pairs path for 1..PAIRS_MAX_TOKENS tokens, the grouped one past them; the direct path only when asked (all
@@ -121,12 +127,14 @@ def _dot_acc(acc, b_a, b_b, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _dense_kernel(
-    x_ptr, w_ptr, w_last_ptr, y_ptr, num_rows, num_cols, depth, stride_x, stride_w, stride_y,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_LAST: tl.constexpr, ROW_EXACT: tl.constexpr,
-    IEEE: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, w_ptr, w_last_ptr, y_ptr, parts_ptr, counts_ptr, num_rows, num_cols, depth, stride_x, stride_w,
+    stride_y, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_LAST: tl.constexpr, SPLIT: tl.constexpr,
+    ROW_EXACT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """y [M, N (+1)] = x [M, K] @ w [N, K]^T, one BM x BN tile a program (the router's logits); with HAS_LAST
-    one more column N from w_last [1, K] (the shared gate's logit)."""
+    one more column N from w_last [1, K] (the shared gate's logit). SPLIT > 1: program_id(2) is the tile's
+    slice of K (ROUTER_SPLIT_K), its fp32 partial stored in parts_ptr; the tile's last program to count itself
+    in counts_ptr (zero between launches: that program sets it back) adds the SPLIT partials in slice order."""
     pdl.start(PDL)
     o_m = tl.program_id(0) * BM + tl.arange(0, BM)
     o_n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -135,8 +143,13 @@ def _dense_kernel(
         is_last = o_n == num_cols
     else:
         is_last = o_n < 0
+    k_lo, k_hi = 0, depth
+    if SPLIT > 1:
+        k_slice = tl.cdiv(tl.cdiv(depth, SPLIT), BK) * BK
+        k_lo = tl.program_id(2) * k_slice
+        k_hi = tl.minimum(depth, k_lo + k_slice)
     acc = tl.zeros((BM, BN), tl.float32)
-    for k0 in range(0, depth, BK):
+    for k0 in range(k_lo, k_hi, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = o_k < depth
         b_x = tl.load(x_ptr + o_m[:, None].to(tl.int64) * stride_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
@@ -151,7 +164,20 @@ def _dense_kernel(
             b_w = tl.where(is_last[:, None], b_last, b_w)
         acc = _dot_acc(acc, b_x, b_w, ROW_EXACT, IEEE)
     p_y = y_ptr + o_m[:, None].to(tl.int64) * stride_y + o_n[None, :]
-    tl.store(p_y, acc.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & (m_n | is_last)[None, :])
+    if SPLIT > 1:
+        i_tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        o_tile = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+        p_parts = parts_ptr + i_tile.to(tl.int64) * (SPLIT * BM * BN) + o_tile
+        tl.store(p_parts + tl.program_id(2) * (BM * BN), acc)
+        tl.debug_barrier()  # every thread's partial stored before the count releases them
+        if tl.atomic_add(counts_ptr + i_tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            acc = tl.load(p_parts, cache_modifier=".cg")
+            for i_s in tl.static_range(1, SPLIT):
+                acc = acc + tl.load(p_parts + i_s * (BM * BN), cache_modifier=".cg")
+            tl.store(p_y, acc.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & (m_n | is_last)[None, :])
+            tl.atomic_xchg(counts_ptr + i_tile, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+    else:
+        tl.store(p_y, acc.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & (m_n | is_last)[None, :])
 
 
 @triton.jit
@@ -543,12 +569,35 @@ def _router(x: torch.Tensor, router_w: torch.Tensor, gate_w: torch.Tensor | None
     has_last = gate_w is not None
     logits = torch.empty(num_tokens, num_experts + has_last, dtype=x.dtype, device=x.device)
     if num_tokens:
-        grid = (triton.cdiv(num_tokens, BLOCK_M), triton.cdiv(num_experts + has_last, ROUTER_BLOCK_N))
-        _dense_kernel[grid](x, router_w, gate_w if has_last else router_w, logits, num_tokens, num_experts, hidden,
-                            x.stride(0), router_w.stride(0), logits.stride(0), BM=BLOCK_M, BN=ROUTER_BLOCK_N,
-                            BK=ROUTER_BLOCK_K, HAS_LAST=has_last, **_dot_flags(x.dtype), num_warps=NUM_WARPS,
-                            num_stages=ROUTER_STAGES)
+        split = ROUTER_SPLIT_K
+        grid = (triton.cdiv(num_tokens, BLOCK_M), triton.cdiv(num_experts + has_last, ROUTER_BLOCK_N), split)
+        num_tiles = grid[0] * grid[1]
+        parts = torch.empty(num_tiles * split * BLOCK_M * ROUTER_BLOCK_N if split > 1 else 1, dtype=torch.float32,
+                            device=x.device)
+        counts = _tile_counts(x.device, num_tiles) if split > 1 else parts
+        _dense_kernel[grid](x, router_w, gate_w if has_last else router_w, logits, parts, counts, num_tokens,
+                            num_experts, hidden, x.stride(0), router_w.stride(0), logits.stride(0), BM=BLOCK_M,
+                            BN=ROUTER_BLOCK_N, BK=ROUTER_BLOCK_K, HAS_LAST=has_last, SPLIT=split,
+                            **_dot_flags(x.dtype), num_warps=NUM_WARPS, num_stages=ROUTER_STAGES)
     return logits
+
+
+_COUNTS: dict[tuple, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown counters stay allocated: a CUDA graph may still hold their address
+
+
+def _tile_counts(device: torch.device, num_tiles: int) -> torch.Tensor:
+    """The split router's per-tile counters for launches on the current stream of this device, zero between
+    launches (each tile's last program sets its counter back). Launches on one stream never overlap, and each
+    stream (a graph's: its capture stream) has its own set, so no two running launches share a counter."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    counts = _COUNTS.get(key)
+    if counts is None or counts.numel() < num_tiles:
+        if counts is not None:
+            _RETIRED.append(counts)
+        counts = torch.zeros(max(num_tiles, 4096), dtype=torch.int32, device=device)
+        _COUNTS[key] = counts
+    return counts
 
 
 def router_logits(x: torch.Tensor, router_w: torch.Tensor) -> torch.Tensor:

@@ -234,6 +234,29 @@ def test_the_small_paths_knobs_give_the_same_bits(device, monkeypatch, knob, dty
     assert all(torch.equal(a, b) for a, b in zip(got, fused))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@needs_triton
+def test_the_split_router_adds_its_slices_in_order(device, monkeypatch, rel, dtype):
+    """ROUTER_SPLIT_K: the router's K in fixed slices, added in slice order by each tile's last program. Its
+    logits against the twin; a row's bits the same alone and among 20 rows (two row tiles); the tile counters
+    zero again after every launch; and the three paths of the block on it bit for bit."""
+    monkeypatch.setattr(moe, "ROUTER_SPLIT_K", 4)
+    monkeypatch.setattr(moe, "ROUTER_BLOCK_K", 16)  # H = 64: four slices of one K step each
+    w = _weights(dtype=dtype, device=device, inter_s=I_SHARED)
+    x = _tokens(20, w, 3, seed=31)
+    gate = torch.cat([w["router_w"], w["shared_gate_w"]])
+    logits = moe._router(x, w["router_w"], w["shared_gate_w"])
+    assert rel(logits.float(), x.float() @ gate.float().T) < (1e-5 if dtype == torch.float32 else 1e-2)
+    for t in (0, 17):
+        assert torch.equal(moe._router(x[t:t + 1], w["router_w"], w["shared_gate_w"]), logits[t:t + 1]), t
+    assert not any(counts.any() for counts in moe._COUNTS.values())
+    part = x[:5]
+    grouped = moe.moe_block(part, **w, top_k=3, path="grouped")
+    for path in moe.SMALL_PATHS:
+        assert torch.equal(moe.moe_block(part, **w, top_k=3, path=path), grouped), path
+    assert torch.equal(moe.moe_block(x, **w, top_k=3)[:5], grouped)
+
+
 @needs_triton
 def test_experts_with_several_blocks_and_group_steps(device, rel):
     """70 tokens, top-3 of 8 experts: some 26 rows an expert (two blocks each), the shared expert's 70 rows in
@@ -454,6 +477,17 @@ def test_qwen3_5_35b_a3b_shapes_on_the_gpu(rel, monkeypatch):
                 for path in paths:
                     assert torch.equal(moe.moe_block(x[7:7 + num_tokens], **w, top_k=top_k, path=path),
                                        whole[7:7 + num_tokens]), (knob, path, num_tokens)
+    # the router split in K (ROUTER_SPLIT_K): other bits than one K loop, but a row's the same at every T and on
+    # every path, and its tile counters zero after each launch
+    with monkeypatch.context() as patch:
+        patch.setattr(moe, "ROUTER_SPLIT_K", 8)
+        split = moe.moe_block(x, **w, top_k=top_k)
+        assert rel(split[same], ref[same]) < 2e-2
+        for num_tokens in (1, 2, 8, 16, 33):
+            for path in (moe.SMALL_PATHS if num_tokens <= moe.BLOCK_M else ()) + ("grouped",):
+                assert torch.equal(moe.moe_block(x[7:7 + num_tokens], **w, top_k=top_k, path=path),
+                                   split[7:7 + num_tokens]), (num_tokens, path)
+        assert not any(counts.any() for counts in moe._COUNTS.values())
     # the decode step's block inside a graph: nothing waits on the host, the same bits
     for path, rows in (("pairs", 1), ("direct", 2)):
         static_x = x[5:5 + rows].clone()
