@@ -172,7 +172,6 @@ def sweep_knobs(tiny: bool) -> dict:
              "GROUP_WIDE_BLOCK_T": ((64, 128, 256, 512), "new_grouped", (17,) if tiny else (4096,)),
              "pdl.ON": ((False, True), "new", (1,) if tiny else (1, 2, 4, 8, 32, 512)),
              "PAIRS_ROUTE_FIRST": ((False, True), "new_pairs", (1,) if tiny else (1, 2, 4, 8)),
-             "GATE_UP_ONE_DOT": ((False, True), "new_pairs", (1,) if tiny else (1, 2, 4, 8)),
              # the router's K in slices: other bits than 1 (bit_equal False there is expected), invariant in T
              "ROUTER_SPLIT_K": ((1, 2, 4, 8), "new", (1,) if tiny else (1, 2, 8, 512)),
              # tile shapes: pinned for batch invariance, but a row's dot products may keep their bits across them

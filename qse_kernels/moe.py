@@ -92,13 +92,6 @@ PAIRS_MAX_TOKENS = 8
 # weight load: one launch fewer), or first, by the route kernel (its programs then only load their pair's
 # expert id). The same bits; not yet measured (moe_block_bench --sweep --knobs PAIRS_ROUTE_FIRST)
 PAIRS_ROUTE_FIRST = False
-# the direct gate_up (direct and pairs paths) as one dot: a tile's gate rows and up rows one [2 BN, BK] operand,
-# over ONE_DOT_WARPS warps, so each warp carries one accumulator's chain instead of two. Each output's products
-# and their order are the same, so the same bits. At T = 1 the gate_up has one program an SM (144 on 132 SMs)
-# and its warps wait on their own instructions (Nsight Compute on the H100: 1.1 warps a scheduler, 11.7 cycles
-# an issued instruction; ncu-decode-2026-12-07-h100.csv.gz): twice the warps, half the chain each
-GATE_UP_ONE_DOT = False
-ONE_DOT_WARPS = 8
 # the route kernel's warps: one warp reduces without a barrier (it changes no bits: the ranks are exact maxima,
 # the weights lane by lane)
 ROUTE_WARPS = 1
@@ -339,13 +332,12 @@ def _gate_up_kernel(
     num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap, stride_x, stride_we, stride_h, stride_l,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr,
     NT: tl.constexpr, DIRECT: tl.constexpr, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    PAIRS: tl.constexpr = 0, ONE_DOT: tl.constexpr = False,
+    PAIRS: tl.constexpr = 0,
 ):
     """h[pair] = silu(x_t @ gate_e^T) * (x_t @ up_e^T) for a tile's rows, BN columns of each, for NT column
     tiles one after another (each tile's K loop the same as alone: NT changes no bits, only how many programs
     share one finding of the rows); the rows from _direct_rows (DIRECT), _pair_rows (PAIRS: the pairs' experts
-    routed before, in ids_ptr) or _grouped_rows. ONE_DOT: the gate's and the up's BN rows as one [2 BN, BK]
-    operand of one dot, split apart after the K loop (GATE_UP_ONE_DOT)."""
+    routed before, in ids_ptr) or _grouped_rows."""
     pdl.start(PDL)
     if DIRECT:
         e, m_m, pair, token = _direct_rows(logits_ptr, ids_ptr, wts_ptr, num_tokens, num_experts, stride_l, TOP_K,
@@ -369,34 +361,19 @@ def _gate_up_kernel(
         if n0 < width:
             o_n = n0 + tl.arange(0, BN)
             m_n = o_n < width
-            if ONE_DOT:
-                o_2 = tl.arange(0, 2 * BN)
-                o_row = n0 + o_2 % BN + (o_2 // BN) * width  # the gate's BN rows, then the up's
-                m_2 = (n0 + o_2 % BN) < width
-                acc = tl.zeros((BM, 2 * BN), tl.float32)
-                for k0 in range(0, hidden, BK):
-                    o_k = k0 + tl.arange(0, BK)
-                    m_k = o_k < hidden
-                    b_x = tl.load(x_ptr + token[:, None].to(tl.int64) * stride_x + o_k[None, :],
-                                  mask=m_m[:, None] & m_k[None, :], other=0.0)
-                    b_w = tl.load(p_w + o_row[:, None].to(tl.int64) * hidden + o_k[None, :],
-                                  mask=m_2[:, None] & m_k[None, :], other=0.0)
-                    acc = _dot_acc(acc, b_x, b_w, ROW_EXACT, IEEE)
-                acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
-            else:
-                acc_g = tl.zeros((BM, BN), tl.float32)
-                acc_u = tl.zeros((BM, BN), tl.float32)
-                for k0 in range(0, hidden, BK):
-                    o_k = k0 + tl.arange(0, BK)
-                    m_k = o_k < hidden
-                    b_x = tl.load(x_ptr + token[:, None].to(tl.int64) * stride_x + o_k[None, :],
-                                  mask=m_m[:, None] & m_k[None, :], other=0.0)
-                    p_g = p_w + o_n[:, None].to(tl.int64) * hidden + o_k[None, :]
-                    m_w = m_n[:, None] & m_k[None, :]
-                    b_g = tl.load(p_g, mask=m_w, other=0.0)
-                    b_u = tl.load(p_g + width.to(tl.int64) * hidden, mask=m_w, other=0.0)
-                    acc_g = _dot_acc(acc_g, b_x, b_g, ROW_EXACT, IEEE)
-                    acc_u = _dot_acc(acc_u, b_x, b_u, ROW_EXACT, IEEE)
+            acc_g = tl.zeros((BM, BN), tl.float32)
+            acc_u = tl.zeros((BM, BN), tl.float32)
+            for k0 in range(0, hidden, BK):
+                o_k = k0 + tl.arange(0, BK)
+                m_k = o_k < hidden
+                b_x = tl.load(x_ptr + token[:, None].to(tl.int64) * stride_x + o_k[None, :],
+                              mask=m_m[:, None] & m_k[None, :], other=0.0)
+                p_g = p_w + o_n[:, None].to(tl.int64) * hidden + o_k[None, :]
+                m_w = m_n[:, None] & m_k[None, :]
+                b_g = tl.load(p_g, mask=m_w, other=0.0)
+                b_u = tl.load(p_g + width.to(tl.int64) * hidden, mask=m_w, other=0.0)
+                acc_g = _dot_acc(acc_g, b_x, b_g, ROW_EXACT, IEEE)
+                acc_u = _dot_acc(acc_u, b_x, b_u, ROW_EXACT, IEEE)
             # the twin's rounding: each projection to the dtype, silu(gate) to the dtype, then the product
             b_g = acc_g.to(dt).to(tl.float32)
             b_act = (b_g * tl.sigmoid(b_g)).to(dt)
@@ -727,8 +704,8 @@ def _direct_gate_up(x, logits, gate_up, shared, top_k, route_first: bool = False
         x, gate_up, ws_gate_up, h, logits, ids, weights, ids, ids, num_tokens, num_tokens, num_experts, inter,
         inter_s, hidden, 0, x.stride(0), gate_up.stride(0), h.stride(0), logits.stride(0),
         BM=BLOCK_M, BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, NT=1, DIRECT=not route_first, PAIRS=route_first,
-        ONE_DOT=GATE_UP_ONE_DOT, num_stages=DIRECT_GATE_UP_STAGES, **_route_sizes(num_experts, top_k),
-        **_dot_flags(x.dtype), num_warps=ONE_DOT_WARPS if GATE_UP_ONE_DOT else NUM_WARPS)
+        num_stages=DIRECT_GATE_UP_STAGES, **_route_sizes(num_experts, top_k), **_dot_flags(x.dtype),
+        num_warps=NUM_WARPS)
     return ids, weights, h
 
 

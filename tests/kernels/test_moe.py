@@ -210,26 +210,21 @@ def test_the_three_paths_give_the_same_bits(device, dtype, num_tokens):
             assert torch.equal(moe.moe_block(x[t:t + 1], **w, top_k=3), direct[t:t + 1]), t
 
 
-@pytest.mark.parametrize("knob", ["PAIRS_ROUTE_FIRST", "GATE_UP_ONE_DOT"])
 @pytest.mark.parametrize("dtype,num_tokens", [(torch.float32, 1), (torch.bfloat16, 5)], ids=["fp32-T1", "bf16-T5"])
 @needs_triton
-def test_the_small_paths_knobs_give_the_same_bits(device, monkeypatch, knob, dtype, num_tokens):
-    """The small paths' schedule knobs against their defaults and the grouped path, bit for bit, with a shared
-    expert wider than the routed ones: PAIRS_ROUTE_FIRST (the route kernel ahead of a gate_up that reads each
-    pair's expert: the same _top_k, the same tiles) and GATE_UP_ONE_DOT (a tile's gate and up rows as one
-    operand, split after the K loop: the same products), the block alone and with the next layer's add and
-    norm."""
+def test_the_pairs_path_routed_first_gives_the_same_bits(device, monkeypatch, dtype, num_tokens):
+    """PAIRS_ROUTE_FIRST: the route kernel ahead of a gate_up that reads each pair's expert, against the
+    routing inside the gate_up and the grouped path, bit for bit (the same _top_k; the rows the same tiles),
+    with a shared expert wider than the routed ones, the block alone and with the next layer's add and norm."""
     w = _weights(dtype=dtype, device=device, inter_s=I_SHARED)
     x = _tokens(num_tokens, w, 3, seed=23)
     residual = _tokens(num_tokens, w, 3, seed=24)
     norm_w = torch.rand(w["router_w"].shape[1], dtype=dtype, device=device) + 0.5
-    paths = ("pairs", "direct") if knob == "GATE_UP_ONE_DOT" else ("pairs",)
-    want = {path: moe.moe_block(x, **w, top_k=3, path=path) for path in paths}
+    inside = moe.moe_block(x, **w, top_k=3, path="pairs")
     fused = moe.moe_block_add_rms_norm(x, **w, top_k=3, residual=residual, norm_w=norm_w, eps=1e-6, path="pairs")
-    monkeypatch.setattr(moe, knob, True)
-    for path in paths:
-        assert torch.equal(moe.moe_block(x, **w, top_k=3, path=path), want[path]), path
-    assert torch.equal(moe.moe_block(x, **w, top_k=3, path="grouped"), want["pairs"])
+    monkeypatch.setattr(moe, "PAIRS_ROUTE_FIRST", True)
+    assert torch.equal(moe.moe_block(x, **w, top_k=3, path="pairs"), inside)
+    assert torch.equal(moe.moe_block(x, **w, top_k=3, path="grouped"), inside)
     got = moe.moe_block_add_rms_norm(x, **w, top_k=3, residual=residual, norm_w=norm_w, eps=1e-6, path="pairs")
     assert all(torch.equal(a, b) for a, b in zip(got, fused))
 
@@ -468,15 +463,12 @@ def test_qwen3_5_35b_a3b_shapes_on_the_gpu(rel, monkeypatch):
         for knob in ("WIDE_MIN_TOKENS", "GROUP_WIDE_MIN_TOKENS"):
             patch.setattr(moe, knob, 1)
         assert torch.equal(moe.moe_block(x, **w, top_k=top_k), whole)
-    # the pairs path routed first (PAIRS_ROUTE_FIRST), and the small paths' gate_up as one dot (GATE_UP_ONE_DOT):
-    # the same bits at decode sizes
-    for knob, paths in (("PAIRS_ROUTE_FIRST", ("pairs",)), ("GATE_UP_ONE_DOT", moe.SMALL_PATHS)):
-        with monkeypatch.context() as patch:
-            patch.setattr(moe, knob, True)
-            for num_tokens in (1, 2, 8, 16):
-                for path in paths:
-                    assert torch.equal(moe.moe_block(x[7:7 + num_tokens], **w, top_k=top_k, path=path),
-                                       whole[7:7 + num_tokens]), (knob, path, num_tokens)
+    # the pairs path routed first (PAIRS_ROUTE_FIRST): the same bits at decode sizes
+    with monkeypatch.context() as patch:
+        patch.setattr(moe, "PAIRS_ROUTE_FIRST", True)
+        for num_tokens in (1, 2, 8):
+            assert torch.equal(moe.moe_block(x[7:7 + num_tokens], **w, top_k=top_k, path="pairs"),
+                               whole[7:7 + num_tokens]), num_tokens
     # the router split in K (ROUTER_SPLIT_K): other bits than one K loop, but a row's the same at every T and on
     # every path, and its tile counters zero after each launch
     with monkeypatch.context() as patch:
