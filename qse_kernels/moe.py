@@ -41,10 +41,12 @@ shared_down, its intermediate size may differ) pair T * k + t; h and y are index
 Batch invariance (a row's bits never depend on the other rows of the call, nor on T): every tile shape below
 is pinned, not chosen by T, and the same on every path (BLOCK_M rows, the same BN and BK, the same warps); a
 tile's K loop runs from 0 upwards in one program (no split-K), whichever program holds the tile (how many
-column tiles a program takes, one after another, is a choice of speed); the k outputs of a token are summed
-in one program in rank order with the same fused multiply-adds on every path; the routing weights come from scalar
-arithmetic in rank order (_top_k), never a sum across lanes, so no launch's lane layout reaches them; no
-atomics. A row's place inside a BLOCK_M tile, and which other rows share the tile, differ between the paths
+column tiles a program takes, one after another, is a choice of speed), except that the router may cut its K
+into ROUTER_SPLIT_K fixed slices whose partials one program adds in slice order for every T; the k outputs of a
+token are summed in one program in rank order with the same fused multiply-adds on every path; the routing
+weights come from scalar arithmetic in rank order (_top_k), never a sum across lanes, so no launch's lane layout
+reaches them; the one atomic (the split router's count of a tile's finished slices) picks which program adds,
+never the order of a sum. A row's place inside a BLOCK_M tile, and which other rows share the tile, differ between the paths
 and with T. On a GPU that does not change its bits (a tile product's row is that row's dot products; the gpu
 tests check it bit for bit at the real shapes, across T and across the paths). Under Triton's
 interpreter it would: tile products go through numpy's BLAS, whose result for a row depends on its place in
@@ -66,7 +68,10 @@ from .norms import NORM_NUM_WARPS, _row_blocks, _store_rms_norm
 BLOCK_M = 16  # a chunk of 512 tokens at top-8 over 256 experts is 16 rows an expert on average
 GATE_UP_BLOCK_N, GATE_UP_BLOCK_K = 32, 128  # gate and up: 2 x 32 columns a program
 DOWN_BLOCK_N, DOWN_BLOCK_K = 32, 128  # 64 programs for one decode token's down (H = 2048)
-ROUTER_BLOCK_N, ROUTER_BLOCK_K = 16, 256  # 17 programs for one token: its 1 MB of router weight in parallel
+# 17 programs for one token: its 1 MB of router weight in parallel. K steps of 128 rather than 256 (the same bits:
+# a row's products in the same order) shortened the decode round a little (benchmarks/NOTES.md, twenty-seventh
+# session)
+ROUTER_BLOCK_N, ROUTER_BLOCK_K = 16, 128
 NUM_WARPS, NUM_STAGES = 4, 3
 # pipeline depths (they change no bits): the router has 17 programs for a decode token and the direct down
 # H / DOWN_BLOCK_N, whose K loop runs over all k experts of the token; with few programs the bytes in flight
@@ -76,9 +81,9 @@ NUM_WARPS, NUM_STAGES = 4, 3
 ROUTER_STAGES = 4
 # the router's K in ROUTER_SPLIT_K fixed slices, each a program of its own writing its fp32 partial tile, added in
 # slice order by whichever of a tile's programs ends last (an atomic count picks that program, never the order):
-# the same sum for every T, so invariant, but other bits than 1 (one K loop of 2,048 a program). At T = 1 the
-# router is 17 programs, each a chain of 128 dependent tile products (Nsight Compute on the H100: 8.4 us, 1 warp
-# a scheduler, 5.3 cycles an instruction and almost no wait on memory): the split shortens the chain
+# the same sum for every T, so invariant, but other bits than 1 (one K loop a program). At T = 1 the router's 17
+# programs each run a chain of 128 dependent tile products and hardly wait on memory (Nsight Compute,
+# benchmarks/NOTES.md's twenty-seventh session): the split shortens the chain. Not yet measured: off
 ROUTER_SPLIT_K = 1
 DIRECT_DOWN_STAGES = 6
 DIRECT_GATE_UP_STAGES = 3  # the direct gate_up (direct and pairs paths): (k + 1) * I / GATE_UP_BLOCK_N programs
