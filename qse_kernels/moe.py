@@ -556,7 +556,7 @@ def _router(x: torch.Tensor, router_w: torch.Tensor, gate_w: torch.Tensor | None
         num_tiles = grid[0] * grid[1]
         parts = torch.empty(num_tiles * split * BLOCK_M * ROUTER_BLOCK_N if split > 1 else 1, dtype=torch.float32,
                             device=x.device)
-        counts = _tile_counts(x.device, num_tiles) if split > 1 else parts
+        counts = _tile_counts(router_w, num_tiles) if split > 1 else parts
         _dense_kernel[grid](x, router_w, gate_w if has_last else router_w, logits, parts, counts, num_tokens,
                             num_experts, hidden, x.stride(0), router_w.stride(0), logits.stride(0), BM=BLOCK_M,
                             BN=ROUTER_BLOCK_N, BK=ROUTER_BLOCK_K, HAS_LAST=has_last, SPLIT=split,
@@ -568,16 +568,17 @@ _COUNTS: dict[tuple, torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []  # outgrown counters stay allocated: a CUDA graph may still hold their address
 
 
-def _tile_counts(device: torch.device, num_tiles: int) -> torch.Tensor:
-    """The split router's per-tile counters for launches on the current stream of this device, zero between
-    launches (each tile's last program sets its counter back). Launches on one stream never overlap, and each
-    stream (a graph's: its capture stream) has its own set, so no two running launches share a counter."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+def _tile_counts(router_w: torch.Tensor, num_tiles: int) -> torch.Tensor:
+    """The split router's per-tile counters for one router weight (one layer of one model), zero between
+    launches (each tile's last program sets its counter back). Keyed by the weight, not the stream: every CUDA
+    graph is captured on one stream, so a stream key would let two models' graphs share counters while they
+    run side by side; one layer's launches never overlap (a model runs on one stream at a time)."""
+    key = (router_w.device, router_w.data_ptr())
     counts = _COUNTS.get(key)
     if counts is None or counts.numel() < num_tiles:
         if counts is not None:
             _RETIRED.append(counts)
-        counts = torch.zeros(max(num_tiles, 4096), dtype=torch.int32, device=device)
+        counts = torch.zeros(max(num_tiles, 1024), dtype=torch.int32, device=router_w.device)
         _COUNTS[key] = counts
     return counts
 
