@@ -7,7 +7,7 @@ be profiled; the ones before it compile and warm.
 
     ncu --nvtx --nvtx-include "probe/" --section SpeedOfLight ... --csv --page details \
         python benchmarks/decode_ncu.py > ncu.csv                        (run_h200.sh's `ncu` step)
-    python benchmarks/decode_ncu.py --summarize ncu.csv --out DIR        (the kernels' figures: DIR/ncu-<date>-<device>.json)
+    python benchmarks/decode_ncu.py --summarize ncu.csv --out DIR        (the figures: DIR/ncu-<date>-<device>.json)
     python benchmarks/decode_ncu.py --tiny                               (CPU, interpreted: the flow only)
 
 --knob MODULE.NAME=VALUE (repeatable, as round_step.py's): a qse_kernels constant set before the launches, so a

@@ -46,9 +46,9 @@ into ROUTER_SPLIT_K fixed slices whose partials one program adds in slice order 
 token are summed in one program in rank order with the same fused multiply-adds on every path; the routing
 weights come from scalar arithmetic in rank order (_top_k), never a sum across lanes, so no launch's lane layout
 reaches them; the one atomic (the split router's count of a tile's finished slices) picks which program adds,
-never the order of a sum. A row's place inside a BLOCK_M tile, and which other rows share the tile, differ between the paths
-and with T. On a GPU that does not change its bits (a tile product's row is that row's dot products; the gpu
-tests check it bit for bit at the real shapes, across T and across the paths). Under Triton's
+never the order of a sum. A row's place inside a BLOCK_M tile, and which other rows share the tile, differ
+between the paths and with T. On a GPU that does not change its bits (a tile product's row is that row's dot
+products; the gpu tests check it bit for bit at the real shapes, across T and across the paths). Under Triton's
 interpreter it would: tile products go through numpy's BLAS, whose result for a row depends on its place in
 the tile; there (ROW_EXACT) the kernels multiply by broadcasting and sum over K instead, which is exact per
 row, so the interpreted tests can check invariance, and the paths' equality, bit for bit.
@@ -554,9 +554,10 @@ def _router(x: torch.Tensor, router_w: torch.Tensor, gate_w: torch.Tensor | None
         split = ROUTER_SPLIT_K
         grid = (triton.cdiv(num_tokens, BLOCK_M), triton.cdiv(num_experts + has_last, ROUTER_BLOCK_N), split)
         num_tiles = grid[0] * grid[1]
-        parts = torch.empty(num_tiles * split * BLOCK_M * ROUTER_BLOCK_N if split > 1 else 1, dtype=torch.float32,
-                            device=x.device)
-        counts = _tile_counts(router_w, num_tiles) if split > 1 else parts
+        parts, counts = logits, logits  # (unread without a split)
+        if split > 1:
+            parts = torch.empty(num_tiles * split * BLOCK_M * ROUTER_BLOCK_N, dtype=torch.float32, device=x.device)
+            counts = _tile_counts(router_w, num_tiles)
         _dense_kernel[grid](x, router_w, gate_w if has_last else router_w, logits, parts, counts, num_tokens,
                             num_experts, hidden, x.stride(0), router_w.stride(0), logits.stride(0), BM=BLOCK_M,
                             BN=ROUTER_BLOCK_N, BK=ROUTER_BLOCK_K, HAS_LAST=has_last, SPLIT=split,
