@@ -56,7 +56,7 @@ def probe(tiny: bool) -> None:
     nvtx = torch.cuda.nvtx if not tiny else None
 
     def one_pass(i: int) -> None:
-        for name, ms in mats.items():
+        for ms in mats.values():
             gemv.gemv(x, ms[i % copies])
         moe.moe_block(x, **blocks[i % copies], top_k=shape["top_k"], path="pairs")
 

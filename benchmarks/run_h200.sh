@@ -17,6 +17,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export QSE_CACHE_DIR=/tmp/qsecache PYTHONUNBUFFERED=1
 steps=${*:-tests gemv fp8 attention configs check check2b measure gaps ab abl invariant rounds}
+knob_setting() {  # $1 a tag's stem, $2 a knob setting ("-": the defaults; MODULE.NAME=VALUE, a comma joining
+                  # several): sets set_knob (the --knob arguments) and tag (the stem and the setting's names and values)
+  if [ "$2" = - ]; then set_knob=; tag=$1
+  else set_knob="--knob ${2//,/ --knob }"; tag=$1-$(echo "$2" | sed 's/[a-z_0-9]*\.//g' | tr -d '=,'); fi
+}
 session() {  # a 57k-token agent session shaped from the weka trace (10 turns, 5 re-renders)
   [ -f /tmp/s12.jsonl ] || python3 scripts/make_session.py --trace .devcarry/weka_cc_sessions_dev.csv \
     --session trace_0012 --out /tmp/s12.jsonl --max-tokens 60000 >/dev/null
@@ -71,8 +76,7 @@ for step in $steps; do
         short_scoreboard mio_throttle lg_throttle math_pipe_throttle not_selected selected drain membar sleeping \
         no_instruction dispatch_stall imc_miss branch_resolving)
       for knob in ${NCU_KNOBS:--}; do
-        if [ "$knob" = - ]; then set_knob=; tag=ncu-decode
-        else set_knob="--knob ${knob//,/ --knob }"; tag=ncu-decode-$(echo "$knob" | sed 's/[a-z_0-9]*\.//g' | tr -d '=,'); fi
+        knob_setting ncu-decode "$knob"
         timeout 300 ncu --clock-control none --nvtx --nvtx-include "probe/" --section SpeedOfLight \
           --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
           --section SchedulerStats --metrics "${stalls}dram__bytes_read.sum" --csv --page details \
@@ -153,8 +157,7 @@ for step in $steps; do
           # space separated, a comma joining knobs set together; "-" for the defaults), each tagged with the setting
       for m in ${PDL_PRESETS:-qwen3.5-35b-a3b qwen3.5-9b}; do
         for knob in ${PDL_KNOBS:--}; do
-          if [ "$knob" = - ]; then set_knob=; tag=pdl-$m
-          else set_knob="--knob ${knob//,/ --knob }"; tag=pdl-$m-$(echo "$knob" | sed 's/[a-z_0-9]*\.//g' | tr -d '=,'); fi
+          knob_setting "pdl-$m" "$knob"
           timeout "${PDL_TIMEOUT:-240}" python3 benchmarks/round_step.py --preset $m --batches "${PDL_BATCHES:-1,8}" \
             --pdl "${PDL_MODES:-off,release,wait}" $set_knob --profile "${PDL_PROFILE:-0}" --pdl-tag "$tag" --out "$OUT" \
             2>&1 | grep '^{' | cut -c1-300
