@@ -168,14 +168,13 @@ def _dense_kernel(
         p_parts = parts_ptr + i_tile.to(tl.int64) * (SPLIT * BM * BN) + o_tile
         tl.store(p_parts + tl.program_id(2) * (BM * BN), acc)
         tl.debug_barrier()  # every thread's partial stored before the count releases them
-        if tl.atomic_add(counts_ptr + i_tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            acc = tl.load(p_parts, cache_modifier=".cg")
-            for i_s in tl.static_range(1, SPLIT):
-                acc = acc + tl.load(p_parts + i_s * (BM * BN), cache_modifier=".cg")
-            tl.store(p_y, acc.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & (m_n | is_last)[None, :])
-            tl.atomic_xchg(counts_ptr + i_tile, 0, sem="relaxed", scope="gpu")  # zero for the next launch
-    else:
-        tl.store(p_y, acc.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & (m_n | is_last)[None, :])
+        if tl.atomic_add(counts_ptr + i_tile, 1, sem="acq_rel", scope="gpu") != SPLIT - 1:
+            return  # not the tile's last slice: the last one adds
+        tl.atomic_xchg(counts_ptr + i_tile, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+        acc = tl.load(p_parts, cache_modifier=".cg")
+        for i_s in tl.static_range(1, SPLIT):
+            acc = acc + tl.load(p_parts + i_s * (BM * BN), cache_modifier=".cg")
+    tl.store(p_y, acc.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & (m_n | is_last)[None, :])
 
 
 @triton.jit
