@@ -156,6 +156,32 @@ def set_knob(knob: str) -> tuple[str, object]:
     return name, value
 
 
+def knob_value(name: str) -> object:
+    """qse_kernels.MODULE's constant NAME, for MODULE.NAME."""
+    import importlib
+
+    module_name, _, attr = name.rpartition(".")
+    return getattr(importlib.import_module(f"qse_kernels.{module_name}"), attr)
+
+
+def parse_arms(text: str) -> list[tuple[str, list[str]]]:
+    """--arms: [(the arm's name, its knob settings)], each checked as --knob checks it (and left as it was);
+    none given: one arm, '-' (the knobs as they are)."""
+    arms = []
+    for arm in text.split() or ["-"]:
+        settings = [] if arm == "-" else arm.split(",")
+        for knob in settings:
+            name = knob.partition("=")[0]
+            try:
+                before = knob_value(name)
+            except (ImportError, AttributeError):
+                before = None
+            set_knob(knob)  # raises for a bad one, naming it
+            set_knob(f"{name}={before}")
+        arms.append((arm, settings))
+    return arms
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen3.5-9b", help="preset, checkpoint dir, or embedded (the tiny model)")
@@ -174,6 +200,10 @@ def main(argv=None) -> int:
     p.add_argument("--knob", action="append", default=[], metavar="MODULE.NAME=VALUE",
                    help="set a qse_kernels module constant before the rounds are built (an int, float or "
                         "True/False; repeatable), e.g. attention.DECODE_MIN_SPLIT_ROWS=128")
+    p.add_argument("--arms", default="", help="knob settings timed in turn on one engine (an A/B in one process): "
+                   "space separated, each '-' (as --knob leaves them) or MODULE.NAME=VALUE joined by commas; each "
+                   "row names its arm")
+    p.add_argument("--repeats", type=int, default=1, help="times the --arms list runs, in order (ABAB...)")
     p.add_argument("--pdl-tag", default="", help="a word in the result's file name (several runs a day)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)
@@ -182,6 +212,7 @@ def main(argv=None) -> int:
 
     try:
         knobs = dict(set_knob(knob) for knob in args.knob)
+        arms = parse_arms(args.arms)
     except ValueError as exc:
         p.error(str(exc))
     pdl_modes = args.pdl.split(",")
@@ -197,11 +228,20 @@ def main(argv=None) -> int:
     spec = "" if args.preset in ("", "embedded") else args.preset
     engine = Engine(resolve(spec, device, dtype, cache_dir), kernels=args.kernels)
     rows = []
-    for mode in pdl_modes:
-        set_pdl(mode)
-        mode_rows, ran = decode_rows(engine, batches, args.context, args.rounds,
-                                     graphs=None if args.graphs == "auto" else "static", profile=args.profile)
-        rows += [{"pdl": mode, "pdl_active": pdl.active(), **row} for row in mode_rows]
+    for _ in range(args.repeats):
+        for arm, settings in arms:
+            restore = {name: knob_value(name) for name in (knob.partition("=")[0] for knob in settings)}
+            for knob in settings:
+                set_knob(knob)
+            if args.arms:
+                print(json.dumps({"arm": arm}), flush=True)
+            for mode in pdl_modes:
+                set_pdl(mode)
+                mode_rows, ran = decode_rows(engine, batches, args.context, args.rounds,
+                                             graphs=None if args.graphs == "auto" else "static", profile=args.profile)
+                rows += [{"arm": arm, "pdl": mode, "pdl_active": pdl.active(), **row} for row in mode_rows]
+            for name, value in restore.items():
+                set_knob(f"{name}={value}")
     pdl.ON, pdl.ORDER = before
     result = {**result_header("triton", device=None if device.type == "cuda" else "cpu"),
               "preset": args.preset, "blas": str(torch.backends.cuda.preferred_blas_library()) if device.type == "cuda"

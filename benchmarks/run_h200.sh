@@ -155,7 +155,14 @@ for step in $steps; do
     pdl)  # programmatic dependent launch: decode rounds with it off, launched only, and with the L2 prefetches, in one run
           # a preset (PDL_PRESETS; PDL_PROFILE=10: per kernel); PDL_KNOBS: one run a knob setting (MODULE.NAME=VALUE,
           # space separated, a comma joining knobs set together; "-" for the defaults), each tagged with the setting
+      # PDL_ARMS instead: its knob settings timed in turn in one process (round_step --arms; PDL_REPEATS times)
       for m in ${PDL_PRESETS:-qwen3.5-35b-a3b qwen3.5-9b}; do
+        if [ -n "${PDL_ARMS:-}" ]; then
+          timeout "${PDL_TIMEOUT:-240}" python3 benchmarks/round_step.py --preset $m --batches "${PDL_BATCHES:-1,8}" \
+            --pdl "${PDL_MODES:-wait}" --arms "$PDL_ARMS" --repeats "${PDL_REPEATS:-2}" --profile "${PDL_PROFILE:-0}" \
+            --pdl-tag "arms-$m" --out "$OUT" 2>&1 | grep '^{' | cut -c1-300
+          continue
+        fi
         for knob in ${PDL_KNOBS:--}; do
           knob_setting "pdl-$m" "$knob"
           timeout "${PDL_TIMEOUT:-240}" python3 benchmarks/round_step.py --preset $m --batches "${PDL_BATCHES:-1,8}" \

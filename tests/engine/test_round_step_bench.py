@@ -55,3 +55,29 @@ def test_round_step_sets_the_knobs_it_is_given_and_refuses_unknown_ones(tmp_path
     for bad in ("attention.NO_SUCH_KNOB=1", "nomodule.X=1", "attention.DECODE_MIN_SPLIT_ROWS=lots"):
         with pytest.raises(SystemExit):
             round_step.main(["--preset", "embedded", "--knob", bad, "--out", str(tmp_path)])
+
+
+def test_round_step_times_each_arm_in_turn_and_puts_its_knobs_back(tmp_path, cache_dir, monkeypatch):
+    """--arms '- l2.NEXT_BYTES=0,l2.AHEAD=False' --repeats 2: a row an arm, a repeat and a batch size, in order,
+    each naming its arm; every knob as it was after the run (and after a refused arm)."""
+    import pytest
+
+    from qse_kernels import l2
+
+    monkeypatch.setattr(l2, "NEXT_BYTES", 4096)
+    assert round_step.main(["--preset", "embedded", "--batches", "1", "--context", "20", "--rounds", "1",
+                            "--kernels", "naive", "--graphs", "static", "--arms", "- l2.NEXT_BYTES=0,l2.AHEAD=False",
+                            "--repeats", "2", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("round_step-*-cpu.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["arm"] for r in rows] == ["-", "l2.NEXT_BYTES=0,l2.AHEAD=False"] * 2
+    assert (l2.NEXT_BYTES, l2.AHEAD) == (4096, True)
+    seen = []
+    ran = {"graphs": False, "buckets": [1], "warm_s": 0.0}
+    monkeypatch.setattr(round_step, "decode_rows", lambda *a, **k: (seen.append((l2.NEXT_BYTES, l2.AHEAD)) or [], ran))
+    round_step.main(["--preset", "embedded", "--batches", "1", "--kernels", "naive", "--arms", "l2.NEXT_BYTES=7 -",
+                     "--out", str(tmp_path)])
+    assert seen == [(7, True), (4096, True)]
+    with pytest.raises(SystemExit):
+        round_step.main(["--preset", "embedded", "--arms", "- l2.NO_SUCH=1", "--out", str(tmp_path)])
+    assert (l2.NEXT_BYTES, l2.AHEAD) == (4096, True)
