@@ -24,12 +24,13 @@ import triton.language as tl
 
 from . import interpreting, pdl
 
-# on where the device allows it; off, ahead() launches nothing (benchmarks/round_step.py --knob l2.AHEAD=0 times it)
+# on where the device allows it; off, ahead() launches nothing (benchmarks/round_step.py --arms "l2.AHEAD=False -")
 AHEAD = True
 PIECE = 16 * 1024  # bytes a prefetch instruction asks for
 PIECES_A_PROGRAM = 32  # one warp a program, a piece a lane: 512 KB a program
 MAX_TENSORS = 4
-# weights read once a launch (GEMV rows, the pairs path's experts) leave L2 first where something is asked ahead
+# weights read once a launch (the GEMV's and skinny GEMM's rows, the pairs path's experts) leave L2 first where
+# something is asked ahead
 STREAM_EVICT_FIRST = True
 # a MoE layer asks for the first NEXT_BYTES of the next layer's input projection while its router runs (the
 # experts it streams after leave first): the model's plan (Qwen35MoeModel._ahead_plan) reads it once
