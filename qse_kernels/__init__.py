@@ -14,7 +14,7 @@ from types import SimpleNamespace
 # The torch twins: what the naive op set runs (and every op set falls back on)
 NAIVE_MODULES = ("naive", "moe_naive")
 KERNEL_MODULES = ("norms", "fused", "conv1d", "gdn_chunk", "gdn_recurrent", "attention", "gemm", "gemv", "fp8", "moe",
-                  "skinny", "pdl", "l2")
+                  "skinny", "pdl")
 
 # one-row projections (decode steps) through qse's GEMV instead of cuBLAS, and the logits head of one row;
 # pinned from benchmarks/gemv_bench.py on the H200 (see benchmarks/NOTES.md)
@@ -96,7 +96,6 @@ def triton_ops() -> SimpleNamespace:
         # a verify's rows (all T of each of B sequences) in one launch each, with the bits of the _slots steps
         causal_conv1d_window=mods["conv1d"].causal_conv1d_window,
         recurrent_gated_delta_rule_window=mods["gdn_recurrent"].recurrent_gated_delta_rule_window,
-        l2_ahead=mods["l2"].ahead,  # weights asked into L2 ahead of their kernel (a decode step's plan)
     )
     if GEMV_HEAD:
         ops.head_row = head_row

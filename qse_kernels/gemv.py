@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import l2, pdl
+from . import pdl
 
 TILE_ELEMENTS = 4096  # BN * BK: 32 fp32 accumulators a thread at 4 warps
 WIDE_ROWS, NARROW_ROWS = 16, 4  # BN for N >= WIDE_FROM, and below it
@@ -24,7 +24,7 @@ NUM_WARPS = 4
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, num_cols, depth, stride_wn, BN: tl.constexpr, BK: tl.constexpr,
-                 EVICT: tl.constexpr = "", PDL: tl.constexpr = 0):
+                 PDL: tl.constexpr = 0):
     pdl.start(PDL)
     o_n = tl.program_id(0) * BN + tl.arange(0, BN)
     m_n = o_n < num_cols
@@ -33,7 +33,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, num_cols, depth, stride_wn, BN: tl.constex
     acc = tl.zeros((BN, BK), tl.float32)
     for k0 in range(0, depth, BK):
         m_k = (k0 + o_k) < depth
-        b_w = tl.load(p_w + (k0 + o_k)[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0, eviction_policy=EVICT)
+        b_w = tl.load(p_w + (k0 + o_k)[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
         b_x = tl.load(x_ptr + k0 + o_k, mask=m_k, other=0.0)
         acc += b_w.to(tl.float32) * b_x.to(tl.float32)[None, :]
     tl.store(y_ptr + o_n, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=m_n)
@@ -59,7 +59,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None)
     y = torch.empty(*x.shape[:-1], num_cols, dtype=out_dtype, device=x.device)
     block_n, block_k = tiles(num_cols)
     _gemv_kernel[(triton.cdiv(num_cols, block_n),)](x1, w, y, num_cols, depth, w.stride(0), BN=block_n, BK=block_k,
-                                                     EVICT=l2.stream_policy(), num_warps=NUM_WARPS, **pdl.options())
+                                                     num_warps=NUM_WARPS, **pdl.options())
     return y
 
 

@@ -60,7 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting, l2, pdl
+from . import interpreting, pdl
 from .fused import add_rms_norm
 from .norms import NORM_NUM_WARPS, _row_blocks, _store_rms_norm
 
@@ -336,7 +336,7 @@ def _gate_up_kernel(
     num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap, stride_x, stride_we, stride_h, stride_l,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr,
     NT: tl.constexpr, DIRECT: tl.constexpr, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    PAIRS: tl.constexpr = 0, EVICT: tl.constexpr = "",
+    PAIRS: tl.constexpr = 0,
 ):
     """h[pair] = silu(x_t @ gate_e^T) * (x_t @ up_e^T) for a tile's rows, BN columns of each, for NT column
     tiles one after another (each tile's K loop the same as alone: NT changes no bits, only how many programs
@@ -374,8 +374,8 @@ def _gate_up_kernel(
                               mask=m_m[:, None] & m_k[None, :], other=0.0)
                 p_g = p_w + o_n[:, None].to(tl.int64) * hidden + o_k[None, :]
                 m_w = m_n[:, None] & m_k[None, :]
-                b_g = tl.load(p_g, mask=m_w, other=0.0, eviction_policy=EVICT)
-                b_u = tl.load(p_g + width.to(tl.int64) * hidden, mask=m_w, other=0.0, eviction_policy=EVICT)
+                b_g = tl.load(p_g, mask=m_w, other=0.0)
+                b_u = tl.load(p_g + width.to(tl.int64) * hidden, mask=m_w, other=0.0)
                 acc_g = _dot_acc(acc_g, b_x, b_g, ROW_EXACT, IEEE)
                 acc_u = _dot_acc(acc_u, b_x, b_u, ROW_EXACT, IEEE)
             # the twin's rounding: each projection to the dtype, silu(gate) to the dtype, then the product
@@ -392,7 +392,6 @@ def _down_kernel(
     num_tokens, num_shared, num_experts, inter, inter_s, hidden, cap, stride_h, stride_we, stride_y,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr,
     NT: tl.constexpr, PAIRS: tl.constexpr, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    EVICT: tl.constexpr = "",
 ):
     """y[pair] = h[pair] @ down_e^T for a block's rows, BN of the H columns, for NT column tiles one after
     another (as _gate_up_kernel's); the rows from _pair_rows (PAIRS: order_ptr holds the pairs' experts) or
@@ -423,7 +422,7 @@ def _down_kernel(
                 b_h = tl.load(h_ptr + pair[:, None].to(tl.int64) * stride_h + o_k[None, :],
                               mask=m_m[:, None] & m_k[None, :], other=0.0)
                 b_w = tl.load(p_w + o_n[:, None].to(tl.int64) * depth + o_k[None, :],
-                              mask=m_n[:, None] & m_k[None, :], other=0.0, eviction_policy=EVICT)
+                              mask=m_n[:, None] & m_k[None, :], other=0.0)
                 acc = _dot_acc(acc, b_h, b_w, ROW_EXACT, IEEE)
             p_y = y_ptr + pair[:, None].to(tl.int64) * stride_y + o_n[None, :]
             tl.store(p_y, acc.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
@@ -711,7 +710,7 @@ def _direct_gate_up(x, logits, gate_up, shared, top_k, route_first: bool = False
         x, gate_up, ws_gate_up, h, logits, ids, weights, ids, ids, num_tokens, num_tokens, num_experts, inter,
         inter_s, hidden, 0, x.stride(0), gate_up.stride(0), h.stride(0), logits.stride(0),
         BM=BLOCK_M, BN=GATE_UP_BLOCK_N, BK=GATE_UP_BLOCK_K, NT=1, DIRECT=not route_first, PAIRS=route_first,
-        EVICT=l2.stream_policy(), num_stages=DIRECT_GATE_UP_STAGES, **_route_sizes(num_experts, top_k), **_dot_flags(x.dtype),
+        num_stages=DIRECT_GATE_UP_STAGES, **_route_sizes(num_experts, top_k), **_dot_flags(x.dtype),
         num_warps=NUM_WARPS)
     return ids, weights, h
 
@@ -740,8 +739,8 @@ def _pairs_down(h, ids, down, ws_down, num_tokens, top_k, num_stages=None):
     _down_kernel[(num_routed + 1, triton.cdiv(hidden, DOWN_BLOCK_N))](
         h, down, ws_down, y, ids, ids, num_tokens, num_tokens, num_experts, inter, ws_down.shape[1], hidden, 0,
         h.stride(0), down.stride(0), y.stride(0), TOP_K=top_k, BM=BLOCK_M, BN=DOWN_BLOCK_N, BK=DOWN_BLOCK_K,
-        BE=triton.next_power_of_2(num_experts), NT=1, PAIRS=True, EVICT=l2.stream_policy(), **_dot_flags(h.dtype),
-        num_warps=NUM_WARPS, num_stages=num_stages or NUM_STAGES)
+        BE=triton.next_power_of_2(num_experts), NT=1, PAIRS=True, **_dot_flags(h.dtype), num_warps=NUM_WARPS,
+        num_stages=num_stages or NUM_STAGES)
     return y
 
 

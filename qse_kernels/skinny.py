@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting, l2, pdl
+from . import interpreting, pdl
 
 TILE_ROWS = 16  # a tile product's rows: x is padded to them
 MAX_ROWS = 2 * TILE_ROWS  # two products a weight tile
@@ -59,7 +59,7 @@ def tiles(num_cols: int, depth: int) -> Tiles:
 def _skinny_kernel(
     x_ptr, w_ptr, y_ptr, num_rows, num_cols, depth, split_depth, stride_xm, stride_wn, stride_ys, stride_ym,
     BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
-    SWAP: tl.constexpr, TWO: tl.constexpr, EVICT: tl.constexpr = "", PDL: tl.constexpr = 0,
+    SWAP: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     pdl.start(PDL)
     i_n, i_s = tl.program_id(0), tl.program_id(1)
@@ -85,9 +85,9 @@ def _skinny_kernel(
     for k0 in range(k_lo, k_hi, BK):
         m_k = (k0 + o_k) < depth  # (read where K is ragged: slices start on BK lines, so only K's own end is)
         if EVEN_K:
-            b_w = tl.load(p_w + k0, eviction_policy=EVICT)
+            b_w = tl.load(p_w + k0)
         else:
-            b_w = tl.load(p_w + k0, mask=m_k[None, :], other=0.0, eviction_policy=EVICT)
+            b_w = tl.load(p_w + k0, mask=m_k[None, :], other=0.0)
         if DOT_FP32:  # the interpreter multiplies 16-bit dot operands as raw integers
             b_w = b_w.to(tl.float32)
         acc = _product(acc, _x_tile(p_x + k0, m_m, m_k, EVEN_K, DOT_FP32), b_w, SWAP, IEEE)
@@ -191,8 +191,7 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | Non
         part.stride(0) if splits > 1 else 0, part.stride(-2),
         BN=cfg.block_n, BK=cfg.block_k, EVEN_K=depth % cfg.block_k == 0,
         DOT_FP32=interpreting() and x.dtype != torch.float32, IEEE=x.dtype == torch.float32, SWAP=cfg.swap_ab,
-        TWO=num_rows > TILE_ROWS, EVICT=l2.stream_policy(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl.options()
+        TWO=num_rows > TILE_ROWS, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options()
     )
     if splits > 1:
         numel = num_rows * num_cols

@@ -15,12 +15,10 @@ def test_triton_ops_cover_the_model_ops():
     from qse.models.qwen3_5.model import default_ops
 
     ops = qse_kernels.triton_ops()
-    # head_row (one row's fp32 logits), fp8_matmul (FP8 block weights as stored) and l2_ahead (weights asked into
-    # L2 ahead of a decode step's kernels) are optional: the model uses them when the op set has them (the naive
-    # set dequantises FP8 weights at each use, and asks for nothing)
-    optional = {"head_row", "fp8_matmul", "l2_ahead"}
-    assert set(vars(ops)) - optional == set(vars(default_ops()))
-    assert set(vars(qse_kernels.invariant_ops())) - optional - {"head_rows"} == set(vars(default_ops()))
+    # head_row (one row's fp32 logits) and fp8_matmul (FP8 block weights as stored) are optional: the model
+    # uses them when the op set has them (the naive set dequantises FP8 weights at each use)
+    assert set(vars(ops)) - {"head_row", "fp8_matmul"} == set(vars(default_ops()))
+    assert set(vars(qse_kernels.invariant_ops())) - {"head_rows", "fp8_matmul"} == set(vars(default_ops()))
     assert all(callable(fn) for fn in vars(ops).values())
     assert not hasattr(qse_kernels.invariant_ops(), "head_row")  # the invariant head is the same for any rows
 

@@ -79,25 +79,3 @@ def test_rounds_with_pdl_give_the_bits_of_rounds_without(family, order, monkeypa
     launched = _script(engine)
     assert len(plain) == len(launched) == 11
     assert all(torch.equal(a, b) for a, b in zip(plain, launched))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-                         and pdl.gdc_wait is not None),
-                    reason="asking L2 ahead needs a sm90+ CUDA device (bulk prefetch) and PDL to place it")
-@pytest.mark.parametrize("family", ["dense", "moe"])
-def test_rounds_asking_l2_ahead_give_the_bits_of_rounds_without(family, monkeypatch):
-    """qse_kernels/l2.py: the plan's launches and the evict-first weight loads change no value (the rounds'
-    graphs hold the launches, which ask before they wait)."""
-    from qse_kernels import l2
-
-    torch.manual_seed(0)
-    engine = tiny_mtp_engine("triton", family)
-    monkeypatch.setattr(pdl, "ON", True)
-    monkeypatch.setattr(l2, "AHEAD", False)
-    plain = _script(engine)
-    monkeypatch.setattr(l2, "AHEAD", True)
-    assert l2.active() and l2.stream_policy() == "evict_first"
-    asked = _script(engine)
-    assert len(plain) == len(asked) == 11
-    assert all(torch.equal(a, b) for a, b in zip(plain, asked))

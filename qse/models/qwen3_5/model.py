@@ -107,7 +107,6 @@ class Qwen35Model:
         self.fused: dict[str, tuple[DenseLinear, tuple[int, ...]]] = {}
         self._fuse_projections()
         self._mtp_head: MTPHead | None = None
-        self._ahead: tuple[tuple, dict] | None = None  # _warm's plan and the _ahead_key it was made for
 
     def _fuse_projections(self) -> None:
         """Concatenate each FUSED_PROJECTIONS group whose members are all dense, of one dtype and device (the
@@ -340,7 +339,6 @@ class Qwen35Model:
             else:
                 h = self._gdn_rows(layer, h, states, batch.slots, window)
             x, h = self.ops.add_rms_norm(x, h, self.w[p + "post_attention_layernorm.weight"], eps)
-            self._warm(layer, "mlp")
             next_norm = f"layers.{layer + 1}.input_layernorm.weight" if layer < last else "norm.weight"
             x, h = self._mlp_add_norm(p, x, h, self.w[next_norm], eps)
         if taps is not None:
@@ -365,7 +363,6 @@ class Qwen35Model:
         k_pages, v_pages = batch.pool.k[:, slot], batch.pool.v[:, slot]  # [P, page_rows, Hkv, D]
         q = self.ops.qk_norm_rotary_paged_rows(q, k, v, self.w[a + "q_norm.weight"], self.w[a + "k_norm.weight"], cos,
                                                sin, cfg.rms_norm_eps, k_pages, v_pages, batch.tables, batch.positions)
-        self._warm(layer, "mixer")
         out = self.ops.paged_decode_attention(q, k_pages, v_pages, batch.tables, batch.positions,
                                               max_rows=batch.max_rows, gate=gate)
         return self._mm(a + "o_proj.weight", out.reshape(num_rows, num_heads * head_dim))
@@ -387,7 +384,6 @@ class Qwen35Model:
             hk, dk, kd = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.gdn_key_dim
             qkv = self.ops.causal_conv1d_window(qkv, self.w[g_ + "conv1d.weight"][:, 0, :], states.conv[i],
                                                 window.slots, window.scratch)
-            self._warm(layer, "mixer")
             q = qkv[:, :kd].reshape(num_rows, hk, dk)
             k = qkv[:, kd : 2 * kd].reshape(num_rows, hk, dk)
             v = qkv[:, 2 * kd :].reshape(num_rows, hv, dv)
@@ -413,51 +409,12 @@ class Qwen35Model:
         num_rows, i = qkv.shape[0], self.gdn_slot[layer]
         hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         qkv = self.ops.causal_conv1d_slots(qkv, self.w[g_ + "conv1d.weight"][:, 0, :], states.conv[i], slots)
-        self._warm(layer, "mixer")
         kd = cfg.gdn_key_dim
         q = qkv[:, :kd].reshape(num_rows, hk, dk)
         k = qkv[:, kd : 2 * kd].reshape(num_rows, hk, dk)
         v = qkv[:, 2 * kd :].reshape(num_rows, hv, dv)
         return self.ops.recurrent_gated_delta_rule_slots(q, k, v, a, b, self.w[g_ + "A_log"], self.w[g_ + "dt_bias"],
                                                          states.recurrent[i], slots)
-
-    def _warm(self, layer: int, stage: str) -> None:
-        """Ask L2 for the weights the plan (_ahead_plan) names at this point of a decode step, through the op
-        set's l2_ahead where it has one (qse_kernels/l2.py: a launch that changes no value)."""
-        ahead = getattr(self.ops, "l2_ahead", None)
-        if ahead is None:
-            return
-        key = self._ahead_key()
-        if self._ahead is None or self._ahead[0] != key:
-            self._ahead = (key, self._ahead_plan())
-        tensors = self._ahead[1].get((layer, stage))
-        if tensors:
-            ahead(*tensors)
-
-    def _ahead_key(self) -> tuple:
-        """What _ahead_plan reads besides the weights (a new value makes a new plan): nothing here."""
-        return ()
-
-    def _ahead_plan(self) -> dict[tuple[int, str], tuple[torch.Tensor, ...]]:
-        """What a decode step asks into L2, and where: at (layer, "mixer"), as the mixer's chain of small kernels
-        begins (the GDN conv, step and gated norm; the attention's rows and sums), the mixer's output projection,
-        read at its end. The dense MLP reads its gate_up right after the norm: nothing at (layer, "mlp")."""
-        plan = {}
-        for layer, kind in enumerate(self.cfg.layer_types):
-            name = "self_attn.o_proj" if kind == "full_attention" else "linear_attn.out_proj"
-            lin = self.lin.get(f"layers.{layer}.{name}.weight")
-            if isinstance(lin, DenseLinear) and lin.weight.is_contiguous():
-                plan[(layer, "mixer")] = (lin.weight,)
-        return plan
-
-    def _input_projection(self, layer: int) -> torch.Tensor | None:
-        """The weight a layer's first GEMM reads (its mixer's fused input projection), or the head's past the last
-        layer; None where that is not one dense matrix."""
-        if layer == len(self.cfg.layer_types):
-            return self.lm_head.weight
-        group = "self_attn.qkv_proj" if self.cfg.layer_types[layer] == "full_attention" else "linear_attn.in_proj"
-        fused = self.fused.get(f"layers.{layer}.{group}")
-        return fused[0].weight if fused is not None else None
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """The head in fp32 output: bf16 logits would round to ~0.03 at the usual magnitudes, and

@@ -118,28 +118,6 @@ class Qwen35MoeModel(Qwen35Model):
                 self.lin[name] = DenseLinear(part)
             self.fused[p + SHARED_GATE_UP] = (DenseLinear(fused), widths)
 
-    def _ahead_key(self) -> tuple:
-        from qse_kernels import l2
-
-        return (l2.NEXT_BYTES,)
-
-    def _ahead_plan(self) -> dict[tuple[int, str], tuple[torch.Tensor, ...]]:
-        """The dense family's plan, and: at (layer, "mixer") also the router's and the shared expert's weights
-        (every token reads them; the routed experts are known only after the router); at (layer, "mlp"), while
-        the norm and router run, the first l2.NEXT_BYTES of the next layer's input projection (the head's past
-        the last layer), which the block's experts, streamed evict-first, leave in L2."""
-        (next_bytes,) = self._ahead_key()
-        plan = super()._ahead_plan()
-        for layer in range(self.cfg.num_hidden_layers):
-            router_w, _, _, shared_gate_up, shared_down, _ = self.moe_args[f"layers.{layer}."]
-            every_token = tuple(w for w in (router_w, shared_gate_up, shared_down) if w.is_contiguous())
-            plan[(layer, "mixer")] = plan.get((layer, "mixer"), ()) + every_token
-            nxt = self._input_projection(layer + 1)
-            if nxt is not None and nxt.is_contiguous() and next_bytes > 0:
-                rows = max(1, min(nxt.shape[0], next_bytes // (nxt.shape[1] * nxt.element_size())))
-                plan[(layer, "mlp")] = (nxt[:rows],)
-        return plan
-
     def _mlp(self, p: str, h: torch.Tensor) -> torch.Tensor:
         """The sparse block of layer prefix `p` (`layers.{i}.`, or the MTP head's `mtp.layers.0.`) on h [T, H] ->
         [T, H]."""
