@@ -68,9 +68,9 @@ from .norms import NORM_NUM_WARPS, _row_blocks, _store_rms_norm
 BLOCK_M = 16  # a chunk of 512 tokens at top-8 over 256 experts is 16 rows an expert on average
 GATE_UP_BLOCK_N, GATE_UP_BLOCK_K = 32, 128  # gate and up: 2 x 32 columns a program
 DOWN_BLOCK_N, DOWN_BLOCK_K = 32, 128  # 64 programs for one decode token's down (H = 2048)
-# 17 programs for one token: its 1 MB of router weight in parallel. K steps of 128 rather than 256 (the same bits:
-# a row's products in the same order) shortened the decode round a little (benchmarks/NOTES.md, twenty-seventh
-# session)
+# 17 tiles for one token (136 programs with the K split below): its 1 MB of router weight in parallel. K steps
+# of 128 rather than 256 (the same bits: a row's products in the same order) shortened the decode round a little
+# (benchmarks/NOTES.md, twenty-seventh and twenty-eighth sessions)
 ROUTER_BLOCK_N, ROUTER_BLOCK_K = 16, 128
 NUM_WARPS, NUM_STAGES = 4, 3
 # pipeline depths (they change no bits): the router has 17 programs for a decode token and the direct down
@@ -81,10 +81,10 @@ NUM_WARPS, NUM_STAGES = 4, 3
 ROUTER_STAGES = 4
 # the router's K in ROUTER_SPLIT_K fixed slices, each a program of its own writing its fp32 partial tile, added in
 # slice order by whichever of a tile's programs ends last (an atomic count picks that program, never the order):
-# the same sum for every T, so invariant, but other bits than 1 (one K loop a program). At T = 1 the router's 17
-# programs each run a chain of 128 dependent tile products and hardly wait on memory (Nsight Compute,
-# benchmarks/NOTES.md's twenty-seventh session): the split shortens the chain. Not yet measured: off
-ROUTER_SPLIT_K = 1
+# the same sum for every T, so invariant (other bits than one K loop a program). At T = 1 the router's 17
+# programs each ran a chain of dependent tile products and hardly waited on memory (Nsight Compute); 8 slices
+# shortened the decode round at batch 1 and 8 (benchmarks/NOTES.md, twenty-eighth session)
+ROUTER_SPLIT_K = 8
 DIRECT_DOWN_STAGES = 6
 DIRECT_GATE_UP_STAGES = 3  # the direct gate_up (direct and pairs paths): (k + 1) * I / GATE_UP_BLOCK_N programs
 # the pairs path for 1..PAIRS_MAX_TOKENS tokens, the grouped one past them; the direct path only when asked (all

@@ -58,26 +58,29 @@ def test_round_step_sets_the_knobs_it_is_given_and_refuses_unknown_ones(tmp_path
 
 
 def test_round_step_times_each_arm_in_turn_and_puts_its_knobs_back(tmp_path, cache_dir, monkeypatch):
-    """--arms '- l2.NEXT_BYTES=0,l2.AHEAD=False' --repeats 2: a row an arm, a repeat and a batch size, in order,
-    each naming its arm; every knob as it was after the run (and after a refused arm)."""
+    """--arms '- moe.ROUTER_SPLIT_K=4,moe.PAIRS_ROUTE_FIRST=True' --repeats 2: a row an arm, a repeat and a batch
+    size, in order, each naming its arm; every knob as it was after the run (and after a refused arm)."""
     import pytest
 
-    from qse_kernels import l2
+    from qse_kernels import moe
 
-    monkeypatch.setattr(l2, "NEXT_BYTES", 4096)
+    monkeypatch.setattr(moe, "ROUTER_SPLIT_K", 2)
+    monkeypatch.setattr(moe, "PAIRS_ROUTE_FIRST", False)
+    arm = "moe.ROUTER_SPLIT_K=4,moe.PAIRS_ROUTE_FIRST=True"
     assert round_step.main(["--preset", "embedded", "--batches", "1", "--context", "20", "--rounds", "1",
-                            "--kernels", "naive", "--graphs", "static", "--arms", "- l2.NEXT_BYTES=0,l2.AHEAD=False",
-                            "--repeats", "2", "--out", str(tmp_path)]) == 0
+                            "--kernels", "naive", "--graphs", "static", "--arms", f"- {arm}", "--repeats", "2",
+                            "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("round_step-*-cpu.json")
     rows = json.loads(path.read_text())["rows"]
-    assert [r["arm"] for r in rows] == ["-", "l2.NEXT_BYTES=0,l2.AHEAD=False"] * 2
-    assert (l2.NEXT_BYTES, l2.AHEAD) == (4096, True)
+    assert [r["arm"] for r in rows] == ["-", arm] * 2
+    assert (moe.ROUTER_SPLIT_K, moe.PAIRS_ROUTE_FIRST) == (2, False)
     seen = []
     ran = {"graphs": False, "buckets": [1], "warm_s": 0.0}
-    monkeypatch.setattr(round_step, "decode_rows", lambda *a, **k: (seen.append((l2.NEXT_BYTES, l2.AHEAD)) or [], ran))
-    round_step.main(["--preset", "embedded", "--batches", "1", "--kernels", "naive", "--arms", "l2.NEXT_BYTES=7 -",
+    monkeypatch.setattr(round_step, "decode_rows",
+                        lambda *a, **k: (seen.append((moe.ROUTER_SPLIT_K, moe.PAIRS_ROUTE_FIRST)) or [], ran))
+    round_step.main(["--preset", "embedded", "--batches", "1", "--kernels", "naive", "--arms", f"{arm} -",
                      "--out", str(tmp_path)])
-    assert seen == [(7, True), (4096, True)]
+    assert seen == [(4, True), (2, False)]
     with pytest.raises(SystemExit):
-        round_step.main(["--preset", "embedded", "--arms", "- l2.NO_SUCH=1", "--out", str(tmp_path)])
-    assert (l2.NEXT_BYTES, l2.AHEAD) == (4096, True)
+        round_step.main(["--preset", "embedded", "--arms", "- moe.NO_SUCH=1", "--out", str(tmp_path)])
+    assert (moe.ROUTER_SPLIT_K, moe.PAIRS_ROUTE_FIRST) == (2, False)
