@@ -8,6 +8,8 @@ on-device argmax as its tokens (no read-back between rounds), as a greedy conduc
     python benchmarks/round_step.py [--preset qwen3.5-9b] [--batches 1,8,32] [--context 6000] [--out DIR]
                                     [--profile 10]   (also each batch's device time per kernel, over 10 rounds)
     python benchmarks/round_step.py --preset embedded --context 40 --rounds 3      (the tiny model, on CPU)
+    python benchmarks/round_step.py --preset qwen3.5-35b-a3b --arms "moe.ROUTER_SPLIT_K=1 -" --repeats 2
+                                    (an A/B of kernel knobs on one engine: rows by arm, ABAB)
 
 Writes benchmarks/results/round_step-<date>-<device>.json: per batch size the device ms a round (CUDA events
 around --rounds rounds), the host's wall ms a round, and tokens/s over the round's rows.
