@@ -86,7 +86,9 @@ ROUTER_STAGES = 4
 # shortened the decode round at batch 1 and 8 (benchmarks/NOTES.md, twenty-eighth session)
 ROUTER_SPLIT_K = 8
 DIRECT_DOWN_STAGES = 6
-DIRECT_GATE_UP_STAGES = 3  # the direct gate_up (direct and pairs paths): (k + 1) * I / GATE_UP_BLOCK_N programs
+# the direct gate_up (direct and pairs paths): (k + 1) * I / GATE_UP_BLOCK_N programs; 4 stages against 3 shortened
+# the 35B-A3B's decode round at batch 1 and 8, the same at 32 (benchmarks/NOTES.md, twenty-eighth session)
+DIRECT_GATE_UP_STAGES = 4
 # the pairs path for 1..PAIRS_MAX_TOKENS tokens, the grouped one past them; the direct path only when asked (all
 # give the same bits: a choice of speed, at most BLOCK_M so that the shared expert's rows are one tile). Measured
 # on the H200 (35B-A3B shapes, moe_block_bench-pairs-2026-12-03-h200.json): pairs is the fastest path at T = 1, 2,
