@@ -152,7 +152,7 @@ for step in $steps; do
     rounds)  # batched decode rounds of the served 9B: device ms a round at 1 to 32 sequences of 6k tokens (ROUND_PROFILE=10: per kernel;
              # ROUND_BLAS=cublaslt: torch's other BLAS for the 2-32-row GEMMs)
       timeout 300 python3 benchmarks/round_step.py --preset "${ROUND_PRESET:-qwen3.5-9b}" --batches "${ROUND_BATCHES:-1,2,4,8,16,32}" --profile "${ROUND_PROFILE:-0}" --blas "${ROUND_BLAS:-default}" --out "$OUT" 2>&1 | grep '^{' | cut -c1-400 ;;
-    pdl)  # programmatic dependent launch: decode rounds with it off, launched only, and with the L2 prefetches, in one run
+    pdl)  # programmatic dependent launch: decode rounds by PDL mode (PDL_MODES: off, release, wait) in one run
           # a preset (PDL_PRESETS; PDL_PROFILE=10: per kernel); PDL_KNOBS: one run a knob setting (MODULE.NAME=VALUE,
           # space separated, a comma joining knobs set together; "-" for the defaults), each tagged with the setting
       # PDL_ARMS instead: its knob settings timed in turn in one process (round_step --arms; PDL_REPEATS times)

@@ -73,7 +73,7 @@ DOWN_BLOCK_N, DOWN_BLOCK_K = 32, 128  # 64 programs for one decode token's down 
 # (benchmarks/NOTES.md, twenty-seventh and twenty-eighth sessions)
 ROUTER_BLOCK_N, ROUTER_BLOCK_K = 16, 128
 NUM_WARPS, NUM_STAGES = 4, 3
-# pipeline depths (they change no bits): the router has 17 programs for a decode token and the direct down
+# pipeline depths (they change no bits): the router has 17 tiles for a decode token and the direct down
 # H / DOWN_BLOCK_N, whose K loop runs over all k experts of the token; with few programs the bytes in flight
 # come from depth. Reckoned, not yet measured: benchmarks/moe_block_bench.py --sweep times the others. (Before
 # the direct down read its ids and weights ahead of its K loop, Triton's pipeliner kept only 2 of its 6 stages
