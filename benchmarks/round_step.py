@@ -184,6 +184,16 @@ def parse_arms(text: str) -> list[tuple[str, list[str]]]:
     return arms
 
 
+def arm_means(rows: list[dict]) -> dict:
+    """{arm: {pdl mode: {batch: mean device ms a round over the arm's repeats}}}, in the rows' order."""
+    runs: dict = {}
+    for row in rows:
+        runs.setdefault(row["arm"], {}).setdefault(row["pdl"], {}).setdefault(row["batch"], []).append(
+            row["device_ms_per_round"])
+    return {arm: {mode: {batch: round(sum(ms) / len(ms), 4) for batch, ms in batches.items()}
+                  for mode, batches in modes.items()} for arm, modes in runs.items()}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen3.5-9b", help="preset, checkpoint dir, or embedded (the tiny model)")
@@ -249,6 +259,8 @@ def main(argv=None) -> int:
               "preset": args.preset, "blas": str(torch.backends.cuda.preferred_blas_library()) if device.type == "cuda"
               else None, "kernels": engine.kernels, "graphs": ran["graphs"], "context": args.context,
               "page_rows": PAGE_ROWS, "knobs": knobs, "buckets": ran["buckets"], "warm_s": ran["warm_s"], "rows": rows}
+    if args.arms:
+        result["by_arm"] = arm_means(rows)
     write_result(result, args.out, f"round_step-{args.pdl_tag}" if args.pdl_tag else "round_step")
     return 0
 

@@ -71,8 +71,12 @@ def test_round_step_times_each_arm_in_turn_and_puts_its_knobs_back(tmp_path, cac
                             "--kernels", "naive", "--graphs", "static", "--arms", f"- {arm}", "--repeats", "2",
                             "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("round_step-*-cpu.json")
-    rows = json.loads(path.read_text())["rows"]
+    result = json.loads(path.read_text())
+    rows = result["rows"]
     assert [r["arm"] for r in rows] == ["-", arm] * 2
+    for name in ("-", arm):  # each arm's mean over its two repeats (JSON keys: the batch as text)
+        ms = [r["device_ms_per_round"] for r in rows if r["arm"] == name]
+        assert result["by_arm"][name]["default"]["1"] == round(sum(ms) / 2, 4)
     assert (moe.ROUTER_SPLIT_K, moe.PAIRS_ROUTE_FIRST) == (2, False)
     seen = []
     ran = {"graphs": False, "buckets": [1], "warm_s": 0.0}
