@@ -132,9 +132,9 @@ def set_pdl(mode: str) -> None:
     pdl.ORDER = order or pdl.ORDER
 
 
-def set_knob(knob: str) -> tuple[str, object]:
-    """MODULE.NAME=VALUE: qse_kernels.MODULE's constant NAME (which must exist) set to VALUE; returns
-    (MODULE.NAME, VALUE)."""
+def parse_knob(knob: str) -> tuple[object, str, object]:
+    """MODULE.NAME=VALUE -> (qse_kernels.MODULE, NAME, VALUE), NAME an existing constant of the module; raises a
+    ValueError naming a bad one."""
     import importlib
 
     name, _, raw = knob.partition("=")
@@ -154,34 +154,22 @@ def set_knob(knob: str) -> tuple[str, object]:
                 value = float(raw)
             except ValueError:
                 raise ValueError(f"--knob's value must be an int, a float, True or False; got {raw!r}") from None
+    return module, attr, value
+
+
+def set_knob(knob: str) -> tuple[str, object]:
+    """MODULE.NAME=VALUE: qse_kernels.MODULE's constant NAME (which must exist) set to VALUE; returns
+    (MODULE.NAME, VALUE)."""
+    module, attr, value = parse_knob(knob)
     setattr(module, attr, value)
-    return name, value
+    return knob.partition("=")[0], value
 
 
-def knob_value(name: str) -> object:
-    """qse_kernels.MODULE's constant NAME, for MODULE.NAME."""
-    import importlib
-
-    module_name, _, attr = name.rpartition(".")
-    return getattr(importlib.import_module(f"qse_kernels.{module_name}"), attr)
-
-
-def parse_arms(text: str) -> list[tuple[str, list[str]]]:
-    """--arms: [(the arm's name, its knob settings)], each checked as --knob checks it (and left as it was);
-    none given: one arm, '-' (the knobs as they are)."""
-    arms = []
-    for arm in text.split() or ["-"]:
-        settings = [] if arm == "-" else arm.split(",")
-        for knob in settings:
-            name = knob.partition("=")[0]
-            try:
-                before = knob_value(name)
-            except (ImportError, AttributeError):
-                before = None
-            set_knob(knob)  # raises for a bad one, naming it
-            set_knob(f"{name}={before}")
-        arms.append((arm, settings))
-    return arms
+def parse_arms(text: str) -> list[tuple[str, list[tuple[object, str, object]]]]:
+    """--arms: [(the arm's name, its settings as parse_knob gives them)], each checked as --knob checks it, none
+    set yet; none given: one arm, '-' (the knobs as they are)."""
+    return [(arm, [] if arm == "-" else [parse_knob(knob) for knob in arm.split(",")])
+            for arm in text.split() or ["-"]]
 
 
 def arm_means(rows: list[dict]) -> dict:
@@ -242,9 +230,9 @@ def main(argv=None) -> int:
     rows = []
     for _ in range(args.repeats):
         for arm, settings in arms:
-            restore = {name: knob_value(name) for name in (knob.partition("=")[0] for knob in settings)}
-            for knob in settings:
-                set_knob(knob)
+            restore = [(module, attr, getattr(module, attr)) for module, attr, _ in settings]
+            for module, attr, value in settings:
+                setattr(module, attr, value)
             if args.arms:
                 print(json.dumps({"arm": arm}), flush=True)
             for mode in pdl_modes:
@@ -252,8 +240,8 @@ def main(argv=None) -> int:
                 mode_rows, ran = decode_rows(engine, batches, args.context, args.rounds,
                                              graphs=None if args.graphs == "auto" else "static", profile=args.profile)
                 rows += [{"arm": arm, "pdl": mode, "pdl_active": pdl.active(), **row} for row in mode_rows]
-            for name, value in restore.items():
-                set_knob(f"{name}={value}")
+            for module, attr, value in restore:
+                setattr(module, attr, value)
     pdl.ON, pdl.ORDER = before
     result = {**result_header("triton", device=None if device.type == "cuda" else "cpu"),
               "preset": args.preset, "blas": str(torch.backends.cuda.preferred_blas_library()) if device.type == "cuda"
