@@ -60,6 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import counts as counts_
 from . import interpreting, pdl
 from .fused import add_rms_norm
 from .norms import NORM_NUM_WARPS, _row_blocks, _store_rms_norm
@@ -558,31 +559,12 @@ def _router(x: torch.Tensor, router_w: torch.Tensor, gate_w: torch.Tensor | None
         parts, counts = logits, logits  # (unread without a split)
         if split > 1:
             parts = torch.empty(num_tiles * split * BLOCK_M * ROUTER_BLOCK_N, dtype=torch.float32, device=x.device)
-            counts = _tile_counts(router_w, num_tiles)
+            counts = counts_.zeroed(router_w, num_tiles)
         _dense_kernel[grid](x, router_w, gate_w if has_last else router_w, logits, parts, counts, num_tokens,
                             num_experts, hidden, x.stride(0), router_w.stride(0), logits.stride(0), BM=BLOCK_M,
                             BN=ROUTER_BLOCK_N, BK=ROUTER_BLOCK_K, HAS_LAST=has_last, SPLIT=split,
                             **_dot_flags(x.dtype), num_warps=NUM_WARPS, num_stages=ROUTER_STAGES)
     return logits
-
-
-_COUNTS: dict[tuple, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []  # outgrown counters stay allocated: a CUDA graph may still hold their address
-
-
-def _tile_counts(router_w: torch.Tensor, num_tiles: int) -> torch.Tensor:
-    """The split router's per-tile counters for one router weight (one layer of one model), zero between
-    launches (each tile's last program sets its counter back). Keyed by the weight, not the stream: every CUDA
-    graph is captured on one stream, so a stream key would let two models' graphs share counters while they
-    run side by side; one layer's launches never overlap (a model runs on one stream at a time)."""
-    key = (router_w.device, router_w.data_ptr())
-    counts = _COUNTS.get(key)
-    if counts is None or counts.numel() < num_tiles:
-        if counts is not None:
-            _RETIRED.append(counts)
-        counts = torch.zeros(max(num_tiles, 1024), dtype=torch.int32, device=router_w.device)
-        _COUNTS[key] = counts
-    return counts
 
 
 def router_logits(x: torch.Tensor, router_w: torch.Tensor) -> torch.Tensor:
