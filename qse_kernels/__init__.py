@@ -13,8 +13,8 @@ from types import SimpleNamespace
 # needs no Triton and no GPU.
 # The torch twins: what the naive op set runs (and every op set falls back on)
 NAIVE_MODULES = ("naive", "moe_naive")
-KERNEL_MODULES = ("norms", "fused", "conv1d", "gdn_chunk", "gdn_recurrent", "attention", "gemm", "gemv", "fp8", "moe",
-                  "skinny", "pdl")
+KERNEL_MODULES = ("norms", "fused", "conv1d", "gdn_chunk", "gdn_recurrent", "gdn_decode", "attention", "gemm", "gemv",
+                  "fp8", "moe", "skinny", "pdl", "counts")
 
 # one-row projections (decode steps) through qse's GEMV instead of cuBLAS, and the logits head of one row;
 # pinned from benchmarks/gemv_bench.py on the H200 (see benchmarks/NOTES.md)
@@ -93,6 +93,8 @@ def triton_ops() -> SimpleNamespace:
         paged_decode_attention=mods["attention"].paged_decode_attention,
         causal_conv1d_slots=mods["conv1d"].causal_conv1d_slots,
         recurrent_gated_delta_rule_slots=mods["gdn_recurrent"].recurrent_gated_delta_rule_slots,
+        # a round's GDN layer between its projections: one launch with gdn_decode.FUSED, else the three above
+        gdn_decode_slots=mods["gdn_decode"].gdn_decode_slots,
         # a verify's rows (all T of each of B sequences) in one launch each, with the bits of the _slots steps
         causal_conv1d_window=mods["conv1d"].causal_conv1d_window,
         recurrent_gated_delta_rule_window=mods["gdn_recurrent"].recurrent_gated_delta_rule_window,

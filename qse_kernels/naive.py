@@ -446,6 +446,36 @@ def recurrent_gated_delta_rule_slots(
     return out
 
 
+def gdn_decode_heads(qkv: torch.Tensor, states: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """(Hk, Hv, Dk, Dv, key_dim) of a GDN decode step from the conv's input qkv [B, 2 * Hk * Dk + Hv * Dv] and the
+    recurrent states [S, Hv, Dk, Dv], or a ValueError naming the shapes that do not agree."""
+    if qkv.dim() != 2 or states.dim() != 4:
+        raise ValueError(f"qkv must be [B, C] and states [S, Hv, Dk, Dv]; got {tuple(qkv.shape)}, {tuple(states.shape)}")
+    num_v_heads, dk, dv = states.shape[1:]
+    key_dim, odd = divmod(qkv.shape[1] - num_v_heads * dv, 2)
+    if odd or key_dim <= 0 or key_dim % dk or num_v_heads % (key_dim // dk):
+        raise ValueError(f"qkv's {qkv.shape[1]} channels must be 2 * Hk * {dk} + {num_v_heads} * {dv} with Hk "
+                         f"dividing {num_v_heads} (states {tuple(states.shape)})")
+    return key_dim // dk, num_v_heads, dk, dv, key_dim
+
+
+def gdn_decode_slots(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
+                     a_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                     conv_states: torch.Tensor, states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """A GDN layer's decode step between its two projections, one new row for each of B sequences: the conv
+    of qkv [B, C] (causal_conv1d_slots on conv_states [S, K-1, C]), the rule on its q, k, v with the raw gates
+    a, b [B, Hv] (recurrent_gated_delta_rule_slots on states [S, Hv, Dk, Dv]), and the gated norm by z [B, Hv,
+    Dv] (gated_rms_norm); slot slots[b] of both stacks stepped in place. Returns [B, Hv, Dv] in qkv's dtype."""
+    num_k_heads, num_v_heads, dk, dv, key_dim = gdn_decode_heads(qkv, states)
+    num_rows = qkv.shape[0]
+    y = causal_conv1d_slots(qkv, conv_weight, conv_states, slots)
+    q = y[:, :key_dim].reshape(num_rows, num_k_heads, dk)
+    k = y[:, key_dim:2 * key_dim].reshape(num_rows, num_k_heads, dk)
+    v = y[:, 2 * key_dim:].reshape(num_rows, num_v_heads, dv)
+    o = recurrent_gated_delta_rule_slots(q, k, v, a, b, a_log, dt_bias, states, slots)
+    return gated_rms_norm(o, z, norm_weight, eps)
+
+
 # ---- a speculative verify: the T rows of each of B sequences, row-major (sequence b's are b * T .. b * T + T - 1)
 # Row j of sequence b steps the GDN state from slot scratch[b, j - 1] (row 0: slots[b], only read) into slot
 # scratch[b, j]: the one-row twins above, one row after another, so each row has the bits of its one-row step.
@@ -487,7 +517,7 @@ def recurrent_gated_delta_rule_window(
 
 __all__ = [
     "causal_conv1d_window", "recurrent_gated_delta_rule_window",
-    "causal_conv1d_slots", "paged_decode_attention", "qk_norm_rotary_paged_rows", "recurrent_gated_delta_rule_slots",
+    "causal_conv1d_slots", "gdn_decode_heads", "gdn_decode_slots", "paged_decode_attention", "qk_norm_rotary_paged_rows", "recurrent_gated_delta_rule_slots",
     "dense_matmul", "gather_pages", "paged_attention", "rms_norm", "gated_rms_norm", "qk_norm_rotary_paged", "rotary_cos_sin", "apply_rotary", "causal_conv1d", "gdn_gating",
     "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "chunk_gated_delta_rule_from_gates",
     "recurrent_gated_delta_rule_from_gates", "attention", "sdpa_attention", "l2norm",

@@ -50,17 +50,18 @@ def _rms_norm_kernel(
 
 
 @triton.jit
-def _gated_rms_norm_kernel(
-    x_ptr, gate_ptr, w_ptr, y_ptr, num_rows, stride_x, gate_heads, stride_gate_t, stride_gate_h, stride_y, eps,
-    D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, PRODUCT_DTYPE: tl.constexpr, PDL: tl.constexpr = 0,
-):
-    """Row r of the gate is head r % gate_heads of token r // gate_heads: a gate sliced out of a fused
-    projection [T, ...] is read where it lies."""
-    pdl.start(PDL)
-    o_r = tl.program_id(0) * BR + tl.arange(0, BR)
+def _gated_rms_norm_rows(x_ptr, gate_ptr, w_ptr, y_ptr, o_r, num_rows, stride_x, gate_heads, stride_gate_t,
+                         stride_gate_h, stride_y, eps, D: tl.constexpr, BD: tl.constexpr, PRODUCT_DTYPE: tl.constexpr,
+                         X_CACHE: tl.constexpr = ""):
+    """Rows o_r (those < num_rows) of the gated norm, stored in y's dtype. Row r of the gate is head r %
+    gate_heads of token r // gate_heads: a gate sliced out of a fused projection [T, ...] is read where it
+    lies. Every gated norm runs this on a tile of the same shape ([BR, BD], _row_blocks), so its row sum
+    takes one layout and a row's bits do not depend on the launch (gdn_decode's fused step calls it too, its
+    x loads then past L1: X_CACHE '.cg')."""
     o_d = tl.arange(0, BD)
     m = (o_r < num_rows)[:, None] & (o_d < D)[None, :]
-    b_x = tl.load(x_ptr + o_r[:, None] * stride_x + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    b_x = tl.load(x_ptr + o_r[:, None] * stride_x + o_d[None, :], mask=m, other=0.0, cache_modifier=X_CACHE)
+    b_x = b_x.to(tl.float32)
     b_rstd = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)
     # the twin rounds the normalised value to x's dtype, then multiplies by w in the promoted dtype
     b_normed = (b_x * b_rstd[:, None]).to(x_ptr.dtype.element_ty)
@@ -70,6 +71,17 @@ def _gated_rms_norm_kernel(
     b_gate = tl.load(gate_ptr + o_gate[:, None] + o_d[None, :], mask=m, other=0.0).to(tl.float32)
     b_y = b_wn * (b_gate * tl.sigmoid(b_gate))
     tl.store(y_ptr + o_r[:, None] * stride_y + o_d[None, :], b_y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(
+    x_ptr, gate_ptr, w_ptr, y_ptr, num_rows, stride_x, gate_heads, stride_gate_t, stride_gate_h, stride_y, eps,
+    D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, PRODUCT_DTYPE: tl.constexpr, PDL: tl.constexpr = 0,
+):
+    pdl.start(PDL)
+    o_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    _gated_rms_norm_rows(x_ptr, gate_ptr, w_ptr, y_ptr, o_r, num_rows, stride_x, gate_heads, stride_gate_t,
+                         stride_gate_h, stride_y, eps, D, BD, PRODUCT_DTYPE)
 
 
 @triton.jit
@@ -141,6 +153,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y
 
 
+def _gate_layout(gate: torch.Tensor) -> tuple[torch.Tensor, int, tuple[int, int]]:
+    """(the gate's tensor, its heads, (token stride, head stride)) as _gated_rms_norm_rows reads it: a [T, H, D]
+    with unit last stride (a slice of a fused projection) as it lies, else its rows."""
+    if gate.dim() == 3 and gate.stride(2) == 1:
+        return gate, gate.shape[1], (gate.stride(0), gate.stride(1))
+    gate2 = _rows(gate)
+    return gate2, 1, (gate2.stride(0), 0)
+
+
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Triton twin of naive.gated_rms_norm: (x / rms(x)) * w * silu(gate), x's dtype out."""
     dim = x.shape[-1]
@@ -150,11 +171,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     product_dtype = _tl_dtype(torch.promote_types(weight.dtype, x.dtype))
     weight = weight.contiguous()
     x2 = _rows(x)
-    if gate.dim() == 3 and gate.stride(2) == 1:  # [T, H, D], e.g. a slice of a fused projection: as it lies
-        gate2, gate_heads, gate_strides = gate, gate.shape[1], (gate.stride(0), gate.stride(1))
-    else:
-        gate2 = _rows(gate)
-        gate_heads, gate_strides = 1, (gate2.stride(0), 0)
+    gate2, gate_heads, gate_strides = _gate_layout(gate)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     y2 = y.view(-1, dim)
     block_d, block_r = _row_blocks(dim)

@@ -74,6 +74,7 @@ def default_ops() -> SimpleNamespace:
         paged_decode_attention=naive_ops.paged_decode_attention,
         causal_conv1d_slots=naive_ops.causal_conv1d_slots,
         recurrent_gated_delta_rule_slots=naive_ops.recurrent_gated_delta_rule_slots,
+        gdn_decode_slots=naive_ops.gdn_decode_slots,
         causal_conv1d_window=naive_ops.causal_conv1d_window,
         recurrent_gated_delta_rule_window=naive_ops.recurrent_gated_delta_rule_window,
     )
@@ -377,6 +378,11 @@ class Qwen35Model:
         hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
         qkv, z, b, a = self._projections(layer, "linear_attn.in_proj", h)
         z = z.view(num_rows, hv, dv)
+        decode = getattr(self.ops, "gdn_decode_slots", None)
+        if window is None and decode is not None:  # the conv, the rule and the norm (one launch where fused)
+            o = decode(qkv, z, a, b, self.w[g_ + "conv1d.weight"][:, 0, :], self.w[g_ + "A_log"], self.w[g_ + "dt_bias"],
+                       self.w[g_ + "norm.weight"], cfg.rms_norm_eps, states.conv[i], states.recurrent[i], slots)
+            return self._mm(g_ + "out_proj.weight", o.reshape(num_rows, hv * dv))
         if window is None:
             o = self._gdn_step_rows(layer, qkv, a, b, states, slots)
         elif hasattr(self.ops, "causal_conv1d_window") and hasattr(self.ops, "recurrent_gated_delta_rule_window"):
