@@ -60,6 +60,11 @@ def _gdn_decode_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < DV
 
+    # the step's state slice first: the largest read, in flight while the conv runs
+    o_s = i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]
+    m_s = m_k[:, None] & m_v[None, :]
+    b_s = tl.load(states_ptr + i_slot * stride_slot + o_s, mask=m_s, other=0.0)  # [BK, BV] fp32
+
     # conv: sequence i_b's one row (row 0 of x_row), from the state in its slot (the slot conv's code)
     x_row = x_ptr + i_b * stride_xt
     y_row = y_ptr + i_b * stride_yt
@@ -102,9 +107,6 @@ def _gdn_decode_kernel(
     a_ptr = a_ptr + i_b * num_rows * stride_at
     b_ptr = b_ptr + i_b * num_rows * stride_bt
     o_row = o_ptr + i_b * num_rows * stride_ot
-    o_s = i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]
-    m_s = m_k[:, None] & m_v[None, :]
-    b_s = tl.load(states_ptr + i_slot * stride_slot + o_s, mask=m_s, other=0.0)  # [BK, BV] fp32
     for t in range(num_rows):
         b_s = _recurrent_row(b_s, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, o_row, t, num_rows,
                              i_h, i_kh, o_k, m_k, o_v, m_v, scale, stride_yt, stride_qh, stride_yt, stride_qh,
