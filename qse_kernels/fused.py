@@ -34,12 +34,20 @@ def _add_rms_norm_kernel(
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
     m = (o_r < num_rows)[:, None] & (o_d < D)[None, :]
+    b_s = _add_rows(x_ptr, h_ptr, s_ptr, o_r, o_d, m, m, stride_x, stride_h, stride_s)
+    _store_rms_norm(b_s.to(tl.float32), w_ptr, y_ptr, o_r, o_d, m, stride_y, eps, D)
+
+
+@triton.jit
+def _add_rows(x_ptr, h_ptr, s_ptr, o_r, o_d, m, m_store, stride_x, stride_h, stride_s):
+    """s = x + h of the rows o_r in s's dtype, stored where m_store holds, returned (the add_rms_norm kernel's
+    add; moe's norm-and-router launch runs it on the same tile)."""
     b_x = tl.load(x_ptr + o_r[:, None] * stride_x + o_d[None, :], mask=m, other=0.0).to(tl.float32)
     b_h = tl.load(h_ptr + o_r[:, None] * stride_h + o_d[None, :], mask=m, other=0.0).to(tl.float32)
     # the residual stream is kept in its dtype: round the sum first, then normalise what was stored
     b_s = (b_x + b_h).to(s_ptr.dtype.element_ty)
-    tl.store(s_ptr + o_r[:, None] * stride_s + o_d[None, :], b_s, mask=m)
-    _store_rms_norm(b_s.to(tl.float32), w_ptr, y_ptr, o_r, o_d, m, stride_y, eps, D)
+    tl.store(s_ptr + o_r[:, None] * stride_s + o_d[None, :], b_s, mask=m_store)
+    return b_s
 
 
 @triton.jit

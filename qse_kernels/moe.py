@@ -62,7 +62,7 @@ import triton.language as tl
 
 from . import counts as counts_
 from . import interpreting, pdl
-from .fused import add_rms_norm
+from .fused import _add_rows, add_rms_norm
 from .norms import NORM_NUM_WARPS, _row_blocks, _store_rms_norm
 
 # pinned tiles, for every T and every path (see the docstring): a block of BLOCK_M (token, expert) rows of one expert
@@ -87,6 +87,9 @@ ROUTER_STAGES = 4
 # shortened the decode round at batch 1 and 8 (benchmarks/NOTES.md, twenty-eighth session)
 ROUTER_SPLIT_K = 8
 DIRECT_DOWN_STAGES = 6
+# the post-attention add and norm and the router in one launch for a decode round's few tokens
+# (add_rms_norm_router): measured against the two launches on the device before it is the default
+NORM_ROUTER = False
 # the direct gate_up (direct and pairs paths): (k + 1) * I / GATE_UP_BLOCK_N programs; 4 stages against 3 shortened
 # the 35B-A3B's decode round at batch 1 and 8, the same at 32 (benchmarks/NOTES.md, twenty-eighth session)
 DIRECT_GATE_UP_STAGES = 4
@@ -126,17 +129,11 @@ def _dot_acc(acc, b_a, b_b, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr):
         return tl.dot(b_a, tl.trans(b_b), acc)
 
 
-@triton.jit(do_not_specialize=["num_rows"])
-def _dense_kernel(
-    x_ptr, w_ptr, w_last_ptr, y_ptr, parts_ptr, counts_ptr, num_rows, num_cols, depth, stride_x, stride_w,
-    stride_y, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_LAST: tl.constexpr, SPLIT: tl.constexpr,
-    ROW_EXACT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-):
-    """y [M, N (+1)] = x [M, K] @ w [N, K]^T, one BM x BN tile a program (the router's logits); with HAS_LAST
-    one more column N from w_last [1, K] (the shared gate's logit). SPLIT > 1: program_id(2) is the tile's
-    slice of K (ROUTER_SPLIT_K), its fp32 partial stored in parts_ptr; the tile's last program to count itself
-    in counts_ptr (zero between launches: that program sets it back) adds the SPLIT partials in slice order."""
-    pdl.start(PDL)
+@triton.jit
+def _dense_tile(x_ptr, w_ptr, w_last_ptr, y_ptr, parts_ptr, counts_ptr, num_rows, num_cols, depth, stride_x, stride_w,
+                stride_y, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_LAST: tl.constexpr,
+                SPLIT: tl.constexpr, ROW_EXACT: tl.constexpr, IEEE: tl.constexpr):
+    """The router's tile of this program (_dense_kernel's body, and _add_norm_router_kernel's after its norm)."""
     o_m = tl.program_id(0) * BM + tl.arange(0, BM)
     o_n = tl.program_id(1) * BN + tl.arange(0, BN)
     m_m, m_n = o_m < num_rows, o_n < num_cols
@@ -144,11 +141,7 @@ def _dense_kernel(
         is_last = o_n == num_cols
     else:
         is_last = o_n < 0
-    k_lo, k_hi = 0, depth
-    if SPLIT > 1:
-        k_slice = tl.cdiv(tl.cdiv(depth, SPLIT), BK) * BK
-        k_lo = tl.program_id(2) * k_slice
-        k_hi = tl.minimum(depth, k_lo + k_slice)
+    k_lo, k_hi = _dense_slice(depth, BK, SPLIT)
     acc = tl.zeros((BM, BN), tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         o_k = k0 + tl.arange(0, BK)
@@ -165,19 +158,77 @@ def _dense_kernel(
             b_w = tl.where(is_last[:, None], b_last, b_w)
         acc = _dot_acc(acc, b_x, b_w, ROW_EXACT, IEEE)
     p_y = y_ptr + o_m[:, None].to(tl.int64) * stride_y + o_n[None, :]
+    m_y = m_m[:, None] & (m_n | is_last)[None, :]
     if SPLIT > 1:
         i_tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         o_tile = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
         p_parts = parts_ptr + i_tile.to(tl.int64) * (SPLIT * BM * BN) + o_tile
         tl.store(p_parts + tl.program_id(2) * (BM * BN), acc)
         tl.debug_barrier()  # every thread's partial stored before the count releases them
-        if tl.atomic_add(counts_ptr + i_tile, 1, sem="acq_rel", scope="gpu") != SPLIT - 1:
-            return  # not the tile's last slice: the last one adds
-        tl.atomic_xchg(counts_ptr + i_tile, 0, sem="relaxed", scope="gpu")  # zero for the next launch
-        acc = tl.load(p_parts, cache_modifier=".cg")
-        for i_s in tl.static_range(1, SPLIT):
-            acc = acc + tl.load(p_parts + i_s * (BM * BN), cache_modifier=".cg")
-    tl.store(p_y, acc.to(y_ptr.dtype.element_ty), mask=m_m[:, None] & (m_n | is_last)[None, :])
+        if tl.atomic_add(counts_ptr + i_tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            # the tile's last slice: the others' partials are stored; add them in slice order
+            tl.atomic_xchg(counts_ptr + i_tile, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+            total = tl.load(p_parts, cache_modifier=".cg")
+            for i_s in tl.static_range(1, SPLIT):
+                total = total + tl.load(p_parts + i_s * (BM * BN), cache_modifier=".cg")
+            tl.store(p_y, total.to(y_ptr.dtype.element_ty), mask=m_y)
+    else:
+        tl.store(p_y, acc.to(y_ptr.dtype.element_ty), mask=m_y)
+
+
+@triton.jit
+def _dense_slice(depth, BK: tl.constexpr, SPLIT: tl.constexpr):
+    """[k_lo, k_hi): the K columns this program's slice of its tile sums (all of K without a split)."""
+    k_lo, k_hi = 0, depth
+    if SPLIT > 1:
+        k_slice = tl.cdiv(tl.cdiv(depth, SPLIT), BK) * BK
+        k_lo = tl.program_id(2) * k_slice
+        k_hi = tl.minimum(depth, k_lo + k_slice)
+    return k_lo, k_hi
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _dense_kernel(
+    x_ptr, w_ptr, w_last_ptr, y_ptr, parts_ptr, counts_ptr, num_rows, num_cols, depth, stride_x, stride_w,
+    stride_y, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_LAST: tl.constexpr, SPLIT: tl.constexpr,
+    ROW_EXACT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+):
+    """y [M, N (+1)] = x [M, K] @ w [N, K]^T, one BM x BN tile a program (the router's logits); with HAS_LAST
+    one more column N from w_last [1, K] (the shared gate's logit). SPLIT > 1: program_id(2) is the tile's
+    slice of K (ROUTER_SPLIT_K), its fp32 partial stored in parts_ptr; the tile's last program to count itself
+    in counts_ptr (zero between launches: that program sets it back) adds the SPLIT partials in slice order."""
+    pdl.start(PDL)
+    _dense_tile(x_ptr, w_ptr, w_last_ptr, y_ptr, parts_ptr, counts_ptr, num_rows, num_cols, depth, stride_x, stride_w,
+                stride_y, BM, BN, BK, HAS_LAST, SPLIT, ROW_EXACT, IEEE)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _add_norm_router_kernel(
+    x_ptr, h_ptr, nw_ptr, s_ptr, y_ptr, w_ptr, w_last_ptr, logits_ptr, parts_ptr, counts_ptr, num_rows, num_cols,
+    depth, stride_x, stride_h, stride_s, stride_y, stride_w, stride_l, eps,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_LAST: tl.constexpr, SPLIT: tl.constexpr,
+    ROW_EXACT: tl.constexpr, IEEE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """fused.add_rms_norm of x, h [M, D] (s = x + h, y its norm by nw), then _dense_kernel's router tile on y, in
+    one launch on the router's grid. Every program runs the add and norm of its tile's BM rows, BR rows at a time
+    as the add_rms_norm kernel does (its code, its tile: the same bits), and stores the K slice of y its tile reads
+    (so each reads back only what it wrote); its tile's first program stores s."""
+    pdl.start(PDL)
+    k_lo, k_hi = _dense_slice(depth, BK, SPLIT)
+    o_d = tl.arange(0, BD)
+    m_slice = (o_d >= k_lo) & (o_d < k_hi)
+    # (a column vector, not a scalar: the interpreter takes no scalar in a mask)
+    first = (tl.arange(0, BR) * 0 + tl.program_id(1) + tl.program_id(2)) == 0
+    m0 = tl.program_id(0) * BM
+    for r0 in range(m0, tl.minimum(m0 + BM, num_rows), BR):
+        o_r = r0 + tl.arange(0, BR)
+        m = (o_r < num_rows)[:, None] & (o_d < D)[None, :]
+        b_s = _add_rows(x_ptr, h_ptr, s_ptr, o_r, o_d, m, m & first[:, None], stride_x, stride_h, stride_s)
+        _store_rms_norm(b_s.to(tl.float32), nw_ptr, y_ptr, o_r, o_d, m & m_slice[None, :], stride_y, eps, D)
+    tl.debug_barrier()  # every thread's part of y stored before any thread's K loop loads it
+    _dense_tile(y_ptr, w_ptr, w_last_ptr, logits_ptr, parts_ptr, counts_ptr, num_rows, num_cols, depth, stride_y,
+                stride_w, stride_l, BM, BN, BK, HAS_LAST, SPLIT, ROW_EXACT, IEEE)
 
 
 @triton.jit
@@ -548,23 +599,58 @@ def _dot_flags(dtype: torch.dtype) -> dict:
 def _router(x: torch.Tensor, router_w: torch.Tensor, gate_w: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H] @ router_w [E, H]^T -> [T, E] in x's dtype, one pinned tiling for every T; with gate_w [1, H],
     [T, E + 1] whose column E is the shared gate's logit (columns 0..E-1 the same bits either way)."""
+    logits, launch = _router_launch(x, router_w, gate_w)
+    if launch is not None:
+        grid, buffers, sizes = launch
+        _dense_kernel[grid](x, router_w, *buffers, x.stride(0), router_w.stride(0), logits.stride(0), **sizes)
+    return logits
+
+
+def _router_launch(x, router_w, gate_w):
+    """The router's logits [T, E (+1)] and, for T > 0, its launch: (grid, (w_last, logits, parts, counts,
+    num_rows, num_cols, depth), constexprs and options), which _dense_kernel and _add_norm_router_kernel share."""
     num_tokens, hidden = x.shape
     num_experts = router_w.shape[0]
     has_last = gate_w is not None
     logits = torch.empty(num_tokens, num_experts + has_last, dtype=x.dtype, device=x.device)
-    if num_tokens:
-        split = ROUTER_SPLIT_K
-        grid = (triton.cdiv(num_tokens, BLOCK_M), triton.cdiv(num_experts + has_last, ROUTER_BLOCK_N), split)
-        num_tiles = grid[0] * grid[1]
-        parts, counts = logits, logits  # (unread without a split)
-        if split > 1:
-            parts = torch.empty(num_tiles * split * BLOCK_M * ROUTER_BLOCK_N, dtype=torch.float32, device=x.device)
-            counts = counts_.zeroed(router_w, num_tiles)
-        _dense_kernel[grid](x, router_w, gate_w if has_last else router_w, logits, parts, counts, num_tokens,
-                            num_experts, hidden, x.stride(0), router_w.stride(0), logits.stride(0), BM=BLOCK_M,
-                            BN=ROUTER_BLOCK_N, BK=ROUTER_BLOCK_K, HAS_LAST=has_last, SPLIT=split,
-                            **_dot_flags(x.dtype), num_warps=NUM_WARPS, num_stages=ROUTER_STAGES)
-    return logits
+    if not num_tokens:
+        return logits, None
+    split = ROUTER_SPLIT_K
+    grid = (triton.cdiv(num_tokens, BLOCK_M), triton.cdiv(num_experts + has_last, ROUTER_BLOCK_N), split)
+    num_tiles = grid[0] * grid[1]
+    parts, counts = logits, logits  # (unread without a split)
+    if split > 1:
+        parts = torch.empty(num_tiles * split * BLOCK_M * ROUTER_BLOCK_N, dtype=torch.float32, device=x.device)
+        counts = counts_.zeroed(router_w, num_tiles)
+    buffers = (gate_w if has_last else router_w, logits, parts, counts, num_tokens, num_experts, hidden)
+    sizes = dict(BM=BLOCK_M, BN=ROUTER_BLOCK_N, BK=ROUTER_BLOCK_K, HAS_LAST=has_last, SPLIT=split,
+                 **_dot_flags(x.dtype), num_warps=NUM_WARPS, num_stages=ROUTER_STAGES)
+    return logits, (grid, buffers, sizes)
+
+
+def add_rms_norm_router(x: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor, eps: float, router_w: torch.Tensor,
+                        shared_gate_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fused.add_rms_norm(x, h, norm_w, eps) -> (s, y), and the block's router logits of y [T, E + 1] (the shared
+    gate's logit last, as moe_block computes them), the same bits as the two: with NORM_ROUTER and at most
+    PAIRS_MAX_TOKENS rows in one launch (_add_norm_router_kernel: every router program normalises its tile's
+    rows, cheap for a decode round's few), else the two launches."""
+    num_tokens, hidden = x.shape
+    if h.shape != x.shape or norm_w.shape != (hidden,) or router_w.dim() != 2 or router_w.shape[1] != hidden:
+        raise ValueError(f"h must match x {tuple(x.shape)}, norm_w be [{hidden}] and router_w [E, {hidden}]; got "
+                         f"{tuple(h.shape)}, {tuple(norm_w.shape)}, {tuple(router_w.shape)}")
+    if not (NORM_ROUTER and 0 < num_tokens <= PAIRS_MAX_TOKENS and NUM_WARPS == NORM_NUM_WARPS):
+        s, y = add_rms_norm(x, h, norm_w, eps)
+        return s, y, _router(y, router_w.contiguous(), shared_gate_w.contiguous())
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    h = h if h.stride(-1) == 1 else h.contiguous()
+    s, y = torch.empty_like(x), torch.empty_like(x)
+    router_w, shared_gate_w = router_w.contiguous(), shared_gate_w.contiguous()
+    logits, (grid, buffers, sizes) = _router_launch(y, router_w, shared_gate_w)
+    block_d, block_r = _row_blocks(hidden)
+    _add_norm_router_kernel[grid](x, h, norm_w.contiguous(), s, y, router_w, *buffers, x.stride(0), h.stride(0),
+                                  s.stride(0), y.stride(0), router_w.stride(0), logits.stride(0), eps, D=hidden,
+                                  BD=block_d, BR=block_r, **sizes)
+    return s, y, logits
 
 
 def router_logits(x: torch.Tensor, router_w: torch.Tensor) -> torch.Tensor:
@@ -775,10 +861,11 @@ def moe_block(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Tensor, do
 def moe_block_add_rms_norm(x: torch.Tensor, router_w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                            shared_gate_up: torch.Tensor, shared_down: torch.Tensor, shared_gate_w: torch.Tensor,
                            top_k: int, residual: torch.Tensor, norm_w: torch.Tensor, eps: float, *,
-                           path: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           path: str | None = None, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fused.add_rms_norm(residual, moe_block(x, ...), norm_w, eps) -> (s, y), the same bits, with the block's
     combine and the residual add and norm in one launch (_combine_add_rms_norm_kernel) where the path has a
-    combine (pairs, grouped): a decode layer's launch fewer."""
+    combine (pairs, grouped): a decode layer's launch fewer. logits: the router's of x as add_rms_norm_router
+    gives them ([T, E + 1]), its launch then skipped."""
     if residual.shape != x.shape or residual.dtype != x.dtype or norm_w.shape != (x.shape[-1],):
         raise ValueError(f"residual must match x {tuple(x.shape)} {x.dtype} and norm_w be [{x.shape[-1]}]; got "
                          f"{tuple(residual.shape)} {residual.dtype}, {tuple(norm_w.shape)}")
@@ -797,13 +884,16 @@ def moe_block_add_rms_norm(x: torch.Tensor, router_w: torch.Tensor, gate_up: tor
 
     path = path_for(x.shape[0]) if path is None else path
     if path == "direct" or x.shape[0] == 0:  # the direct down combines as it goes: the add and norm after it
-        out = _block(x, router_w, gate_up, down, shared_gate_up, shared_down, shared_gate_w, top_k, path)
+        out = _block(x, router_w, gate_up, down, shared_gate_up, shared_down, shared_gate_w, top_k, path,
+                     logits=logits)
         return add_rms_norm(residual, out, norm_w, eps)
-    return _block(x, router_w, gate_up, down, shared_gate_up, shared_down, shared_gate_w, top_k, path, finish)
+    return _block(x, router_w, gate_up, down, shared_gate_up, shared_down, shared_gate_w, top_k, path, finish, logits)
 
 
-def _block(x, router_w, gate_up, down, shared_gate_up, shared_down, shared_gate_w, top_k, path, finish=None):
-    """moe_block's checks and launches; finish: as _grouped's (not on the direct path)."""
+def _block(x, router_w, gate_up, down, shared_gate_up, shared_down, shared_gate_w, top_k, path, finish=None,
+           logits=None):
+    """moe_block's checks and launches; finish: as _grouped's (not on the direct path); logits: the router's
+    of x, given (add_rms_norm_router), or None (the router runs here)."""
     _check_experts(x, gate_up, down)
     num_tokens, hidden = x.shape
     inter_s = shared_gate_up.shape[0] // 2
@@ -823,7 +913,11 @@ def _block(x, router_w, gate_up, down, shared_gate_up, shared_down, shared_gate_
         return torch.empty_like(x)
     shared = tuple(w.contiguous() for w in (shared_gate_up, shared_down))
     x = x if x.stride(-1) == 1 else x.contiguous()
-    logits = _router(x, router_w.contiguous(), shared_gate_w.contiguous())  # [T, E + 1]
+    if logits is None:
+        logits = _router(x, router_w.contiguous(), shared_gate_w.contiguous())  # [T, E + 1]
+    elif logits.shape != (num_tokens, num_experts + 1) or logits.dtype != x.dtype or logits.stride(-1) != 1:
+        raise ValueError(f"logits must be the router's of x: {x.dtype} [{num_tokens}, {num_experts + 1}]; got "
+                         f"{logits.dtype} {tuple(logits.shape)}")
     if path == "direct":
         return _direct(x, logits, gate_up, down, shared, top_k)
     if path == "pairs":
@@ -832,5 +926,5 @@ def _block(x, router_w, gate_up, down, shared_gate_up, shared_down, shared_gate_
     return _grouped(x, keys.reshape(-1), num_tokens, weights, gate_up, down, shared, logits, finish)
 
 
-__all__ = ["PAIRS_MAX_TOKENS", "PATHS", "moe_block", "moe_block_add_rms_norm", "moe_experts",
+__all__ = ["NORM_ROUTER", "PAIRS_MAX_TOKENS", "PATHS", "add_rms_norm_router", "moe_block", "moe_block_add_rms_norm", "moe_experts",
            "moe_route", "path_for", "router_logits"]

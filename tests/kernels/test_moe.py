@@ -555,6 +555,66 @@ def test_pdl_launches_give_the_same_bits_on_the_gpu(monkeypatch):
         assert torch.equal(static_out, whole[t:t + 1]), t
 
 
+@needs_triton
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_norm_and_router_in_one_launch_are_the_two(device, num_tokens, monkeypatch):
+    """add_rms_norm_router with NORM_ROUTER (one launch: every router program normalises its rows and reads back
+    the K slice of y it stored) against the add and norm, then the router (two launches): s, y and the logits
+    bit for bit, its counters zero after; the block handed those logits is the block that routes itself."""
+    from qse_kernels import fused
+
+    w = _weights(dtype=torch.bfloat16, device=device)
+    x = _tokens(num_tokens, w, 3, seed=41)
+    residual = _tokens(num_tokens, w, 3, seed=42)
+    norm_w = (torch.randn(H, generator=torch.Generator().manual_seed(43)) * 0.1).to(device, torch.bfloat16)
+    monkeypatch.setattr(moe, "ROUTER_BLOCK_K", 16)  # H = 64 in four K steps: two slices of two (ROUTER_SPLIT_K 2)
+    monkeypatch.setattr(moe, "ROUTER_SPLIT_K", 2)
+    two = moe.add_rms_norm_router(residual, x, norm_w, 1e-6, w["router_w"], w["shared_gate_w"])
+    monkeypatch.setattr(moe, "NORM_ROUTER", True)
+    one = moe.add_rms_norm_router(residual, x, norm_w, 1e-6, w["router_w"], w["shared_gate_w"])
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    assert kernel_counts.all_zero()
+    s, y = fused.add_rms_norm(residual, x, norm_w, 1e-6)
+    assert torch.equal(one[0], s) and torch.equal(one[1], y)
+    args = dict(top_k=3, residual=s, norm_w=norm_w, eps=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(moe.moe_block_add_rms_norm(y, **w, **args, logits=one[2]),
+                                                 moe.moe_block_add_rms_norm(y, **w, **args)))
+    with pytest.raises(ValueError, match=r"logits must be the router's of x"):
+        moe.moe_block_add_rms_norm(y, **w, **args, logits=one[2][:, :-1])
+
+
+@needs_triton
+@pytest.mark.gpu
+def test_norm_and_router_in_one_launch_at_the_real_shapes_on_the_gpu(monkeypatch):
+    """The 35B-A3B's shapes at a decode round's sizes: the one launch is the two bit for bit, eagerly and
+    replayed in a CUDA graph; past PAIRS_MAX_TOKENS rows the two run."""
+    w, x = _qwen3_5_35b_a3b_block(64)
+    residual = torch.randn(64, x.shape[1], device="cuda").to(torch.bfloat16)
+    norm_w = (torch.randn(x.shape[1], device="cuda") * 0.1).to(torch.bfloat16)
+    router = (w["router_w"], w["shared_gate_w"])
+    for rows in (1, 2, 8, 9, 33):
+        monkeypatch.setattr(moe, "NORM_ROUTER", False)
+        two = moe.add_rms_norm_router(residual[:rows], x[:rows], norm_w, 1e-6, *router)
+        monkeypatch.setattr(moe, "NORM_ROUTER", True)
+        one = moe.add_rms_norm_router(residual[:rows], x[:rows], norm_w, 1e-6, *router)
+        assert all(torch.equal(a, b) for a, b in zip(one, two)), rows
+        assert kernel_counts.all_zero()
+    static = x[3:4].clone(), residual[3:4].clone()
+    moe.add_rms_norm_router(static[1], static[0], norm_w, 1e-6, *router)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe.add_rms_norm_router(static[1], static[0], norm_w, 1e-6, *router)
+    for t in (9, 40):
+        static[0].copy_(x[t:t + 1])
+        static[1].copy_(residual[t:t + 1])
+        graph.replay()
+        monkeypatch.setattr(moe, "NORM_ROUTER", False)
+        want = moe.add_rms_norm_router(residual[t:t + 1], x[t:t + 1], norm_w, 1e-6, *router)
+        monkeypatch.setattr(moe, "NORM_ROUTER", True)
+        assert all(torch.equal(a, b) for a, b in zip(out, want)), t
+        assert kernel_counts.all_zero()
+
+
 # --- the benchmark's flow ------------------------------------------------------------------------------------
 
 

@@ -296,9 +296,8 @@ class Qwen35Model:
                     return None  # the last layer's KV rows and state are written; nothing reads its output
                 if only is not None:
                     x = x.index_select(0, only)
-            x, h = self.ops.add_rms_norm(x, h, self.w[p + "post_attention_layernorm.weight"], eps)
             next_norm = f"layers.{layer + 1}.input_layernorm.weight" if layer < last else "norm.weight"
-            x, h = self._mlp_add_norm(p, x, h, self.w[next_norm], eps)
+            x, h = self._post_mixer(p, x, h, self.w[next_norm], eps)
         if stop < num_layers:
             return x, h, cos, sin
         if taps is not None:
@@ -339,9 +338,8 @@ class Qwen35Model:
                 h = self._attention_rows(layer, h, batch, cos, sin)
             else:
                 h = self._gdn_rows(layer, h, states, batch.slots, window)
-            x, h = self.ops.add_rms_norm(x, h, self.w[p + "post_attention_layernorm.weight"], eps)
             next_norm = f"layers.{layer + 1}.input_layernorm.weight" if layer < last else "norm.weight"
-            x, h = self._mlp_add_norm(p, x, h, self.w[next_norm], eps)
+            x, h = self._post_mixer(p, x, h, self.w[next_norm], eps)
         if taps is not None:
             _fill_taps(taps, h)
         head_rows = getattr(self.ops, "head_rows", None)  # the op set's row-invariant fp32 head, where it has one
@@ -447,6 +445,14 @@ class Qwen35Model:
         if isinstance(lin, DenseLinear):
             return self.ops.dense_matmul(x, lin.weight)
         return lin.matmul(x, self.ops)
+
+    def _post_mixer(self, p: str, x: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """After layer prefix p's mixer (its output h): the residual add and the post-attention norm, then the MLP
+        with the next add and norm (weight norm_w): (x, h) for the next layer. One method so that a family may
+        fuse across the norm."""
+        x, h = self.ops.add_rms_norm(x, h, self.w[p + "post_attention_layernorm.weight"], eps)
+        return self._mlp_add_norm(p, x, h, norm_w, eps)
 
     def _mlp_add_norm(self, p: str, x: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -62,6 +62,20 @@ def moe_block_add_norm_of(ops: SimpleNamespace):
     return moe.moe_block_add_rms_norm if ops.add_rms_norm is fused.add_rms_norm else None
 
 
+def add_norm_router_of(ops: SimpleNamespace):
+    """The post-attention add and norm with the router after it (qse_kernels.moe.add_rms_norm_router), where op
+    set `ops` has it: its own, else the Triton one beside the Triton block's add and norm (moe_block_add_norm_of),
+    whose logits it hands to; None (the add and norm, then the block's own router) elsewhere."""
+    own = getattr(ops, "add_rms_norm_router", None)
+    if own is not None:
+        return own
+    if moe_block_add_norm_of(ops) is None or getattr(ops, "moe_block_add_rms_norm", None) is not None:
+        return None  # no block that takes the logits, or the op set's own block
+    from qse_kernels import moe
+
+    return moe.add_rms_norm_router
+
+
 class Qwen35MoeModel(Qwen35Model):
     family = "qwen3_5_moe"
     # the MTP head's tensors, as MTPHead checks them: its layer's MLP is the sparse block
@@ -100,6 +114,7 @@ class Qwen35MoeModel(Qwen35Model):
         self._ops = ops
         self.moe_block = moe_block_of(ops)
         self.moe_block_add_norm = moe_block_add_norm_of(ops)
+        self.add_norm_router = add_norm_router_of(ops)
 
     def _fuse_projections(self) -> None:
         """The dense groups (attention, GDN), then each layer's shared expert's gate and up projections into one
@@ -123,6 +138,17 @@ class Qwen35MoeModel(Qwen35Model):
         [T, H]."""
         return self.moe_block(h, *self.moe_args[p], self.cfg.num_experts_per_tok)
 
+    def _post_mixer(self, p: str, x: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dense family's _post_mixer, with the router's logits made with the post-attention norm where the op
+        set has that (add_norm_router_of: one launch for a decode round's few tokens) and handed to the block:
+        the same bits."""
+        if self.add_norm_router is None:
+            return super()._post_mixer(p, x, h, norm_w, eps)
+        args = self.moe_args[p]
+        x, h, logits = self.add_norm_router(x, h, self.w[p + "post_attention_layernorm.weight"], eps, args[0], args[5])
+        return self.moe_block_add_norm(h, *args, self.cfg.num_experts_per_tok, x, norm_w, eps, logits=logits)
+
     def _mlp_add_norm(self, p: str, x: torch.Tensor, h: torch.Tensor, norm_w: torch.Tensor,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The dense family's _mlp_add_norm, in one launch fewer where the op set fuses the block's combine with
@@ -132,4 +158,4 @@ class Qwen35MoeModel(Qwen35Model):
         return self.moe_block_add_norm(h, *self.moe_args[p], self.cfg.num_experts_per_tok, x, norm_w, eps)
 
 
-__all__ = ["Qwen35MoeModel", "moe_block_add_norm_of", "moe_block_of"]
+__all__ = ["Qwen35MoeModel", "add_norm_router_of", "moe_block_add_norm_of", "moe_block_of"]
