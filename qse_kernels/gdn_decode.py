@@ -31,8 +31,9 @@ import triton.language as tl
 from . import counts, pdl
 from .conv1d import _conv_rows, _seq_rows, causal_conv1d_slots
 from .gdn_chunk import _check_gates
-from .gdn_recurrent import RECURRENT_BLOCK_V, RECURRENT_NUM_WARPS, _recurrent_row, recurrent_gated_delta_rule_slots
-from .naive import gdn_decode_heads
+from .gdn_recurrent import (RECURRENT_BLOCK_V, RECURRENT_NUM_WARPS, _recurrent_row, _state_slice,
+                            recurrent_gated_delta_rule_slots)
+from .naive import gdn_decode_heads, gdn_decode_through
 from .norms import NORM_NUM_WARPS, _gate_layout, _gated_rms_norm_rows, _row_blocks, _tl_dtype, gated_rms_norm
 
 # one launch for the three (measured against the three on the device before it is the default: benchmarks/NOTES.md)
@@ -55,14 +56,8 @@ def _gdn_decode_kernel(
     i_h, i_v, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_slot = tl.load(slots_ptr + i_b).to(tl.int64)
     i_kh = i_h // heads_per_key
-    o_k = tl.arange(0, BK)
-    m_k = o_k < DK
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < DV
-
+    o_k, m_k, o_v, m_v, o_s, m_s = _state_slice(i_h, i_v, DK, DV, BK, BV)
     # the step's state slice first: the largest read, in flight while the conv runs
-    o_s = i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]
-    m_s = m_k[:, None] & m_v[None, :]
     b_s = tl.load(states_ptr + i_slot * stride_slot + o_s, mask=m_s, other=0.0)  # [BK, BV] fp32
 
     # conv: sequence i_b's one row (row 0 of x_row), from the state in its slot (the slot conv's code)
@@ -145,12 +140,8 @@ def gdn_decode_slots(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: tor
     if slots.shape != (num_rows,) or slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slots must be an integer tensor [{num_rows}]; got {slots.dtype} {tuple(slots.shape)}")
     if not _fusable(qkv, conv_states, states):
-        y = causal_conv1d_slots(qkv, conv_weight, conv_states, slots)
-        q = y[:, :key_dim].reshape(num_rows, num_k_heads, dk)
-        k = y[:, key_dim:2 * key_dim].reshape(num_rows, num_k_heads, dk)
-        v = y[:, 2 * key_dim:].reshape(num_rows, num_v_heads, dv)
-        o = recurrent_gated_delta_rule_slots(q, k, v, a, b, a_log, dt_bias, states, slots)
-        return gated_rms_norm(o, z, norm_weight, eps)
+        return gdn_decode_through((causal_conv1d_slots, recurrent_gated_delta_rule_slots, gated_rms_norm), qkv, z, a,
+                                  b, conv_weight, a_log, dt_bias, norm_weight, eps, conv_states, states, slots)
     a_log, dt_bias = _check_gates(a, b, a_log, dt_bias, num_v_heads)
     _tl_dtype(qkv.dtype)
     product_dtype = _tl_dtype(torch.promote_types(norm_weight.dtype, qkv.dtype))

@@ -59,6 +59,18 @@ def _recurrent_row(
     return b_s
 
 
+@triton.jit
+def _state_slice(i_h, i_v, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Program (i_h, i_v)'s slice of a state [Hv, Dk, Dv]: its K and V offsets and masks, and the slice's offsets
+    and mask (the window kernel's and gdn_decode's: one step code on one layout)."""
+    o_k = tl.arange(0, BK)
+    m_k = o_k < DK
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < DV
+    o_s = i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]
+    return o_k, m_k, o_v, m_v, o_s, m_k[:, None] & m_v[None, :]
+
+
 # T not specialised, as in the window kernel below: a T = 1 step here (a reader's fork decode, an eager step)
 # then compiles as a round's slot step does, the same float ops in the same order (a specialised T == 1
 # unrolls the loop and the compiler may fuse differently: the states parted on the H200)
@@ -111,12 +123,7 @@ def _recurrent_window_kernel(
     b_ptr = b_ptr + i_b * num_rows * stride_bt
     o_ptr = o_ptr + i_b * num_rows * stride_ot
     i_kh = i_h // heads_per_key
-    o_k = tl.arange(0, BK)
-    m_k = o_k < DK
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < DV
-    o_s = i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]
-    m_s = m_k[:, None] & m_v[None, :]
+    o_k, m_k, o_v, m_v, o_s, m_s = _state_slice(i_h, i_v, DK, DV, BK, BV)
     b_s = tl.load(states_ptr + i_slot * stride_slot + o_s, mask=m_s, other=0.0)  # [BK, BV] fp32
     for t in range(num_rows):
         b_s = _recurrent_row(b_s, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, o_ptr, t, num_rows,

@@ -466,14 +466,22 @@ def gdn_decode_slots(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: tor
     of qkv [B, C] (causal_conv1d_slots on conv_states [S, K-1, C]), the rule on its q, k, v with the raw gates
     a, b [B, Hv] (recurrent_gated_delta_rule_slots on states [S, Hv, Dk, Dv]), and the gated norm by z [B, Hv,
     Dv] (gated_rms_norm); slot slots[b] of both stacks stepped in place. Returns [B, Hv, Dv] in qkv's dtype."""
+    return gdn_decode_through((causal_conv1d_slots, recurrent_gated_delta_rule_slots, gated_rms_norm), qkv, z, a, b,
+                              conv_weight, a_log, dt_bias, norm_weight, eps, conv_states, states, slots)
+
+
+def gdn_decode_through(ops, qkv, z, a, b, conv_weight, a_log, dt_bias, norm_weight, eps, conv_states, states, slots):
+    """gdn_decode_slots as its three steps, ops = (conv_slots, rule_slots, gated_norm): this module's, or the
+    Triton kernels' (gdn_decode's three launches)."""
+    conv_slots, rule_slots, gated_norm = ops
     num_k_heads, num_v_heads, dk, dv, key_dim = gdn_decode_heads(qkv, states)
     num_rows = qkv.shape[0]
-    y = causal_conv1d_slots(qkv, conv_weight, conv_states, slots)
+    y = conv_slots(qkv, conv_weight, conv_states, slots)
     q = y[:, :key_dim].reshape(num_rows, num_k_heads, dk)
     k = y[:, key_dim:2 * key_dim].reshape(num_rows, num_k_heads, dk)
     v = y[:, 2 * key_dim:].reshape(num_rows, num_v_heads, dv)
-    o = recurrent_gated_delta_rule_slots(q, k, v, a, b, a_log, dt_bias, states, slots)
-    return gated_rms_norm(o, z, norm_weight, eps)
+    o = rule_slots(q, k, v, a, b, a_log, dt_bias, states, slots)
+    return gated_norm(o, z, norm_weight, eps)
 
 
 # ---- a speculative verify: the T rows of each of B sequences, row-major (sequence b's are b * T .. b * T + T - 1)
@@ -517,7 +525,7 @@ def recurrent_gated_delta_rule_window(
 
 __all__ = [
     "causal_conv1d_window", "recurrent_gated_delta_rule_window",
-    "causal_conv1d_slots", "gdn_decode_heads", "gdn_decode_slots", "paged_decode_attention", "qk_norm_rotary_paged_rows", "recurrent_gated_delta_rule_slots",
+    "causal_conv1d_slots", "gdn_decode_heads", "gdn_decode_slots", "gdn_decode_through", "paged_decode_attention", "qk_norm_rotary_paged_rows", "recurrent_gated_delta_rule_slots",
     "dense_matmul", "gather_pages", "paged_attention", "rms_norm", "gated_rms_norm", "qk_norm_rotary_paged", "rotary_cos_sin", "apply_rotary", "causal_conv1d", "gdn_gating",
     "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "chunk_gated_delta_rule_from_gates",
     "recurrent_gated_delta_rule_from_gates", "attention", "sdpa_attention", "l2norm",
