@@ -63,14 +63,11 @@ def moe_block_add_norm_of(ops: SimpleNamespace):
 
 
 def add_norm_router_of(ops: SimpleNamespace):
-    """The post-attention add and norm with the router after it (qse_kernels.moe.add_rms_norm_router), where op
-    set `ops` has it: its own, else the Triton one beside the Triton block's add and norm (moe_block_add_norm_of),
-    whose logits it hands to; None (the add and norm, then the block's own router) elsewhere."""
-    own = getattr(ops, "add_rms_norm_router", None)
-    if own is not None:
-        return own
-    if moe_block_add_norm_of(ops) is None or getattr(ops, "moe_block_add_rms_norm", None) is not None:
-        return None  # no block that takes the logits, or the op set's own block
+    """The post-attention add and norm with the router after it (qse_kernels.moe.add_rms_norm_router) where the
+    block's add and norm is the Triton one (moe_block_add_norm_of), which takes the logits it makes; None
+    elsewhere (the add and norm, then the block's own router)."""
+    if getattr(ops, "moe_block_add_rms_norm", None) is not None or moe_block_add_norm_of(ops) is None:
+        return None
     from qse_kernels import moe
 
     return moe.add_rms_norm_router
