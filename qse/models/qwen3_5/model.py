@@ -376,14 +376,12 @@ class Qwen35Model:
         hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
         qkv, z, b, a = self._projections(layer, "linear_attn.in_proj", h)
         z = z.view(num_rows, hv, dv)
-        decode = getattr(self.ops, "gdn_decode_slots", None)
-        if window is None and decode is not None:  # the conv, the rule and the norm (one launch where fused)
-            o = decode(qkv, z, a, b, self.w[g_ + "conv1d.weight"][:, 0, :], self.w[g_ + "A_log"], self.w[g_ + "dt_bias"],
-                       self.w[g_ + "norm.weight"], cfg.rms_norm_eps, states.conv[i], states.recurrent[i], slots)
+        if window is None:  # the conv, the rule and the norm (one launch where gdn_decode fuses them)
+            o = self.ops.gdn_decode_slots(qkv, z, a, b, self.w[g_ + "conv1d.weight"][:, 0, :], self.w[g_ + "A_log"],
+                                          self.w[g_ + "dt_bias"], self.w[g_ + "norm.weight"], cfg.rms_norm_eps,
+                                          states.conv[i], states.recurrent[i], slots)
             return self._mm(g_ + "out_proj.weight", o.reshape(num_rows, hv * dv))
-        if window is None:
-            o = self._gdn_step_rows(layer, qkv, a, b, states, slots)
-        elif hasattr(self.ops, "causal_conv1d_window") and hasattr(self.ops, "recurrent_gated_delta_rule_window"):
+        if hasattr(self.ops, "causal_conv1d_window") and hasattr(self.ops, "recurrent_gated_delta_rule_window"):
             # all rows of all sequences in one launch of each op: the bits of the one-row steps of the loop below
             hk, dk, kd = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.gdn_key_dim
             qkv = self.ops.causal_conv1d_window(qkv, self.w[g_ + "conv1d.weight"][:, 0, :], states.conv[i],
